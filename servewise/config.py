@@ -1,0 +1,129 @@
+"""Engine settings in one place."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache. Pool sizes are given in blocks, or derived from byte budgets when None."""
+
+    block_size: int = 16
+    num_device_blocks: int | None = None
+    num_host_blocks: int | None = None
+    device_memory_gb: float = 1.0  # used only when num_device_blocks is None
+    host_memory_gb: float = 1.0  # used only when num_host_blocks is None
+    watermark: float = 0.01  # share of device blocks kept free when admitting new requests
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        for name in ("num_device_blocks", "num_host_blocks"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        if self.num_device_blocks == 0:
+            raise ValueError("num_device_blocks must be >= 1")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+    def resolve(self, bytes_per_block: int) -> tuple[int, int]:
+        """(device blocks, host blocks) from explicit counts or memory budgets."""
+        dev = self.num_device_blocks
+        if dev is None:
+            dev = max(1, int(self.device_memory_gb * 2**30) // bytes_per_block)
+        host = self.num_host_blocks
+        if host is None:
+            host = int(self.host_memory_gb * 2**30) // bytes_per_block
+        return dev, host
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    policy: str = "fcfs"
+    preemption: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class ModelConfig:
+    """The architecture facts the engine needs, read from a Hugging Face config.json."""
+
+    arch: str  # "llama" | "opt"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_model_len: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    dtype: str = "float32"
+    # OPT only
+    do_layer_norm_before: bool = True
+    word_embed_proj_dim: int | None = None
+    remove_final_layer_norm: bool = False
+
+    @classmethod
+    def from_hf(cls, hf: dict, dtype: str | None = None) -> ModelConfig:
+        mt = hf.get("model_type")
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if mt in ("llama", "mistral"):
+            rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
+                raise NotImplementedError(f"rope scaling {rope!r} is not supported yet")
+            if hf.get("attention_bias") or hf.get("mlp_bias"):
+                raise NotImplementedError("attention_bias / mlp_bias Llama variants are not supported yet")
+            if hf.get("hidden_act", "silu") != "silu":
+                raise NotImplementedError(f"hidden_act {hf['hidden_act']!r} is not supported")
+            heads = hf["num_attention_heads"]
+            return cls(
+                arch="llama", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                num_layers=hf["num_hidden_layers"], num_heads=heads,
+                num_kv_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+                intermediate_size=hf["intermediate_size"], max_model_len=hf["max_position_embeddings"],
+                norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+                tie_word_embeddings=hf.get("tie_word_embeddings", False),
+                bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, dtype=dtype or _dtype(hf),
+            )
+        if mt == "opt":
+            if hf.get("activation_function", "relu") != "relu":
+                raise NotImplementedError(f"activation {hf['activation_function']!r} is not supported")
+            heads = hf["num_attention_heads"]
+            return cls(
+                arch="opt", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=heads,
+                head_dim=hf["hidden_size"] // heads, intermediate_size=hf["ffn_dim"],
+                max_model_len=hf["max_position_embeddings"], norm_eps=1e-5, tie_word_embeddings=True,
+                bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, dtype=dtype or _dtype(hf),
+                do_layer_norm_before=hf.get("do_layer_norm_before", True),
+                word_embed_proj_dim=hf.get("word_embed_proj_dim") or hf["hidden_size"],
+                remove_final_layer_norm=hf.get("_remove_final_layer_norm", False),
+            )
+        raise NotImplementedError(f"model_type {mt!r} is not supported (supported: llama, mistral, opt)")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token occupies across all layers."""
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+def _dtype(hf: dict) -> str:
+    d = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return d if d in ("float32", "float16", "bfloat16") else "float32"

@@ -1,0 +1,30 @@
+"""The engine's clock. Components get `now` from it; nothing else reads the time."""
+from __future__ import annotations
+
+import time
+
+
+class WallClock:
+    """Seconds since the engine started; `advance` is a no-op because real work takes real time."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def advance(self, seconds: float) -> None:
+        pass
+
+
+class VirtualClock:
+    """Simulated time: moves only when told how long a step took."""
+
+    def __init__(self) -> None:
+        self._t = 0.0
+
+    def now(self) -> float:
+        return self._t
+
+    def advance(self, seconds: float) -> None:
+        self._t += seconds

@@ -1,0 +1,73 @@
+"""A request's state machine and its timestamps (the only input the metrics need)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from servewise.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    seq_no: int = 0  # order of arrival at the engine; breaks ties between equal arrival times
+    eos_token_id: int | None = None
+    max_total_tokens: int = 0  # prompt + output cap from the model's maximum length
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # timestamps, all from the engine's clock
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    # preemptions by kind; "swap_fallback" counts swaps that became recomputes for lack of host blocks
+    preemptions: dict[str, int] = field(default_factory=lambda: {"swap": 0, "recompute": 0, "swap_fallback": 0})
+    # set by the runner: per-request random generator for seeded sampling
+    generator: object = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens this request may produce, capped by the model's maximum length."""
+        return min(self.params.max_tokens, self.max_total_tokens - self.num_prompt_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (Status.FINISHED, Status.ABORTED)
+
+    def append_token(self, token: int, now: float) -> None:
+        self.output_token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+        p = self.params
+        if not p.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id:
+            self.finish_reason = "stop"
+        elif token in p.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_token_ids) >= self.max_tokens:
+            self.finish_reason = "length"

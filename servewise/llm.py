@@ -1,0 +1,68 @@
+"""The offline API: LLM(model=...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from servewise.engine.llm_engine import EngineConfig, LLMEngine
+from servewise.engine.request import Request
+from servewise.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    request: Request  # timestamps and preemption counts
+
+    @classmethod
+    def of(cls, req: Request, tokenizer) -> RequestOutput:
+        return cls(req.request_id, req.prompt, req.prompt_token_ids, list(req.output_token_ids),
+                   tokenizer.decode(req.output_token_ids), req.finish_reason, req)
+
+
+class LLM:
+    """Serve a model offline. Keyword options are those of EngineConfig, CacheConfig and SchedulerConfig,
+    e.g. LLM("tiny-llama", num_device_blocks=128, num_host_blocks=64, preemption="swap")."""
+
+    def __init__(self, model: str = "tiny-llama", **kwargs):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. Outputs keep the prompts' order.
+
+        Every prompt is validated before any runs, so one bad prompt raises ValueError and loses nothing.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        eng = self.engine
+        reqs = [eng.make_request(p, sp) for p, sp in zip(prompts, params)]
+        for r in reqs:
+            eng.requests[r.request_id] = r
+            eng.scheduler.add(r)
+        if use_tqdm is None:
+            use_tqdm = sys.stderr.isatty()
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(reqs), desc="generate", unit="req")
+        while eng.has_unfinished():
+            done = eng.step()
+            if bar is not None and done:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        return [RequestOutput.of(r, eng.tokenizer) for r in reqs]

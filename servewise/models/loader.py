@@ -1,0 +1,95 @@
+"""Find a model by name or path, build it, and fill its weights.
+
+- built-in names (`tiny-llama`, `tiny-opt`): fixed configs with deterministic random weights;
+- a local Hugging Face directory: config.json + *.safetensors (+ tokenizer.json);
+- load_format="dummy": any config.json with random weights, for benchmarking.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator
+
+import torch
+
+from servewise.config import ModelConfig
+from servewise.models import llama, opt
+from servewise.models.tokenizer import load_tokenizer
+
+_TINY_LLAMA = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 688, "vocab_size": 32000,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "bos_token_id": 1,
+    "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32",
+}
+_TINY_OPT = {
+    "model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 256, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "ffn_dim": 1024, "vocab_size": 50272, "max_position_embeddings": 2048,
+    "word_embed_proj_dim": 256, "do_layer_norm_before": True, "activation_function": "relu", "pad_token_id": 1,
+    "bos_token_id": 2, "eos_token_id": 2, "enable_bias": True, "torch_dtype": "float32",
+}
+BUILTIN_MODELS: dict[str, dict] = {"tiny-llama": _TINY_LLAMA, "tiny-opt": _TINY_OPT}
+ARCHS = {"llama": (llama.LlamaForCausalLM, llama.hf_weight_shapes), "opt": (opt.OPTForCausalLM, opt.hf_weight_shapes)}
+
+
+def hf_config(model: str) -> dict:
+    """The Hugging Face config dict of a built-in name or a local directory."""
+    if model in BUILTIN_MODELS:
+        return dict(BUILTIN_MODELS[model])
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"unknown model {model!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}) "
+                         f"and no config.json in that directory")
+    with open(path) as f:
+        return json.load(f)
+
+
+def random_weights(c: ModelConfig, seed: int = 0, std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    """Deterministic random weights under Hugging Face names: normal(0, std), norms 1, biases 0."""
+    g = torch.Generator().manual_seed(seed)
+    for name, shape in ARCHS[c.arch][1](c).items():
+        if name.endswith(".bias"):
+            yield name, torch.zeros(shape)
+        elif len(shape) == 1:
+            yield name, torch.ones(shape)
+        else:
+            yield name, torch.randn(shape, generator=g) * std
+
+
+def safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir!r} (use load_format='dummy' for random weights)")
+    for f in files:
+        yield from load_file(f).items()
+
+
+def load_model(model: str, load_format: str = "auto", dtype: str = "float32", device: str = "cpu", seed: int = 0):
+    """Returns (torch module, ModelConfig, tokenizer)."""
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    c = ModelConfig.from_hf(hf_config(model), dtype=dtype)
+    module = ARCHS[c.arch][0](c)
+    builtin = model in BUILTIN_MODELS
+    weights = random_weights(c, seed) if builtin or load_format == "dummy" else safetensors_weights(model)
+    with torch.no_grad():
+        module.load_weights(weights)
+    module = module.to(device=device, dtype=getattr(torch, dtype)).eval()
+    tok = load_tokenizer(None if builtin else model, c.vocab_size, c.bos_token_id, c.eos_token_id)
+    return module, c, tok
+
+
+def save_hf_checkpoint(model: str, out_dir: str, seed: int = 0) -> str:
+    """Write a built-in model as a Hugging Face directory (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    cfg = hf_config(model)
+    c = ModelConfig.from_hf(cfg)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    save_file({k: v.contiguous() for k, v in random_weights(c, seed)}, os.path.join(out_dir, "model.safetensors"))
+    return out_dir
