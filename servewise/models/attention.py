@@ -1,8 +1,8 @@
 """Paged attention in plain PyTorch.
 
 KV lives in a per-layer cache of shape [2, num_blocks * block_size, kv_heads, head_dim] (a flat
-view of the block pool). New keys and values are written at their slots; decode steps read each
-request's context through its block table, gathered into one padded batch.
+view of the block pool). New keys and values are written at their slots; decode steps gather each
+request's blocks (whole contiguous rows of the pool) through its block table into one padded batch.
 """
 from __future__ import annotations
 
@@ -16,25 +16,27 @@ import torch.nn.functional as F
 class AttentionMetadata:
     is_prefill: bool
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
-    seq_lens: list[int]  # prefill: tokens per request
-    gather_index: torch.Tensor | None = None  # decode: [batch, max_context] flat slots to read
-    mask: torch.Tensor | None = None  # decode: [batch, 1, 1, max_context] True where attended
+    seq_lens: list[int]  # tokens per request (prefill: new tokens; decode: context length)
+    block_size: int = 16
+    block_tables: torch.Tensor | None = None  # decode: [batch, max_blocks], padded with block 0
+    mask: torch.Tensor | None = None  # decode: [batch, 1, 1, max_blocks * block_size], 0 or -inf
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; cache: [2, slots, KVH, D]. Returns [T, H * D]."""
     T, H, D = q.shape
+    KVH = k.shape[1]
     cache[0].index_copy_(0, meta.slot_mapping, k)
     cache[1].index_copy_(0, meta.slot_mapping, v)
-    gqa = H != k.shape[1]
+    gqa = H != KVH
     if meta.is_prefill:
         lens = meta.seq_lens
         if len(set(lens)) == 1:  # equal lengths: one batched call
             B, n = len(lens), lens[0]
             out = F.scaled_dot_product_attention(
-                q.view(B, n, H, D).transpose(1, 2), k.view(B, n, -1, D).transpose(1, 2),
-                v.view(B, n, -1, D).transpose(1, 2), is_causal=True, enable_gqa=gqa)
+                q.view(B, n, H, D).transpose(1, 2), k.view(B, n, KVH, D).transpose(1, 2),
+                v.view(B, n, KVH, D).transpose(1, 2), is_causal=True, enable_gqa=gqa)
             return out.transpose(1, 2).reshape(T, H * D)
         outs, start = [], 0
         for n in lens:
@@ -44,7 +46,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             outs.append(o.transpose(0, 1).reshape(n, H * D))
             start += n
         return torch.cat(outs)
-    kc = cache[0][meta.gather_index].transpose(1, 2)  # [B, KVH, L, D]
-    vc = cache[1][meta.gather_index].transpose(1, 2)
+    B, L = meta.block_tables.shape[0], meta.block_tables.shape[1] * meta.block_size
+    blocks = cache.view(2, -1, meta.block_size * KVH * D)
+    rows = meta.block_tables.view(-1)
+    kc = blocks[0].index_select(0, rows).view(B, L, KVH, D).transpose(1, 2)  # [B, KVH, L, D]
+    vc = blocks[1].index_select(0, rows).view(B, L, KVH, D).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=meta.mask, enable_gqa=gqa)
     return out.reshape(T, H * D)

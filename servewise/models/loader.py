@@ -78,6 +78,8 @@ def load_model(model: str, load_format: str = "auto", dtype: str = "float32", de
     with torch.no_grad():
         module.load_weights(weights)
     module = module.to(device=device, dtype=getattr(torch, dtype)).eval()
+    if hasattr(module, "finalize"):
+        module.finalize()
     tok = load_tokenizer(None if builtin else model, c.vocab_size, c.bos_token_id, c.eos_token_id)
     return module, c, tok
 

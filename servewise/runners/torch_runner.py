@@ -71,7 +71,7 @@ class TorchRunner:
                 slots.append((t.unsqueeze(1) * bs + self._offsets).view(-1)[: len(toks)])
             positions = torch.cat([torch.arange(n, device=dev) for n in lens])
             last = torch.tensor(lens, device=dev).cumsum(0) - 1
-            meta = AttentionMetadata(True, torch.cat(slots), lens)
+            meta = AttentionMetadata(True, torch.cat(slots), lens, bs)
             return torch.tensor(ids, device=dev), positions, meta, last
         B = len(out.batch)
         ctx = [r.num_tokens for r in out.batch]
@@ -80,9 +80,10 @@ class TorchRunner:
         ctx_t = torch.tensor(ctx, device=dev)
         pos = ctx_t - 1
         slot = bt[torch.arange(B, device=dev), pos // bs] * bs + pos % bs
-        L = max(ctx)
-        gather = (bt.unsqueeze(2) * bs + self._offsets).view(B, -1)[:, :L]
-        mask = (torch.arange(L, device=dev).unsqueeze(0) < ctx_t.unsqueeze(1)).view(B, 1, 1, L)
-        meta = AttentionMetadata(False, slot, ctx, gather, mask)
+        L = width * bs
+        visible = torch.arange(L, device=dev).unsqueeze(0) < ctx_t.unsqueeze(1)
+        mask = torch.zeros(B, 1, 1, L, dtype=self.device_cache.dtype, device=dev)
+        mask.masked_fill_(~visible.view(B, 1, 1, L), float("-inf"))
+        meta = AttentionMetadata(False, slot, ctx, bs, bt, mask)
         ids = torch.tensor([r.output_token_ids[-1] for r in out.batch], device=dev)
         return ids, pos, meta, None

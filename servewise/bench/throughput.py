@@ -1,0 +1,105 @@
+"""Offline throughput: servewise against Hugging Face transformers `generate`, side by side in one run.
+
+Both run the same workload (random prompt token ids, fixed output length, greedy, ignore_eos)
+on the same weights; the Hugging Face side uses static batches with left padding, the usual way
+it is driven offline.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import time
+
+import torch
+
+from servewise import LLM, SamplingParams
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def run_servewise(model: str, prompts, output_len: int, **engine_kw) -> dict:
+    llm = LLM(model, **engine_kw)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for o in outs)
+    return {"elapsed_s": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed,
+            "requests_s": len(prompts) / elapsed, "token_ids": [o.token_ids for o in outs]}
+
+
+def run_hf(model: str, prompts, output_len: int, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from servewise.models.loader import BUILTIN_MODELS, save_hf_checkpoint
+
+    with tempfile.TemporaryDirectory() as d:
+        path = save_hf_checkpoint(model, d) if model in BUILTIN_MODELS else model
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+
+    def batch(ps):
+        width = max(map(len, ps))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        return ids, mask
+
+    with torch.inference_mode():
+        hf.generate(*[t[:, :8] for t in batch(prompts[:2])][:1], attention_mask=batch(prompts[:2])[1][:, :8],
+                    **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+        t0 = time.perf_counter()
+        n_out, token_ids = 0, []
+        for i in range(0, len(prompts), batch_size):
+            ids, mask = batch(prompts[i:i + batch_size])
+            out = hf.generate(ids, attention_mask=mask, **kw)[:, ids.shape[1]:]
+            n_out += out.numel()
+            token_ids.extend(out.tolist())
+        elapsed = time.perf_counter() - t0
+    return {"elapsed_s": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed,
+            "requests_s": len(prompts) / elapsed, "token_ids": token_ids}
+
+
+def main(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from servewise.models.loader import hf_config
+
+    vocab = hf_config(args.model)["vocab_size"]
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    print(f"workload: {args.num_prompts} prompts x {args.input_len} random tokens (seed {args.seed}), "
+          f"{args.output_len} output tokens, greedy, ignore_eos; model {args.model}; "
+          f"torch threads {torch.get_num_threads()}")
+    engine_kw = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    ours = run_servewise(args.model, prompts, args.output_len, **engine_kw)
+    print(f"servewise   : {ours['output_tok_s']:8.1f} output tok/s  ({ours['elapsed_s']:.2f} s, "
+          f"max_num_seqs {args.max_num_seqs})")
+    result = {"model": args.model, "threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
+              "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
+              "servewise": {k: v for k, v in ours.items() if k != "token_ids"}, **engine_kw}
+    if not args.no_hf:
+        try:
+            ref = run_hf(args.model, prompts, args.output_len, args.hf_batch_size)
+        except ImportError:
+            print("transformers is not installed: skipping the Hugging Face baseline (pip install -e '.[hf]')")
+        else:
+            same = sum(a == b for a, b in zip(ours["token_ids"], ref["token_ids"]))
+            ratio = ours["output_tok_s"] / ref["output_tok_s"]
+            print(f"HF generate : {ref['output_tok_s']:8.1f} output tok/s  ({ref['elapsed_s']:.2f} s, "
+                  f"static batches of {args.hf_batch_size}, left padding)")
+            print(f"ratio       : {ratio:.2f}x   (identical greedy outputs: {same}/{len(prompts)})")
+            result["hf"] = {k: v for k, v in ref.items() if k != "token_ids"} | {"batch_size": args.hf_batch_size}
+            result["ratio"] = ratio
+            result["identical_outputs"] = same
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"saved {args.out}")
+    return result
