@@ -1,0 +1,61 @@
+import torch
+
+from servewise import LLM, SamplingParams
+
+from conftest import random_prompts
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch():
+    llm = LLM("tiny-llama")
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=123, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], p)[0].token_ids
+    others = random_prompts(7, 3, 30, seed=4)
+    crowd = llm.generate(others + [[5, 6, 7]], [SamplingParams(max_tokens=9, temperature=0.7)] * 7 + [p])[-1].token_ids
+    assert alone == crowd
+    other_seed = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=16, temperature=1.0, seed=124, ignore_eos=True))
+    assert other_seed[0].token_ids != alone
+
+
+def test_top_k_one_is_greedy():
+    llm = LLM("tiny-opt")
+    prompts = random_prompts(3, 4, 20, seed=5)
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    top1 = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=1.3, top_k=1, ignore_eos=True))
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in top1]
+
+
+def test_top_p_keeps_only_the_nucleus():
+    from servewise.engine.request import Request
+    from servewise.runners.sampler import sample
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    req = Request("r", [1], SamplingParams(temperature=1.0, top_p=0.7), 0.0)
+    seen = set()
+    for s in range(200):
+        req.generator = torch.Generator().manual_seed(s)
+        seen.update(sample(logits, [req]))
+    assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.7; the tail is cut
+
+
+def test_stop_tokens_and_eos():
+    llm = LLM("tiny-llama")
+    free = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop]))[0]
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
+    # the same token as EOS stops too unless ignore_eos
+    llm.engine.model_config.eos_token_id = stop
+    try:
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0))[0].finish_reason == "stop"
+        kept = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+        assert len(kept.token_ids) == 12
+    finally:
+        llm.engine.model_config.eos_token_id = 2
+
+
+def test_text_prompts_round_trip_through_the_byte_tokenizer():
+    llm = LLM("tiny-llama")
+    assert llm.tokenizer.decode(llm.tokenizer.encode("héllo, world")) == "héllo, world"
+    out = llm.generate("Hello", SamplingParams(max_tokens=3))
+    assert out[0].prompt == "Hello" and out[0].prompt_token_ids[0] == 1  # BOS
