@@ -19,7 +19,7 @@ from servewise.sampling_params import SamplingParams
 class EngineConfig:
     model: str = "tiny-llama"
     load_format: str = "auto"  # "auto" | "dummy"
-    dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype on CUDA
+    dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype elsewhere
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -49,7 +49,7 @@ class LLMEngine:
             if name not in table:
                 raise ValueError(f"unknown policy {name!r}; choose from {', '.join(table)}")
         device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = config.dtype if config.dtype != "auto" else "float32"
+        dtype = config.dtype if config.dtype != "auto" else ("float32" if device == "cpu" else None)
         model, self.model_config, self.tokenizer = load_model(config.model, config.load_format, dtype, device, config.seed)
         mc: ModelConfig = self.model_config
         if config.max_model_len is not None:
@@ -116,6 +116,8 @@ class LLMEngine:
         self.clock.advance(self.runner.copy_blocks(out.swap_out, to_host=True))
         self.clock.advance(self.runner.copy_blocks(out.swap_in, to_host=False))
         if not out.batch:
+            if not (out.swap_out or out.swap_in) and self.has_unfinished():
+                raise RuntimeError("the scheduler made no progress; this is a bug, please report it")
             return []
         result = self.runner.execute(out)
         self.clock.advance(result.elapsed)

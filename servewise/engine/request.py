@@ -24,7 +24,7 @@ class Request:
     prompt: str | None = None
     seq_no: int = 0  # order of arrival at the engine; breaks ties between equal arrival times
     eos_token_id: int | None = None
-    max_total_tokens: int = 0  # prompt + output cap from the model's maximum length
+    max_total_tokens: int = 2**31  # prompt + output cap from the model's maximum length
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"

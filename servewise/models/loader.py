@@ -67,8 +67,9 @@ def safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from load_file(f).items()
 
 
-def load_model(model: str, load_format: str = "auto", dtype: str = "float32", device: str = "cpu", seed: int = 0):
-    """Returns (torch module, ModelConfig, tokenizer)."""
+def load_model(model: str, load_format: str = "auto", dtype: str | None = "float32", device: str = "cpu",
+               seed: int = 0):
+    """Returns (torch module, ModelConfig, tokenizer). dtype None takes the checkpoint's."""
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     c = ModelConfig.from_hf(hf_config(model), dtype=dtype)
@@ -77,7 +78,7 @@ def load_model(model: str, load_format: str = "auto", dtype: str = "float32", de
     weights = random_weights(c, seed) if builtin or load_format == "dummy" else safetensors_weights(model)
     with torch.no_grad():
         module.load_weights(weights)
-    module = module.to(device=device, dtype=getattr(torch, dtype)).eval()
+    module = module.to(device=device, dtype=getattr(torch, c.dtype)).eval()
     if hasattr(module, "finalize"):
         module.finalize()
     tok = load_tokenizer(None if builtin else model, c.vocab_size, c.bos_token_id, c.eos_token_id)
