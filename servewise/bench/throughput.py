@@ -52,8 +52,8 @@ def run_hf(model: str, prompts, output_len: int, batch_size: int) -> dict:
         return ids, mask
 
     with torch.inference_mode():
-        hf.generate(*[t[:, :8] for t in batch(prompts[:2])][:1], attention_mask=batch(prompts[:2])[1][:, :8],
-                    **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+        ids, mask = batch(prompts[:2])
+        hf.generate(ids[:, :8], attention_mask=mask[:, :8], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
         t0 = time.perf_counter()
         n_out, token_ids = 0, []
         for i in range(0, len(prompts), batch_size):
