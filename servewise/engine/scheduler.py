@@ -98,7 +98,7 @@ class Scheduler:
                 self._preempt(victim, now, out)
                 if victim is req:
                     break
-            else:
+            else:  # no break: req itself was not preempted, and now its blocks fit
                 self.bm.append_slots(req.request_id, req.num_tokens)
                 i += 1
         if not out.preempted:
