@@ -87,6 +87,8 @@ class LlamaForCausalLM(nn.Module):
     def finalize(self) -> None:
         """After loading: keep the output projection transposed, a faster layout for CPU matmul."""
         self.lm_head_t = self.lm_head.detach().t().contiguous()
+        if not self.c.tie_word_embeddings:  # untied: let the parameter share the new storage, not hold a copy
+            self.lm_head.data = self.lm_head_t.t()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         c = self.c
