@@ -25,12 +25,8 @@ def _engine_kwargs(a) -> dict:
 
 
 def cmd_generate(a) -> None:
-    import torch
-
     from servewise import LLM, SamplingParams
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
     llm = LLM(a.model, **_engine_kwargs(a))
     prompts = a.prompt or ["Hello, my name is", "The capital of France is", "Paged attention works by"]
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
@@ -72,6 +68,10 @@ def main(argv: list[str] | None = None) -> None:
     t.set_defaults(func=lambda a: __import__("servewise.bench.throughput", fromlist=["main"]).main(a))
 
     a = ap.parse_args(argv)
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     try:
         a.func(a)
     except ValueError as e:

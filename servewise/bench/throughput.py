@@ -67,8 +67,7 @@ def run_hf(model: str, prompts, output_len: int, batch_size: int) -> dict:
 
 
 def main(args) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    """Run the benchmark; the CLI has already applied --threads."""
     from servewise.models.loader import hf_config
 
     vocab = hf_config(args.model)["vocab_size"]
