@@ -1,3 +1,4 @@
+import os
 import random
 
 import pytest
@@ -17,3 +18,14 @@ def hf_dirs(tmp_path_factory):
     from servewise.models.loader import save_hf_checkpoint
 
     return {name: save_hf_checkpoint(name, str(tmp_path_factory.mktemp(name))) for name in ("tiny-llama", "tiny-opt")}
+
+
+# The shared workload data sits beside the repository; the package never looks for it itself.
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.pardir, "shared", "data")
+
+
+@pytest.fixture(scope="session")
+def data_dir():
+    if not os.path.isfile(os.path.join(DATA_DIR, "AzureLLMInferenceTrace_conv.csv.gz")):
+        pytest.skip("the shared workload data is not beside the repository")
+    return os.path.normpath(DATA_DIR)

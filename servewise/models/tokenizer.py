@@ -14,9 +14,9 @@ class ByteTokenizer:
             raise ValueError(f"the byte tokenizer needs a vocabulary of at least {BYTE_OFFSET + 256}")
         self.vocab_size, self.bos_token_id, self.eos_token_id = vocab_size, bos_token_id, eos_token_id
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
         ids = [b + BYTE_OFFSET for b in text.encode("utf-8")]
-        return ([self.bos_token_id] if self.bos_token_id is not None else []) + ids
+        return ([self.bos_token_id] if add_special and self.bos_token_id is not None else []) + ids
 
     def decode(self, ids: list[int]) -> str:
         out, buf = [], bytearray()
@@ -43,8 +43,8 @@ class HFTokenizer:
         self.tok = Tokenizer.from_file(path)
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
