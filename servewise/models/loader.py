@@ -30,6 +30,31 @@ _TINY_OPT = {
     "bos_token_id": 2, "eos_token_id": 2, "enable_bias": True, "torch_dtype": "float32",
 }
 BUILTIN_MODELS: dict[str, dict] = {"tiny-llama": _TINY_LLAMA, "tiny-opt": _TINY_OPT}
+
+
+def _llama(hidden, layers, heads, inter, kv_heads=None, vocab=32000, max_len=2048):
+    return {"model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads or heads, "intermediate_size": inter, "vocab_size": vocab,
+            "max_position_embeddings": max_len, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+            "torch_dtype": "float16"}
+
+
+def _opt(hidden, layers, heads):
+    return {"model_type": "opt", "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "ffn_dim": 4 * hidden, "vocab_size": 50272, "max_position_embeddings": 2048, "word_embed_proj_dim": hidden,
+            "do_layer_norm_before": True, "activation_function": "relu", "bos_token_id": 2, "eos_token_id": 2,
+            "torch_dtype": "float16"}
+
+
+# Published configurations (the model cards' config.json values), for simulation: no weights here.
+CONFIG_ONLY_MODELS: dict[str, dict] = {
+    "opt-13b": _opt(5120, 40, 40),
+    "opt-30b": _opt(7168, 48, 56),
+    "llama-13b": _llama(5120, 40, 40, 13824),
+    "llama-30b": _llama(6656, 60, 52, 17920),  # "Llama-32.5B" in AdaptiveLLM
+    "llama-2-13b": _llama(5120, 40, 40, 13824, max_len=4096),
+    "llama-2-70b": _llama(8192, 80, 64, 28672, kv_heads=8, max_len=4096),
+}
 ARCHS = {"llama": (llama.LlamaForCausalLM, llama.hf_weight_shapes), "opt": (opt.OPTForCausalLM, opt.hf_weight_shapes)}
 
 
@@ -37,6 +62,8 @@ def hf_config(model: str) -> dict:
     """The Hugging Face config dict of a built-in name or a local directory."""
     if model in BUILTIN_MODELS:
         return dict(BUILTIN_MODELS[model])
+    if model in CONFIG_ONLY_MODELS:
+        return dict(CONFIG_ONLY_MODELS[model])
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"unknown model {model!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}) "
@@ -72,17 +99,32 @@ def load_model(model: str, load_format: str = "auto", dtype: str | None = "float
     """Returns (torch module, ModelConfig, tokenizer). dtype None takes the checkpoint's."""
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    c = ModelConfig.from_hf(hf_config(model), dtype=dtype)
-    module = ARCHS[c.arch][0](c)
+    c, tok = load_model_config(model, dtype)
+    if model in CONFIG_ONLY_MODELS and load_format != "dummy":
+        raise ValueError(f"{model!r} is a configuration without weights (for simulation); "
+                         f"use load_format='dummy' to build it with random weights")
     builtin = model in BUILTIN_MODELS
     weights = random_weights(c, seed) if builtin or load_format == "dummy" else safetensors_weights(model)
+    return build_model(c, weights, device), c, tok
+
+
+def load_model_config(model: str, dtype: str | None = "float32"):
+    """(ModelConfig, tokenizer) without building the model: what a simulated engine needs."""
+    c = ModelConfig.from_hf(hf_config(model), dtype=dtype)
+    builtin = model in BUILTIN_MODELS or model in CONFIG_ONLY_MODELS
+    return c, load_tokenizer(None if builtin else model, c.vocab_size, c.bos_token_id, c.eos_token_id)
+
+
+def build_model(c: ModelConfig, weights: Iterator[tuple[str, torch.Tensor]] | None = None, device: str = "cpu",
+                seed: int = 0) -> torch.nn.Module:
+    """A ready-to-run module for a config; random weights when none are given."""
+    module = ARCHS[c.arch][0](c)
     with torch.no_grad():
-        module.load_weights(weights)
+        module.load_weights(weights if weights is not None else random_weights(c, seed))
     module = module.to(device=device, dtype=getattr(torch, c.dtype)).eval()
     if hasattr(module, "finalize"):
         module.finalize()
-    tok = load_tokenizer(None if builtin else model, c.vocab_size, c.bos_token_id, c.eos_token_id)
-    return module, c, tok
+    return module
 
 
 def save_hf_checkpoint(model: str, out_dir: str, seed: int = 0) -> str:

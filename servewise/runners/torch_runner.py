@@ -37,14 +37,22 @@ class TorchRunner:
             torch.cuda.synchronize(self.device)
 
     def copy_blocks(self, pairs: list[tuple[int, int]], to_host: bool) -> float:
-        """Copy whole blocks between pools (all layers, K and V); returns seconds taken."""
+        """Copy whole blocks between pools (all layers, K and V); returns seconds taken.
+
+        Blocks go in groups whose staging tensor stays under 8 MiB: larger temporaries are fresh
+        mmap'd pages on every call, and their page faults would dominate the copy.
+        """
         if not pairs:
             return 0.0
         t0 = time.perf_counter()
         src_pool, dst_pool = (self.device_cache, self.host_cache) if to_host else (self.host_cache, self.device_cache)
-        src = torch.tensor([p[0] for p in pairs], device=src_pool.device)
-        dst = torch.tensor([p[1] for p in pairs], device=dst_pool.device)
-        dst_pool.index_copy_(2, dst, src_pool.index_select(2, src).to(dst_pool.device, non_blocking=False))
+        block_bytes = self.device_cache[:, :, 0].numel() * self.device_cache.element_size()
+        group = max(1, (8 << 20) // block_bytes)
+        for i in range(0, len(pairs), group):
+            part = pairs[i:i + group]
+            src = torch.tensor([p[0] for p in part], device=src_pool.device)
+            dst = torch.tensor([p[1] for p in part], device=dst_pool.device)
+            dst_pool.index_copy_(2, dst, src_pool.index_select(2, src).to(dst_pool.device, non_blocking=False))
         self._sync()
         return time.perf_counter() - t0
 

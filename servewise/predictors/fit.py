@@ -1,0 +1,108 @@
+"""Fit both predictors on a profile, report their errors, and persist them together."""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+from servewise.predictors.step_time import KINDS, BoundStepTime, StepTimePredictor, best_of, compare
+from servewise.predictors.swap_cost import SwapCostModel, kv_bytes
+
+META_KEYS = ("arch", "dtype", "device", "threads", "hardware", "block_size", "models")
+
+
+@dataclass
+class Predictors:
+    step_time: StepTimePredictor
+    swap: dict[tuple[int, int], SwapCostModel]  # per (layers, hidden) size
+    meta: dict = field(default_factory=dict)  # the profile's provenance: arch, dtype, threads, hardware...
+    report: dict = field(default_factory=dict)  # MAPE tables and the swap validation
+
+    def save(self, path: str) -> None:
+        with open(path, "wb") as f:
+            pickle.dump(self, f)
+
+    @staticmethod
+    def load(path: str) -> Predictors:
+        with open(path, "rb") as f:
+            p = pickle.load(f)
+        if not isinstance(p, Predictors):
+            raise ValueError(f"{path} does not hold fitted predictors")
+        return p
+
+    def costs(self, layers: int, hidden: int, kv_bytes_per_token: int, block_size: int) -> RequestCosts:
+        if (layers, hidden) not in self.swap:
+            have = ", ".join(f"{a}x{b}" for a, b in self.swap)
+            raise ValueError(f"the profile has no block copies for size {layers}x{hidden} (it has {have}); "
+                             f"profile with --sizes including it")
+        return RequestCosts(self.step_time.bind(layers, hidden), self.swap[(layers, hidden)], kv_bytes_per_token,
+                            block_size)
+
+
+class RequestCosts:
+    """Per-request preemption costs for one model: what AdaptiveLLM's decision compares."""
+
+    def __init__(self, step: BoundStepTime, swap: SwapCostModel, kv_bytes_per_token: int, block_size: int):
+        self.step, self.swap_model = step, swap
+        self.kv_bytes_per_token, self.block_size = kv_bytes_per_token, block_size
+
+    def recompute(self, num_tokens: int) -> float:
+        """Predicted prefill time of the prompt plus the tokens generated so far."""
+        return self.step.recompute_cost(num_tokens)
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        return kv_bytes(num_tokens, self.kv_bytes_per_token, self.block_size)
+
+    def swap(self, num_tokens: int) -> float:
+        """Predicted swap-out plus swap-in time of the request's KV blocks."""
+        return self.swap_model.swap_cost(self.kv_bytes(num_tokens))
+
+
+def fit_predictors(profile: dict, names=None, degrees=range(1, 6), test_size: float = 0.2, seed: int = 0,
+                   progress=None) -> Predictors:
+    """Compare regressor x degree per step kind on a held-out split, keep the best, refit it on all samples."""
+    tables, choice, held_out = {}, {}, {}
+    for kind in KINDS:
+        tables[kind] = compare(profile, kind, names, degrees, test_size, seed, progress)
+        name, degree, err = best_of(tables[kind])
+        choice[kind], held_out[kind] = (name, degree), err
+    meta = {k: profile.get(k) for k in META_KEYS}
+    step = StepTimePredictor.fit(profile, choice, seed, info=meta)
+    swap = SwapCostModel.fit_per_size(profile["copy"])
+    validation = profile.get("copy_validation", [])
+    per_size = {f"{a}x{b}": m.mape([r for r in validation if (r["layers"], r["hidden"]) == (a, b)])
+                for (a, b), m in swap.items()}
+    report = {"mape_tables": tables, "choice": {k: list(v) for k, v in choice.items()}, "held_out_mape": held_out,
+              "test_size": test_size, "num_samples": {k: len(profile[k]) for k in KINDS},
+              "swap_links": {f"{a}x{b}": {"out": vars(m.out), "in": vars(m.in_)} for (a, b), m in swap.items()},
+              "swap_validation_mape": {k: v for k, v in per_size.items() if v},
+              "swap_validation_copies": len(validation)}
+    return Predictors(step, swap, meta, report)
+
+
+def format_report(p: Predictors) -> str:
+    r = p.report
+    lines = []
+    for kind in KINDS:
+        table = r["mape_tables"][kind]
+        degrees = list(next(iter(table.values())))
+        lines.append(f"{kind} step time: held-out MAPE (%) by regressor and polynomial degree "
+                     f"({r['num_samples'][kind]} samples, {r['test_size']:.0%} held out)")
+        lines.append(f"{'regressor':<20}" + "".join(f"{'deg ' + str(d):>9}" for d in degrees))
+        for name, row in table.items():
+            lines.append(f"{name:<20}" + "".join(f"{row[d]:>9.2f}" for d in degrees))
+        name, degree = r["choice"][kind]
+        lines.append(f"best: {name}, degree {degree}: {r['held_out_mape'][kind]:.2f}%\n")
+    lines.append(f"swap cost, fitted per model size; MAPE on {r['swap_validation_copies']} measured copies "
+                 f"of real requests' blocks (not used in the fit)")
+    lines.append(f"{'size':<8}{'out GB/s':>9}{'out fixed':>11}{'in GB/s':>9}{'in fixed':>10}"
+                 f"{'out MAPE':>10}{'in MAPE':>9}{'out+in':>8}")
+    for size, links in r["swap_links"].items():
+        v = r["swap_validation_mape"].get(size, {})
+        cell = lambda k: f"{v[k]:>7.2f}%" if k in v else f"{'-':>8}"  # noqa: E731
+        lines.append(f"{size:<8}{links['out']['bytes_per_s'] / 1e9:>9.2f}{links['out']['fixed_s'] * 1e6:>9.1f}us"
+                     f"{links['in']['bytes_per_s'] / 1e9:>9.2f}{links['in']['fixed_s'] * 1e6:>8.1f}us"
+                     f"{cell('out'):>10}{cell('in'):>9}{cell('swap'):>8}")
+    m = p.meta
+    lines.append(f"profile: {m.get('arch')} {m.get('dtype')} on {m.get('hardware')}, {m.get('threads')} threads, "
+                 f"sizes {', '.join(str(x['layers']) + 'x' + str(x['hidden']) for x in m.get('models') or [])}")
+    return "\n".join(lines)

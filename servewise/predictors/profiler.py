@@ -1,0 +1,210 @@
+"""Measure the real runner: prefill and decode step times over a sweep, and block-copy times.
+
+The result is a profile (plain JSON) that the step-time and swap-cost predictors are fitted on.
+Several model sizes (layers x hidden size) of one architecture go into one profile so that layers
+and hidden size are real features of the step-time predictor, as in AdaptiveLLM.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import statistics
+from typing import Callable
+
+import torch
+
+from servewise.config import ModelConfig
+from servewise.engine.block_manager import BlockManager
+from servewise.engine.request import Request
+from servewise.engine.scheduler import SchedulerOutput
+from servewise.sampling_params import SamplingParams
+
+PROFILE_VERSION = 1
+DEFAULT_SIZES = ((2, 128), (4, 256), (6, 384), (8, 512))  # (layers, hidden size)
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def scaled_config(base: dict, layers: int, hidden: int) -> dict:
+    """A Hugging Face config like `base` with another depth and width (heads of 64 dims)."""
+    cfg = dict(base, num_hidden_layers=layers, hidden_size=hidden)
+    heads = max(1, hidden // 64)
+    cfg["num_attention_heads"] = heads
+    if cfg.get("model_type") == "opt":
+        cfg.update(ffn_dim=4 * hidden, word_embed_proj_dim=hidden)
+    else:
+        ratio = base["num_attention_heads"] // (base.get("num_key_value_heads") or base["num_attention_heads"])
+        cfg.update(num_key_value_heads=max(1, heads // ratio), intermediate_size=(8 * hidden // 3 + 7) // 8 * 8)
+        cfg.pop("head_dim", None)
+    return cfg
+
+
+def hardware_tag() -> str:
+    if torch.cuda.is_available():
+        return f"cuda:{torch.cuda.get_device_name(0)}"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"cpu:{name}"
+
+
+def _log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def sweep_points(n: int, max_batch: int, max_len: int, max_tokens: int, seed: int, min_len: int = 1) -> list[tuple[int, int]]:
+    """n (batch, length) pairs, log-uniform in both, with batch * length <= max_tokens; corners included."""
+    rng = random.Random(seed)
+    pts = {(1, min_len), (1, max_len), (max_batch, max(min_len, min(max_len, max_tokens // max_batch)))}
+    while len(pts) < n:
+        b, length = _log_uniform_int(rng, 1, max_batch), _log_uniform_int(rng, min_len, max_len)
+        if b * length <= max_tokens:
+            pts.add((b, length))
+    return sorted(pts)
+
+
+class _Bench:
+    """One model on a TorchRunner with pools big enough for the sweep."""
+
+    def __init__(self, cfg: ModelConfig, device: str, block_size: int, num_device_blocks: int, num_host_blocks: int):
+        from servewise.models.loader import build_model
+        from servewise.runners.torch_runner import TorchRunner
+
+        self.cfg = cfg
+        self.runner = TorchRunner(build_model(cfg, device=device), cfg, num_device_blocks, num_host_blocks,
+                                  block_size, device)
+        self.block_size = block_size
+        self.num_device_blocks, self.num_host_blocks = num_device_blocks, num_host_blocks
+        self.rng = random.Random(0)
+        self._flush = torch.zeros(16 << 20, device=device)  # 64 MiB, twice a large L3 cache
+
+    def _requests(self, batch: int, length: int, decode: bool) -> tuple[SchedulerOutput, BlockManager]:
+        bm = BlockManager(self.num_device_blocks, self.num_host_blocks, self.block_size)
+        reqs, tables = [], []
+        for i in range(batch):
+            n_prompt = length - 1 if decode else length  # a decode context holds at least 2 tokens
+            r = Request(str(i), [self.rng.randrange(10, self.cfg.vocab_size) for _ in range(n_prompt)], _GREEDY, 0.0)
+            if decode:
+                r.output_token_ids.append(self.rng.randrange(10, self.cfg.vocab_size))
+            tables.append(bm.allocate(r.request_id, r.num_tokens))
+            reqs.append(r)
+        return SchedulerOutput(reqs, not decode, tables), bm
+
+    def step_times(self, points: list[tuple[int, int]], decode: bool, reps: int, progress=None) -> list[float]:
+        """Median over `reps` rounds; each round times every point once in a shuffled order, so a burst
+        of background load spreads over many points instead of skewing one."""
+        setups = [self._requests(b, length, decode)[0] for b, length in points]
+        for out in setups:
+            self.runner.execute(out)  # warm-up
+        samples: list[list[float]] = [[] for _ in points]
+        order = list(range(len(points)))
+        for k in range(reps):
+            self.rng.shuffle(order)
+            for i in order:
+                samples[i].append(self.runner.execute(setups[i]).elapsed)
+            if progress:
+                progress(k + 1, reps)
+        return [statistics.median(s) for s in samples]
+
+    def copy_time(self, pairs: list[tuple[int, int]], to_host: bool, reps: int) -> float:
+        """Median of cold copies: in the engine a swap follows a forward pass that has streamed the
+        weights through the caches, so the blocks are rarely cache-resident; timing the same copy
+        back to back would measure cache bandwidth instead."""
+        times = []
+        for _ in range(2 * reps + 1):  # copies are short and noisy, and cheap to repeat
+            self._flush.sum()  # read, not write: evicts the caches without leaving dirty lines to write back
+            times.append(self.runner.copy_blocks(pairs, to_host))
+        return statistics.median(times)
+
+
+def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", device: str = "cpu",
+            block_size: int = 16, prefill_points: int = 64, decode_points: int = 96, max_batch: int = 128, max_prefill_len: int = 512,
+            max_decode_ctx: int = 1024, max_prefill_tokens: int = 2048, max_decode_tokens: int = 16384,
+            max_copy_blocks: int = 256, validation_requests: int = 40, reps: int = 7, seed: int = 0,
+            progress: Callable[[str], None] | None = None) -> dict:
+    """Profile every (layers, hidden) size of base_config's architecture; returns the profile dict."""
+    prefill_pts = sweep_points(prefill_points, min(max_batch, 64), max_prefill_len, max_prefill_tokens, seed)
+    decode_pts = sweep_points(decode_points, max_batch, max_decode_ctx, max_decode_tokens, seed + 1, min_len=2)
+    n_dev = -(-max(max_decode_tokens + max_batch * block_size, max_prefill_tokens * 2) // block_size)
+    n_host = max_copy_blocks
+    result = {"version": PROFILE_VERSION, "arch": None, "dtype": dtype, "device": device,
+              "threads": torch.get_num_threads(), "hardware": hardware_tag(), "block_size": block_size,
+              "models": [], "prefill": [], "decode": [], "copy": [], "copy_validation": []}
+    copy_sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if n <= max_copy_blocks]
+    for layers, hidden in sizes:
+        cfg = ModelConfig.from_hf(scaled_config(base_config, layers, hidden), dtype=dtype)
+        result["arch"] = cfg.arch
+        dims = {"layers": layers, "hidden": hidden, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+                "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
+                "kv_bytes_per_token": cfg.kv_bytes_per_token}
+        result["models"].append(dims)
+        bench = _Bench(cfg, device, block_size, n_dev, n_host)
+        key = {"layers": layers, "hidden": hidden}
+        for kind, pts in (("prefill", prefill_pts), ("decode", decode_pts)):
+            tick = (lambda k, n, kind=kind: progress(f"{layers}x{hidden} {kind}: round {k}/{n}")) if progress else None
+            times = bench.step_times(pts, kind == "decode", reps, tick)
+            result[kind].extend({**key, "batch": b, "length": length, "time": t} for (b, length), t in zip(pts, times))
+        block_bytes = cfg.kv_bytes_per_token * block_size
+        sweep_lens = [n * block_size for n in copy_sizes]
+        result["copy"].extend(_swap_requests(bench, key, block_bytes, sweep_lens, reps, seed, real_kv=False))
+        rng = random.Random(seed + 7)
+        val_lens = [min(max_copy_blocks * block_size, _log_uniform_int(rng, 8, 2048)) for _ in range(validation_requests)]
+        result["copy_validation"].extend(_swap_requests(bench, key, block_bytes, val_lens, reps, seed + 1, real_kv=True))
+        if progress:
+            progress(f"{layers}x{hidden}: copies done")
+        del bench
+    return result
+
+
+def _swap_requests(bench: _Bench, key: dict, block_bytes: int, lengths: list[int], reps: int, seed: int,
+                   real_kv: bool) -> list[dict]:
+    """Swap requests of the given token lengths out and back in, timing both directions.
+
+    Blocks come from the block manager after churn (fillers allocated, every other one freed), so the
+    copies see the scattered-but-partly-contiguous block tables of a running engine. With real_kv the
+    request is first prefilled by the model, so real keys and values move.
+    """
+    rng = random.Random(seed)
+    bm = BlockManager(bench.num_device_blocks, bench.num_host_blocks, bench.block_size)
+    fillers = 0
+    while fillers < 64 and bm.num_free_device > bm.num_device_blocks // 2 + 8:
+        bm.allocate(f"f{fillers}", rng.randrange(1, 8) * bench.block_size)
+        fillers += 1
+    for i in range(0, fillers, 2):
+        bm.free(f"f{i}")
+    rows = []
+    for i, length in enumerate(lengths):
+        out, _ = bench._requests(1, length, decode=False)
+        rid = out.batch[0].request_id = f"r{i}"
+        out.block_tables = [bm.allocate(rid, length)]
+        if real_kv:
+            bench.runner.execute(out)
+        plan_out = bm.swap_out(rid)
+        t_out = bench.copy_time(plan_out, True, reps)
+        plan_in = bm.swap_in(rid)
+        t_in = bench.copy_time(plan_in, False, reps)
+        bm.free(rid)
+        for d, plan, t in (("out", plan_out, t_out), ("in", plan_in, t_in)):
+            rows.append({**key, "request": i, "direction": d, "tokens": length, "blocks": len(plan),
+                         "bytes": len(plan) * block_bytes, "time": t})
+    return rows
+
+
+def save_profile(prof: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(prof, f, indent=1)
+
+
+def load_profile(path: str) -> dict:
+    with open(path) as f:
+        prof = json.load(f)
+    if prof.get("version") != PROFILE_VERSION:
+        raise ValueError(f"{path}: profile version {prof.get('version')!r}, expected {PROFILE_VERSION}; re-run the profiler")
+    return prof
+

@@ -1,0 +1,112 @@
+"""Analytical (roofline) performance model for GPUs nobody here can profile.
+
+A step takes max(FLOPs / (peak x compute efficiency), bytes / (HBM bandwidth x memory efficiency))
+plus a fixed per-step overhead; FLOPs and bytes come from the model's dimensions. A block copy
+between GPU and host takes bytes / (link bandwidth x efficiency) plus a latency per copy call
+(vLLM-style swapping issues one copy per block, per layer, for K and for V).
+
+Every figure here is an estimate from public spec sheets and assumed efficiencies, not a
+measurement: results from this model must be labelled analytical.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from servewise.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    fp16_tflops: float  # dense tensor-core peak
+    hbm_gbps: float  # device memory bandwidth, GB/s
+    link_gbps: float  # host <-> device, per direction, GB/s (PCIe)
+    memory_gb: float
+    source: str
+
+
+# Peaks from the vendors' data sheets (dense FP16 tensor throughput, no sparsity).
+HARDWARE = {
+    "a100-80g": Hardware("A100-80G SXM", 312, 2039, 32, 80, "NVIDIA A100 datasheet; PCIe Gen4 x16"),
+    "a800-80g-pcie": Hardware("A800-80G PCIe", 312, 1935, 32, 80, "NVIDIA A800 PCIe product brief; PCIe Gen4 x16"),
+    "h100-80g": Hardware("H100-80G SXM", 989, 3350, 64, 80, "NVIDIA H100 datasheet; PCIe Gen5 x16"),
+    "v100-32g": Hardware("V100-32G SXM2", 125, 900, 16, 32, "NVIDIA V100 datasheet; PCIe Gen3 x16"),
+    "rtx3090": Hardware("GeForce RTX 3090", 71, 936, 32, 24,
+                        "NVIDIA Ampere GA102 whitepaper (FP16 tensor, FP32 accumulate); PCIe Gen4 x16"),
+}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Assumed fractions of peak reached in practice, and fixed costs (all assumptions)."""
+
+    compute: float = 0.6
+    memory: float = 0.75
+    link: float = 0.8
+    step_overhead_s: float = 2e-3  # scheduler, input preparation, launches (Python-driven engines)
+    copy_call_s: float = 2e-6  # per cudaMemcpyAsync of one block of one layer's K or V
+    copy_fixed_s: float = 50e-6
+
+
+def layer_params(c: ModelConfig) -> int:
+    """Weights of one transformer layer (norms and biases left out)."""
+    qo = 2 * c.hidden_size * c.num_heads * c.head_dim
+    kv = 2 * c.hidden_size * c.num_kv_heads * c.head_dim
+    mlp = (3 if c.arch == "llama" else 2) * c.hidden_size * c.intermediate_size
+    return qo + kv + mlp
+
+
+def get_hardware(name: str) -> Hardware:
+    if name not in HARDWARE:
+        raise ValueError(f"unknown hardware {name!r}; choose from {', '.join(HARDWARE)}")
+    return HARDWARE[name]
+
+
+class RooflinePerf:
+    analytical = True
+
+    def __init__(self, c: ModelConfig, hw: Hardware | str, block_size: int, eff: Efficiency | None = None):
+        self.c, self.hw = c, get_hardware(hw) if isinstance(hw, str) else hw
+        self.eff = eff or Efficiency()
+        self.itemsize = c.kv_bytes_per_token // (2 * c.num_layers * c.num_kv_heads * c.head_dim)
+        self.block_size = block_size
+        self.layer_params = layer_params(c)
+        self.lm_head = c.vocab_size * c.hidden_size
+        self.weight_bytes = (c.num_layers * self.layer_params + self.lm_head) * self.itemsize
+        self.flops_per_s = self.hw.fp16_tflops * 1e12 * self.eff.compute
+        self.bytes_per_s = self.hw.hbm_gbps * 1e9 * self.eff.memory
+        self.link_bytes_per_s = self.hw.link_gbps * 1e9 * self.eff.link
+        self.label = f"analytical roofline ({self.hw.name})"
+        self._attn = 4 * c.num_layers * c.num_heads * c.head_dim  # QK^T and PV flops per (query, key) pair
+
+    def with_efficiency(self, **kw) -> RooflinePerf:
+        return RooflinePerf(self.c, self.hw, self.block_size, replace(self.eff, **kw))
+
+    def _time(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s) + self.eff.step_overhead_s
+
+    def prefill(self, lens: list[int]) -> float:
+        tokens = sum(lens)
+        pairs = sum(n * (n + 1) // 2 for n in lens)  # causal attention
+        flops = 2 * self.c.num_layers * self.layer_params * tokens + self._attn * pairs + 2 * self.lm_head * len(lens)
+        nbytes = self.weight_bytes + tokens * self.c.kv_bytes_per_token
+        return self._time(flops, nbytes)
+
+    def decode(self, ctx_lens: list[int]) -> float:
+        b, ctx = len(ctx_lens), sum(ctx_lens)
+        flops = 2 * (self.c.num_layers * self.layer_params + self.lm_head) * b + self._attn * ctx
+        nbytes = self.weight_bytes + ctx * self.c.kv_bytes_per_token
+        return self._time(flops, nbytes)
+
+    def copy(self, num_blocks: int, to_host: bool) -> float:
+        nbytes = num_blocks * self.block_size * self.c.kv_bytes_per_token
+        calls = 2 * self.c.num_layers * num_blocks
+        return self.eff.copy_fixed_s + calls * self.eff.copy_call_s + nbytes / self.link_bytes_per_s
+
+    def device_blocks(self, memory_utilization: float = 0.9, activation_reserve_gb: float = 2.0) -> int:
+        """KV blocks that fit beside the weights in the GPU's memory (vLLM's gpu_memory_utilization)."""
+        free = self.hw.memory_gb * 1e9 * memory_utilization - self.weight_bytes - activation_reserve_gb * 1e9
+        if free <= 0:
+            raise ValueError(f"{self.c.num_layers}-layer model weights ({self.weight_bytes / 1e9:.1f} GB) do not fit "
+                             f"in {self.hw.name} memory ({self.hw.memory_gb} GB)")
+        return int(free // (self.block_size * self.c.kv_bytes_per_token))

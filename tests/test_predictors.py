@@ -1,0 +1,73 @@
+"""Profiler and predictors: fit and predict on a small generated profile."""
+import math
+
+import numpy as np
+import pytest
+
+from servewise.models.loader import hf_config
+from servewise.predictors.fit import Predictors, fit_predictors, format_report
+from servewise.predictors.profiler import profile, sweep_points
+from servewise.predictors.step_time import StepTimePredictor, compare
+from servewise.predictors.swap_cost import SwapCostModel, kv_bytes
+
+
+@pytest.fixture(scope="module")
+def small_profile():
+    return profile(hf_config("tiny-llama"), sizes=((1, 64), (2, 128)), prefill_points=10, decode_points=10,
+                   max_batch=16, max_prefill_len=64, max_decode_ctx=128, max_prefill_tokens=256,
+                   max_decode_tokens=1024, max_copy_blocks=16, validation_requests=4, reps=1)
+
+
+def test_profile_has_every_sample(small_profile):
+    p = small_profile
+    assert p["arch"] == "llama" and [m["layers"] for m in p["models"]] == [1, 2]
+    assert len(p["prefill"]) == len(p["decode"]) == 20
+    assert all(r["time"] > 0 for k in ("prefill", "decode", "copy", "copy_validation") for r in p[k])
+    assert {r["direction"] for r in p["copy"]} == {"out", "in"} and len(p["copy_validation"]) == 16
+    assert all(b * n <= 256 for b, n in sweep_points(30, 16, 64, 256, seed=1))
+
+
+def test_fit_compare_and_persist(small_profile, tmp_path):
+    preds = fit_predictors(small_profile, names=["linear", "random_forest", "knn"], degrees=[1, 2])
+    table = preds.report["mape_tables"]["decode"]
+    assert set(table) == {"linear", "random_forest", "knn"} and all(set(r) == {1, 2} for r in table.values())
+    assert preds.report["held_out_mape"]["decode"] == min(v for r in table.values() for v in r.values())
+    preds.save(tmp_path / "p.pkl")
+    loaded = Predictors.load(tmp_path / "p.pkl")
+    costs = loaded.costs(2, 128, kv_bytes_per_token=2 * 2 * 1 * 64 * 4, block_size=16)
+    assert costs.recompute(40) > 0 and costs.swap(40) > 0
+    assert costs.kv_bytes(17) == 2 * 16 * 2 * 2 * 64 * 4  # 17 tokens occupy 2 whole blocks
+    bound = loaded.step_time.bind(2, 128)
+    assert bound.decode([30, 100]) == bound.time("decode", 100, 2)  # decode pads to the longest context
+    assert bound.prefill([10, 30]) == bound.time("prefill", 20, 2)
+    assert "held-out MAPE" in format_report(loaded)
+
+
+def test_step_time_recovers_a_known_law():
+    """On exact power-law data, log-log linear regression of degree 1 must be near-perfect."""
+    rng = np.random.default_rng(0)
+    rows = {k: [] for k in ("prefill", "decode")}
+    for kind in rows:
+        for _ in range(200):
+            L, H, n, b = rng.choice([2, 4, 8]), rng.choice([128, 256, 512]), rng.integers(1, 500), rng.integers(1, 64)
+            t = 1e-6 * L * H**1.5 * n**0.8 * b**0.6
+            rows[kind].append({"layers": int(L), "hidden": int(H), "length": int(n), "batch": int(b), "time": t})
+    table = compare(rows, "decode", names=["linear"], degrees=[1])
+    assert table["linear"][1] < 0.01
+    p = StepTimePredictor.fit(rows, {"prefill": ("linear", 1), "decode": ("linear", 1)})
+    assert p.predict("prefill", 4, 256, 100, 8)[0] == pytest.approx(1e-6 * 4 * 256**1.5 * 100**0.8 * 8**0.6, rel=1e-6)
+
+
+def test_swap_model_recovers_bandwidth_and_fixed_cost():
+    rows = [{"direction": d, "bytes": n * 4096, "time": 20e-6 + n * 4096 / bw}
+            for d, bw in (("out", 10e9), ("in", 5e9)) for n in (1, 4, 16, 64)]
+    m = SwapCostModel.fit(rows)
+    assert m.out.bytes_per_s == pytest.approx(10e9, rel=1e-6) and m.in_.bytes_per_s == pytest.approx(5e9, rel=1e-6)
+    assert m.out.fixed_s == pytest.approx(20e-6, rel=1e-6)
+    nbytes = kv_bytes(33, 1024, 16)
+    assert nbytes == 3 * 16 * 1024
+    assert m.swap_cost(nbytes) == pytest.approx(40e-6 + nbytes / 10e9 + nbytes / 5e9)
+    assert m.mape(rows) == {"out": pytest.approx(0, abs=1e-6), "in": pytest.approx(0, abs=1e-6)}
+    with pytest.raises(ValueError):
+        SwapCostModel.fit(rows[:1])
+    assert not math.isnan(m.swap_in_time(0))
