@@ -37,6 +37,132 @@ def cmd_generate(a) -> None:
               f"ttft={(r.first_token_time - r.arrival_time) * 1e3:.1f} ms, e2e={(r.finish_time - r.arrival_time) * 1e3:.1f} ms")
 
 
+def _sizes(text: str) -> list[tuple[int, int]]:
+    try:
+        sizes = [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(len(s) != 2 or min(s) < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"sizes must look like 2x128,4x256 (layers x hidden), got {text!r}")
+    return sizes
+
+
+def cmd_profile(a) -> None:
+    import torch
+
+    from servewise.models.loader import hf_config
+    from servewise.predictors.profiler import profile, save_profile
+
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"profiling {a.model} sizes {a.sizes} on {device}, {torch.get_num_threads()} torch threads", file=sys.stderr)
+    prof = profile(hf_config(a.model), a.sizes, dtype=a.dtype, device=device, block_size=a.block_size,
+                   prefill_points=a.prefill_points, decode_points=a.decode_points, max_batch=a.max_batch,
+                   reps=a.reps, seed=a.seed, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    save_profile(prof, a.out)
+    print(f"profile saved to {a.out}")
+    if a.predictors:
+        a.profile = a.out
+        cmd_fit(a)
+
+
+def cmd_fit(a) -> None:
+    from servewise.predictors.fit import fit_predictors, format_report
+    from servewise.predictors.profiler import load_profile
+
+    prof = load_profile(a.profile)
+    preds = fit_predictors(prof, names=a.regressors, degrees=a.degrees, test_size=a.test_size, seed=a.seed)
+    print(format_report(preds))
+    preds.save(a.predictors)
+    import json
+
+    with open(a.predictors + ".json", "w") as f:
+        json.dump({"meta": preds.meta, **preds.report}, f, indent=1)
+    print(f"predictors saved to {a.predictors} (report: {a.predictors}.json)")
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    from servewise.workloads.build import SOURCES
+
+    p.add_argument("--workload", default="synthetic", choices=SOURCES,
+                   help="synthetic (fixed lengths), a preset (chatbot, alpaca, summary) or a data file's format")
+    p.add_argument("--data", default=None, help="the workload's file (traces, ShareGPT) or data directory (presets)")
+    p.add_argument("--num-requests", type=int, default=None, help="default: all of a file, 100 otherwise")
+    p.add_argument("--input-len", type=int, default=128, help="synthetic prompt length")
+    p.add_argument("--output-len", type=int, default=128, help="synthetic output length")
+    p.add_argument("--max-output-len", type=int, default=None, help="cap every request's output length")
+    p.add_argument("--max-prompt-len", type=int, default=None, help="truncate longer prompts")
+    p.add_argument("--arrival", default=None, choices=["all", "poisson", "gamma", "trace"],
+                   help="default: the source's timestamps when it has them, else all at once")
+    p.add_argument("--rate", type=float, default=None, help="requests/s for poisson and gamma arrivals")
+    p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrival gaps")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _workload(a, tokenizer, vocab_size):
+    from servewise.workloads.build import build_workload
+
+    return build_workload(a.workload, tokenizer, vocab_size, data=a.data, num_requests=a.num_requests,
+                          input_len=a.input_len, output_len=a.output_len, max_output_len=a.max_output_len,
+                          max_prompt_len=a.max_prompt_len, arrival=a.arrival, rate=a.rate, cv=a.cv, seed=a.seed)
+
+
+def _slo(a):
+    from servewise.metrics import SLO
+
+    return SLO(a.slo_ttft_ms, a.slo_tpot_ms, a.slo_e2el_ms)
+
+
+def _slo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-e2el-ms", type=float, default=None)
+
+
+def cmd_simulate(a) -> None:
+    import resource
+
+    from servewise.metrics import RequestRecord, compute, format_table, save_json
+    from servewise.simulator import sim_engine, simulate
+
+    eng = sim_engine(a.model, a.hardware, a.predictors, **_engine_kwargs(a))
+    items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size)
+    bar = _bar(len(items), "simulated requests")
+    res = simulate(eng, items, arrivals, progress=bar.update if bar else None)
+    if bar:
+        bar.close()
+    m = compute([RequestRecord.from_request(r) for r in res.requests], _slo(a))
+    m["rejected"] = len(res.rejected)
+    title = f"Simulated: {a.model} on {res.perf_label}"
+    print(format_table(m, title))
+    if res.rejected:
+        print(f"{len(res.rejected)} requests rejected, e.g. #{res.rejected[0][0]}: {res.rejected[0][1]}")
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"simulation wall time {res.wall_s:.2f} s, {res.steps} steps, peak memory {peak_mb:.0f} MB")
+    save_json(m, a.out, model=a.model, hardware=a.hardware, perf=res.perf_label, analytical=res.analytical,
+              wall_s=res.wall_s, steps=res.steps, peak_rss_mb=peak_mb, num_device_blocks=eng.block_manager.num_device_blocks,
+              num_host_blocks=eng.block_manager.num_host_blocks, policy=a.policy, preemption=a.preemption,
+              workload=a.workload, arrival=a.arrival, rate=a.rate)
+    print(f"saved {a.out}")
+
+
+def _bar(total: int, desc: str):
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req")
+
+
+def _fit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--regressors", type=lambda s: s.split(","), default=None,
+                   help="comma-separated subset of: linear, ridge, lasso, elastic_net, svr, decision_tree, "
+                        "random_forest, gradient_boosting, knn (default: all)")
+    p.add_argument("--degrees", type=lambda s: range(int(s.split("-")[0]), int(s.split("-")[-1]) + 1),
+                   default=range(1, 6), help="polynomial degrees, e.g. 1-5")
+    p.add_argument("--test-size", type=float, default=0.2, help="held-out share of the samples")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="servewise", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -66,6 +192,60 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     t.add_argument("--out", default="results/bench_throughput.json")
     t.set_defaults(func=lambda a: __import__("servewise.bench.throughput", fromlist=["main"]).main(a))
+
+    pr = sub.add_parser("profile", help="measure the real runner's step and copy times; fit the predictors")
+    pr.add_argument("--model", default="tiny-llama", help="architecture to profile: built-in name or HF directory")
+    pr.add_argument("--sizes", type=_sizes, default="2x128,4x256,6x384,8x512",
+                    help="model sizes as layers x hidden size, comma-separated")
+    pr.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    pr.add_argument("--device", default="auto")
+    pr.add_argument("--block-size", type=int, default=16)
+    pr.add_argument("--prefill-points", type=int, default=64, help="prefill (batch, tokens) samples per size")
+    pr.add_argument("--decode-points", type=int, default=96, help="decode (batch, context) samples per size")
+    pr.add_argument("--max-batch", type=int, default=128)
+    pr.add_argument("--reps", type=int, default=7, help="rounds per sample; the median is kept")
+    pr.add_argument("--out", default="results/profile.json")
+    pr.add_argument("--predictors", default="results/predictors.pkl",
+                    help="fit and save the predictors here after profiling ('' to skip)")
+    pr.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    _fit_args(pr)
+    pr.set_defaults(func=cmd_profile)
+
+    f = sub.add_parser("fit-predictors", help="fit step-time and swap-cost predictors on a saved profile")
+    f.add_argument("profile", help="a profile JSON written by `servewise profile`")
+    f.add_argument("--predictors", default="results/predictors.pkl", help="where to save the fitted predictors")
+    f.add_argument("--threads", type=int, default=0)
+    _fit_args(f)
+    f.set_defaults(func=cmd_fit)
+
+    sm = sub.add_parser("simulate", help="run a workload through the engine on a virtual clock")
+    _engine_args(sm)
+    sm.add_argument("--hardware", default="profile",
+                    help="'profile' (this machine, from --predictors) or an analytical GPU: a100-80g, "
+                         "a800-80g-pcie, h100-80g, v100-32g, rtx3090")
+    sm.add_argument("--predictors", default="results/predictors.pkl", help="fitted predictors for --hardware profile")
+    _workload_args(sm)
+    _slo_args(sm)
+    sm.add_argument("--out", default="results/simulate.json")
+    sm.set_defaults(func=cmd_simulate)
+
+    fi = bsub.add_parser("fidelity", help="the same workload on the real engine and in the simulator")
+    fi.add_argument("--model", default="tiny-llama")
+    fi.add_argument("--predictors", default="results/predictors.pkl", help="predictors profiled on this machine")
+    fi.add_argument("--workload", default="sharegpt", help="a workload source (see `simulate --help`)")
+    fi.add_argument("--data", default=None, help="the workload's file, e.g. the ShareGPT pairs JSONL")
+    fi.add_argument("--num-requests", type=int, default=300)
+    fi.add_argument("--max-prompt-len", type=int, default=256)
+    fi.add_argument("--max-output-len", type=int, default=128)
+    fi.add_argument("--rate", type=float, default=8.0, help="poisson arrival rate, requests/s")
+    fi.add_argument("--num-device-blocks", type=int, default=96, help="small enough to force preemptions")
+    fi.add_argument("--num-host-blocks", type=int, default=256)
+    fi.add_argument("--max-num-seqs", type=int, default=256)
+    fi.add_argument("--preemption", nargs="+", default=["recompute", "swap"])
+    fi.add_argument("--seed", type=int, default=0)
+    fi.add_argument("--threads", type=int, default=0, help="ignored: the profile's thread count is used")
+    fi.add_argument("--out", default="results/bench_fidelity.json")
+    fi.set_defaults(func=lambda a: __import__("servewise.bench.fidelity", fromlist=["main"]).main(a))
 
     a = ap.parse_args(argv)
     if a.threads:

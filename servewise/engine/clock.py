@@ -16,6 +16,10 @@ class WallClock:
     def advance(self, seconds: float) -> None:
         pass
 
+    def wait_until(self, t: float) -> None:
+        if (dt := t - self.now()) > 0:
+            time.sleep(dt)
+
 
 class VirtualClock:
     """Simulated time: moves only when told how long a step took."""
@@ -28,3 +32,6 @@ class VirtualClock:
 
     def advance(self, seconds: float) -> None:
         self._t += seconds
+
+    def wait_until(self, t: float) -> None:
+        self._t = max(self._t, t)

@@ -40,9 +40,12 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner=None, clock=None):
-        from servewise.models.loader import load_model
-        from servewise.runners.torch_runner import TorchRunner
+    """make_runner(model_config, num_device_blocks, num_host_blocks, block_size) builds the runner; by default
+    the real TorchRunner on loaded weights. A simulator passes its own (and a VirtualClock); nothing else
+    in the engine depends on which runner it has."""
+
+    def __init__(self, config: EngineConfig, make_runner=None, clock=None):
+        from servewise.models.loader import load_model, load_model_config
 
         self.config = config
         for table, name in ((ORDERING_POLICIES, config.scheduler.policy), (PREEMPTION_POLICIES, config.scheduler.preemption)):
@@ -50,7 +53,14 @@ class LLMEngine:
                 raise ValueError(f"unknown policy {name!r}; choose from {', '.join(table)}")
         device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = config.dtype if config.dtype != "auto" else ("float32" if device == "cpu" else None)
-        model, self.model_config, self.tokenizer = load_model(config.model, config.load_format, dtype, device, config.seed)
+        if make_runner is None:
+            from servewise.runners.torch_runner import TorchRunner
+
+            model, self.model_config, self.tokenizer = load_model(config.model, config.load_format, dtype, device,
+                                                                  config.seed)
+            make_runner = lambda mc, n_dev, n_host, bs: TorchRunner(model, mc, n_dev, n_host, bs, device)  # noqa: E731
+        else:
+            self.model_config, self.tokenizer = load_model_config(config.model, dtype)
         mc: ModelConfig = self.model_config
         if config.max_model_len is not None:
             if config.max_model_len > mc.max_model_len:
@@ -62,7 +72,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
                                    ORDERING_POLICIES[config.scheduler.policy](),
                                    PREEMPTION_POLICIES[config.scheduler.preemption]())
-        self.runner = runner or TorchRunner(model, mc, n_dev, n_host, cc.block_size, device)
+        self.runner = make_runner(mc, n_dev, n_host, cc.block_size)
         self.clock = clock or WallClock()
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
@@ -83,7 +93,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-            if not all(isinstance(t, int) and 0 <= t < mc.vocab_size for t in ids):
+            if ids and (not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= mc.vocab_size):
                 raise ValueError(f"prompt token ids must be integers in [0, {mc.vocab_size})")
         if not ids:
             raise ValueError("prompt is empty")

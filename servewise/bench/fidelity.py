@@ -1,0 +1,83 @@
+"""Simulator fidelity: one workload through the real engine and through the simulator, side by side.
+
+The simulator uses the predictors profiled on this machine (same thread count); both runs share
+the scheduler, block manager and policies, so any difference comes from the predicted step and
+copy times and from what the real engine spends outside them (scheduling, Python overhead).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from servewise.engine.driver import run_workload
+from servewise.engine.llm_engine import EngineConfig, LLMEngine
+from servewise.metrics import RequestRecord, compute
+from servewise.simulator import sim_engine, simulate
+
+COMPARED = (("duration_s", "makespan (s)", 1), ("mean_e2el_ms", "mean E2E (ms)", 1), ("p99_e2el_ms", "p99 E2E (ms)", 1),
+            ("mean_ttft_ms", "mean TTFT (ms)", 1), ("mean_tpot_ms", "mean TPOT (ms)", 1))
+
+
+def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None) -> dict:
+    real = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kw))
+    # warm-up outside the measured run
+    real.add_request([5] * 16, None)
+    while real.has_unfinished():
+        real.step()
+    reqs, rejected = run_workload(real, items, arrivals, progress)
+    m_real = compute([RequestRecord.from_request(r) for r in reqs])
+    sim = sim_engine(model, "profile", predictors, **engine_kw)
+    res = simulate(sim, items, arrivals)
+    m_sim = compute([RequestRecord.from_request(r) for r in res.requests])
+    rows = {}
+    for key, label, _ in COMPARED:
+        a, b = m_real[key], m_sim[key]
+        rows[label] = {"real": a, "sim": b, "error_pct": (b - a) / a * 100 if a else None}
+    for k in m_real["preemptions"]:
+        rows[f"preemptions: {k}"] = {"real": m_real["preemptions"][k], "sim": m_sim["preemptions"][k],
+                                     "error_pct": None}
+    return {"rows": rows, "real": m_real, "sim": m_sim, "sim_wall_s": res.wall_s, "rejected": len(rejected)}
+
+
+def format_rows(title: str, rows: dict) -> str:
+    lines = [title, f"{'metric':<26}{'real':>12}{'simulated':>12}{'error':>9}"]
+    for label, r in rows.items():
+        err = f"{r['error_pct']:+.1f}%" if r["error_pct"] is not None else f"{r['sim'] - r['real']:+d}"
+        fmt = (lambda v: f"{v:>12.1f}") if isinstance(r["real"], float) else (lambda v: f"{v:>12d}")
+        lines.append(f"{label:<26}{fmt(r['real'])}{fmt(r['sim'])}{err:>9}")
+    return "\n".join(lines)
+
+
+def main(a) -> None:
+    from servewise.models.loader import load_model_config
+    from servewise.predictors.fit import Predictors
+    from servewise.workloads.build import build_workload
+
+    preds = Predictors.load(a.predictors)
+    threads = preds.meta.get("threads")
+    if threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    print(f"torch threads: {torch.get_num_threads()} (the profile's); predictors: {a.predictors}", file=sys.stderr)
+    mc, tok = load_model_config(a.model)
+    items, arrivals = build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
+                                     max_output_len=a.max_output_len, max_prompt_len=a.max_prompt_len,
+                                     arrival="poisson", rate=a.rate, seed=a.seed)
+    print(f"workload: {len(items)} {a.workload} requests, mean prompt {sum(i.prompt_len for i in items) / len(items):.0f}"
+          f" tokens, mean output {sum(i.output_len for i in items) / len(items):.0f}, poisson {a.rate} req/s",
+          file=sys.stderr)
+    results = {}
+    for mode in a.preemption:
+        kw = dict(num_device_blocks=a.num_device_blocks, num_host_blocks=a.num_host_blocks, preemption=mode,
+                  max_num_seqs=a.max_num_seqs)
+        r = run_pair(a.model, items, arrivals, preds, kw)
+        results[mode] = r
+        print(format_rows(f"\n[{mode}] {a.num_device_blocks} device / {a.num_host_blocks} host blocks "
+                          f"(simulation took {r['sim_wall_s']:.2f} s)", r["rows"]))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"model": a.model, "workload": a.workload, "num_requests": len(items), "rate": a.rate,
+                   "threads": torch.get_num_threads(), "predictors": preds.meta, "results": results}, f, indent=1)
+    print(f"saved {a.out}")

@@ -1,0 +1,53 @@
+"""One entry point from command-line style options to (requests, arrival times)."""
+from __future__ import annotations
+
+import random
+
+from servewise.workloads.arrivals import arrival_times
+from servewise.workloads.datasets import LOADERS, WorkloadRequest
+from servewise.workloads.presets import PRESETS, preset_workload
+
+SOURCES = ("synthetic", *PRESETS, "azure", "sharegpt", "arxiv", "lengths_csv")
+
+
+def build_workload(source: str, tokenizer, vocab_size: int, *, data: str | None = None, num_requests: int | None = None,
+                   input_len: int = 128, output_len: int = 128, max_output_len: int | None = None,
+                   max_prompt_len: int | None = None, arrival: str | None = None, rate: float | None = None,
+                   cv: float = 1.0, seed: int = 0) -> tuple[list[WorkloadRequest], list[float]]:
+    """source: 'synthetic' (fixed lengths, random ids), a preset (data: optional directory), or a loader
+    (data: the file). arrival defaults to the source's own timestamps when it has them, else all at once."""
+    if source not in SOURCES:
+        raise ValueError(f"unknown workload {source!r}; choose from {', '.join(SOURCES)}")
+    if source == "synthetic":
+        rng = random.Random(seed)
+        n = num_requests or 100
+        items = [WorkloadRequest(input_len, output_len, [rng.randrange(10, vocab_size) for _ in range(input_len)])
+                 for _ in range(n)]
+    elif source in PRESETS:
+        items = preset_workload(source, num_requests or 100, tokenizer, vocab_size, seed, data, max_output_len)
+    else:
+        if data is None:
+            raise ValueError(f"workload {source!r} needs --data pointing at its file")
+        loader = LOADERS[source]
+        items = loader(data, tokenizer) if source == "sharegpt" else loader(data)
+        if num_requests is not None:
+            if num_requests > len(items):
+                raise ValueError(f"{data} holds {len(items)} requests, {num_requests} asked for")
+            if source == "sharegpt":  # conversations are unordered: sample them
+                items = random.Random(seed).sample(items, num_requests)
+            else:  # traces: keep the first n, so arrival gaps stay real
+                items = items[:num_requests]
+    for it in items:
+        if max_output_len is not None:
+            it.output_len = min(it.output_len, max_output_len)
+        if max_prompt_len is not None and it.prompt_len > max_prompt_len:
+            it.prompt_len = max_prompt_len
+            if isinstance(it.prompt, list):
+                it.prompt = it.prompt[:max_prompt_len]
+        if isinstance(it.prompt, str):
+            it.prompt = tokenizer.encode(it.prompt)[: it.prompt_len]
+            it.prompt_len = len(it.prompt)
+    has_times = all(it.arrival is not None for it in items)
+    arrival = arrival or ("trace" if has_times else "all")
+    times = arrival_times(len(items), arrival, rate, cv, seed, [it.arrival for it in items] if has_times else None)
+    return items, times
