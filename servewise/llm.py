@@ -51,7 +51,7 @@ class LLM:
         reqs = [eng.make_request(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:
             eng.requests[r.request_id] = r
-            eng.scheduler.add(r)
+            eng.scheduler.add(r, eng.clock.now())
         if use_tqdm is None:
             use_tqdm = sys.stderr.isatty()
         bar = None

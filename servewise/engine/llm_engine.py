@@ -83,7 +83,7 @@ class LLMEngine:
         """Validate and queue a request. Bad input raises ValueError and changes nothing."""
         req = self.make_request(prompt, params, request_id, arrival_time)
         self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        self.scheduler.add(req, self.clock.now())
         return req
 
     def make_request(self, prompt, params=None, request_id=None, arrival_time=None) -> Request:

@@ -6,6 +6,7 @@ are swapped out: those come back before anything new is admitted.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from servewise.config import SchedulerConfig
@@ -36,10 +37,22 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        self.static = getattr(ordering, "static", False)
 
-    def add(self, req: Request) -> None:
+    def _enqueue(self, queue: list[Request], req: Request, now: float) -> None:
+        """Append, or insert in order when the ordering is static (those queues are kept sorted)."""
+        if self.static:
+            bisect.insort(queue, req, key=lambda r: self.ordering.key(r, now))
+        else:
+            queue.append(req)
+
+    def _sorted(self, queue: list[Request], now: float) -> None:
+        if not self.static:
+            queue.sort(key=lambda r: self.ordering.key(r, now))
+
+    def add(self, req: Request, now: float = 0.0) -> None:
         req.status = Status.WAITING
-        self.waiting.append(req)
+        self._enqueue(self.waiting, req, now)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -63,8 +76,7 @@ class Scheduler:
         return self._schedule_decode(now)
 
     def _schedule_prefill(self, now: float) -> SchedulerOutput:
-        key = lambda r: self.ordering.key(r, now)  # noqa: E731
-        self.waiting.sort(key=key)
+        self._sorted(self.waiting, now)
         batch: list[Request] = []
         tokens = 0
         while self.waiting and len(self.running) + len(batch) < self.config.max_num_seqs:
@@ -82,16 +94,21 @@ class Scheduler:
                 req.first_scheduled_time = now
             batch.append(req)
             tokens += n
-        self.running.extend(batch)
+        for req in batch:
+            self._enqueue(self.running, req, now)
         return SchedulerOutput(batch, True, [self.bm.device_tables[r.request_id] for r in batch])
 
     def _schedule_decode(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput([], False)
-        key = lambda r: self.ordering.key(r, now)  # noqa: E731
-        running = sorted(self.running, key=key)
+        self._sorted(self.running, now)
+        running = self.running
+        tables, bs = self.bm.device_tables, self.bm.block_size
         i = 0
         while i < len(running):
             req = running[i]
+            if req.num_tokens <= len(tables[req.request_id]) * bs:  # fast path: its blocks have room
+                i += 1
+                continue
             # the token decoded this step sits at position num_tokens - 1
             while self.bm.new_blocks_for(req.request_id, req.num_tokens) > self.bm.num_free_device:
                 victim = running.pop()  # lowest priority
@@ -114,17 +131,17 @@ class Scheduler:
         if mode == "swap":
             out.swap_out.extend(self.bm.swap_out(req.request_id))
             req.status = Status.SWAPPED
-            self.swapped.append(req)
+            self._enqueue(self.swapped, req, now)
         else:
             if mode == "swap_fallback":
                 req.preemptions["recompute"] += 1
             self.bm.free(req.request_id)
             req.status = Status.WAITING
-            self.waiting.append(req)
+            self._enqueue(self.waiting, req, now)
         out.preempted.append((req, "swap" if mode == "swap" else "recompute"))
 
     def _swap_in(self, running: list[Request], now: float, out: SchedulerOutput) -> None:
-        self.swapped.sort(key=lambda r: self.ordering.key(r, now))
+        self._sorted(self.swapped, now)
         while self.swapped and len(running) < self.config.max_num_seqs:
             req = self.swapped[0]
             if not self.bm.can_swap_in(req.request_id, req.num_tokens):
@@ -133,7 +150,7 @@ class Scheduler:
             self.bm.append_slots(req.request_id, req.num_tokens)
             self.swapped.pop(0)
             req.status = Status.RUNNING
-            running.append(req)
+            self._enqueue(running, req, now)
 
     # --- after the step ----------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, tokens: list[int], now: float) -> list[Request]:

@@ -84,10 +84,13 @@ class _Bench:
         self._flush = torch.zeros(16 << 20, device=device)  # 64 MiB, twice a large L3 cache
 
     def _requests(self, batch: int, length: int, decode: bool) -> tuple[SchedulerOutput, BlockManager]:
+        """A batch whose decode contexts are all `length`, or whose prompts average about `length` tokens."""
         bm = BlockManager(self.num_device_blocks, self.num_host_blocks, self.block_size)
         reqs, tables = [], []
         for i in range(batch):
             n_prompt = length - 1 if decode else length  # a decode context holds at least 2 tokens
+            if not decode and batch > 1:  # real prefill batches mix lengths: spread them over [0.5, 1.5] x mean
+                n_prompt = max(1, round(length * (0.5 + i / (batch - 1))))
             r = Request(str(i), [self.rng.randrange(10, self.cfg.vocab_size) for _ in range(n_prompt)], _GREEDY, 0.0)
             if decode:
                 r.output_token_ids.append(self.rng.randrange(10, self.cfg.vocab_size))

@@ -1,0 +1,40 @@
+"""Loose-bound fidelity: the simulator, profiled on this machine, against the real engine.
+
+The benchmark (`servewise bench fidelity`) holds the real measurement; this only guards against
+the simulator drifting grossly from the engine (a broken cost model, a missed copy, a clock bug).
+"""
+import pytest
+
+from servewise.engine.driver import run_workload
+from servewise.engine.llm_engine import EngineConfig, LLMEngine
+from servewise.metrics import RequestRecord, compute
+from servewise.models.loader import hf_config
+from servewise.predictors.fit import fit_predictors
+from servewise.predictors.profiler import profile
+from servewise.simulator import sim_engine, simulate
+from servewise.workloads.build import build_workload
+
+
+@pytest.fixture(scope="module")
+def predictors():
+    prof = profile(hf_config("tiny-llama"), sizes=((4, 256),), prefill_points=24, decode_points=32, max_batch=64,
+                   max_prefill_len=256, max_decode_ctx=512, max_prefill_tokens=1024, max_decode_tokens=8192,
+                   max_copy_blocks=64, validation_requests=4, reps=3)
+    return fit_predictors(prof, names=["ridge"], degrees=[3])
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_simulator_tracks_the_real_engine(predictors, preemption):
+    kw = dict(num_device_blocks=24, num_host_blocks=64, preemption=preemption)
+    real = LLMEngine(EngineConfig.from_kwargs(model="tiny-llama", **kw))
+    items, arrivals = build_workload("chatbot", real.tokenizer, 32000, num_requests=40, max_output_len=48,
+                                     arrival="poisson", rate=40.0, seed=1)
+    reqs, rejected = run_workload(real, items, arrivals)
+    m_real = compute([RequestRecord.from_request(r) for r in reqs])
+    res = simulate(sim_engine("tiny-llama", "profile", predictors, **kw), items, arrivals)
+    m_sim = compute([RequestRecord.from_request(r) for r in res.requests])
+    assert not rejected and m_real["completed"] == m_sim["completed"] == 40
+    kind = "swap" if preemption == "swap" else "recompute"
+    assert m_real["preemptions"][kind] > 0 and m_sim["preemptions"][kind] > 0
+    for key in ("duration_s", "mean_e2el_ms"):
+        assert m_sim[key] == pytest.approx(m_real[key], rel=0.3), key
