@@ -66,6 +66,8 @@ def cmd_profile(a) -> None:
 
 
 def cmd_fit(a) -> None:
+    import json
+
     from servewise.predictors.fit import fit_predictors, format_report
     from servewise.predictors.profiler import load_profile
 
@@ -73,8 +75,6 @@ def cmd_fit(a) -> None:
     preds = fit_predictors(prof, names=a.regressors, degrees=a.degrees, test_size=a.test_size, seed=a.seed)
     print(format_report(preds))
     preds.save(a.predictors)
-    import json
-
     with open(a.predictors + ".json", "w") as f:
         json.dump({"meta": preds.meta, **preds.report}, f, indent=1)
     print(f"predictors saved to {a.predictors} (report: {a.predictors}.json)")

@@ -50,8 +50,7 @@ class LLM:
         eng = self.engine
         reqs = [eng.make_request(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:
-            eng.requests[r.request_id] = r
-            eng.scheduler.add(r, eng.clock.now())
+            eng.enqueue(r)
         if use_tqdm is None:
             use_tqdm = sys.stderr.isatty()
         bar = None

@@ -38,13 +38,13 @@ def sim_engine(model: str, hardware: str, predictors=None, **engine_kw) -> LLMEn
         holder["perf"] = perf = make_perf(hardware, mc, bs, predictors)
         return SimRunner(perf)
 
+    engine_kw.setdefault("dtype", "float32" if hardware == PROFILE else "float16")
     if engine_kw.get("num_device_blocks") is None and hardware != PROFILE:
         from servewise.models.loader import load_model_config
         from servewise.predictors.roofline import RooflinePerf
 
-        mc, _ = load_model_config(model, engine_kw.get("dtype", "float16"))
+        mc, _ = load_model_config(model, engine_kw["dtype"])
         engine_kw["num_device_blocks"] = RooflinePerf(mc, hardware, engine_kw.get("block_size", 16)).device_blocks()
-    engine_kw.setdefault("dtype", "float32" if hardware == PROFILE else "float16")
     eng = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kw), make_runner=make_runner, clock=VirtualClock())
     eng.perf = holder["perf"]
     return eng

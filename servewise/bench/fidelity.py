@@ -17,8 +17,8 @@ from servewise.engine.llm_engine import EngineConfig, LLMEngine
 from servewise.metrics import RequestRecord, compute
 from servewise.simulator import sim_engine, simulate
 
-COMPARED = (("duration_s", "makespan (s)", 1), ("mean_e2el_ms", "mean E2E (ms)", 1), ("p99_e2el_ms", "p99 E2E (ms)", 1),
-            ("mean_ttft_ms", "mean TTFT (ms)", 1), ("mean_tpot_ms", "mean TPOT (ms)", 1))
+COMPARED = (("duration_s", "makespan (s)"), ("mean_e2el_ms", "mean E2E (ms)"), ("p99_e2el_ms", "p99 E2E (ms)"),
+            ("mean_ttft_ms", "mean TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"))
 
 
 def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None) -> dict:
@@ -33,7 +33,7 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     res = simulate(sim, items, arrivals)
     m_sim = compute([RequestRecord.from_request(r) for r in res.requests])
     rows = {}
-    for key, label, _ in COMPARED:
+    for key, label in COMPARED:
         a, b = m_real[key], m_sim[key]
         rows[label] = {"real": a, "sim": b, "error_pct": (b - a) / a * 100 if a else None}
     for k in m_real["preemptions"]:

@@ -81,7 +81,10 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
         """Validate and queue a request. Bad input raises ValueError and changes nothing."""
-        req = self.make_request(prompt, params, request_id, arrival_time)
+        return self.enqueue(self.make_request(prompt, params, request_id, arrival_time))
+
+    def enqueue(self, req: Request) -> Request:
+        """Queue a request built (and validated) by make_request."""
         self.requests[req.request_id] = req
         self.scheduler.add(req, self.clock.now())
         return req

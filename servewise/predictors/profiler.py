@@ -83,7 +83,7 @@ class _Bench:
         self.rng = random.Random(0)
         self._flush = torch.zeros(16 << 20, device=device)  # 64 MiB, twice a large L3 cache
 
-    def _requests(self, batch: int, length: int, decode: bool) -> tuple[SchedulerOutput, BlockManager]:
+    def _requests(self, batch: int, length: int, decode: bool) -> SchedulerOutput:
         """A batch whose decode contexts are all `length`, or whose prompts average about `length` tokens."""
         bm = BlockManager(self.num_device_blocks, self.num_host_blocks, self.block_size)
         reqs, tables = [], []
@@ -96,12 +96,12 @@ class _Bench:
                 r.output_token_ids.append(self.rng.randrange(10, self.cfg.vocab_size))
             tables.append(bm.allocate(r.request_id, r.num_tokens))
             reqs.append(r)
-        return SchedulerOutput(reqs, not decode, tables), bm
+        return SchedulerOutput(reqs, not decode, tables)
 
     def step_times(self, points: list[tuple[int, int]], decode: bool, reps: int, progress=None) -> list[float]:
         """Median over `reps` rounds; each round times every point once in a shuffled order, so a burst
         of background load spreads over many points instead of skewing one."""
-        setups = [self._requests(b, length, decode)[0] for b, length in points]
+        setups = [self._requests(b, length, decode) for b, length in points]
         for out in setups:
             self.runner.execute(out)  # warm-up
         samples: list[list[float]] = [[] for _ in points]
@@ -182,7 +182,7 @@ def _swap_requests(bench: _Bench, key: dict, block_bytes: int, lengths: list[int
         bm.free(f"f{i}")
     rows = []
     for i, length in enumerate(lengths):
-        out, _ = bench._requests(1, length, decode=False)
+        out = bench._requests(1, length, decode=False)
         rid = out.batch[0].request_id = f"r{i}"
         out.block_tables = [bm.allocate(rid, length)]
         if real_kv:

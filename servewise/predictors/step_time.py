@@ -10,7 +10,6 @@ error, which is what MAPE measures (step times span three orders of magnitude).
 """
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,10 +121,6 @@ class StepTimePredictor:
 
     def bind(self, layers: int, hidden: int) -> BoundStepTime:
         return BoundStepTime(self, layers, hidden)
-
-    def save(self, path: str) -> None:
-        with open(path, "wb") as f:
-            pickle.dump(self, f)
 
 
 class BoundStepTime:
