@@ -15,7 +15,7 @@ from servewise.predictors.swap_cost import SwapCostModel, kv_bytes
 def small_profile():
     return profile(hf_config("tiny-llama"), sizes=((1, 64), (2, 128)), prefill_points=10, decode_points=10,
                    max_batch=16, max_prefill_len=64, max_decode_ctx=128, max_prefill_tokens=256,
-                   max_decode_tokens=1024, max_copy_blocks=16, validation_requests=4, reps=1)
+                   max_decode_tokens=1024, max_copy_blocks=64, validation_requests=4, reps=1)
 
 
 def test_profile_has_every_sample(small_profile):

@@ -23,6 +23,9 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    # fitted predictors for `preemption="adaptive"` on the real engine; None: this machine's cached
+    # profile for the model, profiled on first use
+    predictors: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -69,13 +72,25 @@ class LLMEngine:
         cc = config.cache
         n_dev, n_host = cc.resolve(mc.kv_bytes_per_token * cc.block_size)
         self.block_manager = BlockManager(n_dev, n_host, cc.block_size, cc.watermark)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager,
-                                   ORDERING_POLICIES[config.scheduler.policy](),
-                                   PREEMPTION_POLICIES[config.scheduler.preemption]())
         self.runner = make_runner(mc, n_dev, n_host, cc.block_size)
+        preemption = PREEMPTION_POLICIES[config.scheduler.preemption]
+        preemption = preemption(self._cost_model(device)) if preemption.needs_costs else preemption()
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   ORDERING_POLICIES[config.scheduler.policy](), preemption)
         self.clock = clock or WallClock()
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
+
+    def _cost_model(self, device: str):
+        """What cost-aware preemption predicts with: a simulated runner's own performance model, or
+        the predictors fitted on this machine's profile of the model (profiled on first use)."""
+        perf = getattr(self.runner, "perf", None)
+        if perf is not None:
+            return perf
+        from servewise.predictors.auto import profiled_perf
+
+        return profiled_perf(self.config.model, self.model_config, device, self.config.cache.block_size,
+                             self.config.predictors)
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -116,8 +131,13 @@ class LLMEngine:
                              f"block size {bm.block_size}) but the device pool has only {usable} usable blocks")
         return req
 
-    def abort_request(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id, self.clock.now()) is not None
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a request and free its blocks; reason becomes its finish_reason ("stop" when the
+        caller ended it on a stop string)."""
+        req = self.scheduler.abort(request_id, self.clock.now(), reason)
+        if req is not None:
+            self.requests.pop(request_id, None)
+        return req is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -1,8 +1,11 @@
 """Iteration-level (continuous) scheduler with waiting, running and swapped queues.
 
 Each step is either a prefill step (new or recomputed requests) or a decode step (one token
-for every running request), as in vLLM's default scheduler. Prefills go first unless requests
-are swapped out: those come back before anything new is admitted.
+for every running request), as in vLLM's default scheduler. Under vLLM's rule, prefills go first
+unless requests are swapped out: those come back before anything new is admitted. Under an
+ordering with `group_admission` (AdaptiveLLM's Algorithm 2), the scheduler first makes room for the
+running batch's next tokens, then builds the group of swapped requests that fit and the group of
+waiting requests that fit, and admits the group with the higher mean priority, never both.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.static = getattr(ordering, "static", False)
+        self.group_admission = getattr(ordering, "group_admission", False)
+        self.preemption_counts = {"swap": 0, "recompute": 0, "swap_fallback": 0}  # since start, for monitoring
 
     def _enqueue(self, queue: list[Request], req: Request, now: float) -> None:
         """Append, or insert in order when the ordering is static (those queues are kept sorted)."""
@@ -57,29 +62,69 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def abort(self, request_id: str, now: float) -> Request | None:
+    def abort(self, request_id: str, now: float, reason: str = "abort") -> Request | None:
         for queue in (self.waiting, self.running, self.swapped):
             for i, req in enumerate(queue):
                 if req.request_id == request_id:
                     del queue[i]
                     self.bm.free(request_id)
-                    req.status, req.finish_reason, req.finish_time = Status.ABORTED, "abort", now
+                    req.status, req.finish_reason, req.finish_time = Status.ABORTED, reason, now
                     return req
         return None
 
     # --- scheduling --------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
+        if self.group_admission:
+            return self._schedule_by_groups(now)
         if not self.swapped:
             out = self._schedule_prefill(now)
             if out.batch:
                 return out
         return self._schedule_decode(now)
 
-    def _schedule_prefill(self, now: float) -> SchedulerOutput:
+    def _schedule_by_groups(self, now: float) -> SchedulerOutput:
+        self._sorted(self.running, now)
+        tables, bs = self.bm.device_tables, self.bm.block_size
+        growth = sum(r.num_tokens > len(tables[r.request_id]) * bs for r in self.running)
+        room = self.bm.num_free_device - growth
+        if room < 0:  # the next decode step does not fit: preempt (Algorithm 1), admit nothing
+            return self._schedule_decode(now)
+        slots = self.config.max_num_seqs - len(self.running)
+        self._sorted(self.swapped, now)
+        swap_group = self._fitting(self.swapped, room, slots,
+                                   lambda r: max(len(self.bm.host_tables[r.request_id]), self.bm.blocks_needed(r.num_tokens)))
+        self._sorted(self.waiting, now)
+        prefill_group = self._fitting(self.waiting, room - self.bm.watermark_blocks, slots,
+                                      lambda r: self.bm.blocks_needed(r.num_tokens), self.config.max_num_batched_tokens)
+        if prefill_group and self._mean_priority(prefill_group, now) > self._mean_priority(swap_group, now):
+            return self._schedule_prefill(now, limit=len(prefill_group))
+        return self._schedule_decode(now, swap_in_limit=len(swap_group))
+
+    @staticmethod
+    def _fitting(queue: list[Request], blocks: int, slots: int, need, token_budget: int | None = None) -> list[Request]:
+        """The longest prefix of `queue` that fits in `blocks` free blocks, `slots` batch places and the
+        prefill token budget (the first request may exceed the budget alone, as in _schedule_prefill)."""
+        group, tokens = [], 0
+        for req in queue[:slots]:
+            n = need(req)
+            if n > blocks or (token_budget is not None and group and tokens + req.num_tokens > token_budget):
+                break
+            blocks -= n
+            tokens += req.num_tokens
+            group.append(req)
+        return group
+
+    def _mean_priority(self, group: list[Request], now: float) -> float:
+        if not group:
+            return float("-inf")
+        return sum(self.ordering.priority(r, now) for r in group) / len(group)
+
+    def _schedule_prefill(self, now: float, limit: int | None = None) -> SchedulerOutput:
         self._sorted(self.waiting, now)
         batch: list[Request] = []
         tokens = 0
-        while self.waiting and len(self.running) + len(batch) < self.config.max_num_seqs:
+        limit = self.config.max_num_seqs - len(self.running) if limit is None else limit
+        while self.waiting and len(batch) < limit:
             req = self.waiting[0]
             n = req.num_tokens
             # the first prefill of a step may exceed the token budget, so long prompts still run
@@ -98,7 +143,7 @@ class Scheduler:
             self._enqueue(self.running, req, now)
         return SchedulerOutput(batch, True, [self.bm.device_tables[r.request_id] for r in batch])
 
-    def _schedule_decode(self, now: float) -> SchedulerOutput:
+    def _schedule_decode(self, now: float, swap_in_limit: int | None = None) -> SchedulerOutput:
         out = SchedulerOutput([], False)
         self._sorted(self.running, now)
         running = self.running
@@ -119,7 +164,7 @@ class Scheduler:
                 self.bm.append_slots(req.request_id, req.num_tokens)
                 i += 1
         if not out.preempted:
-            self._swap_in(running, now, out)
+            self._swap_in(running, now, out, swap_in_limit)
         self.running = running
         out.batch = list(running)
         out.block_tables = [self.bm.device_tables[r.request_id] for r in running]
@@ -128,6 +173,7 @@ class Scheduler:
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         mode = self.preemption.choose(req, self.bm, now)
         req.preemptions[mode] += 1
+        self.preemption_counts[mode] += 1
         if mode == "swap":
             out.swap_out.extend(self.bm.swap_out(req.request_id))
             req.status = Status.SWAPPED
@@ -140,9 +186,11 @@ class Scheduler:
             self._enqueue(self.waiting, req, now)
         out.preempted.append((req, "swap" if mode == "swap" else "recompute"))
 
-    def _swap_in(self, running: list[Request], now: float, out: SchedulerOutput) -> None:
+    def _swap_in(self, running: list[Request], now: float, out: SchedulerOutput, limit: int | None = None) -> None:
         self._sorted(self.swapped, now)
-        while self.swapped and len(running) < self.config.max_num_seqs:
+        limit = len(self.swapped) if limit is None else limit
+        while self.swapped and limit > 0 and len(running) < self.config.max_num_seqs:
+            limit -= 1
             req = self.swapped[0]
             if not self.bm.can_swap_in(req.request_id, req.num_tokens):
                 break

@@ -3,7 +3,9 @@
 A policy maps a request to a sort key; smaller keys are served first, the largest key is the
 first preemption victim. Policies are pure: they read requests and `now`, they change nothing.
 A policy whose key never changes (`static`) lets the scheduler keep its queues sorted by
-insertion instead of re-sorting them every step.
+insertion instead of re-sorting them every step. A policy with `group_admission` makes the
+scheduler choose, when blocks are free, between swapping requests back in and prefilling new
+ones by the groups' mean priority (AdaptiveLLM's Algorithm 2) instead of vLLM's fixed rule.
 """
 from __future__ import annotations
 
@@ -11,13 +13,34 @@ from servewise.engine.request import Request
 
 
 class FCFS:
-    """First come, first served: earliest arrival first; the latest arrival is preempted first."""
+    """First come, first served: earliest arrival first; the latest arrival is preempted first.
+    Swapped requests come back before new ones are admitted (vLLM's rule)."""
 
     name = "fcfs"
     static = True
+    group_admission = False
 
     def key(self, req: Request, now: float) -> tuple:
         return (req.arrival_time, req.seq_no)
 
 
-ORDERING_POLICIES: dict[str, type] = {"fcfs": FCFS}
+class Fair:
+    """AdaptiveLLM's fairness priority: time since arrival / (prompt + generated tokens).
+
+    Short requests rise fast and long waits keep rising, so nothing starves. The highest priority
+    is served first and the lowest is preempted first.
+    """
+
+    name = "fair"
+    static = False
+    group_admission = True
+
+    @staticmethod
+    def priority(req: Request, now: float) -> float:
+        return (now - req.arrival_time) / req.num_tokens
+
+    def key(self, req: Request, now: float) -> tuple:
+        return (-self.priority(req, now), req.seq_no)
+
+
+ORDERING_POLICIES: dict[str, type] = {"fcfs": FCFS, "fair": Fair}

@@ -6,12 +6,16 @@ so recompute; counted separately).
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 from servewise.engine.block_manager import BlockManager
 from servewise.engine.request import Request
 
 
 class Recompute:
     name = "recompute"
+    needs_costs = False
 
     def choose(self, req: Request, bm: BlockManager, now: float) -> str:
         return "recompute"
@@ -19,9 +23,72 @@ class Recompute:
 
 class Swap:
     name = "swap"
+    needs_costs = False
 
     def choose(self, req: Request, bm: BlockManager, now: float) -> str:
         return "swap" if bm.can_swap_out(req.request_id) else "swap_fallback"
 
 
-PREEMPTION_POLICIES: dict[str, type] = {"recompute": Recompute, "swap": Swap}
+@dataclass
+class Decision:
+    request_id: str
+    tokens: int  # prompt + generated: what a recompute re-prefills
+    blocks: int  # what a swap copies, each way
+    recompute_s: float
+    swap_s: float  # out + in
+    host_room: bool
+    mode: str
+
+    def why(self) -> str:
+        cheaper = "swap" if self.swap_s < self.recompute_s else "recompute"
+        room = "" if self.host_room else ", host pool full"
+        return (f"request {self.request_id}: {self.tokens} tokens / {self.blocks} blocks; predicted recompute "
+                f"{self.recompute_s * 1e3:.3f} ms, swap out+in {self.swap_s * 1e3:.3f} ms -> {cheaper} is cheaper"
+                f"{room} -> {self.mode}")
+
+
+class Adaptive:
+    """AdaptiveLLM's cost-aware choice (Algorithm 1): swap when the predicted swap-out plus swap-in
+    time is below the predicted recompute (a prefill of prompt + generated tokens) and the host pool
+    has room; otherwise recompute ("swap_fallback" when only the room was missing).
+
+    `perf` is a performance model (prefill(lens), copy(num_blocks, to_host)): the predictors fitted on
+    this machine's profile for the real engine, or the simulator's model of the simulated hardware.
+    Every decision is logged with its costs; `predict_s` is the wall time spent predicting.
+    """
+
+    name = "adaptive"
+    needs_costs = True
+
+    def __init__(self, perf):
+        self.perf = perf
+        self.decisions: list[Decision] = []
+        self.predict_s = 0.0
+
+    def costs(self, num_tokens: int, num_blocks: int) -> tuple[float, float]:
+        """(recompute, swap out + in) predicted seconds."""
+        t0 = time.perf_counter()
+        recompute = self.perf.prefill([num_tokens])
+        swap = self.perf.copy(num_blocks, True) + self.perf.copy(num_blocks, False)
+        self.predict_s += time.perf_counter() - t0
+        return recompute, swap
+
+    def choose(self, req: Request, bm: BlockManager, now: float) -> str:
+        blocks = len(bm.device_tables[req.request_id])
+        recompute, swap = self.costs(req.num_tokens, blocks)
+        room = bm.can_swap_out(req.request_id)
+        mode = ("swap" if room else "swap_fallback") if swap < recompute else "recompute"
+        self.decisions.append(Decision(req.request_id, req.num_tokens, blocks, recompute, swap, room, mode))
+        return mode
+
+
+PREEMPTION_POLICIES: dict[str, type] = {"recompute": Recompute, "swap": Swap, "adaptive": Adaptive}
+
+# The systems compared in AdaptiveLLM's evaluation: (ordering policy, preemption policy).
+SYSTEMS: dict[str, tuple[str, str]] = {
+    "vllm": ("fcfs", "recompute"),  # vLLM's behaviour for single-sequence (greedy) requests
+    "vllm_s": ("fcfs", "swap"),  # always swap; recompute only when the host pool is full
+    "adaptive+fcfs": ("fcfs", "adaptive"),
+    "recompute+fair": ("fair", "recompute"),
+    "adaptive+fair": ("fair", "adaptive"),  # AdaptiveLLM
+}

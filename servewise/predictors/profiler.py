@@ -28,7 +28,10 @@ _GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 def scaled_config(base: dict, layers: int, hidden: int) -> dict:
-    """A Hugging Face config like `base` with another depth and width (heads of 64 dims)."""
+    """A Hugging Face config like `base` with another depth and width (heads of 64 dims); `base`
+    itself at its own size."""
+    if (layers, hidden) == (base["num_hidden_layers"], base["hidden_size"]):
+        return dict(base)
     cfg = dict(base, num_hidden_layers=layers, hidden_size=hidden)
     heads = max(1, hidden // 64)
     cfg["num_attention_heads"] = heads

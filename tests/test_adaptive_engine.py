@@ -1,0 +1,33 @@
+"""AdaptiveLLM on the real engine: predictors profiled on first use, outputs unchanged by preemption."""
+import os
+
+from conftest import random_prompts
+
+from servewise import LLM, SamplingParams
+from servewise.predictors.auto import CACHE_ENV
+
+
+def test_adaptive_fair_matches_an_unconstrained_run(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    prompts = random_prompts(12, 5, 60, seed=3)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    ref = LLM("tiny-llama", num_device_blocks=512).generate(prompts, params)
+
+    llm = LLM("tiny-llama", num_device_blocks=16, num_host_blocks=8, preemption="adaptive", policy="fair")
+    err = capfd.readouterr().err
+    assert "profiling it now" in err and "predictors saved to" in err
+    assert len(os.listdir(tmp_path / "predictors")) == 1
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+    pre = llm.engine.scheduler.preemption
+    modes = {d.mode for d in pre.decisions}
+    assert "swap" in modes  # on a CPU, copying a few blocks is far cheaper than a re-prefill
+    assert "swap_fallback" in modes  # 8 host blocks run out: recompute, counted as a fallback
+    assert all(d.swap_s < d.recompute_s for d in pre.decisions)
+    assert sum(o.request.preemptions["swap"] for o in outs) == sum(d.mode == "swap" for d in pre.decisions)
+    llm.engine.block_manager.check_invariants()
+    assert llm.engine.block_manager.num_free_device == 16 and llm.engine.block_manager.num_free_host == 8
+
+    LLM("tiny-llama", num_device_blocks=16, num_host_blocks=8, preemption="adaptive")  # cached: no profiling now
+    assert "profiling" not in capfd.readouterr().err
