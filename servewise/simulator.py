@@ -15,8 +15,9 @@ from servewise.workloads.datasets import WorkloadRequest
 PROFILE = "profile"
 
 
-def make_perf(hardware: str, mc, block_size: int, predictors=None):
-    """hardware 'profile': this machine, from fitted predictors; otherwise a roofline GPU by name."""
+def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: dict | None = None):
+    """hardware 'profile': this machine, from fitted predictors; otherwise a roofline GPU by name, with
+    `efficiency` overriding the roofline's assumed efficiencies (see roofline.Efficiency)."""
     if hardware == PROFILE:
         if predictors is None:
             raise ValueError("hardware 'profile' needs fitted predictors (run `servewise profile` first)")
@@ -26,16 +27,17 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None):
         return ProfiledPerf(preds, mc.num_layers, mc.hidden_size, mc.kv_bytes_per_token, block_size)
     from servewise.predictors.roofline import RooflinePerf
 
-    return RooflinePerf(mc, hardware, block_size)
+    perf = RooflinePerf(mc, hardware, block_size)
+    return perf.with_efficiency(**efficiency) if efficiency else perf
 
 
-def sim_engine(model: str, hardware: str, predictors=None, **engine_kw) -> LLMEngine:
+def sim_engine(model: str, hardware: str, predictors=None, efficiency: dict | None = None, **engine_kw) -> LLMEngine:
     """An engine whose runner is simulated. Without an explicit device pool, roofline GPUs get the
     blocks that fit beside the weights."""
     holder = {}
 
     def make_runner(mc, n_dev, n_host, bs):
-        holder["perf"] = perf = make_perf(hardware, mc, bs, predictors)
+        holder["perf"] = perf = make_perf(hardware, mc, bs, predictors, efficiency)
         return SimRunner(perf)
 
     engine_kw.setdefault("dtype", "float32" if hardware == PROFILE else "float16")

@@ -80,7 +80,10 @@ class RooflinePerf:
         self._attn = 4 * c.num_layers * c.num_heads * c.head_dim  # QK^T and PV flops per (query, key) pair
 
     def with_efficiency(self, **kw) -> RooflinePerf:
-        return RooflinePerf(self.c, self.hw, self.block_size, replace(self.eff, **kw))
+        perf = RooflinePerf(self.c, self.hw, self.block_size, replace(self.eff, **kw))
+        if kw:
+            perf.label += ", " + ", ".join(f"{k} efficiency {v}" for k, v in kw.items())
+        return perf
 
     def _time(self, flops: float, nbytes: float) -> float:
         return max(flops / self.flops_per_s, nbytes / self.bytes_per_s) + self.eff.step_overhead_s

@@ -1,0 +1,422 @@
+"""AdaptiveLLM's evaluation, reproduced: five systems on three workloads, on the real engine with
+the built-in tiny models and in the simulator with analytical A800 models of the paper's LLMs.
+
+Setting (the paper's section 4.2): 128 device blocks, 64 host blocks, block size 16, requests all
+submitted at once, maximum output lengths 64 / 128 / 256. Outputs:
+- output-token throughput per system, and AdaptiveLLM's speed-up over vllm and vllm_s (its Table 3);
+- preemptions by kind per system (its Table 6);
+- mean weighted turnaround vs the maximum batch size (its Figure 4);
+- the cost of predicting (share of the run) and of one scheduling decision at 128 running requests;
+- example decisions with their predicted costs, and the swap/recompute crossover of each model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from servewise.engine.driver import run_workload
+from servewise.engine.llm_engine import EngineConfig, LLMEngine
+from servewise.metrics import RequestRecord, compute
+from servewise.policies import SYSTEMS
+from servewise.workloads.presets import preset_workload
+
+ADAPTIVE, BASELINES = "adaptive+fair", ("vllm", "vllm_s")
+
+
+@dataclass
+class Settings:
+    real_models: tuple[str, ...] = ("tiny-llama",)
+    sim_models: tuple[str, ...] = ("opt-13b", "opt-30b", "llama-13b", "llama-30b")
+    hardware: str = "a800-80g-pcie"
+    workloads: tuple[str, ...] = ("chatbot", "alpaca", "summary")
+    systems: tuple[str, ...] = tuple(SYSTEMS)
+    max_output_lens: tuple[int, ...] = (64, 128, 256)
+    batch_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)
+    turnaround_output_len: int = 128  # the batch-size sweep runs at this maximum output length
+    # A slower host link, where a long request's swap costs more than its re-prefill, so that the
+    # cost-aware choice is not always "swap": link efficiency, model, and systems compared there.
+    slow_link_efficiency: float = 0.2
+    slow_link_systems: tuple[str, ...] = ("vllm", "vllm_s", "adaptive+fcfs", "adaptive+fair")
+    decision_cost_requests: int = 600  # chatbot requests for timing scheduling decisions at 128 running
+    num_requests_real: int = 32
+    num_requests_sim: int = 200
+    real_batch_sweep: bool = False  # the batch-size sweep on the real engine too (slow)
+    num_device_blocks: int | None = 128  # None: what fits beside the weights (simulated GPUs only)
+    num_host_blocks: int = 64
+    block_size: int = 16
+    max_num_seqs: int = 256  # for the throughput runs
+    data_dir: str | None = None
+    predictors: str | None = None  # for adaptive preemption on the real engine; None: cached, profiled on first use
+    seed: int = 0
+
+
+QUICK = Settings()
+FULL = Settings(real_models=("tiny-llama", "tiny-opt"), num_requests_real=1000, num_requests_sim=1000,
+                real_batch_sweep=True)
+
+
+@dataclass
+class Run:
+    kind: str  # "throughput" (max output varies) | "sweep" (max batch size varies) | "decision_cost"
+    backend: str  # "real" | "sim"
+    model: str
+    workload: str
+    max_output_len: int
+    system: str
+    max_num_seqs: int
+    throughput: float = 0.0  # output tokens/s
+    duration_s: float = 0.0  # first arrival to last finish (simulated time in the simulator)
+    weighted_turnaround: float | None = None
+    completed: int = 0
+    rejected: int = 0
+    preemptions: dict = field(default_factory=dict)
+    predict_s: float = 0.0  # wall time spent predicting preemption costs
+    decisions: int = 0
+    schedule_calls: int = 0
+    schedule_s_at_128: float = 0.0  # wall time of schedule() calls made with >= 120 running requests
+    schedule_calls_at_128: int = 0
+    examples: dict = field(default_factory=dict)  # mode -> an explained decision
+
+
+def workload(name: str, n: int, max_output_len: int, s: Settings):
+    """The same requests for every system and model: byte-level prompt ids under every model's vocab,
+    prompts cut so that prompt + output fits the device pool."""
+    from servewise.models.loader import load_model_config
+
+    _, tok = load_model_config("tiny-llama")
+    items = preset_workload(name, n, tok, 32000, s.seed, s.data_dir, max_output_len)
+    cap = (s.num_device_blocks - 2) * s.block_size - max_output_len if s.num_device_blocks else 1 << 30
+    for it in items:
+        if it.prompt_len > cap:
+            it.prompt, it.prompt_len = it.prompt[:cap], cap
+    return items
+
+
+def make_engine(backend: str, model: str, system: str, max_num_seqs: int, s: Settings,
+                efficiency: dict | None = None) -> LLMEngine:
+    policy, preemption = SYSTEMS[system]
+    kw = dict(num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks, block_size=s.block_size,
+              policy=policy, preemption=preemption, max_num_seqs=max_num_seqs)
+    if backend == "sim":
+        from servewise.simulator import sim_engine
+
+        return sim_engine(model, s.hardware, efficiency=efficiency, **kw)
+    eng = LLMEngine(EngineConfig.from_kwargs(model=model, predictors=s.predictors, **kw))
+    eng.add_request([5] * 16)  # warm-up, outside the measured run
+    while eng.has_unfinished():
+        eng.step()
+    return eng
+
+
+def run_one(kind: str, backend: str, model: str, items, wl: str, max_out: int, system: str, max_num_seqs: int,
+            s: Settings, efficiency: dict | None = None) -> Run:
+    eng = make_engine(backend, model, system, max_num_seqs, s, efficiency)
+    run = Run(kind, backend, model, wl, max_out, system, max_num_seqs)
+    sched = eng.scheduler
+    plain = sched.schedule
+
+    def timed(now):
+        t0 = time.perf_counter()
+        out = plain(now)
+        dt = time.perf_counter() - t0
+        run.schedule_calls += 1
+        if len(sched.running) >= 120:
+            run.schedule_s_at_128 += dt
+            run.schedule_calls_at_128 += 1
+        return out
+
+    sched.schedule = timed
+    reqs, rejected = run_workload(eng, items, [0.0] * len(items))
+    m = compute([RequestRecord.from_request(r) for r in reqs])
+    run.throughput, run.duration_s = m["output_throughput"], m["duration_s"]
+    run.weighted_turnaround, run.completed, run.rejected = m["mean_weighted_turnaround"], m["completed"], len(rejected)
+    run.preemptions = m["preemptions"]
+    pre = sched.preemption
+    if hasattr(pre, "decisions"):
+        run.predict_s, run.decisions = pre.predict_s, len(pre.decisions)
+        for d in pre.decisions:  # one example per mode; a recompute chosen on cost alone is kept apart
+            run.examples.setdefault(d.mode if d.host_room or d.mode != "recompute" else "recompute, host full", d.why())
+    return run
+
+
+def crossover(model: str, s: Settings, link_efficiency: float | None = None,
+              tokens=(16, 64, 256, 1024, 2048)) -> list[dict]:
+    """Predicted recompute and swap costs of one request by length on the simulated GPU."""
+    from servewise.models.loader import load_model_config
+    from servewise.predictors.roofline import RooflinePerf
+
+    mc, _ = load_model_config(model, "float16")
+    perf = RooflinePerf(mc, s.hardware, s.block_size)
+    if link_efficiency is not None:
+        perf = perf.with_efficiency(link=link_efficiency)
+    rows = []
+    for n in tokens:
+        blocks = -(-n // s.block_size)
+        rec, swap = perf.prefill([n]), perf.copy(blocks, True) + perf.copy(blocks, False)
+        rows.append({"tokens": n, "recompute_ms": rec * 1e3, "swap_ms": swap * 1e3,
+                     "choice": "swap" if swap < rec else "recompute"})
+    return rows
+
+
+def run_experiment(s: Settings, progress=None) -> dict:
+    say = progress or (lambda m: None)
+    runs: list[Run] = []
+    backends = [("real", m) for m in s.real_models] + [("sim", m) for m in s.sim_models]
+    for backend, model in backends:
+        n = s.num_requests_real if backend == "real" else s.num_requests_sim
+        sweep = backend == "sim" or s.real_batch_sweep
+        for wl in s.workloads:
+            for max_out in s.max_output_lens:
+                items = workload(wl, n, max_out, s)
+                for system in s.systems:
+                    t0 = time.perf_counter()
+                    runs.append(run_one("throughput", backend, model, items, wl, max_out, system, s.max_num_seqs, s))
+                    say(f"{backend} {model} {wl} max_out={max_out} {system}: {runs[-1].throughput:.0f} tok/s "
+                        f"({time.perf_counter() - t0:.1f} s)")
+            if sweep:
+                items = workload(wl, n, s.turnaround_output_len, s)
+                for bsz in s.batch_sizes:
+                    for system in s.systems:
+                        runs.append(run_one("sweep", backend, model, items, wl, s.turnaround_output_len, system, bsz, s))
+                say(f"{backend} {model} {wl}: batch-size sweep done")
+    for model in s.sim_models:  # the same runs over a slower host link
+        for wl in s.workloads:
+            items = workload(wl, s.num_requests_sim, max(s.max_output_lens), s)
+            for system in s.slow_link_systems:
+                runs.append(run_one("slow_link", "sim", model, items, wl, max(s.max_output_lens), system,
+                                    s.max_num_seqs, s, {"link": s.slow_link_efficiency}))
+        say(f"sim {model}: slow-link runs done")
+    if s.sim_models:  # one scheduling decision with 128 running requests needs a pool that holds them
+        big = replace(s, num_device_blocks=None)
+        items = workload("chatbot", s.decision_cost_requests, 128, big)
+        for system in (ADAPTIVE, "vllm"):
+            runs.append(run_one("decision_cost", "sim", s.sim_models[0], items, "chatbot", 128, system, 128, big))
+        say("scheduling cost at 128 running requests measured")
+    return {"settings": asdict(s), "threads": torch.get_num_threads(), "runs": [asdict(r) for r in runs],
+            "crossover": {m: {"spec_link": crossover(m, s), "link_efficiency_0.2": crossover(m, s, 0.2)}
+                          for m in s.sim_models}}
+
+
+# --- reading the runs --------------------------------------------------------------------------
+def _index(result: dict, sweep: bool) -> dict:
+    """(backend, model, workload, max output length or max batch size, system) -> run."""
+    x = "max_num_seqs" if sweep else "max_output_len"
+    return {(r["backend"], r["model"], r["workload"], r[x], r["system"]): r for r in result["runs"]
+            if r["kind"] == ("sweep" if sweep else "throughput")}
+
+
+def _groups(result: dict):
+    s = result["settings"]
+    return [("real", m) for m in s["real_models"]] + [("sim", m) for m in s["sim_models"]]
+
+
+def speedup_table(result: dict, max_out: int) -> list[str]:
+    s, idx = result["settings"], _index(result, sweep=False)
+    lines = [f"AdaptiveLLM ({ADAPTIVE}) throughput speed-up over vllm / vllm_s, max output length {max_out}"
+             f" (paper, Table 3: 1.09-1.40x / 1.64-2.55x)",
+             f"{'model':<28}" + "".join(f"{w:>16}" for w in s["workloads"])]
+    for backend, model in _groups(result):
+        cells = []
+        for wl in s["workloads"]:
+            a = idx.get((backend, model, wl, max_out, ADAPTIVE))
+            base = [idx.get((backend, model, wl, max_out, b)) for b in BASELINES]
+            if a is None or None in base:
+                cells.append(f"{'-':>16}")
+                continue
+            cells.append(f"{a['throughput'] / base[0]['throughput']:>9.2f}/{a['throughput'] / base[1]['throughput']:.2f}")
+        lines.append(f"{_label(backend, model, result):<28}" + "".join(cells))
+    return lines
+
+
+def _label(backend: str, model: str, result: dict) -> str:
+    return f"{model} (real, CPU)" if backend == "real" else f"{model} (sim, {result['settings']['hardware']})"
+
+
+def throughput_table(result: dict) -> list[str]:
+    s, idx = result["settings"], _index(result, sweep=False)
+    lines = ["output throughput (tok/s; simulated runs: analytical)",
+             f"{'model':<28}{'workload':<9}{'max out':>8}" + "".join(f"{x:>15}" for x in s["systems"])]
+    for backend, model in _groups(result):
+        for wl in s["workloads"]:
+            for mo in s["max_output_lens"]:
+                row = [idx.get((backend, model, wl, mo, x)) for x in s["systems"]]
+                lines.append(f"{_label(backend, model, result):<28}{wl:<9}{mo:>8}"
+                             + "".join(f"{r['throughput']:>15.1f}" if r else f"{'-':>15}" for r in row))
+    return lines
+
+
+def preemption_table(result: dict) -> list[str]:
+    """Preemptions by kind, summed over the maximum output lengths (the paper's Table 6)."""
+    s, idx = result["settings"], _index(result, sweep=False)
+    lines = ["preemptions by kind, summed over max output lengths: swap / recompute (of which host-pool-full fallbacks)",
+             f"{'model':<28}{'workload':<9}" + "".join(f"{x:>17}" for x in s["systems"])]
+    for backend, model in _groups(result):
+        for wl in s["workloads"]:
+            cells = []
+            for x in s["systems"]:
+                rs = [idx.get((backend, model, wl, mo, x)) for mo in s["max_output_lens"]]
+                rs = [r for r in rs if r]
+                sw, rc, fb = (sum(r["preemptions"][k] for r in rs) for k in ("swap", "recompute", "swap_fallback"))
+                cells.append(f"{f'{sw}/{rc} ({fb})':>17}")
+            lines.append(f"{_label(backend, model, result):<28}{wl:<9}" + "".join(cells))
+    return lines
+
+
+def slow_link_table(result: dict) -> list[str]:
+    s = result["settings"]
+    runs = [r for r in result["runs"] if r["kind"] == "slow_link"]
+    if not runs:
+        return []
+    systems = [x for x in s["slow_link_systems"]]
+    lines = [f"host link at {s['slow_link_efficiency']} x the spec sheet (where long requests cost more to swap than to "
+             f"recompute), max output {max(s['max_output_lens'])}: output tok/s, and preemptions swap/recompute "
+             f"(host-pool-full fallbacks)",
+             f"{'model':<28}{'workload':<9}" + "".join(f"{x:>15}" for x in systems) + f"{'adaptive+fair preemptions':>28}"]
+    idx = {(r["model"], r["workload"], r["system"]): r for r in runs}
+    for model in s["sim_models"]:
+        for wl in s["workloads"]:
+            row = [idx.get((model, wl, x)) for x in systems]
+            a = idx.get((model, wl, ADAPTIVE))
+            p = f"{a['preemptions']['swap']}/{a['preemptions']['recompute']} ({a['preemptions']['swap_fallback']})" if a else "-"
+            lines.append(f"{_label('sim', model, result):<28}{wl:<9}"
+                         + "".join(f"{r['throughput']:>15.1f}" if r else f"{'-':>15}" for r in row) + f"{p:>28}")
+    return lines
+
+
+def turnaround_table(result: dict) -> list[str]:
+    s, idx = result["settings"], _index(result, sweep=True)
+    lines = [f"mean weighted turnaround (finish - arrival) / (finish - first scheduled) by max batch size, "
+             f"max output {s['turnaround_output_len']}",
+             f"{'model':<28}{'workload':<9}{'system':<16}" + "".join(f"{b:>8}" for b in s["batch_sizes"])]
+    for backend, model in _groups(result):
+        for wl in s["workloads"]:
+            for x in s["systems"]:
+                row = [idx.get((backend, model, wl, b, x)) for b in s["batch_sizes"]]
+                if not any(row):
+                    continue
+                lines.append(f"{_label(backend, model, result):<28}{wl:<9}{x:<16}"
+                             + "".join(f"{r['weighted_turnaround']:>8.2f}" if r else f"{'-':>8}" for r in row))
+    return lines
+
+
+def overhead_lines(result: dict) -> list[str]:
+    runs = result["runs"]
+    lines = ["overhead of AdaptiveLLM's decisions"]
+    for backend in ("real", "sim"):
+        rs = [r for r in runs if r["backend"] == backend and r["decisions"]]
+        if not rs:
+            continue
+        pred, dur, n = sum(r["predict_s"] for r in rs), sum(r["duration_s"] for r in rs), sum(r["decisions"] for r in rs)
+        what = "of the runs' wall time" if backend == "real" else "of simulated time (prediction is host-side work)"
+        lines.append(f"  {backend}: cost prediction {pred * 1e3:.1f} ms for {n} decisions "
+                     f"({pred / n * 1e6:.0f} us each) = {pred / dur * 100:.3f}% {what} (paper: 0.1-1%)")
+    for system in (ADAPTIVE, "vllm"):
+        rs = [r for r in runs if r["kind"] == "decision_cost" and r["system"] == system and r["schedule_calls_at_128"]]
+        if rs:
+            t, c = sum(r["schedule_s_at_128"] for r in rs), sum(r["schedule_calls_at_128"] for r in rs)
+            lines.append(f"  one scheduling decision with >= 120 running requests, {system}: {t / c * 1e3:.3f} ms "
+                         f"(mean of {c} steps, simulated {rs[0]['model']} with a full-size pool; paper: about 0.2 ms)")
+    return lines
+
+
+def decision_lines(result: dict) -> list[str]:
+    lines = ["example decisions (first of each mode per backend), with the predicted costs"]
+    for backend in ("real", "sim"):
+        seen = {}
+        for r in result["runs"]:
+            if r["backend"] == backend:
+                where = " (slow link)" if r["kind"] == "slow_link" else ""
+                for mode, why in r["examples"].items():
+                    seen.setdefault(mode, f"{r['model']} {r['workload']}{where}: {why}")
+        lines += [f"  {backend} [{mode}] {why}" for mode, why in sorted(seen.items())]
+    for label, key in (("spec-sheet link (0.8 x 32 GB/s)", "spec_link"), ("link at 0.2 x 32 GB/s", "link_efficiency_0.2")):
+        lines.append(f"  {result['settings']['hardware']} predicted recompute vs swap by request length, {label}:")
+        for model, rows in result["crossover"].items():
+            lines.append(f"    {model:<10}" + "  ".join(f"{r['tokens']}: {r['recompute_ms']:.1f}/{r['swap_ms']:.1f} ms "
+                                                       f"{r['choice']}" for r in rows[key]))
+    return lines
+
+
+def report(result: dict) -> str:
+    s = result["settings"]
+    parts = [f"torch threads: {result['threads']}; {s['num_device_blocks']} device / {s['num_host_blocks']} host "
+             f"blocks of {s['block_size']}; all requests submitted at once"]
+    for mo in s["max_output_lens"]:
+        parts += ["", *speedup_table(result, mo)]
+    for fn in (throughput_table, preemption_table, turnaround_table, slow_link_table, overhead_lines, decision_lines):
+        parts += ["", *fn(result)]
+    return "\n".join(parts)
+
+
+def plot(result: dict, out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s, paths = result["settings"], []
+    groups = _groups(result)
+    for name, sweep, xs, ykey, ylabel, xlabel in (
+            ("throughput_vs_max_output.png", False, s["max_output_lens"], "throughput", "output tok/s", "max output length"),
+            ("turnaround_vs_batch_size.png", True, s["batch_sizes"], "weighted_turnaround", "mean weighted turnaround",
+             "max batch size")):
+        idx = _index(result, sweep)
+        fig, axes = plt.subplots(len(groups), len(s["workloads"]), figsize=(4 * len(s["workloads"]), 2.8 * len(groups)),
+                                 squeeze=False)
+        for i, (backend, model) in enumerate(groups):
+            for j, wl in enumerate(s["workloads"]):
+                ax = axes[i][j]
+                for x in s["systems"]:
+                    pts = [(v, idx[(backend, model, wl, v, x)][ykey]) for v in xs if (backend, model, wl, v, x) in idx]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=x)
+                ax.set_title(f"{_label(backend, model, result)}: {wl}", fontsize=8)
+                ax.set_xlabel(xlabel, fontsize=8)
+                ax.set_ylabel(ylabel, fontsize=8)
+                if sweep:
+                    ax.set_xscale("log", base=2)
+                ax.tick_params(labelsize=7)
+        with_lines = [ax for row in axes for ax in row if ax.lines]
+        if with_lines:
+            with_lines[0].legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(a) -> None:
+    s = replace(FULL if a.full else QUICK, seed=a.seed, data_dir=a.data_dir, predictors=a.predictors)
+    if a.num_requests:
+        s = replace(s, num_requests_real=a.num_requests, num_requests_sim=a.num_requests)
+    for name in ("real_models", "sim_models", "workloads", "systems"):
+        v = getattr(a, name)
+        if v is not None:
+            s = replace(s, **{name: tuple(x for x in v.split(",") if x)})
+    if unknown := set(s.systems) - set(SYSTEMS):
+        raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+    if ADAPTIVE not in s.systems or not set(BASELINES) <= set(s.systems):
+        print(f"note: speed-ups need {ADAPTIVE}, vllm and vllm_s among the systems", file=sys.stderr)
+    print(f"AdaptiveLLM experiment ({'full' if a.full else 'quick'}): torch threads {torch.get_num_threads()}, "
+          f"real models {s.real_models} x {s.num_requests_real} requests, simulated {s.sim_models} on "
+          f"{s.hardware} x {s.num_requests_sim} requests", file=sys.stderr)
+    t0 = time.perf_counter()
+    result = run_experiment(s, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    result["wall_s"] = time.perf_counter() - t0
+    os.makedirs(a.out_dir, exist_ok=True)
+    text = report(result)
+    print(text)
+    with open(os.path.join(a.out_dir, "adaptivellm.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(a.out_dir, "adaptivellm.txt"), "w") as f:
+        f.write(text + "\n")
+    for p in plot(result, a.out_dir):
+        print(f"figure: {p}")
+    print(f"saved {os.path.join(a.out_dir, 'adaptivellm.json')} and .txt ({result['wall_s']:.0f} s)")
