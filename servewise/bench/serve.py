@@ -1,0 +1,132 @@
+"""Serving benchmark client for any OpenAI-compatible server (servewise, vLLM, SGLang).
+
+Requests go to /v1/completions as streams at their arrival times (Poisson, gamma with a CV, trace
+replay, or all at once), optionally under a concurrency cap. The client's own timestamps give
+TTFT, TPOT, ITL and E2EL, fed to the same metrics module as the engine and the simulator.
+Prompts are token ids (the OpenAI API accepts them), so lengths are exact; each request asks for
+exactly its output length (max_tokens, ignore_eos, greedy).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+import time
+
+import httpx
+
+from servewise.metrics import SLO, RequestRecord, compute, format_table, save_json
+
+
+async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict, rec: RequestRecord, t0: float) -> None:
+    now = lambda: time.perf_counter() - t0  # noqa: E731
+    rec.arrival = now()
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                await r.aread()
+                rec.finish_reason = f"http {r.status_code}: {r.text[:200]}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if msg.get("usage"):
+                    rec.output_tokens = msg["usage"]["completion_tokens"]
+                for ch in msg.get("choices", []):
+                    if ch.get("text"):
+                        t = now()
+                        if rec.first_token is None:
+                            rec.first_token = t
+                        rec.token_times.append(t)
+                    if ch.get("finish_reason"):
+                        rec.finish_reason = ch["finish_reason"]
+        rec.finish = now()
+        if not rec.output_tokens:
+            rec.output_tokens = len(rec.token_times)
+    except httpx.HTTPError as e:
+        rec.finish_reason = f"{type(e).__name__}: {e}"
+        rec.finish = None
+
+
+async def run_bench(base_url: str, model: str, items, arrivals: list[float], max_concurrency: int | None = None,
+                    api_key: str | None = None, timeout: float = 600.0, progress=None) -> tuple[list[RequestRecord], float]:
+    """Send every item at its arrival time; returns (records, wall seconds)."""
+    url = base_url.rstrip("/") + "/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    limits = httpx.Limits(max_connections=max_concurrency or 1000, max_keepalive_connections=max_concurrency or 1000)
+    records = [RequestRecord(0.0, it.prompt_len, 0) for it in items]
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def fire(i: int) -> None:
+            delay = arrivals[i] - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            it = items[i]
+            body = {"model": model, "prompt": it.prompt if isinstance(it.prompt, list) else [7] * it.prompt_len,
+                    "max_tokens": it.output_len, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            if gate:
+                async with gate:
+                    await _one(client, url, headers, body, records[i], t0)
+            else:
+                await _one(client, url, headers, body, records[i], t0)
+            if progress:
+                progress(1)
+
+        await asyncio.gather(*(fire(i) for i in range(len(items))))
+        return records, time.perf_counter() - t0
+
+
+def _served_model(base_url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def main(a) -> None:
+    from servewise.models.loader import load_model_config
+    from servewise.workloads.build import build_workload
+
+    base = a.base_url.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    try:
+        model = a.model or _served_model(base, a.api_key)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {base}/models: {e}") from e
+    mc, tok = load_model_config(a.tokenizer)
+    rate = a.request_rate
+    arrival = a.arrival or ("all" if math.isinf(rate) else ("poisson" if a.burstiness == 1.0 else "gamma"))
+    items, arrivals = build_workload(a.workload, tok, mc.vocab_size,
+                                     data=a.data, num_requests=a.num_requests, input_len=a.input_len,
+                                     output_len=a.output_len, max_output_len=a.max_output_len,
+                                     max_prompt_len=a.max_prompt_len, arrival=arrival,
+                                     rate=None if math.isinf(rate) else rate, cv=a.burstiness, seed=a.seed)
+    print(f"{len(items)} {a.workload} requests to {base} (model {model}), arrivals {arrival}"
+          f"{'' if arrival in ('all', 'trace') else f' at {rate} req/s, CV {a.burstiness}'}, "
+          f"max concurrency {a.max_concurrency or 'unlimited'}", file=sys.stderr)
+    bar = None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(items), desc="requests", unit="req")
+    records, wall = asyncio.run(run_bench(base, model, items, arrivals, a.max_concurrency, a.api_key,
+                                          progress=bar.update if bar else None))
+    if bar:
+        bar.close()
+    m = compute(records, SLO(a.slo_ttft_ms, a.slo_tpot_ms, a.slo_e2el_ms), duration=wall)
+    failures = [r.finish_reason for r in records if not r.completed]
+    print(format_table(m, f"Serving benchmark: {model}"))
+    if failures:
+        print(f"{len(failures)} requests failed, e.g.: {failures[0]}")
+    save_json(m, a.out, base_url=base, model=model, workload=a.workload, arrival=arrival, request_rate=rate,
+              burstiness_cv=a.burstiness, max_concurrency=a.max_concurrency, num_requests=len(items),
+              failures=failures[:20])
+    print(f"saved {a.out}")

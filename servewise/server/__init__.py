@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: `servewise serve`."""

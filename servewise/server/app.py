@@ -1,0 +1,238 @@
+"""OpenAI-compatible HTTP server: completions and chat completions (streaming or not), models,
+health and Prometheus metrics, on FastAPI.
+
+Every failure a client can cause is a 4xx with an OpenAI-style error body
+({"error": {"message", "type", "param", "code"}}); overload is a 429 with Retry-After; a client
+that disconnects mid-stream has its request aborted and its KV blocks freed.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from servewise.server.async_engine import AsyncEngine, EngineDead, Overloaded
+from servewise.server.chat import ChatTemplate
+from servewise.server.metrics import ServerMetrics
+from servewise.server.protocol import ChatRequest, CompletionRequest
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "prompt", "logprobs", "echo", "messages"}
+
+
+def _bad_value(e: ValueError) -> APIError:
+    """A ValueError from validation names its field first ("top_p must be in (0, 1]...")."""
+    msg = str(e)
+    first = msg.split(" ", 1)[0].rstrip(":")
+    return APIError(400, msg, param=first if first in PARAMS else None)
+
+
+class TextStream:
+    """Incremental detokenization with stop strings: text is released only when it can no longer turn
+    into a stop string or an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok, self.stops, self.ids, self.sent = tokenizer, stops, [], 0
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def push(self, ids: list[int], final: bool) -> tuple[str, bool]:
+        """(new text, whether a stop string ended the output)."""
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            end, stopped = min(hits), True
+        else:
+            end, stopped = len(text), False
+            if not final:
+                end -= self.hold
+                if text.endswith("\ufffd"):
+                    end = min(end, len(text) - 1)
+        end = max(end, self.sent)
+        out, self.sent = text[self.sent:end], end
+        return out, stopped
+
+
+def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate, api_key: str | None = None,
+              default_max_tokens: int = 16) -> FastAPI:
+    app = FastAPI(title="servewise", description="OpenAI-compatible LLM serving")
+    metrics = ServerMetrics(engine)
+    engine.on_finish = metrics.observe
+    tokenizer = engine.engine.tokenizer
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+        where = ".".join(loc) or "body"
+        return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", param=loc[0] if loc else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _internal(_, e: Exception):
+        return error_response(500, f"internal error: {type(e).__name__}", "server_error")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                      "authentication_error", code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return error_response(503, engine.error or "the engine is not running", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.render()
+        return PlainTextResponse(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "servewise",
+                                            "max_model_len": engine.engine.model_config.max_model_len}]}
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+
+    def submit(prompt, params):
+        try:
+            return engine.submit(prompt, params)
+        except ValueError as e:
+            raise _bad_value(e) from e
+        except Overloaded as e:
+            metrics.rejected()
+            raise APIError(429, f"the server is overloaded ({e}); retry later", "rate_limit_error",
+                           code="overloaded", headers={"Retry-After": "1"}) from e
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error") from e
+
+    async def run(body, prompt, max_tokens: int | None, chat: bool, http: Request):
+        check_model(body.model)
+        try:
+            params = body.sampling_params(max_tokens, default_max_tokens)
+            stops = body.stop_strings()
+        except ValueError as e:
+            raise _bad_value(e) from e
+        req, queue = submit(prompt, params)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        text = TextStream(tokenizer, stops)
+        if body.stream:
+            return StreamingResponse(stream(req, queue, text, rid, created, chat, body.include_usage),
+                                     media_type="text/event-stream")
+        out, finish = [], None
+        try:
+            while finish is None:
+                d = await queue.get()
+                if d.error:
+                    raise APIError(500, d.error, "server_error")
+                piece, stopped = text.push(d.token_ids, d.finished)
+                out.append(piece)
+                if stopped:
+                    finish = "stop"
+                    engine.abort(req.request_id, "stop")
+                elif d.finished:
+                    finish = d.finish_reason
+        finally:
+            if finish is None:  # cancelled: the client is gone
+                engine.abort(req.request_id)
+        content = "".join(out)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
+                  if chat else {"index": 0, "text": content, "logprobs": None, "finish_reason": finish})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": [choice], "usage": usage(req)}
+
+    def usage(req) -> dict:
+        p, c = req.num_prompt_tokens, len(req.output_token_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def stream(req, queue, text: TextStream, rid, created, chat, include_usage):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(piece: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            return f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': model_name, 'choices': [choice]})}\n\n"
+
+        done = False
+        try:
+            if chat:
+                yield chunk(None, None, first=True)
+            while not done:
+                d = await queue.get()
+                if d.error:
+                    done = True
+                    yield f"data: {json.dumps({'error': {'message': d.error, 'type': 'server_error'}})}\n\n"
+                    break
+                piece, stopped = text.push(d.token_ids, d.finished)
+                finish = "stop" if stopped else (d.finish_reason if d.finished else None)
+                if stopped:
+                    engine.abort(req.request_id, "stop")
+                done = finish is not None
+                if piece or done:
+                    yield chunk(piece, finish)
+            if include_usage:
+                yield f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': model_name, 'choices': [], 'usage': usage(req)})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:  # the client disconnected mid-stream
+                engine.abort(req.request_id)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request):
+        try:
+            prompt = body.single_prompt()
+        except ValueError as e:
+            raise _bad_value(e) from e
+        return await run(body, prompt, body.max_tokens, False, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, http: Request):
+        try:
+            prompt = chat_template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await run(body, prompt, max_tokens, True, http)
+
+    return app

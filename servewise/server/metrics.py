@@ -1,0 +1,70 @@
+"""Prometheus metrics of a serving engine: queue and KV-pool gauges and preemption counters read at
+scrape time, latency histograms and outcome counters updated as requests finish."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _EngineState:
+    """Read the engine's queues, pools and preemption counts when scraped."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        eng = self.engine.engine
+        sched, bm = eng.scheduler, eng.block_manager
+        queues = GaugeMetricFamily("servewise_requests", "Requests by scheduler queue", labels=["state"])
+        for state, q in (("running", sched.running), ("waiting", sched.waiting), ("swapped", sched.swapped)):
+            queues.add_metric([state], len(q))
+        yield queues
+        used = GaugeMetricFamily("servewise_kv_blocks_used", "KV-cache blocks in use", labels=["pool"])
+        total = GaugeMetricFamily("servewise_kv_blocks_total", "KV-cache blocks in the pool", labels=["pool"])
+        usage = GaugeMetricFamily("servewise_kv_usage_ratio", "Share of the pool's KV blocks in use", labels=["pool"])
+        for pool, n, free in (("device", bm.num_device_blocks, bm.num_free_device),
+                              ("host", bm.num_host_blocks, bm.num_free_host)):
+            used.add_metric([pool], n - free)
+            total.add_metric([pool], n)
+            usage.add_metric([pool], (n - free) / n if n else 0.0)
+        yield from (used, total, usage)
+        pre = CounterMetricFamily("servewise_preemptions", "Preemptions by kind (swap_fallback: swap wanted, "
+                                  "host pool full, recomputed)", labels=["kind"])
+        for kind, n in sched.preemption_counts.items():
+            pre.add_metric([kind], n)
+        yield pre
+
+
+class ServerMetrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineState(engine))
+        self.requests = Counter("servewise_requests_finished", "Requests by outcome (stop, length, abort, "
+                                "rejected: refused for overload, error)", ["outcome"], registry=self.registry)
+        self.ttft = Histogram("servewise_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("servewise_time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+                              registry=self.registry)
+        self.e2e = Histogram("servewise_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def observe(self, req) -> None:
+        """A request finished (called from the engine thread; the client library is thread-safe)."""
+        self.requests.labels(req.finish_reason or "error").inc()
+        if req.finish_reason == "abort" or req.first_token_time is None:
+            return
+        self.ttft.observe(req.first_token_time - req.arrival_time)
+        self.e2e.observe(req.finish_time - req.arrival_time)
+        n = len(req.output_token_ids)
+        if n > 1:
+            self.tpot.observe((req.finish_time - req.first_token_time) / (n - 1))
+
+    def rejected(self) -> None:
+        self.requests.labels("rejected").inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,259 @@
+"""The OpenAI-compatible server over real HTTP on 127.0.0.1, with the `openai` client and raw httpx."""
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from servewise import LLM, SamplingParams
+from servewise.server.async_engine import wait_idle
+from servewise.server.run import make_app
+
+ENGINE = dict(num_device_blocks=64, num_host_blocks=32, max_model_len=96, preemption="swap")
+
+
+@contextlib.contextmanager
+def running_server(engine_kwargs=ENGINE, **kw):
+    app, engine = make_app("tiny-llama", dict(engine_kwargs), **kw)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def offline_text(prompt: str, n: int) -> str:
+    out = LLM("tiny-llama", **ENGINE).generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return out[0].text
+
+
+def test_completions_match_offline_generation_streaming_or_not(client):
+    prompt, n = "Paged attention is", 12
+    want = offline_text(prompt, n)
+    r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=n, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == n and r.usage.prompt_tokens == len(prompt.encode()) + 1  # bytes + BOS
+    chunks = list(client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=n, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 2
+
+
+def test_chat_uses_the_default_template_streaming_or_not(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    want = offline_text("<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n", 10)
+    r = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_stop_strings_end_the_output_before_the_stop(client):
+    full = client.completions.create(model="tiny-llama", prompt="abc", max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[5:7]
+    assert stop and full.find(stop) >= 0
+    for stream in (False, True):
+        r = client.completions.create(model="tiny-llama", prompt="abc", max_tokens=40, temperature=0, stop=stop,
+                                      stream=stream, extra_body={"ignore_eos": True})
+        text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+        assert text == full[:full.find(stop)]
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+    text = httpx.get(server[0] + "/metrics").text
+    for name in ('servewise_requests{state="running"}', 'servewise_kv_blocks_used{pool="device"}',
+                 'servewise_kv_usage_ratio{pool="host"}', 'servewise_preemptions_total{kind="swap"}',
+                 "servewise_time_to_first_token_seconds_bucket", "servewise_e2e_request_latency_seconds_count",
+                 'servewise_requests_finished_total{outcome="length"}'):
+        assert name in text, name
+
+
+BAD = [
+    ("not json", b'{"model": "tiny-llama", "prompt": ', 400, None),
+    ("missing prompt", {"model": "tiny-llama"}, 400, "prompt"),
+    ("missing model", {"prompt": "hi"}, 400, "model"),
+    ("max_tokens as a string", {"model": "tiny-llama", "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("max_tokens 0", {"model": "tiny-llama", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("negative temperature", {"model": "tiny-llama", "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("top_p 0", {"model": "tiny-llama", "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("top_p above 1", {"model": "tiny-llama", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("prompt over the limit", {"model": "tiny-llama", "prompt": "x" * 200}, 400, "prompt"),
+    ("token id outside the vocabulary", {"model": "tiny-llama", "prompt": [1, 99999]}, 400, "prompt"),
+    ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
+    ("stream as a string", {"model": "tiny-llama", "prompt": "hi", "stream": "yes"}, 400, "stream"),
+]
+
+
+@pytest.mark.parametrize("what, body, status, param", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors(server, what, body, status, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server[0] + "/v1/completions", **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    assert err["param"] == param
+    if status == 404:
+        assert err["code"] == "model_not_found"
+
+
+def test_bad_chat_requests(server):
+    url = server[0] + "/v1/chat/completions"
+    assert httpx.post(url, json={"model": "tiny-llama", "messages": []}).status_code == 400
+    assert httpx.post(url, json={"model": "tiny-llama", "messages": [{"role": "wizard", "content": "x"}]}).status_code == 400
+    assert httpx.post(url, json={"model": "tiny-llama", "messages": [{"role": "user"}], "max_tokens": -1}).status_code == 400
+
+
+def test_api_key_is_required_when_set():
+    with running_server(api_key="sekret") as (url, _):
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert httpx.get(url + "/v1/models").status_code == 401
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        assert ok.completions.create(model="tiny-llama", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+        assert httpx.get(url + "/health").status_code == 200  # health stays open for load balancers
+
+
+def test_overload_gets_429_with_retry_after_and_nothing_is_lost():
+    # 8 blocks of 16 tokens: one 70-token request runs at a time; two more may wait
+    small = dict(num_device_blocks=8, num_host_blocks=0, max_model_len=96)
+    with running_server(small, max_waiting=2) as (url, engine):
+        async def one(client, i):
+            return await client.post(url + "/v1/completions", json={
+                "model": "tiny-llama", "prompt": f"request {i}", "max_tokens": 60, "temperature": 0, "ignore_eos": True})
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*(one(client, i) for i in range(8)))
+
+        rs = asyncio.run(burst())
+        codes = [r.status_code for r in rs]
+        assert codes.count(429) >= 4 and codes.count(200) >= 1 and set(codes) <= {200, 429}
+        assert all(r.headers["retry-after"] == "1" for r in rs if r.status_code == 429)
+        assert all(r.json()["usage"]["completion_tokens"] == 60 for r in rs if r.status_code == 200)
+        assert wait_idle(engine)
+        text = httpx.get(url + "/metrics").text
+        assert f'servewise_requests_finished_total{{outcome="rejected"}} {float(codes.count(429))}' in text
+
+
+def aborted_count(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith('servewise_requests_finished_total{outcome="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_200_streams_with_a_third_disconnecting_leave_every_block_free(server):
+    url, engine = server
+    rng = random.Random(0)
+    quitters = set(rng.sample(range(200), 67))
+
+    async def one(client, i):
+        body = {"model": "tiny-llama", "prompt": f"stream {i} " * rng.randint(1, 4), "max_tokens": 40,
+                "temperature": 0.8, "seed": i, "stream": True, "ignore_eos": True}
+        got = 0
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    got += 1
+                    if i in quitters and got >= 3:
+                        return "quit"
+                if line == "data: [DONE]":
+                    return "done"
+        return "cut"
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    aborted_before = aborted_count(url)
+    results = asyncio.run(run_all())
+    assert results.count("done") + results.count("quit") == 200
+    assert wait_idle(engine, timeout=60)
+    bm = engine.engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_device == bm.num_device_blocks and bm.num_free_host == bm.num_host_blocks
+    assert not engine.engine.requests
+    assert 0 < aborted_count(url) - aborted_before <= len(quitters)
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "after", "max_tokens": 5,
+                                                  "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-10, 10**6) | st.floats(allow_nan=False) | st.text(max_size=20),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                     max_leaves=8)
+_fields = {"model": st.sampled_from(["tiny-llama", "other"]) | _json, "prompt": _json | st.text(max_size=40),
+           "messages": _json | st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]),
+                                                               "content": _json}), max_size=3),
+           "max_tokens": st.integers(-2, 8) | _json, "temperature": st.floats(-1, 3) | _json,
+           "top_p": st.floats(-0.5, 1.5) | _json, "top_k": st.integers(-3, 50) | _json, "n": _json,
+           "stop": _json, "stream": st.booleans() | _json, "seed": _json, "logprobs": _json,
+           "stream_options": _json, "ignore_eos": _json}
+_bodies = st.dictionaries(st.sampled_from(sorted(_fields)), st.just(None), max_size=8).flatmap(
+    lambda keys: st.fixed_dictionaries({k: _fields[k] for k in keys}))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_bodies, chat=st.booleans())
+def test_fuzzed_bodies_never_get_a_5xx(server, body, chat):
+    url = server[0] + ("/v1/chat/completions" if chat else "/v1/completions")
+    r = httpx.post(url, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
+
+
+def test_bench_serve_client_measures_the_server(server, tmp_path):
+    from servewise.bench.serve import run_bench
+    from servewise.metrics import compute
+    from servewise.workloads.build import build_workload
+
+    url, engine = server
+    items, arrivals = build_workload("synthetic", None, 32000, num_requests=12, input_len=20, output_len=9,
+                                     arrival="poisson", rate=50.0, seed=0)
+    records, wall = asyncio.run(run_bench(url + "/v1", "tiny-llama", items, arrivals, max_concurrency=4))
+    m = compute(records, duration=wall)
+    assert m["completed"] == 12 and m["total_output_tokens"] == 12 * 9 and m["total_input_tokens"] == 12 * 20
+    assert 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"] and m["mean_itl_ms"] > 0
+    assert all(len(r.token_times) >= 2 and r.finish_reason == "length" for r in records)
