@@ -27,7 +27,7 @@ def _engine_kwargs(a) -> dict:
 def cmd_generate(a) -> None:
     from servewise import LLM, SamplingParams
 
-    llm = LLM(a.model, **_engine_kwargs(a))
+    llm = LLM(a.model, predictors=a.predictors, **_engine_kwargs(a))
     prompts = a.prompt or ["Hello, my name is", "The capital of France is", "Paged attention works by"]
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
     for o in llm.generate(prompts, params):
@@ -80,7 +80,7 @@ def cmd_fit(a) -> None:
     print(f"predictors saved to {a.predictors} (report: {a.predictors}.json)")
 
 
-def _workload_args(p: argparse.ArgumentParser) -> None:
+def _workload_args(p: argparse.ArgumentParser, rate_args: bool = True) -> None:
     from servewise.workloads.build import SOURCES
 
     p.add_argument("--workload", default="synthetic", choices=SOURCES,
@@ -93,8 +93,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-len", type=int, default=None, help="truncate longer prompts")
     p.add_argument("--arrival", default=None, choices=["all", "poisson", "gamma", "trace"],
                    help="default: the source's timestamps when it has them, else all at once")
-    p.add_argument("--rate", type=float, default=None, help="requests/s for poisson and gamma arrivals")
-    p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrival gaps")
+    if rate_args:
+        p.add_argument("--rate", type=float, default=None, help="requests/s for poisson and gamma arrivals")
+        p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrival gaps")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--predictors", default=None,
+                   help="cost predictors for --preemption adaptive (default: this machine's cached profile)")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -192,6 +195,22 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     t.add_argument("--out", default="results/bench_throughput.json")
     t.set_defaults(func=lambda a: __import__("servewise.bench.throughput", fromlist=["main"]).main(a))
+
+    bs = bsub.add_parser("serve", help="load an OpenAI-compatible server (servewise, vLLM, SGLang) and measure it")
+    bs.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, with or without /v1")
+    bs.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    bs.add_argument("--api-key", default=None)
+    bs.add_argument("--tokenizer", default="tiny-llama",
+                    help="model (built-in or directory) whose tokenizer turns texts into prompt token ids")
+    _workload_args(bs, rate_args=False)
+    bs.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    bs.add_argument("--burstiness", type=float, default=1.0,
+                    help="CV of the gaps between arrivals: 1 is Poisson, larger is burstier "
+                         "(vLLM's --burstiness factor is 1/CV^2)")
+    bs.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    _slo_args(bs)
+    bs.add_argument("--out", default="results/bench_serve.json")
+    bs.set_defaults(func=lambda a: __import__("servewise.bench.serve", fromlist=["main"]).main(a), threads=0)
 
     pr = sub.add_parser("profile", help="measure the real runner's step and copy times; fit the predictors")
     pr.add_argument("--model", default="tiny-llama", help="architecture to profile: built-in name or HF directory")
@@ -246,6 +265,40 @@ def main(argv: list[str] | None = None) -> None:
     fi.add_argument("--threads", type=int, default=0, help="ignored: the profile's thread count is used")
     fi.add_argument("--out", default="results/bench_fidelity.json")
     fi.set_defaults(func=lambda a: __import__("servewise.bench.fidelity", fromlist=["main"]).main(a))
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    _engine_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    sv.add_argument("--max-waiting", type=int, default=512,
+                    help="queued requests at most; beyond it requests get 429 with Retry-After")
+    sv.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    sv.add_argument("--predictors", default=None,
+                    help="cost predictors for --preemption adaptive (default: this machine's cached profile)")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.set_defaults(func=lambda a: __import__("servewise.server.run", fromlist=["main"]).main(a, _engine_kwargs(a)))
+
+    ex = sub.add_parser("experiment", help="reproduce a source paper's evaluation")
+    exsub = ex.add_subparsers(dest="experiment", required=True)
+    ad = exsub.add_parser("adaptivellm", help="AdaptiveLLM: cost-aware preemption and fair scheduling vs vLLM "
+                                             "baselines, on the real engine and simulated A800 GPUs")
+    ad.add_argument("--full", action="store_true",
+                    help="the paper's scale: 1,000 requests per run, both tiny models, batch sweep on the real engine too")
+    ad.add_argument("--num-requests", type=int, default=None, help="requests per run (quick: 48 real, 300 simulated)")
+    ad.add_argument("--real-models", default=None, help="comma-separated; '' for none (quick: tiny-llama)")
+    ad.add_argument("--sim-models", default=None, help="comma-separated; '' for none (opt-13b,opt-30b,llama-13b,llama-30b)")
+    ad.add_argument("--workloads", default=None, help="comma-separated presets (chatbot,alpaca,summary)")
+    ad.add_argument("--systems", default=None, help="comma-separated: vllm,vllm_s,adaptive+fcfs,recompute+fair,adaptive+fair")
+    ad.add_argument("--data-dir", default=None,
+                    help="directory with the ShareGPT and arXiv files for real prompt texts (default: synthetic)")
+    ad.add_argument("--predictors", default=None,
+                    help="predictors for the real engine (default: this machine's cached profile, made on first use)")
+    ad.add_argument("--seed", type=int, default=0)
+    ad.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ad.add_argument("--out-dir", default="results/adaptivellm")
+    ad.set_defaults(func=lambda a: __import__("servewise.experiments.adaptivellm", fromlist=["main"]).main(a))
 
     a = ap.parse_args(argv)
     if a.threads:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -27,7 +28,18 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     real.add_request([5] * 16, None)
     while real.has_unfinished():
         real.step()
+    steps = []  # (is_prefill, token counts, measured seconds) of every real step
+    execute = real.runner.execute
+
+    def logged(out):
+        result = execute(out)
+        steps.append((out.is_prefill, [r.num_tokens for r in out.batch], result.elapsed))
+        return result
+
+    real.runner.execute = logged
+    t0 = time.perf_counter()
     reqs, rejected = run_workload(real, items, arrivals, progress)
+    wall = time.perf_counter() - t0
     m_real = compute([RequestRecord.from_request(r) for r in reqs])
     sim = sim_engine(model, "profile", predictors, **engine_kw)
     res = simulate(sim, items, arrivals)
@@ -39,7 +51,35 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     for k in m_real["preemptions"]:
         rows[f"preemptions: {k}"] = {"real": m_real["preemptions"][k], "sim": m_sim["preemptions"][k],
                                      "error_pct": None}
-    return {"rows": rows, "real": m_real, "sim": m_sim, "sim_wall_s": res.wall_s, "rejected": len(rejected)}
+    return {"rows": rows, "real": m_real, "sim": m_sim, "sim_wall_s": res.wall_s, "rejected": len(rejected),
+            "steps": step_check(steps, sim.perf, wall)}
+
+
+def step_check(steps, perf, wall: float) -> dict:
+    """Where a makespan error comes from: the real steps' measured time against the performance model's
+    prediction for the very same batches, per step kind, and the wall time spent outside the runner."""
+    out = {}
+    for kind, is_prefill in (("prefill", True), ("decode", False)):
+        rows = [(lens, t) for p, lens, t in steps if p == is_prefill]
+        predict = perf.prefill if is_prefill else perf.decode
+        measured, predicted = sum(t for _, t in rows), sum(predict(lens) for lens, _ in rows)
+        out[kind] = {"steps": len(rows), "measured_s": measured, "predicted_s": predicted,
+                     "error_pct": (predicted - measured) / measured * 100 if measured else None}
+    runner = sum(t for _, _, t in steps)
+    out["outside_runner"] = {"wall_s": wall, "runner_s": runner, "share_pct": (wall - runner) / wall * 100 if wall else None}
+    return out
+
+
+def format_steps(c: dict) -> str:
+    lines = [f"{'same batches: step kind':<26}{'measured':>12}{'predicted':>12}{'error':>9}"]
+    for kind in ("prefill", "decode"):
+        r = c[kind]
+        if r["steps"]:
+            label = f"{kind} ({r['steps']} steps)"
+            lines.append(f"{label:<26}{r['measured_s']:>11.2f}s{r['predicted_s']:>11.2f}s{r['error_pct']:>+8.1f}%")
+    o = c["outside_runner"]
+    lines.append(f"wall time outside the runner (scheduling, bookkeeping, idle waits): {o['share_pct']:.1f}%")
+    return "\n".join(lines)
 
 
 def format_rows(title: str, rows: dict) -> str:
@@ -76,6 +116,7 @@ def main(a) -> None:
         results[mode] = r
         print(format_rows(f"\n[{mode}] {a.num_device_blocks} device / {a.num_host_blocks} host blocks "
                           f"(simulation took {r['sim_wall_s']:.2f} s)", r["rows"]))
+        print(format_steps(r["steps"]))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"model": a.model, "workload": a.workload, "num_requests": len(items), "rate": a.rate,
