@@ -122,6 +122,8 @@ def main(a) -> None:
     if bar:
         bar.close()
     m = compute(records, SLO(a.slo_ttft_ms, a.slo_tpot_ms, a.slo_e2el_ms), duration=wall)
+    for server_side in ("mean_weighted_turnaround", "preemptions"):  # the client cannot observe these
+        del m[server_side]
     failures = [r.finish_reason for r in records if not r.completed]
     print(format_table(m, f"Serving benchmark: {model}"))
     if failures:

@@ -81,6 +81,9 @@ class Run:
     schedule_s_at_128: float = 0.0  # wall time of schedule() calls made with >= 120 running requests
     schedule_calls_at_128: int = 0
     examples: dict = field(default_factory=dict)  # mode -> an explained decision
+    prefill_steps: int = 0
+    prefill_requests: int = 0  # requests over all prefill steps
+    decode_steps: int = 0
 
 
 def workload(name: str, n: int, max_output_len: int, s: Settings):
@@ -131,6 +134,17 @@ def run_one(kind: str, backend: str, model: str, items, wl: str, max_out: int, s
         return out
 
     sched.schedule = timed
+    execute = eng.runner.execute
+
+    def counted(out):
+        if out.is_prefill:
+            run.prefill_steps += 1
+            run.prefill_requests += len(out.batch)
+        else:
+            run.decode_steps += 1
+        return execute(out)
+
+    eng.runner.execute = counted
     reqs, rejected = run_workload(eng, items, [0.0] * len(items))
     m = compute([RequestRecord.from_request(r) for r in reqs])
     run.throughput, run.duration_s = m["output_throughput"], m["duration_s"]
@@ -267,6 +281,25 @@ def preemption_table(result: dict) -> list[str]:
     return lines
 
 
+def steps_table(result: dict) -> list[str]:
+    """Prefill steps and their size: what fair admission costs on a GPU, where a prefill step reads
+    all the weights whatever its size."""
+    s, idx = result["settings"], _index(result, sweep=False)
+    mo = s["max_output_lens"][len(s["max_output_lens"]) // 2]
+    lines = [f"engine steps at max output {mo}: prefill steps (mean requests per prefill step) / decode steps",
+             f"{'model':<28}{'workload':<9}" + "".join(f"{x:>20}" for x in s["systems"])]
+    for backend, model in _groups(result):
+        for wl in s["workloads"]:
+            cells = []
+            for x in s["systems"]:
+                r = idx.get((backend, model, wl, mo, x))
+                cell = (f"{r['prefill_steps']} ({r['prefill_requests'] / max(1, r['prefill_steps']):.1f}) / "
+                        f"{r['decode_steps']}") if r else "-"
+                cells.append(f"{cell:>20}")
+            lines.append(f"{_label(backend, model, result):<28}{wl:<9}" + "".join(cells))
+    return lines
+
+
 def slow_link_table(result: dict) -> list[str]:
     s = result["settings"]
     runs = [r for r in result["runs"] if r["kind"] == "slow_link"]
@@ -348,7 +381,8 @@ def report(result: dict) -> str:
              f"blocks of {s['block_size']}; all requests submitted at once"]
     for mo in s["max_output_lens"]:
         parts += ["", *speedup_table(result, mo)]
-    for fn in (throughput_table, preemption_table, turnaround_table, slow_link_table, overhead_lines, decision_lines):
+    for fn in (throughput_table, preemption_table, steps_table, turnaround_table, slow_link_table, overhead_lines,
+               decision_lines):
         parts += ["", *fn(result)]
     return "\n".join(parts)
 

@@ -136,10 +136,11 @@ def format_table(m: dict, title: str = "Serving metrics") -> str:
         row(f"Median {name.upper()} (ms):", m[f"median_{name}_ms"])
         row(f"P90 {name.upper()} (ms):", m[f"p90_{name}_ms"])
         row(f"P99 {name.upper()} (ms):", m[f"p99_{name}_ms"])
-    lines.append(f"{' Scheduling ':-^60}")
-    row("Mean weighted turnaround:", m["mean_weighted_turnaround"], "{:.3f}")
-    for k, v in m["preemptions"].items():
-        row(f"Preemptions ({k}):", v, "{:d}")
+    if "preemptions" in m:  # known only where the engine is (a remote client cannot see them)
+        lines.append(f"{' Scheduling ':-^60}")
+        row("Mean weighted turnaround:", m["mean_weighted_turnaround"], "{:.3f}")
+        for k, v in m["preemptions"].items():
+            row(f"Preemptions ({k}):", v, "{:d}")
     lines.append("=" * 60)
     return "\n".join(lines)
 
