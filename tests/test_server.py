@@ -173,6 +173,18 @@ def test_overload_gets_429_with_retry_after_and_nothing_is_lost():
         assert f'servewise_requests_finished_total{{outcome="rejected"}} {float(codes.count(429))}' in text
 
 
+def test_a_non_streaming_client_that_gives_up_has_its_request_aborted():
+    with running_server(dict(num_device_blocks=256, num_host_blocks=0)) as (url, engine):
+        before = aborted_count(url)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "long", "max_tokens": 1800,
+                                                      "ignore_eos": True}, timeout=0.5)
+        assert wait_idle(engine, timeout=30)
+        assert aborted_count(url) == before + 1
+        bm = engine.engine.block_manager
+        assert bm.num_free_device == bm.num_device_blocks
+
+
 def aborted_count(url: str) -> float:
     for line in httpx.get(url + "/metrics").text.splitlines():
         if line.startswith('servewise_requests_finished_total{outcome="abort"}'):

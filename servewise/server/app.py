@@ -3,10 +3,11 @@ health and Prometheus metrics, on FastAPI.
 
 Every failure a client can cause is a 4xx with an OpenAI-style error body
 ({"error": {"message", "type", "param", "code"}}); overload is a 429 with Retry-After; a client
-that disconnects mid-stream has its request aborted and its KV blocks freed.
+that disconnects (streaming or not) has its request aborted and its KV blocks freed.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -35,6 +36,7 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "prompt", "logprobs", "echo", "messages"}
 
 
@@ -43,6 +45,23 @@ def _bad_value(e: ValueError) -> APIError:
     msg = str(e)
     first = msg.split(" ", 1)[0].rstrip(":")
     return APIError(400, msg, param=first if first in PARAMS else None)
+
+
+class BearerAuth:
+    """Plain ASGI middleware: /v1 routes need `Authorization: Bearer KEY`. (Starlette's
+    BaseHTTPMiddleware would wrap `receive` and hide client disconnects from the handlers.)"""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                          "authentication_error", code="invalid_api_key")
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class TextStream:
@@ -100,14 +119,8 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
     async def _internal(_, e: Exception):
         return error_response(500, f"internal error: {type(e).__name__}", "server_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                      "authentication_error", code="invalid_api_key")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -157,10 +170,19 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
         if body.stream:
             return StreamingResponse(stream(req, queue, text, rid, created, chat, body.include_usage),
                                      media_type="text/event-stream")
-        out, finish = [], None
+        out, finish, checked = [], None, time.monotonic()
         try:
             while finish is None:
-                d = await queue.get()
+                try:
+                    d = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    d = None
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
+                    if await http.is_disconnected():  # the client gave up: stop the work (finally aborts)
+                        return error_response(499, "client closed the request")
+                if d is None:
+                    continue
                 if d.error:
                     raise APIError(500, d.error, "server_error")
                 piece, stopped = text.push(d.token_ids, d.finished)
