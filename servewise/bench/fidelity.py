@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -15,6 +16,9 @@ import torch
 
 from servewise.engine.driver import run_workload
 from servewise.engine.llm_engine import EngineConfig, LLMEngine
+from servewise.engine.request import Request
+from servewise.engine.scheduler import SchedulerOutput
+from servewise.sampling_params import SamplingParams
 from servewise.metrics import RequestRecord, compute
 from servewise.simulator import sim_engine, simulate
 
@@ -28,6 +32,7 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     real.add_request([5] * 16, None)
     while real.has_unfinished():
         real.step()
+    before = reference_step(real)
     steps = []  # (is_prefill, token counts, measured seconds) of every real step
     execute = real.runner.execute
 
@@ -40,6 +45,9 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     t0 = time.perf_counter()
     reqs, rejected = run_workload(real, items, arrivals, progress)
     wall = time.perf_counter() - t0
+    real.runner.execute = execute
+    drift = {"before_ms": before * 1e3, "after_ms": reference_step(real) * 1e3}
+    drift["change_pct"] = (drift["after_ms"] - drift["before_ms"]) / drift["before_ms"] * 100
     m_real = compute([RequestRecord.from_request(r) for r in reqs])
     sim = sim_engine(model, "profile", predictors, **engine_kw)
     res = simulate(sim, items, arrivals)
@@ -52,7 +60,22 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
         rows[f"preemptions: {k}"] = {"real": m_real["preemptions"][k], "sim": m_sim["preemptions"][k],
                                      "error_pct": None}
     return {"rows": rows, "real": m_real, "sim": m_sim, "sim_wall_s": res.wall_s, "rejected": len(rejected),
-            "steps": step_check(steps, sim.perf, wall)}
+            "steps": step_check(steps, sim.perf, wall), "reference_step": drift}
+
+
+def reference_step(engine: LLMEngine, batch: int = 8, context: int = 128, reps: int = 21) -> float:
+    """Median time of one fixed decode batch on the engine's idle runner. Taken before and after a run,
+    it shows how far this machine's speed moved meanwhile, which no performance model can know."""
+    bm = engine.block_manager
+    blocks = bm.blocks_needed(context)
+    batch = max(1, min(batch, bm.num_device_blocks // blocks))
+    reqs = [Request(f"ref{i}", [7] * (context - 1), SamplingParams(max_tokens=1, temperature=0.0), 0.0)
+            for i in range(batch)]
+    for r in reqs:
+        r.output_token_ids.append(7)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]  # the pool is idle: any blocks
+    out = SchedulerOutput(reqs, False, tables)
+    return statistics.median(engine.runner.execute(out).elapsed for _ in range(reps))
 
 
 def step_check(steps, perf, wall: float) -> dict:
@@ -117,6 +140,9 @@ def main(a) -> None:
         print(format_rows(f"\n[{mode}] {a.num_device_blocks} device / {a.num_host_blocks} host blocks "
                           f"(simulation took {r['sim_wall_s']:.2f} s)", r["rows"]))
         print(format_steps(r["steps"]))
+        d = r["reference_step"]
+        print(f"reference decode batch on the real runner, before / after the run: {d['before_ms']:.2f} / "
+              f"{d['after_ms']:.2f} ms ({d['change_pct']:+.1f}%: the machine's own drift)")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"model": a.model, "workload": a.workload, "num_requests": len(items), "rate": a.rate,
