@@ -91,8 +91,9 @@ class Scheduler:
             return self._schedule_decode(now)
         slots = self.config.max_num_seqs - len(self.running)
         self._sorted(self.swapped, now)
+        hosts = self.bm.host_tables
         swap_group = self._fitting(self.swapped, room, slots,
-                                   lambda r: max(len(self.bm.host_tables[r.request_id]), self.bm.blocks_needed(r.num_tokens)))
+                                   lambda r: max(len(hosts[r.request_id]), self.bm.blocks_needed(r.num_tokens)))
         self._sorted(self.waiting, now)
         prefill_group = self._fitting(self.waiting, room - self.bm.watermark_blocks, slots,
                                       lambda r: self.bm.blocks_needed(r.num_tokens), self.config.max_num_batched_tokens)

@@ -251,34 +251,42 @@ def _label(backend: str, model: str, result: dict) -> str:
     return f"{model} (real, CPU)" if backend == "real" else f"{model} (sim, {result['settings']['hardware']})"
 
 
-def throughput_table(result: dict) -> list[str]:
-    s, idx = result["settings"], _index(result, sweep=False)
-    lines = ["output throughput (tok/s; simulated runs: analytical)",
-             f"{'model':<28}{'workload':<9}{'max out':>8}" + "".join(f"{x:>15}" for x in s["systems"])]
+def _system_columns(result: dict, title: str, width: int, cell, max_outs=(None,)) -> list[str]:
+    """A table with a column per system and a row per (model, workload[, max output]);
+    cell(backend, model, workload, max_out, system) gives the text of one cell."""
+    s = result["settings"]
+    extra = max_outs != (None,)
+    lines = [title, f"{'model':<28}{'workload':<9}" + (f"{'max out':>8}" if extra else "")
+             + "".join(f"{x:>{width}}" for x in s["systems"])]
     for backend, model in _groups(result):
         for wl in s["workloads"]:
-            for mo in s["max_output_lens"]:
-                row = [idx.get((backend, model, wl, mo, x)) for x in s["systems"]]
-                lines.append(f"{_label(backend, model, result):<28}{wl:<9}{mo:>8}"
-                             + "".join(f"{r['throughput']:>15.1f}" if r else f"{'-':>15}" for r in row))
+            for mo in max_outs:
+                lead = f"{_label(backend, model, result):<28}{wl:<9}" + (f"{mo:>8}" if extra else "")
+                lines.append(lead + "".join(f"{cell(backend, model, wl, mo, x):>{width}}" for x in s["systems"]))
     return lines
+
+
+def throughput_table(result: dict) -> list[str]:
+    idx = _index(result, sweep=False)
+
+    def cell(*key):
+        return f"{idx[key]['throughput']:.1f}" if key in idx else "-"
+
+    return _system_columns(result, "output throughput (tok/s; simulated runs: analytical)", 15, cell,
+                           result["settings"]["max_output_lens"])
 
 
 def preemption_table(result: dict) -> list[str]:
     """Preemptions by kind, summed over the maximum output lengths (the paper's Table 6)."""
     s, idx = result["settings"], _index(result, sweep=False)
-    lines = ["preemptions by kind, summed over max output lengths: swap / recompute (of which host-pool-full fallbacks)",
-             f"{'model':<28}{'workload':<9}" + "".join(f"{x:>17}" for x in s["systems"])]
-    for backend, model in _groups(result):
-        for wl in s["workloads"]:
-            cells = []
-            for x in s["systems"]:
-                rs = [idx.get((backend, model, wl, mo, x)) for mo in s["max_output_lens"]]
-                rs = [r for r in rs if r]
-                sw, rc, fb = (sum(r["preemptions"][k] for r in rs) for k in ("swap", "recompute", "swap_fallback"))
-                cells.append(f"{f'{sw}/{rc} ({fb})':>17}")
-            lines.append(f"{_label(backend, model, result):<28}{wl:<9}" + "".join(cells))
-    return lines
+
+    def cell(backend, model, wl, _, x):
+        rs = [idx[k] for mo in s["max_output_lens"] if (k := (backend, model, wl, mo, x)) in idx]
+        sw, rc, fb = (sum(r["preemptions"][k] for r in rs) for k in ("swap", "recompute", "swap_fallback"))
+        return f"{sw}/{rc} ({fb})"
+
+    return _system_columns(result, "preemptions by kind, summed over max output lengths: swap / recompute "
+                           "(of which host-pool-full fallbacks)", 17, cell)
 
 
 def steps_table(result: dict) -> list[str]:
@@ -286,18 +294,15 @@ def steps_table(result: dict) -> list[str]:
     all the weights whatever its size."""
     s, idx = result["settings"], _index(result, sweep=False)
     mo = s["max_output_lens"][len(s["max_output_lens"]) // 2]
-    lines = [f"engine steps at max output {mo}: prefill steps (mean requests per prefill step) / decode steps",
-             f"{'model':<28}{'workload':<9}" + "".join(f"{x:>20}" for x in s["systems"])]
-    for backend, model in _groups(result):
-        for wl in s["workloads"]:
-            cells = []
-            for x in s["systems"]:
-                r = idx.get((backend, model, wl, mo, x))
-                cell = (f"{r['prefill_steps']} ({r['prefill_requests'] / max(1, r['prefill_steps']):.1f}) / "
-                        f"{r['decode_steps']}") if r else "-"
-                cells.append(f"{cell:>20}")
-            lines.append(f"{_label(backend, model, result):<28}{wl:<9}" + "".join(cells))
-    return lines
+
+    def cell(backend, model, wl, _, x):
+        r = idx.get((backend, model, wl, mo, x))
+        if r is None:
+            return "-"
+        return f"{r['prefill_steps']} ({r['prefill_requests'] / max(1, r['prefill_steps']):.1f}) / {r['decode_steps']}"
+
+    return _system_columns(result, f"engine steps at max output {mo}: prefill steps (mean requests per prefill step) "
+                           "/ decode steps", 20, cell)
 
 
 def slow_link_table(result: dict) -> list[str]:
@@ -315,7 +320,7 @@ def slow_link_table(result: dict) -> list[str]:
         for wl in s["workloads"]:
             row = [idx.get((model, wl, x)) for x in systems]
             a = idx.get((model, wl, ADAPTIVE))
-            p = f"{a['preemptions']['swap']}/{a['preemptions']['recompute']} ({a['preemptions']['swap_fallback']})" if a else "-"
+            p = "-" if a is None else "{swap}/{recompute} ({swap_fallback})".format(**a["preemptions"])
             lines.append(f"{_label('sim', model, result):<28}{wl:<9}"
                          + "".join(f"{r['throughput']:>15.1f}" if r else f"{'-':>15}" for r in row) + f"{p:>28}")
     return lines
@@ -396,7 +401,8 @@ def plot(result: dict, out_dir: str) -> list[str]:
     s, paths = result["settings"], []
     groups = _groups(result)
     for name, sweep, xs, ykey, ylabel, xlabel in (
-            ("throughput_vs_max_output.png", False, s["max_output_lens"], "throughput", "output tok/s", "max output length"),
+            ("throughput_vs_max_output.png", False, s["max_output_lens"], "throughput", "output tok/s",
+             "max output length"),
             ("turnaround_vs_batch_size.png", True, s["batch_sizes"], "weighted_turnaround", "mean weighted turnaround",
              "max batch size")):
         idx = _index(result, sweep)

@@ -27,7 +27,8 @@ from servewise.server.protocol import ChatRequest, CompletionRequest
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict | None = None):
-        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
+        self.status, self.message, self.type = status, message, type_
+        self.param, self.code, self.headers = param, code, headers
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -113,7 +114,8 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error")
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(e.status_code, str(e.detail), kind)
 
     @app.exception_handler(Exception)
     async def _internal(_, e: Exception):
@@ -208,13 +210,17 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
     async def stream(req, queue, text: TextStream, rid, created, chat, include_usage):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
+        def event(choices: list, **extra) -> str:
+            body = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices, **extra}
+            return f"data: {json.dumps(body)}\n\n"
+
         def chunk(piece: str | None, finish: str | None, first: bool = False) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-            return f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': model_name, 'choices': [choice]})}\n\n"
+            return event([choice])
 
         done = False
         try:
@@ -234,7 +240,7 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
                 if piece or done:
                     yield chunk(piece, finish)
             if include_usage:
-                yield f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': model_name, 'choices': [], 'usage': usage(req)})}\n\n"
+                yield event([], usage=usage(req))
             yield "data: [DONE]\n\n"
         finally:
             if not done:  # the client disconnected mid-stream
