@@ -49,6 +49,7 @@ class AsyncEngine:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine, self.max_waiting, self.on_finish = engine, max_waiting, on_finish
         self._cmds: collections.deque = collections.deque()
+        self._pending_adds = 0  # adds in _cmds, under _lock (iterating the deque would race the engine thread)
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -71,7 +72,7 @@ class AsyncEngine:
 
     def num_queued(self) -> int:
         """Requests admitted but not yet running: the scheduler's waiting queue and pending adds."""
-        return len(self.engine.scheduler.waiting) + sum(c[0] == "add" for c in list(self._cmds))
+        return len(self.engine.scheduler.waiting) + self._pending_adds
 
     def submit(self, prompt, params: SamplingParams) -> tuple[Request, asyncio.Queue]:
         """Validate and queue a request; raises ValueError (bad input), Overloaded or EngineDead."""
@@ -84,6 +85,7 @@ class AsyncEngine:
                 raise Overloaded(f"{self.max_waiting} requests are already waiting")
             self._streams[req.request_id] = _Stream(asyncio.get_running_loop(), queue, req)
             self._cmds.append(("add", req))
+            self._pending_adds += 1
         self._wake.set()
         return req, queue
 
@@ -115,6 +117,8 @@ class AsyncEngine:
             kind, arg = self._cmds.popleft()
             if kind == "add":
                 eng.enqueue(arg)
+                with self._lock:
+                    self._pending_adds -= 1
             else:
                 eng.abort_request(*arg)
         self._publish()
