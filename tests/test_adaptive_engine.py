@@ -26,6 +26,9 @@ def test_adaptive_fair_matches_an_unconstrained_run(tmp_path, monkeypatch, capfd
     assert "swap_fallback" in modes  # 8 host blocks run out: recompute, counted as a fallback
     assert all(d.swap_s < d.recompute_s for d in pre.decisions)
     assert sum(o.request.preemptions["swap"] for o in outs) == sum(d.mode == "swap" for d in pre.decisions)
+    counts = llm.engine.scheduler.preemption_counts  # what /metrics exports: the requests' counts, summed
+    assert counts == {k: sum(o.request.preemptions[k] for o in outs) for k in counts}
+    assert counts["recompute"] >= counts["swap_fallback"] > 0
     llm.engine.block_manager.check_invariants()
     assert llm.engine.block_manager.num_free_device == 16 and llm.engine.block_manager.num_free_host == 8
 

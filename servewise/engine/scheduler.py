@@ -173,15 +173,15 @@ class Scheduler:
 
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         mode = self.preemption.choose(req, self.bm, now)
-        req.preemptions[mode] += 1
-        self.preemption_counts[mode] += 1
+        for counts in (req.preemptions, self.preemption_counts):
+            counts[mode] += 1
+            if mode == "swap_fallback":  # a fallback is a recompute too
+                counts["recompute"] += 1
         if mode == "swap":
             out.swap_out.extend(self.bm.swap_out(req.request_id))
             req.status = Status.SWAPPED
             self._enqueue(self.swapped, req, now)
         else:
-            if mode == "swap_fallback":
-                req.preemptions["recompute"] += 1
             self.bm.free(req.request_id)
             req.status = Status.WAITING
             self._enqueue(self.waiting, req, now)
