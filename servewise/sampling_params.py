@@ -8,15 +8,25 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How to pick tokens for one request (names follow vLLM's offline API).
 
-    temperature 0 means greedy. top_k -1 means no top-k cut. seed makes a request's sampling
-    reproducible whatever batch it lands in.
+    temperature 0 means greedy. top_k -1 means no top-k cut; min_p 0 no min-p cut (tokens below
+    min_p times the most likely token's probability are dropped). seed makes a request's sampling
+    reproducible whatever batch it lands in. Penalties follow OpenAI and vLLM: presence_penalty and
+    frequency_penalty (in [-2, 2]) subtract from the logits of tokens already generated, once and per
+    occurrence; repetition_penalty (> 0, 1 is off) divides positive and multiplies negative logits of
+    tokens seen in the prompt or the output. logprobs N returns, for every generated token, its
+    log-probability and the N most likely tokens' (0-20; None: none).
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
@@ -29,6 +39,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _number(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 1e4:
+            raise ValueError(f"repetition_penalty must be in (0, 10000], got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
@@ -38,3 +58,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -29,11 +29,10 @@ def test_top_p_keeps_only_the_nucleus():
     from servewise.runners.sampler import sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    req = Request("r", [1], SamplingParams(temperature=1.0, top_p=0.7), 0.0)
     seen = set()
     for s in range(200):
-        req.generator = torch.Generator().manual_seed(s)
-        seen.update(sample(logits, [req]))
+        req = Request("r", [1], SamplingParams(temperature=1.0, top_p=0.7, seed=s), 0.0)
+        seen.update(sample(logits.clone(), [req]).tokens)
     assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.7; the tail is cut
 
 

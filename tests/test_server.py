@@ -69,6 +69,47 @@ def test_completions_match_offline_generation_streaming_or_not(client):
     assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 2
 
 
+def test_logprobs_in_both_shapes_streaming_or_not(client):
+    prompt, n = "Log probabilities", 6
+    want = offline_text(prompt, n)
+    r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=n, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == want and "".join(lp.tokens) == want and len(lp.token_logprobs) == n
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):  # greedy: the sampled token is the most likely
+        assert len(top) <= 3 and chosen == pytest.approx(max(top.values())) and chosen <= 0
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    chunks = list(client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=n, temperature=0, logprobs=3,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs)
+    messages = [{"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=n, logprobs=True,
+                                       top_logprobs=2, seed=5, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == n and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert all(bytes(c.bytes).decode() == c.token for c in content)
+    r = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=n)
+    assert r.choices[0].logprobs is None
+
+
+def test_penalties_and_min_p_are_served(client):
+    prompt = "Penalties"
+    r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0,
+                                  frequency_penalty=2.0, presence_penalty=1.0,
+                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.05})
+    ids = r.choices[0].text
+    assert r.usage.completion_tokens == 8
+    plain = offline_text(prompt, 8)
+    # strong penalties change what greedy decoding repeats: the tiny random model repeats itself without them
+    assert ids != plain
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=2, presence_penalty=3.0)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       logprobs=True, top_logprobs=30)
+
+
 def test_chat_uses_the_default_template_streaming_or_not(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     want = offline_text("<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n", 10)
@@ -240,8 +281,10 @@ _fields = {"model": st.sampled_from(["tiny-llama", "other"]) | _json, "prompt": 
                                                                "content": _json}), max_size=3),
            "max_tokens": st.integers(-2, 8) | _json, "temperature": st.floats(-1, 3) | _json,
            "top_p": st.floats(-0.5, 1.5) | _json, "top_k": st.integers(-3, 50) | _json, "n": _json,
-           "stop": _json, "stream": st.booleans() | _json, "seed": _json, "logprobs": _json,
-           "stream_options": _json, "ignore_eos": _json}
+           "stop": _json, "stream": st.booleans() | _json, "seed": _json, "logprobs": st.integers(-1, 25) | _json,
+           "top_logprobs": st.integers(-1, 25) | _json, "min_p": st.floats(-0.5, 1.5) | _json,
+           "presence_penalty": st.floats(-3, 3) | _json, "frequency_penalty": st.floats(-3, 3) | _json,
+           "repetition_penalty": st.floats(-1, 3) | _json, "stream_options": _json, "ignore_eos": _json}
 _bodies = st.dictionaries(st.sampled_from(sorted(_fields)), st.just(None), max_size=8).flatmap(
     lambda keys: st.fixed_dictionaries({k: _fields[k] for k in keys}))
 

@@ -154,7 +154,7 @@ class LLMEngine:
             return []
         result = self.runner.execute(out)
         self.clock.advance(result.elapsed)
-        finished = self.scheduler.postprocess(out, result.tokens, self.clock.now())
+        finished = self.scheduler.postprocess(out, result.tokens, self.clock.now(), result.logprobs)
         for r in finished:
             self.requests.pop(r.request_id, None)
         return finished

@@ -35,6 +35,8 @@ class Request:
     finish_time: float | None = None
     # preemptions by kind; "swap_fallback" counts swaps that became recomputes for lack of host blocks
     preemptions: dict[str, int] = field(default_factory=lambda: {"swap": 0, "recompute": 0, "swap_fallback": 0})
+    # per output token, where params.logprobs asked for them: sampler.Logprobs
+    output_logprobs: list = field(default_factory=list)
     # set by the runner: per-request random generator for seeded sampling
     generator: object = None
 
@@ -59,8 +61,10 @@ class Request:
     def finished(self) -> bool:
         return self.status in (Status.FINISHED, Status.ABORTED)
 
-    def append_token(self, token: int, now: float) -> None:
+    def append_token(self, token: int, now: float, logprobs=None) -> None:
         self.output_token_ids.append(token)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)

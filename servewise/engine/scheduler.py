@@ -202,11 +202,13 @@ class Scheduler:
             self._enqueue(running, req, now)
 
     # --- after the step ----------------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, tokens: list[int], now: float) -> list[Request]:
-        """Append sampled tokens; retire finished requests and free their blocks."""
+    def postprocess(self, out: SchedulerOutput, tokens: list[int], now: float,
+                    logprobs: list | None = None) -> list[Request]:
+        """Append sampled tokens (and their log-probabilities, where asked for); retire finished
+        requests and free their blocks."""
         finished = []
-        for req, tok in zip(out.batch, tokens):
-            req.append_token(tok, now)
+        for i, (req, tok) in enumerate(zip(out.batch, tokens)):
+            req.append_token(tok, now, logprobs[i] if logprobs else None)
             if req.finish_reason is not None:
                 req.status, req.finish_time = Status.FINISHED, now
                 self.bm.free(req.request_id)

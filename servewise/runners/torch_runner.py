@@ -16,6 +16,7 @@ from servewise.runners.sampler import sample
 class StepResult:
     tokens: list[int]
     elapsed: float  # seconds
+    logprobs: list | None = None  # per batch row: sampler.Logprobs, or None where not asked for
 
 
 class TorchRunner:
@@ -63,9 +64,9 @@ class TorchRunner:
         hidden = self.model(ids, positions, self.kv_caches, meta)
         if last is not None:
             hidden = hidden[last]
-        tokens = sample(self.model.compute_logits(hidden), out.batch)
+        sampled = sample(self.model.compute_logits(hidden), out.batch)
         self._sync()
-        return StepResult(tokens, time.perf_counter() - t0)
+        return StepResult(sampled.tokens, time.perf_counter() - t0, sampled.logprobs)
 
     def _prepare(self, out: SchedulerOutput):
         bs, dev = self.bs, self.device

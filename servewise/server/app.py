@@ -38,7 +38,8 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
-PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "prompt", "logprobs", "echo", "messages"}
+PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "seed", "n", "stop", "prompt", "logprobs", "top_logprobs", "echo", "messages"}
 
 
 def _bad_value(e: ValueError) -> APIError:
@@ -89,6 +90,35 @@ class TextStream:
         end = max(end, self.sent)
         out, self.sent = text[self.sent:end], end
         return out, stopped
+
+
+class LogprobFormat:
+    """Log-probabilities in OpenAI's two shapes: completions ({tokens, token_logprobs, top_logprobs,
+    text_offset}) and chat ({content: [{token, logprob, bytes, top_logprobs}]}). Each token is shown
+    as its own decoded text."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tok, self.chat, self.offset = tokenizer, chat, 0
+
+    def text(self, token_id: int) -> str:
+        return self.tok.decode([token_id])
+
+    def __call__(self, token_ids: list[int], logprobs: list | None) -> dict | None:
+        if logprobs is None:
+            return None
+        if self.chat:
+            def entry(t: int, lp: float) -> dict:
+                s = self.text(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(a, v) for a, v in lp.top]}
+                                for t, lp in zip(token_ids, logprobs)]}
+        texts = [self.text(t) for t in token_ids]
+        offsets = []
+        for s in texts:
+            offsets.append(self.offset)
+            self.offset += len(s)
+        return {"tokens": texts, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self.text(a): v for a, v in lp.top} for lp in logprobs], "text_offset": offsets}
 
 
 def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate, api_key: str | None = None,
@@ -169,10 +199,12 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         text = TextStream(tokenizer, stops)
+        lp_format = LogprobFormat(tokenizer, chat)
         if body.stream:
-            return StreamingResponse(stream(req, queue, text, rid, created, chat, body.include_usage),
+            return StreamingResponse(stream(req, queue, text, lp_format, rid, created, chat, body.include_usage),
                                      media_type="text/event-stream")
         out, finish, checked = [], None, time.monotonic()
+        tokens, logprobs = [], [] if params.logprobs is not None else None
         try:
             while finish is None:
                 try:
@@ -189,6 +221,9 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
                     raise APIError(500, d.error, "server_error")
                 piece, stopped = text.push(d.token_ids, d.finished)
                 out.append(piece)
+                tokens += d.token_ids
+                if logprobs is not None:
+                    logprobs += d.logprobs
                 if stopped:
                     finish = "stop"
                     engine.abort(req.request_id, "stop")
@@ -198,8 +233,9 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
             if finish is None:  # cancelled: the client is gone
                 engine.abort(req.request_id)
         content = "".join(out)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
-                  if chat else {"index": 0, "text": content, "logprobs": None, "finish_reason": finish})
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if chat
+                  else {"index": 0, "text": content})
+        choice |= {"logprobs": lp_format(tokens, logprobs), "finish_reason": finish}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": model_name, "choices": [choice], "usage": usage(req)}
 
@@ -207,20 +243,20 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
         p, c = req.num_prompt_tokens, len(req.output_token_ids)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    async def stream(req, queue, text: TextStream, rid, created, chat, include_usage):
+    async def stream(req, queue, text: TextStream, lp_format: LogprobFormat, rid, created, chat, include_usage):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choices: list, **extra) -> str:
             body = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices, **extra}
             return f"data: {json.dumps(body)}\n\n"
 
-        def chunk(piece: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(piece: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta}
             else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-            return event([choice])
+                choice = {"index": 0, "text": piece or ""}
+            return event([choice | {"logprobs": logprobs, "finish_reason": finish}])
 
         done = False
         try:
@@ -237,8 +273,9 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
                 if stopped:
                     engine.abort(req.request_id, "stop")
                 done = finish is not None
-                if piece or done:
-                    yield chunk(piece, finish)
+                logprobs = lp_format(d.token_ids, d.logprobs) if d.token_ids else None
+                if piece or done or logprobs:
+                    yield chunk(piece, finish, logprobs=logprobs)
             if include_usage:
                 yield event([], usage=usage(req))
             yield "data: [DONE]\n\n"

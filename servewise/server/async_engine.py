@@ -33,6 +33,7 @@ class Delta:
     finished: bool
     finish_reason: str | None
     error: str | None = None
+    logprobs: list | None = None  # per new token (sampler.Logprobs), where the request asked for them
 
 
 @dataclass
@@ -131,7 +132,8 @@ class AsyncEngine:
             n = len(req.output_token_ids)
             if n == st.sent and not req.finished:
                 continue
-            delta = Delta(req.output_token_ids[st.sent:n], req.finished, req.finish_reason)
+            lps = req.output_logprobs[st.sent:n] if req.params.logprobs is not None else None
+            delta = Delta(req.output_token_ids[st.sent:n], req.finished, req.finish_reason, logprobs=lps)
             st.sent = n
             if req.finished:
                 with self._lock:
