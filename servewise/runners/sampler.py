@@ -55,7 +55,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
         logits[pen_rows] = _penalize(logits[pen_rows], [reqs[i] for i in pen_rows])
     rand = [i for i, p in enumerate(ps) if not p.greedy]
     if len(rand) < B:
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
     else:
         tokens = torch.empty(B, dtype=torch.long, device=logits.device)
     if rand:
@@ -71,6 +71,20 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
             n = ps[i].logprobs
             logprobs[i] = Logprobs(chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
     return SampleResult(out, logprobs)
+
+
+def argmax(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Row-wise argmax (the first maximum, as torch.argmax). On CPU torch's argmax is not vectorized:
+    over 64 x 32,000 logits it takes 2.6 ms against 0.14 ms for amax, so the maximum is located with
+    amax, first by chunk, then inside the first chunk that holds it (0.33 ms). (A row with a NaN
+    gets some token of its first chunk, where torch would pick the NaN: a broken model either way.)"""
+    n, V = x.shape
+    if V % chunk:
+        return x.argmax(dim=-1)
+    chunks = x.view(n, -1, chunk)
+    per_chunk = chunks.amax(dim=-1)
+    c = (per_chunk == per_chunk.amax(dim=-1, keepdim=True)).int().argmax(dim=-1)
+    return c * chunk + chunks[torch.arange(n, device=x.device), c].argmax(dim=-1)
 
 
 def _penalize(lg: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -127,13 +141,14 @@ def _sample_random(lg: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     """The first token whose cumulative probability reaches u * total, per row (u: [n, 1] in (0, 1]).
 
-    Two levels, both summed in float64: chunk totals locate the chunk, a cumulative sum inside it
-    the token, so no [n, V] float64 copy is made. The token found always has a non-zero probability.
+    Two levels: chunk totals locate the chunk, a float64 cumulative sum inside it the token, so no
+    [n, V] float64 copy is made. The token found always has a non-zero probability.
     """
     n, V = probs.shape
     pad = -V % chunk
     chunks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(n, -1, chunk)
-    totals = chunks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [n, V / chunk]
+    # chunk sums in float32 (a float64 sum over [n, V] costs 10x more), accumulated in float64
+    totals = chunks.sum(dim=-1).double().cumsum(dim=-1)  # [n, V / chunk]
     target = u * totals[:, -1:]
     c = torch.searchsorted(totals, target).clamp_(max=totals.shape[1] - 1)
     before = torch.where(c > 0, totals.gather(1, (c - 1).clamp(min=0)), 0.0)
