@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 
@@ -301,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     ad.set_defaults(func=lambda a: __import__("servewise.experiments.adaptivellm", fromlist=["main"]).main(a))
 
     a = ap.parse_args(argv)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("servewise").setLevel(logging.INFO)  # one line says which compute paths are active
     if a.threads:
         import torch
 

@@ -15,6 +15,7 @@ import time
 import torch
 
 from servewise import LLM, SamplingParams
+from servewise.kernels import cpu_flags
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -31,7 +32,8 @@ def run_servewise(model: str, prompts, output_len: int, **engine_kw) -> dict:
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in outs)
     return {"elapsed_s": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed,
-            "requests_s": len(prompts) / elapsed, "token_ids": [o.token_ids for o in outs]}
+            "requests_s": len(prompts) / elapsed, "token_ids": [o.token_ids for o in outs],
+            "paths": llm.engine.runner.paths}
 
 
 def run_hf(model: str, prompts, output_len: int, batch_size: int) -> dict:
@@ -74,12 +76,13 @@ def main(args) -> dict:
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     print(f"workload: {args.num_prompts} prompts x {args.input_len} random tokens (seed {args.seed}), "
           f"{args.output_len} output tokens, greedy, ignore_eos; model {args.model}; "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}; CPU flags: {cpu_flags()}")
     engine_kw = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     ours = run_servewise(args.model, prompts, args.output_len, **engine_kw)
     print(f"servewise   : {ours['output_tok_s']:8.1f} output tok/s  ({ours['elapsed_s']:.2f} s, "
-          f"max_num_seqs {args.max_num_seqs})")
-    result = {"model": args.model, "threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
+          f"max_num_seqs {args.max_num_seqs}; {ours['paths']})")
+    result = {"model": args.model, "threads": torch.get_num_threads(), "cpu_flags": cpu_flags(),
+              "paths": ours.pop("paths"), "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
               "servewise": {k: v for k, v in ours.items() if k != "token_ids"}, **engine_kw}
     if not args.no_hf:

@@ -1,8 +1,10 @@
-"""Paged attention in plain PyTorch.
+"""Paged attention.
 
 KV lives in a per-layer cache of shape [2, num_blocks * block_size, kv_heads, head_dim] (a flat
-view of the block pool). New keys and values are written at their slots; decode steps gather each
-request's blocks (whole contiguous rows of the pool) through its block table into one padded batch.
+view of the block pool). New keys and values are written at their slots. Decode steps either run
+the compiled kernel (`servewise/kernels`), which reads each request's blocks in place through its
+block table, or, in plain PyTorch, gather the blocks (whole contiguous rows of the pool) into one
+padded batch for SDPA with a mask.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ class AttentionMetadata:
     seq_lens: list[int]  # tokens per request (prefill: new tokens; decode: context length)
     block_size: int = 16
     block_tables: torch.Tensor | None = None  # decode: [batch, max_blocks], padded with block 0
-    mask: torch.Tensor | None = None  # decode: [batch, 1, 1, max_blocks * block_size], 0 or -inf
+    mask: torch.Tensor | None = None  # decode, PyTorch path: [batch, 1, 1, max_blocks * block_size], 0 or -inf
+    context_lens: torch.Tensor | None = None  # decode: [batch] int64
+    kernel: object = None  # decode: the compiled paged-attention module, or None for the PyTorch path
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
@@ -46,6 +50,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             outs.append(o.transpose(0, 1).reshape(n, H * D))
             start += n
         return torch.cat(outs)
+    if meta.kernel is not None:
+        out = meta.kernel.paged_decode_attention(q.contiguous(), cache[0], cache[1], meta.block_tables,
+                                                 meta.context_lens, meta.block_size, D ** -0.5)
+        return out.view(T, H * D)
     B, L = meta.block_tables.shape[0], meta.block_tables.shape[1] * meta.block_size
     blocks = cache.view(2, -1, meta.block_size * KVH * D)
     rows = meta.block_tables.view(-1)

@@ -12,6 +12,7 @@ from torch import nn
 
 from servewise.config import ModelConfig
 from servewise.models.attention import AttentionMetadata, paged_attention
+from servewise.models.linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,20 +49,23 @@ class LlamaLayer(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size))
 
+    def finalize(self) -> None:
+        i = self.c.intermediate_size
+        # two matmuls give contiguous halves, on which silu runs several times faster than on a strided view
+        self.qkv, self.o, self.down = Linear(self.qkv_proj), Linear(self.o_proj), Linear(self.down_proj)
+        self.gate, self.up = Linear(self.gate_up_proj[:i]), Linear(self.gate_up_proj[i:])
+
     def forward(self, x, positions, cache, meta, rotary):
         c = self.c
         h = rms_norm(x, self.input_layernorm, c.norm_eps)
-        qk, v = F.linear(h, self.qkv_proj).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk, v = self.qkv(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # queries and keys rotate together: one pass over both
         q, k = rotary(positions, qk.view(-1, c.num_heads + c.num_kv_heads, c.head_dim)).split(
             [c.num_heads, c.num_kv_heads], dim=1)
         attn = paged_attention(q, k, v.view(-1, c.num_kv_heads, c.head_dim), cache, meta)
-        x = x + F.linear(attn, self.o_proj)
+        x = x + self.o(attn)
         h = rms_norm(x, self.post_attention_layernorm, c.norm_eps)
-        # two matmuls give contiguous halves, on which silu runs several times faster than on a strided view
-        i = c.intermediate_size
-        act = F.silu(F.linear(h, self.gate_up_proj[:i])).mul_(F.linear(h, self.gate_up_proj[i:]))
-        return x + F.linear(act, self.down_proj)
+        return x + self.down(F.silu(self.gate(h)).mul_(self.up(h)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -82,13 +86,20 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden, self.norm, self.c.norm_eps) @ self.lm_head_t
+        return self.head(rms_norm(hidden, self.norm, self.c.norm_eps))
 
     def finalize(self) -> None:
-        """After loading: keep the output projection transposed, a faster layout for CPU matmul."""
-        self.lm_head_t = self.lm_head.detach().t().contiguous()
+        """After loading: linear layers on prepacked weights where available; the output projection's
+        plain path keeps it transposed, a faster layout for CPU matmul."""
+        lm_head_t = self.lm_head.detach().t().contiguous()
         if not self.c.tie_word_embeddings:  # untied: let the parameter share the new storage, not hold a copy
-            self.lm_head.data = self.lm_head_t.t()
+            self.lm_head.data = lm_head_t.t()
+        self.head = Linear(lm_head_t.t(), transposed=True)
+        for layer in self.layers:
+            layer.finalize()
+
+    def linears(self) -> list[Linear]:
+        return [self.head] + [lin for l in self.layers for lin in (l.qkv, l.o, l.gate, l.up, l.down)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         c = self.c

@@ -9,6 +9,7 @@ from torch import nn
 
 from servewise.config import ModelConfig
 from servewise.models.attention import AttentionMetadata, paged_attention
+from servewise.models.linear import Linear
 
 POSITION_OFFSET = 2  # OPT's learned position table starts two rows in
 
@@ -36,18 +37,21 @@ class OPTLayer(nn.Module):
     def _ln(self, x, p):
         return F.layer_norm(x, (x.shape[-1],), p["weight"], p["bias"], self.c.norm_eps)
 
+    def finalize(self) -> None:
+        self.qkv, self.out, self.up, self.down = (Linear(p["weight"], p["bias"])
+                                                  for p in (self.qkv_proj, self.out_proj, self.fc1, self.fc2))
+
     def forward(self, x, cache, meta):
         c, pre = self.c, self.c.do_layer_norm_before
         h = self._ln(x, self.self_attn_layer_norm) if pre else x
-        q, k, v = F.linear(h, self.qkv_proj["weight"], self.qkv_proj["bias"]).chunk(3, dim=-1)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
         shape = (-1, c.num_heads, c.head_dim)
         attn = paged_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), cache, meta)
-        x = x + F.linear(attn, self.out_proj["weight"], self.out_proj["bias"])
+        x = x + self.out(attn)
         if not pre:
             x = self._ln(x, self.self_attn_layer_norm)
         h = self._ln(x, self.final_layer_norm) if pre else x
-        h = F.linear(F.relu(F.linear(h, self.fc1["weight"], self.fc1["bias"])), self.fc2["weight"], self.fc2["bias"])
-        x = x + h
+        x = x + self.down(F.relu(self.up(h)))
         return x if pre else self._ln(x, self.final_layer_norm)
 
 
@@ -79,7 +83,16 @@ class OPTForCausalLM(nn.Module):
             hidden = F.layer_norm(hidden, (hidden.shape[-1],), p["weight"], p["bias"], 1e-5)
         if self.project_out is not None:
             hidden = F.linear(hidden, self.project_out)
-        return F.linear(hidden, self.embed_tokens)
+        return self.head(hidden)
+
+    def finalize(self) -> None:
+        """After loading: linear layers on prepacked weights where available (see models/linear.py)."""
+        self.head = Linear(self.embed_tokens, transposed=True)
+        for layer in self.layers:
+            layer.finalize()
+
+    def linears(self) -> list[Linear]:
+        return [self.head] + [lin for l in self.layers for lin in (l.qkv, l.out, l.up, l.down)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         h = self.c.hidden_size

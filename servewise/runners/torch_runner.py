@@ -1,15 +1,21 @@
 """Real execution: forward passes over a paged KV cache and real block copies between pools."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
+from servewise import kernels
 from servewise.config import ModelConfig
 from servewise.engine.scheduler import SchedulerOutput
 from servewise.models.attention import AttentionMetadata
+from servewise.models.linear import describe as describe_linears
 from servewise.runners.sampler import sample
+
+
+log = logging.getLogger("servewise")
 
 
 @dataclass
@@ -32,6 +38,10 @@ class TorchRunner:
         flat = self.device_cache.view(mc.num_layers, 2, num_device_blocks * block_size, *per_block[1:])
         self.kv_caches = list(flat.unbind(0))
         self._offsets = torch.arange(block_size, device=self.device)
+        self.attn_kernel = kernels.paged_attention_ext() if self.device.type == "cpu" else None
+        self.paths = "; ".join((describe_linears(model.linears()) if hasattr(model, "linears") else "linear layers: F.linear",
+                                kernels.status() if self.device.type == "cpu" else "decode attention: PyTorch gather + SDPA"))
+        log.info("servewise: %s", self.paths)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -89,10 +99,12 @@ class TorchRunner:
         ctx_t = torch.tensor(ctx, device=dev)
         pos = ctx_t - 1
         slot = bt[torch.arange(B, device=dev), pos // bs] * bs + pos % bs
-        L = width * bs
-        visible = torch.arange(L, device=dev).unsqueeze(0) < ctx_t.unsqueeze(1)
-        mask = torch.zeros(B, 1, 1, L, dtype=self.device_cache.dtype, device=dev)
-        mask.masked_fill_(~visible.view(B, 1, 1, L), float("-inf"))
-        meta = AttentionMetadata(False, slot, ctx, bs, bt, mask)
+        mask = None
+        if self.attn_kernel is None:
+            L = width * bs
+            visible = torch.arange(L, device=dev).unsqueeze(0) < ctx_t.unsqueeze(1)
+            mask = torch.zeros(B, 1, 1, L, dtype=self.device_cache.dtype, device=dev)
+            mask.masked_fill_(~visible.view(B, 1, 1, L), float("-inf"))
+        meta = AttentionMetadata(False, slot, ctx, bs, bt, mask, ctx_t, self.attn_kernel)
         ids = torch.tensor([r.output_token_ids[-1] for r in out.batch], device=dev)
         return ids, pos, meta, None

@@ -1,0 +1,74 @@
+"""Compiled CPU kernels, built on first use with torch.utils.cpp_extension (g++ and ninja), and
+cached per CPU-flag set. Every kernel has a pure-PyTorch twin that serves when a build is not
+possible or `SERVEWISE_KERNELS=torch` is set; `status()` says which path is active."""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_flags_line() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def cpu_flags() -> str:
+    """The CPU's SIMD flags that matter to these kernels and to oneDNN (for benchmark reports)."""
+    have = set(_cpu_flags_line().split())
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    return " ".join(f for f in wanted if f in have) or "unknown"
+
+
+def _cpu_tag() -> str:
+    """The build flags depend on the CPU (-march=native): a cache shared by machines with other flags
+    must not hand one machine another's binary."""
+    return hashlib.sha1(_cpu_flags_line().encode()).hexdigest()[:10]
+
+
+def paged_attention_ext():
+    """The compiled module, or None (with the reason in status())."""
+    with _lock:
+        if "ext" in _state:
+            return _state["ext"]
+        _state["ext"], _state["why"] = None, ""
+        if os.environ.get("SERVEWISE_KERNELS", "auto") == "torch":
+            _state["why"] = "SERVEWISE_KERNELS=torch"
+            return None
+        src = os.path.join(os.path.dirname(__file__), "paged_attention.cpp")
+        try:
+            from torch.utils.cpp_extension import load
+
+            if not _built_before():
+                print("servewise: building the paged-attention CPU kernel (first use on this machine; "
+                      "about a minute)", file=sys.stderr, flush=True)
+            _state["ext"] = load(name=f"servewise_paged_attention_{_cpu_tag()}", sources=[src],
+                                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                 verbose=False)
+        except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path serves
+            _state["why"] = f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        return _state["ext"]
+
+
+def _built_before() -> bool:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        d = _get_build_directory(f"servewise_paged_attention_{_cpu_tag()}", verbose=False)
+    except Exception:
+        return False
+    return any(f.endswith(".so") for f in os.listdir(d)) if os.path.isdir(d) else False
+
+
+def status() -> str:
+    ext = paged_attention_ext()
+    if ext is not None:
+        return "decode attention: compiled paged kernel (reads KV blocks in place)"
+    return f"decode attention: PyTorch gather + SDPA ({_state.get('why', '')})"

@@ -1,0 +1,98 @@
+// Paged decode attention on CPU: one query token per request; keys and values are read in place
+// from the block pool through the request's block table (no gather into a padded batch).
+//
+// q: [B, H, D]; k_cache, v_cache: [num_blocks * block_size, KVH, D] (one layer's flat pool, any
+// row stride); block_tables: [B, max_blocks] int64; context_lens: [B] int64. Returns [B, H, D].
+// Work items are (request, kv head) pairs, so the H / KVH query heads of a group share every key
+// and value row they read. Scores, softmax and the weighted sum of values accumulate in float.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+            const at::Tensor& context_lens, int64_t block_size, double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(1), G = H / KVH, max_blocks = block_tables.size(1);
+  const int64_t k_row = k_cache.stride(0), v_row = v_cache.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, h = item % KVH, n = lens[b];
+      const int64_t* table = bt + b * max_blocks;
+      const T* qb = qp + (b * H + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qb[i]) * fscale;
+      scores.resize(G * n);
+      for (int64_t t = 0; t < n; ++t) {
+        const T* k = kp + (table[t / block_size] * block_size + t % block_size) * k_row + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = &qf[g * D];
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(k[d]);
+          scores[g * n + t] = s;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = &scores[g * n];
+        float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+        for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - m));
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const T* v = vp + (table[t / block_size] * block_size + t % block_size) * v_row + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * n + t];
+          float* a = &acc[g * D];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+        }
+      }
+      T* ob = op + (b * H + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) ob[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                                  double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, H, D] tensor");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3, "caches must be [slots, KVH, D]");
+  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == q.size(2) && v_cache.stride(2) == 1 &&
+                  v_cache.stride(1) == q.size(2), "each cache slot must hold its heads contiguously");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "dtype mismatch");
+  auto bt = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode<scalar_t>(q, k_cache, v_cache, bt, lens, block_size, scale, out);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+}
