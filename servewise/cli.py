@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    t.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from config.json alone (no Hugging Face baseline then)")
+    t.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    t.add_argument("--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's elsewhere), float32, bfloat16, float16")
     t.add_argument("--hf-batch-size", type=int, default=16)
     t.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     t.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -26,7 +26,8 @@ def predictors():
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_simulator_tracks_the_real_engine(predictors, preemption):
     kw = dict(num_device_blocks=24, num_host_blocks=64, preemption=preemption)
-    real = LLMEngine(EngineConfig.from_kwargs(model="tiny-llama", **kw))
+    # the profile above ran on the CPU (profile's default device): so must the engine it predicts
+    real = LLMEngine(EngineConfig.from_kwargs(model="tiny-llama", device="cpu", **kw))
     items, arrivals = build_workload("chatbot", real.tokenizer, 32000, num_requests=40, max_output_len=48,
                                      arrival="poisson", rate=40.0, seed=1)
     reqs, rejected = run_workload(real, items, arrivals)

@@ -52,7 +52,7 @@ def test_kernel_equals_the_pytorch_path(B, H, KVH, D, bs, lens, dtype):
 def test_engine_outputs_are_identical_on_either_attention_path():
     prompts = random_prompts(12, 3, 70, seed=8)
     sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    llm = LLM("tiny-llama", num_device_blocks=128, num_host_blocks=64)
+    llm = LLM("tiny-llama", num_device_blocks=128, num_host_blocks=64, device="cpu")
     assert llm.engine.runner.attn_kernel is not None
     fast = [o.token_ids for o in llm.generate(prompts, sp)]
     llm.engine.runner.attn_kernel = None

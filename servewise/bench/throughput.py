@@ -77,7 +77,8 @@ def main(args) -> dict:
     print(f"workload: {args.num_prompts} prompts x {args.input_len} random tokens (seed {args.seed}), "
           f"{args.output_len} output tokens, greedy, ignore_eos; model {args.model}; "
           f"torch threads {torch.get_num_threads()}; CPU flags: {cpu_flags()}")
-    engine_kw = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    engine_kw = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                 "load_format": args.load_format, "device": args.device, "dtype": args.dtype}
     ours = run_servewise(args.model, prompts, args.output_len, **engine_kw)
     print(f"servewise   : {ours['output_tok_s']:8.1f} output tok/s  ({ours['elapsed_s']:.2f} s, "
           f"max_num_seqs {args.max_num_seqs}; {ours['paths']})")
@@ -85,7 +86,9 @@ def main(args) -> dict:
               "paths": ours.pop("paths"), "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
               "servewise": {k: v for k, v in ours.items() if k != "token_ids"}, **engine_kw}
-    if not args.no_hf:
+    if args.load_format == "dummy":
+        print("random weights (--load-format dummy): no Hugging Face baseline")
+    elif not args.no_hf:
         try:
             ref = run_hf(args.model, prompts, args.output_len, args.hf_batch_size)
         except ImportError:
