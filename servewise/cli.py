@@ -124,9 +124,10 @@ def cmd_simulate(a) -> None:
     import resource
 
     from servewise.metrics import RequestRecord, compute, format_table, save_json
-    from servewise.simulator import sim_engine, simulate
+    from servewise.builder import build_sim_engine
+    from servewise.simulator import simulate
 
-    eng = sim_engine(a.model, a.hardware, a.predictors, **_engine_kwargs(a))
+    eng = build_sim_engine(a.model, a.hardware, a.predictors, **_engine_kwargs(a))
     items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size)
     bar = _bar(len(items), "simulated requests")
     res = simulate(eng, items, arrivals, progress=bar.update if bar else None)

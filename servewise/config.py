@@ -1,7 +1,7 @@
 """Engine settings in one place."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -50,6 +50,35 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything that decides how an engine is built (servewise.builder builds it)."""
+
+    model: str = "tiny-llama"
+    load_format: str = "auto"  # "auto" | "dummy"
+    dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype elsewhere
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    # fitted predictors for `preemption="adaptive"` on the real engine; None: this machine's cached
+    # profile for the model, profiled on first use (by the builder, before the engine is built)
+    predictors: str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> EngineConfig:
+        """Split flat keyword arguments (as LLM(...) and the CLI take them) over the sub-configs."""
+        parts = {}
+        for name, sub in (("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            own = {f.name for f in fields(sub)}
+            parts[name] = sub(**{k: kw.pop(k) for k in list(kw) if k in own})
+        own = {f.name for f in fields(cls)}
+        if unknown := set(kw) - own:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return cls(**kw, **parts)
 
 
 @dataclass

@@ -4,7 +4,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from servewise.engine.llm_engine import EngineConfig, LLMEngine
+from servewise.builder import build_engine
+from servewise.config import EngineConfig
+from servewise.detokenize import TextStream
 from servewise.engine.request import Request
 from servewise.sampling_params import SamplingParams
 
@@ -20,9 +22,9 @@ class RequestOutput:
     request: Request  # timestamps and preemption counts
 
     @classmethod
-    def of(cls, req: Request, tokenizer) -> RequestOutput:
+    def of(cls, req: Request, tokenizer, text: str | None = None) -> RequestOutput:
         return cls(req.request_id, req.prompt, req.prompt_token_ids, list(req.output_token_ids),
-                   tokenizer.decode(req.output_token_ids), req.finish_reason, req)
+                   tokenizer.decode(req.output_token_ids) if text is None else text, req.finish_reason, req)
 
 
 class LLM:
@@ -30,7 +32,7 @@ class LLM:
     e.g. LLM("tiny-llama", num_device_blocks=128, num_host_blocks=64, preemption="swap")."""
 
     def __init__(self, model: str = "tiny-llama", **kwargs):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self.engine = build_engine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     @property
     def tokenizer(self):
@@ -41,6 +43,8 @@ class LLM:
         """prompts: a string, a list of token ids, or a list of either. Outputs keep the prompts' order.
 
         Every prompt is validated before any runs, so one bad prompt raises ValueError and loses nothing.
+        A request with stop strings ends where one first appears (finish_reason "stop"); its text stops
+        before it, and its token ids run to the token that completed it.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -58,10 +62,22 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(reqs), desc="generate", unit="req")
+        streams = {r.request_id: (r, TextStream(eng.tokenizer, r.params.stop), []) for r in reqs if r.params.stop}
         while eng.has_unfinished():
-            done = eng.step()
-            if bar is not None and done:
-                bar.update(len(done))
+            stats = eng.step()
+            for rid in stats.scheduled:
+                if rid in streams:
+                    req, stream, pieces = streams[rid]
+                    piece, stopped = stream.push(req.output_token_ids[len(stream.ids):], req.finished)
+                    pieces.append(piece)
+                    if stopped and eng.abort_request(rid, "stop"):
+                        if bar is not None:
+                            bar.update(1)
+                    elif stopped:
+                        req.finish_reason = "stop"  # it finished in this very step
+            if bar is not None and stats.finished:
+                bar.update(len(stats.finished))
         if bar is not None:
             bar.close()
-        return [RequestOutput.of(r, eng.tokenizer) for r in reqs]
+        return [RequestOutput.of(r, eng.tokenizer, "".join(streams[r.request_id][2]) if r.request_id in streams else None)
+                for r in reqs]

@@ -14,7 +14,8 @@ class SamplingParams:
     frequency_penalty (in [-2, 2]) subtract from the logits of tokens already generated, once and per
     occurrence; repetition_penalty (> 0, 1 is off) divides positive and multiplies negative logits of
     tokens seen in the prompt or the output. logprobs N returns, for every generated token, its
-    log-probability and the N most likely tokens' (0-20; None: none).
+    log-probability and the N most likely tokens' (0-20; None: none). stop: strings that end the
+    output where they first appear in the decoded text (the text stops before them).
     """
 
     max_tokens: int = 16
@@ -27,6 +28,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
@@ -54,6 +56,9 @@ class SamplingParams:
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if not all(isinstance(t, str) and t for t in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:

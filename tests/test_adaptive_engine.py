@@ -34,3 +34,22 @@ def test_adaptive_fair_matches_an_unconstrained_run(tmp_path, monkeypatch, capfd
 
     LLM("tiny-llama", num_device_blocks=16, num_host_blocks=8, preemption="adaptive")  # cached: no profiling now
     assert "profiling" not in capfd.readouterr().err
+
+
+def test_first_use_profile_respects_a_512_position_model(tmp_path, monkeypatch, hf_dirs):
+    """The profiler's sweep used to reach 1,024 positions and crash on the rotary table of a model
+    with max_position_embeddings=512 (IndexError inside LLM(..., preemption="adaptive"))."""
+    import json
+    import shutil
+
+    model = tmp_path / "llama-512"
+    model.mkdir()
+    cfg = json.loads(open(f"{hf_dirs['tiny-llama']}/config.json").read())
+    cfg["max_position_embeddings"] = 512
+    (model / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(f"{hf_dirs['tiny-llama']}/model.safetensors", model / "model.safetensors")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    llm = LLM(str(model), num_device_blocks=16, num_host_blocks=8, preemption="adaptive")
+    assert llm.engine.model_config.max_model_len == 512
+    out = llm.generate(random_prompts(6, 5, 60, seed=4), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    assert all(len(o.token_ids) == 40 for o in out)

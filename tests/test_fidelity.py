@@ -5,14 +5,14 @@ the simulator drifting grossly from the engine (a broken cost model, a missed co
 """
 import pytest
 
-from servewise.engine.driver import run_workload
-from servewise.engine.llm_engine import EngineConfig, LLMEngine
+from servewise.builder import build_engine, build_sim_engine
 from servewise.metrics import RequestRecord, compute
 from servewise.models.loader import hf_config
 from servewise.predictors.fit import fit_predictors
 from servewise.predictors.profiler import profile
-from servewise.simulator import sim_engine, simulate
+from servewise.simulator import simulate
 from servewise.workloads.build import build_workload
+from servewise.workloads.driver import run_workload
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +27,12 @@ def predictors():
 def test_simulator_tracks_the_real_engine(predictors, preemption):
     kw = dict(num_device_blocks=24, num_host_blocks=64, preemption=preemption)
     # the profile above ran on the CPU (profile's default device): so must the engine it predicts
-    real = LLMEngine(EngineConfig.from_kwargs(model="tiny-llama", device="cpu", **kw))
+    real = build_engine(model="tiny-llama", device="cpu", **kw)
     items, arrivals = build_workload("chatbot", real.tokenizer, 32000, num_requests=40, max_output_len=48,
                                      arrival="poisson", rate=40.0, seed=1)
     reqs, rejected = run_workload(real, items, arrivals)
     m_real = compute([RequestRecord.from_request(r) for r in reqs])
-    res = simulate(sim_engine("tiny-llama", "profile", predictors, **kw), items, arrivals)
+    res = simulate(build_sim_engine("tiny-llama", "profile", predictors, **kw), items, arrivals)
     m_sim = compute([RequestRecord.from_request(r) for r in res.requests])
     assert not rejected and m_real["completed"] == m_sim["completed"] == 40
     kind = "swap" if preemption == "swap" else "recompute"

@@ -58,3 +58,20 @@ def test_text_prompts_round_trip_through_the_byte_tokenizer():
     assert llm.tokenizer.decode(llm.tokenizer.encode("héllo, world")) == "héllo, world"
     out = llm.generate("Hello", SamplingParams(max_tokens=3))
     assert out[0].prompt == "Hello" and out[0].prompt_token_ids[0] == 1  # BOS
+
+
+def test_stop_strings_end_offline_generation_as_the_server_does():
+    llm = LLM("tiny-llama", num_device_blocks=64)
+    prompts = random_prompts(3, 4, 20, seed=9)
+    free = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    stops = [o.text[12:15] for o in free]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[s, "\x00never\x00"]) for s in stops]
+    outs = llm.generate(prompts, params)
+    for o, f, s in zip(outs, free, stops):
+        cut = f.text.find(s)
+        assert o.text == f.text[:cut] and o.finish_reason == "stop"
+        assert o.token_ids == f.token_ids[:len(o.token_ids)] and len(o.token_ids) < 40
+        assert s in llm.tokenizer.decode(o.token_ids) and s not in llm.tokenizer.decode(o.token_ids[:-1])
+    plain = llm.generate(prompts[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop="\x00never"))
+    assert plain[0].text == free[0].text and plain[0].finish_reason == "length"
+    assert not llm.engine.has_unfinished() and llm.engine.block_manager.num_free_device == 64

@@ -14,42 +14,39 @@ import time
 
 import torch
 
-from servewise.engine.driver import run_workload
-from servewise.engine.llm_engine import EngineConfig, LLMEngine
+from servewise.builder import build_engine, build_sim_engine
+from servewise.engine.llm_engine import LLMEngine
 from servewise.engine.request import Request
 from servewise.engine.scheduler import SchedulerOutput
-from servewise.sampling_params import SamplingParams
 from servewise.metrics import RequestRecord, compute
-from servewise.simulator import sim_engine, simulate
+from servewise.sampling_params import SamplingParams
+from servewise.simulator import simulate
+from servewise.workloads.driver import run_workload
 
 COMPARED = (("duration_s", "makespan (s)"), ("mean_e2el_ms", "mean E2E (ms)"), ("p99_e2el_ms", "p99 E2E (ms)"),
             ("mean_ttft_ms", "mean TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"))
 
 
 def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None) -> dict:
-    real = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kw))
+    real = build_engine(model=model, **engine_kw)
     # warm-up outside the measured run
     real.add_request([5] * 16, None)
     while real.has_unfinished():
         real.step()
     before = reference_step(real)
-    steps = []  # (is_prefill, token counts, measured seconds) of every real step
-    execute = real.runner.execute
+    steps = []  # (is_prefill, token counts, measured seconds) of every real step that ran a batch
 
-    def logged(out):
-        result = execute(out)
-        steps.append((out.is_prefill, [r.num_tokens for r in out.batch], result.elapsed))
-        return result
+    def logged(st):
+        if st.scheduled:
+            steps.append((st.is_prefill, st.batch_tokens, st.execute_s))
 
-    real.runner.execute = logged
     t0 = time.perf_counter()
-    reqs, rejected = run_workload(real, items, arrivals, progress)
+    reqs, rejected = run_workload(real, items, arrivals, progress, on_step=logged)
     wall = time.perf_counter() - t0
-    real.runner.execute = execute
     drift = {"before_ms": before * 1e3, "after_ms": reference_step(real) * 1e3}
     drift["change_pct"] = (drift["after_ms"] - drift["before_ms"]) / drift["before_ms"] * 100
     m_real = compute([RequestRecord.from_request(r) for r in reqs])
-    sim = sim_engine(model, "profile", predictors, **engine_kw)
+    sim = build_sim_engine(model, "profile", predictors, **engine_kw)
     res = simulate(sim, items, arrivals)
     m_sim = compute([RequestRecord.from_request(r) for r in res.requests])
     rows = {}
@@ -60,7 +57,7 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
         rows[f"preemptions: {k}"] = {"real": m_real["preemptions"][k], "sim": m_sim["preemptions"][k],
                                      "error_pct": None}
     return {"rows": rows, "real": m_real, "sim": m_sim, "sim_wall_s": res.wall_s, "rejected": len(rejected),
-            "steps": step_check(steps, sim.perf, wall), "reference_step": drift}
+            "steps": step_check(steps, sim.runner.perf, wall), "reference_step": drift}
 
 
 def reference_step(engine: LLMEngine, batch: int = 8, context: int = 128, reps: int = 21) -> float:

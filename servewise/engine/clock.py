@@ -1,4 +1,9 @@
-"""The engine's clock. Components get `now` from it; nothing else reads the time."""
+"""The engine's clock. Components get `now` from it; nothing else reads the time.
+
+A step runs from `start` and takes `elapsed` seconds of runner time; `end_of(start, elapsed)` is when
+it ends on this clock. The engine advances its clock to that point unless several engines share one
+virtual clock, in which case their driver moves the time (workloads.driver.run_engines).
+"""
 from __future__ import annotations
 
 import time
@@ -16,6 +21,9 @@ class WallClock:
     def advance(self, seconds: float) -> None:
         pass
 
+    def end_of(self, start: float, elapsed: float) -> float:
+        return self.now()  # real work took real time, and the bookkeeping around it too
+
     def wait_until(self, t: float) -> None:
         if (dt := t - self.now()) > 0:
             time.sleep(dt)
@@ -32,6 +40,9 @@ class VirtualClock:
 
     def advance(self, seconds: float) -> None:
         self._t += seconds
+
+    def end_of(self, start: float, elapsed: float) -> float:
+        return start + elapsed
 
     def wait_until(self, t: float) -> None:
         self._t = max(self._t, t)

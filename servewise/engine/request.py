@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from servewise.engine.interfaces import preemption_counts
 from servewise.sampling_params import SamplingParams
 
 
@@ -33,8 +34,9 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
-    # preemptions by kind; "swap_fallback" counts swaps that became recomputes for lack of host blocks
-    preemptions: dict[str, int] = field(default_factory=lambda: {"swap": 0, "recompute": 0, "swap_fallback": 0})
+    # preemptions by kind (interfaces.Preemption); "swap_fallback" counts swaps that became recomputes
+    # for lack of host blocks, and each is counted as a recompute too
+    preemptions: dict[str, int] = field(default_factory=preemption_counts)
     # per output token, where params.logprobs asked for them: sampler.Logprobs
     output_logprobs: list = field(default_factory=list)
     # set by the runner: per-request random generator for seeded sampling

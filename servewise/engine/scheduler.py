@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from servewise.config import SchedulerConfig
 from servewise.engine.block_manager import BlockManager
+from servewise.engine.interfaces import Preemption, preemption_counts
 from servewise.engine.request import Request, Status
 
 
@@ -24,7 +25,7 @@ class SchedulerOutput:
     block_tables: list[list[int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    preempted: list[tuple[Request, str]] = field(default_factory=list)  # (request, mode)
+    preempted: list[tuple[Request, Preemption]] = field(default_factory=list)  # SWAP or RECOMPUTE
 
     @property
     def num_tokens(self) -> int:
@@ -42,7 +43,7 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.static = getattr(ordering, "static", False)
         self.group_admission = getattr(ordering, "group_admission", False)
-        self.preemption_counts = {"swap": 0, "recompute": 0, "swap_fallback": 0}  # since start, for monitoring
+        self.preemption_counts = preemption_counts()  # since start, for monitoring
 
     def _enqueue(self, queue: list[Request], req: Request, now: float) -> None:
         """Append, or insert in order when the ordering is static (those queues are kept sorted)."""
@@ -174,10 +175,10 @@ class Scheduler:
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         mode = self.preemption.choose(req, self.bm, now)
         for counts in (req.preemptions, self.preemption_counts):
-            counts[mode] += 1
-            if mode == "swap_fallback":  # a fallback is a recompute too
-                counts["recompute"] += 1
-        if mode == "swap":
+            counts[mode.value] += 1
+            if mode is Preemption.SWAP_FALLBACK:  # a fallback is a recompute too
+                counts[Preemption.RECOMPUTE.value] += 1
+        if mode is Preemption.SWAP:
             out.swap_out.extend(self.bm.swap_out(req.request_id))
             req.status = Status.SWAPPED
             self._enqueue(self.swapped, req, now)
@@ -185,7 +186,7 @@ class Scheduler:
             self.bm.free(req.request_id)
             req.status = Status.WAITING
             self._enqueue(self.waiting, req, now)
-        out.preempted.append((req, "swap" if mode == "swap" else "recompute"))
+        out.preempted.append((req, Preemption.SWAP if mode is Preemption.SWAP else Preemption.RECOMPUTE))
 
     def _swap_in(self, running: list[Request], now: float, out: SchedulerOutput, limit: int | None = None) -> None:
         self._sorted(self.swapped, now)

@@ -19,10 +19,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from servewise.engine.driver import run_workload
-from servewise.engine.llm_engine import EngineConfig, LLMEngine
+from servewise.builder import build_engine, build_sim_engine
+from servewise.engine.interfaces import StepStats
+from servewise.engine.llm_engine import LLMEngine
 from servewise.metrics import RequestRecord, compute
 from servewise.policies import SYSTEMS
+from servewise.workloads.driver import run_workload
 from servewise.workloads.presets import preset_workload
 
 ADAPTIVE, BASELINES = "adaptive+fair", ("vllm", "vllm_s")
@@ -106,10 +108,8 @@ def make_engine(backend: str, model: str, system: str, max_num_seqs: int, s: Set
     kw = dict(num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks, block_size=s.block_size,
               policy=policy, preemption=preemption, max_num_seqs=max_num_seqs)
     if backend == "sim":
-        from servewise.simulator import sim_engine
-
-        return sim_engine(model, s.hardware, efficiency=efficiency, **kw)
-    eng = LLMEngine(EngineConfig.from_kwargs(model=model, predictors=s.predictors, **kw))
+        return build_sim_engine(model, s.hardware, efficiency=efficiency, **kw)
+    eng = build_engine(model=model, predictors=s.predictors, **kw)
     eng.add_request([5] * 16)  # warm-up, outside the measured run
     while eng.has_unfinished():
         eng.step()
@@ -120,41 +120,29 @@ def run_one(kind: str, backend: str, model: str, items, wl: str, max_out: int, s
             s: Settings, efficiency: dict | None = None) -> Run:
     eng = make_engine(backend, model, system, max_num_seqs, s, efficiency)
     run = Run(kind, backend, model, wl, max_out, system, max_num_seqs)
-    sched = eng.scheduler
-    plain = sched.schedule
 
-    def timed(now):
-        t0 = time.perf_counter()
-        out = plain(now)
-        dt = time.perf_counter() - t0
+    def observe(st: StepStats) -> None:
         run.schedule_calls += 1
-        if len(sched.running) >= 120:
-            run.schedule_s_at_128 += dt
+        if st.num_running >= 120:
+            run.schedule_s_at_128 += st.schedule_s
             run.schedule_calls_at_128 += 1
-        return out
-
-    sched.schedule = timed
-    execute = eng.runner.execute
-
-    def counted(out):
-        if out.is_prefill:
+        if st.scheduled and st.is_prefill:
             run.prefill_steps += 1
-            run.prefill_requests += len(out.batch)
-        else:
+            run.prefill_requests += len(st.scheduled)
+        elif st.scheduled:
             run.decode_steps += 1
-        return execute(out)
 
-    eng.runner.execute = counted
-    reqs, rejected = run_workload(eng, items, [0.0] * len(items))
+    reqs, rejected = run_workload(eng, items, [0.0] * len(items), on_step=observe)
     m = compute([RequestRecord.from_request(r) for r in reqs])
     run.throughput, run.duration_s = m["output_throughput"], m["duration_s"]
     run.weighted_turnaround, run.completed, run.rejected = m["mean_weighted_turnaround"], m["completed"], len(rejected)
     run.preemptions = m["preemptions"]
-    pre = sched.preemption
+    pre = eng.scheduler.preemption
     if hasattr(pre, "decisions"):
         run.predict_s, run.decisions = pre.predict_s, len(pre.decisions)
         for d in pre.decisions:  # one example per mode; a recompute chosen on cost alone is kept apart
-            run.examples.setdefault(d.mode if d.host_room or d.mode != "recompute" else "recompute, host full", d.why())
+            run.examples.setdefault(d.mode.value if d.host_room or d.mode != "recompute" else "recompute, host full",
+                                    d.why())
     return run
 
 

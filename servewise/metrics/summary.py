@@ -11,8 +11,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from servewise.engine.interfaces import Preemption
+
 PERCENTILES = (50, 90, 99)
-PREEMPTION_KINDS = ("swap", "recompute", "swap_fallback")
+PREEMPTION_KINDS = tuple(k.value for k in Preemption)
 
 
 @dataclass

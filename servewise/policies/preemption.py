@@ -1,8 +1,8 @@
 """Preemption mode: what happens to a request evicted from the running batch.
 
-`choose` returns "swap" (copy its KV blocks to the host pool), "recompute" (drop its KV and
-re-prefill prompt + generated tokens later), or "swap_fallback" (swap wanted, host pool full,
-so recompute; counted separately).
+`choose` returns a Preemption: SWAP (copy its KV blocks to the host pool), RECOMPUTE (drop its KV
+and re-prefill prompt + generated tokens later), or SWAP_FALLBACK (swap wanted, host pool full, so
+recompute; counted separately).
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from servewise.engine.block_manager import BlockManager
+from servewise.engine.interfaces import Preemption
 from servewise.engine.request import Request
 
 
@@ -17,16 +18,16 @@ class Recompute:
     name = "recompute"
     needs_costs = False
 
-    def choose(self, req: Request, bm: BlockManager, now: float) -> str:
-        return "recompute"
+    def choose(self, req: Request, bm: BlockManager, now: float) -> Preemption:
+        return Preemption.RECOMPUTE
 
 
 class Swap:
     name = "swap"
     needs_costs = False
 
-    def choose(self, req: Request, bm: BlockManager, now: float) -> str:
-        return "swap" if bm.can_swap_out(req.request_id) else "swap_fallback"
+    def choose(self, req: Request, bm: BlockManager, now: float) -> Preemption:
+        return Preemption.SWAP if bm.can_swap_out(req.request_id) else Preemption.SWAP_FALLBACK
 
 
 @dataclass
@@ -37,14 +38,14 @@ class Decision:
     recompute_s: float
     swap_s: float  # out + in
     host_room: bool
-    mode: str
+    mode: Preemption
 
     def why(self) -> str:
         cheaper = "swap" if self.swap_s < self.recompute_s else "recompute"
         room = "" if self.host_room else ", host pool full"
         return (f"request {self.request_id}: {self.tokens} tokens / {self.blocks} blocks; predicted recompute "
                 f"{self.recompute_s * 1e3:.3f} ms, swap out+in {self.swap_s * 1e3:.3f} ms -> {cheaper} is cheaper"
-                f"{room} -> {self.mode}")
+                f"{room} -> {self.mode.value}")
 
 
 class Adaptive:
@@ -73,11 +74,14 @@ class Adaptive:
         self.predict_s += time.perf_counter() - t0
         return recompute, swap
 
-    def choose(self, req: Request, bm: BlockManager, now: float) -> str:
+    def choose(self, req: Request, bm: BlockManager, now: float) -> Preemption:
         blocks = len(bm.device_tables[req.request_id])
         recompute, swap = self.costs(req.num_tokens, blocks)
         room = bm.can_swap_out(req.request_id)
-        mode = ("swap" if room else "swap_fallback") if swap < recompute else "recompute"
+        if swap < recompute:
+            mode = Preemption.SWAP if room else Preemption.SWAP_FALLBACK
+        else:
+            mode = Preemption.RECOMPUTE
         self.decisions.append(Decision(req.request_id, req.num_tokens, blocks, recompute, swap, room, mode))
         return mode
 

@@ -16,6 +16,7 @@ import torch
 
 from servewise.config import ModelConfig
 from servewise.predictors.fit import Predictors, fit_predictors
+from servewise.predictors.perf import ProfiledPerf
 from servewise.predictors.profiler import PROFILE_VERSION, hardware_tag, profile
 
 CACHE_ENV = "SERVEWISE_CACHE_DIR"
@@ -73,8 +74,6 @@ def ensure_predictors(model: str, mc: ModelConfig, device: str, block_size: int,
 
 def profiled_perf(model: str, mc: ModelConfig, device: str, block_size: int, path: str | None = None, log=None):
     """The performance model the cost-aware preemption predicts with on the real engine."""
-    from servewise.runners.sim_runner import ProfiledPerf
-
     preds = ensure_predictors(model, mc, device, block_size, path, log)
     threads = preds.meta.get("threads")
     if threads and threads != torch.get_num_threads():

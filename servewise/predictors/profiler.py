@@ -133,7 +133,14 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
             max_prefill_len: int = 512, max_decode_ctx: int = 1024, max_prefill_tokens: int = 2048, max_decode_tokens: int = 16384,
             max_copy_blocks: int = 256, validation_requests: int = 40, reps: int = 7, seed: int = 0,
             progress: Callable[[str], None] | None = None) -> dict:
-    """Profile every (layers, hidden) size of base_config's architecture; returns the profile dict."""
+    """Profile every (layers, hidden) size of base_config's architecture; returns the profile dict.
+
+    Lengths stay within the model's max_position_embeddings: prefill batches spread their prompts up
+    to 1.5x the point's length, so prefill points stop at two thirds of it."""
+    limit = base_config.get("max_position_embeddings")
+    if limit:
+        max_prefill_len = min(max_prefill_len, limit * 2 // 3)
+        max_decode_ctx = min(max_decode_ctx, limit)
     prefill_pts = sweep_points(prefill_points, min(max_batch, 64), max_prefill_len, max_prefill_tokens, seed)
     decode_pts = sweep_points(decode_points, max_batch, max_decode_ctx, max_decode_tokens, seed + 1, min_len=2)
     n_dev = -(-max(max_decode_tokens + max_batch * block_size, max_prefill_tokens * 2) // block_size)
@@ -159,7 +166,8 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
         sweep_lens = [n * block_size for n in copy_sizes]
         result["copy"].extend(_swap_requests(bench, key, block_bytes, sweep_lens, reps, seed, real_kv=False))
         rng = random.Random(seed + 7)
-        val_lens = [min(max_copy_blocks * block_size, _log_uniform_int(rng, 8, 2048)) for _ in range(validation_requests)]
+        val_lens = [min(max_copy_blocks * block_size, limit or 2048, _log_uniform_int(rng, 8, 2048))
+                    for _ in range(validation_requests)]
         result["copy_validation"].extend(_swap_requests(bench, key, block_bytes, val_lens, reps, seed + 1, real_kv=True))
         if progress:
             progress(f"{layers}x{hidden}: copies done")

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from servewise import kernels
 from servewise.config import ModelConfig
+from servewise.engine.interfaces import StepResult
 from servewise.engine.scheduler import SchedulerOutput
 from servewise.models.attention import AttentionMetadata
 from servewise.models.linear import describe as describe_linears
@@ -18,17 +18,11 @@ from servewise.runners.sampler import sample
 log = logging.getLogger("servewise")
 
 
-@dataclass
-class StepResult:
-    tokens: list[int]
-    elapsed: float  # seconds
-    logprobs: list | None = None  # per batch row: sampler.Logprobs, or None where not asked for
-
-
 class TorchRunner:
     def __init__(self, model: torch.nn.Module, mc: ModelConfig, num_device_blocks: int, num_host_blocks: int,
                  block_size: int, device: str = "cpu"):
         self.model, self.mc, self.bs, self.device = model, mc, block_size, torch.device(device)
+        self.capacity = (num_device_blocks, num_host_blocks)
         dtype = next(model.parameters()).dtype
         per_block = (block_size, mc.num_kv_heads, mc.head_dim)
         # [layer, k/v, block, slot-in-block, kv head, head dim]

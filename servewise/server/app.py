@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from servewise.detokenize import TextStream
 from servewise.server.async_engine import AsyncEngine, EngineDead, Overloaded
 from servewise.server.chat import ChatTemplate
 from servewise.server.metrics import ServerMetrics
@@ -64,32 +65,6 @@ class BearerAuth:
                                           "authentication_error", code="invalid_api_key")
                 return await response(scope, receive, send)
         return await self.app(scope, receive, send)
-
-
-class TextStream:
-    """Incremental detokenization with stop strings: text is released only when it can no longer turn
-    into a stop string or an incomplete UTF-8 character."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tok, self.stops, self.ids, self.sent = tokenizer, stops, [], 0
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def push(self, ids: list[int], final: bool) -> tuple[str, bool]:
-        """(new text, whether a stop string ended the output)."""
-        self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            end, stopped = min(hits), True
-        else:
-            end, stopped = len(text), False
-            if not final:
-                end -= self.hold
-                if text.endswith("\ufffd"):
-                    end = min(end, len(text) - 1)
-        end = max(end, self.sent)
-        out, self.sent = text[self.sent:end], end
-        return out, stopped
 
 
 class LogprobFormat:
@@ -192,13 +167,12 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
         check_model(body.model)
         try:
             params = body.sampling_params(max_tokens, default_max_tokens)
-            stops = body.stop_strings()
         except ValueError as e:
             raise _bad_value(e) from e
         req, queue = submit(prompt, params)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        text = TextStream(tokenizer, stops)
+        text = TextStream(tokenizer, params.stop)
         lp_format = LogprobFormat(tokenizer, chat)
         if body.stream:
             return StreamingResponse(stream(req, queue, text, lp_format, rid, created, chat, body.include_usage),

@@ -71,6 +71,9 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def stats(self):
+        return self.engine.stats()
+
     def num_queued(self) -> int:
         """Requests admitted but not yet running: the scheduler's waiting queue and pending adds."""
         return len(self.engine.scheduler.waiting) + self._pending_adds

@@ -16,24 +16,22 @@ class _EngineState:
         self.engine = engine
 
     def collect(self):
-        eng = self.engine.engine
-        sched, bm = eng.scheduler, eng.block_manager
+        st = self.engine.stats()
         queues = GaugeMetricFamily("servewise_requests", "Requests by scheduler queue", labels=["state"])
-        for state, q in (("running", sched.running), ("waiting", sched.waiting), ("swapped", sched.swapped)):
-            queues.add_metric([state], len(q))
+        for state in ("running", "waiting", "swapped"):
+            queues.add_metric([state], getattr(st, state))
         yield queues
         used = GaugeMetricFamily("servewise_kv_blocks_used", "KV-cache blocks in use", labels=["pool"])
         total = GaugeMetricFamily("servewise_kv_blocks_total", "KV-cache blocks in the pool", labels=["pool"])
         usage = GaugeMetricFamily("servewise_kv_usage_ratio", "Share of the pool's KV blocks in use", labels=["pool"])
-        for pool, n, free in (("device", bm.num_device_blocks, bm.num_free_device),
-                              ("host", bm.num_host_blocks, bm.num_free_host)):
-            used.add_metric([pool], n - free)
-            total.add_metric([pool], n)
-            usage.add_metric([pool], (n - free) / n if n else 0.0)
+        for pool, ps in (("device", st.device_blocks), ("host", st.host_blocks)):
+            used.add_metric([pool], ps.used)
+            total.add_metric([pool], ps.total)
+            usage.add_metric([pool], ps.used / ps.total if ps.total else 0.0)
         yield from (used, total, usage)
         pre = CounterMetricFamily("servewise_preemptions", "Preemptions by kind (swap_fallback: swap wanted, "
                                   "host pool full, recomputed)", labels=["kind"])
-        for kind, n in sched.preemption_counts.items():
+        for kind, n in st.preemptions.items():
             pre.add_metric([kind], n)
         yield pre
 

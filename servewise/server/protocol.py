@@ -49,7 +49,7 @@ class _Sampling(BaseModel):
             top_k=-1 if self.top_k in (None, 0) else self.top_k, min_p=given(self.min_p, 0.0),
             presence_penalty=given(self.presence_penalty, 0.0), frequency_penalty=given(self.frequency_penalty, 0.0),
             repetition_penalty=given(self.repetition_penalty, 1.0), logprobs=self.num_logprobs(),
-            seed=self.seed, ignore_eos=self.ignore_eos)
+            seed=self.seed, ignore_eos=self.ignore_eos, stop=self.stop_strings())
 
     def num_logprobs(self) -> int | None:
         """How many top log-probabilities each token carries; None: no log-probabilities."""

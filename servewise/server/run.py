@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from servewise.engine.llm_engine import EngineConfig, LLMEngine
+from servewise.builder import build_engine
 from servewise.server.app import build_app
 from servewise.server.async_engine import AsyncEngine
 from servewise.server.chat import ChatTemplate, find_template
@@ -24,7 +24,7 @@ def _special_tokens(model: str) -> tuple[str, str]:
 def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = None, api_key: str | None = None,
              max_waiting: int = 512, default_max_tokens: int = 16, log=None):
     """(FastAPI app, AsyncEngine); the engine thread is started."""
-    engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+    engine = build_engine(model=model, **engine_kwargs)
     source, where = find_template(model)
     if log:
         log(f"chat template: {where}")

@@ -1,0 +1,97 @@
+"""Assembling engines: the one place that knows models, runners, policies and cost models.
+
+Dependencies point one way: engine <- policies, runners, predictors <- builder <- llm, server,
+simulator, cli. A cost model that needs a profile of this machine is obtained here, announced,
+before the engine exists.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from servewise.config import EngineConfig
+from servewise.engine.block_manager import BlockManager
+from servewise.engine.clock import VirtualClock, WallClock
+from servewise.engine.interfaces import CostModel
+from servewise.engine.llm_engine import LLMEngine
+from servewise.engine.scheduler import Scheduler
+from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
+from servewise.predictors.perf import PROFILE, make_perf
+from servewise.runners.sim_runner import SimRunner
+
+log = logging.getLogger("servewise")
+
+
+def _check_policies(config: EngineConfig) -> None:
+    for table, name in ((ORDERING_POLICIES, config.scheduler.policy), (PREEMPTION_POLICIES, config.scheduler.preemption)):
+        if name not in table:
+            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(table)}")
+
+
+def needs_costs(config: EngineConfig) -> bool:
+    return PREEMPTION_POLICIES[config.scheduler.preemption].needs_costs
+
+
+def _limit_length(config: EngineConfig, mc) -> None:
+    if config.max_model_len is not None:
+        if config.max_model_len > mc.max_model_len:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {mc.max_model_len}")
+        mc.max_model_len = config.max_model_len
+
+
+def assemble(config: EngineConfig, mc, tokenizer, runner, cost_model: CostModel | None, clock,
+             owns_clock: bool = True) -> LLMEngine:
+    """Block manager, policies and scheduler around a runner that reports its pools (runner.capacity)."""
+    n_dev, n_host = runner.capacity
+    bm = BlockManager(n_dev, n_host, config.cache.block_size, config.cache.watermark)
+    preemption = PREEMPTION_POLICIES[config.scheduler.preemption]
+    preemption = preemption(cost_model) if preemption.needs_costs else preemption()
+    scheduler = Scheduler(config.scheduler, bm, ORDERING_POLICIES[config.scheduler.policy](), preemption)
+    return LLMEngine(config, mc, tokenizer, bm, scheduler, runner, clock, owns_clock)
+
+
+def build_engine(config: EngineConfig | None = None, clock=None, **kwargs) -> LLMEngine:
+    """A real engine on loaded weights: build_engine(EngineConfig(...)) or build_engine(model=..., **options)."""
+    from servewise.models.loader import load_model
+    from servewise.runners.torch_runner import TorchRunner
+
+    config = config or EngineConfig.from_kwargs(**kwargs)
+    _check_policies(config)
+    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = config.dtype if config.dtype != "auto" else ("float32" if device == "cpu" else None)
+    model, mc, tokenizer = load_model(config.model, config.load_format, dtype, device, config.seed)
+    _limit_length(config, mc)
+    cc = config.cache
+    n_dev, n_host = cc.resolve(mc.kv_bytes_per_token * cc.block_size)
+    runner = TorchRunner(model, mc, n_dev, n_host, cc.block_size, device)
+    cost_model = None
+    if needs_costs(config):
+        from servewise.predictors.auto import profiled_perf
+
+        cost_model = profiled_perf(config.model, mc, device, cc.block_size, config.predictors)
+        log.info("servewise: cost model for %s preemption: %s", config.scheduler.preemption, cost_model.label)
+    return assemble(config, mc, tokenizer, runner, cost_model, clock or WallClock())
+
+
+def build_sim_engine(model: str = "tiny-llama", hardware: str = PROFILE, predictors=None,
+                     efficiency: dict | None = None, perf: CostModel | None = None, clock=None,
+                     owns_clock: bool = True, **engine_kw) -> LLMEngine:
+    """An engine whose runner is simulated on a virtual clock: `perf` given, or made for `hardware`
+    (PROFILE: this machine from fitted predictors; else a roofline GPU by name). Without an explicit
+    device pool, roofline GPUs get the blocks that fit beside the weights. Several engines may share
+    one `clock` (owns_clock=False; workloads.driver.run_engines moves it)."""
+    from servewise.models.loader import load_model_config
+
+    engine_kw.setdefault("dtype", "float32" if hardware == PROFILE or perf is not None else "float16")
+    config = EngineConfig.from_kwargs(model=model, **engine_kw)
+    _check_policies(config)
+    mc, tokenizer = load_model_config(model, config.dtype)
+    _limit_length(config, mc)
+    cc = config.cache
+    if perf is None:
+        perf = make_perf(hardware, mc, cc.block_size, predictors, efficiency)
+    if cc.num_device_blocks is None and hasattr(perf, "device_blocks"):
+        cc.num_device_blocks = perf.device_blocks()
+    runner = SimRunner(perf, cc.resolve(mc.kv_bytes_per_token * cc.block_size))
+    return assemble(config, mc, tokenizer, runner, perf, clock or VirtualClock(), owns_clock)

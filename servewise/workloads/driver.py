@@ -1,0 +1,101 @@
+"""Feed workloads to engines at their arrival times and run them to the end.
+
+`run_workload` drives one engine: the real one (wall clock: it sleeps until the next arrival when
+idle) or a simulated one (virtual clock: it jumps there). `run_engines` drives several simulated
+engines on one shared virtual clock, always acting at the earliest pending moment: an arrival, or an
+engine becoming free after its step.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from servewise.engine.interfaces import StepStats
+from servewise.engine.request import Request
+from servewise.sampling_params import SamplingParams
+from servewise.workloads.datasets import WorkloadRequest
+
+
+def params_for(item: WorkloadRequest) -> SamplingParams:
+    """Fixed-length generation: greedy, exactly the target output length (the usual benchmark practice)."""
+    return SamplingParams(max_tokens=item.output_len, temperature=0.0, ignore_eos=True)
+
+
+class _Feed:
+    """One engine's items in arrival order; `admit(now)` adds every item due by then."""
+
+    def __init__(self, engine, items: list[WorkloadRequest], arrivals: list[float], t0: float):
+        if len(arrivals) != len(items):
+            raise ValueError(f"{len(arrivals)} arrival times for {len(items)} requests")
+        self.engine, self.items, self.arrivals, self.t0 = engine, items, arrivals, t0
+        self.order = sorted(range(len(items)), key=lambda i: arrivals[i])
+        self.k = 0
+        self.reqs: list[Request | None] = [None] * len(items)
+        self.rejected: list[tuple[int, str]] = []
+
+    def next_arrival(self) -> float | None:
+        return self.t0 + self.arrivals[self.order[self.k]] if self.k < len(self.order) else None
+
+    def admit(self, now: float) -> None:
+        while self.k < len(self.order) and self.t0 + self.arrivals[self.order[self.k]] <= now:
+            i = self.order[self.k]
+            item = self.items[i]
+            prompt = item.prompt if isinstance(item.prompt, list) else [0] * item.prompt_len
+            try:
+                self.reqs[i] = self.engine.add_request(prompt, params_for(item), arrival_time=self.t0 + self.arrivals[i])
+            except ValueError as e:
+                self.rejected.append((i, str(e)))
+            self.k += 1
+
+    def result(self) -> tuple[list[Request], list[tuple[int, str]]]:
+        return [r for r in self.reqs if r is not None], self.rejected
+
+
+def run_workload(engine, items: list[WorkloadRequest], arrivals: list[float],
+                 progress: Callable[[int], None] | None = None,
+                 on_step: Callable[[StepStats], None] | None = None) -> tuple[list[Request], list[tuple[int, str]]]:
+    """Run every item; returns (requests in item order, [(item index, reason)] for items the engine rejected).
+
+    Arrival times are relative to the start of the run. Items carry their prompt as token ids, or only a
+    length (then a placeholder prompt of that many tokens is used). `on_step` sees every step's stats.
+    """
+    clock = engine.clock
+    feed = _Feed(engine, items, arrivals, clock.now())
+    while feed.next_arrival() is not None or engine.has_unfinished():
+        feed.admit(clock.now())
+        if not engine.has_unfinished():
+            if (t := feed.next_arrival()) is not None:
+                clock.wait_until(t)
+            continue
+        stats = engine.step()
+        if on_step:
+            on_step(stats)
+        if progress and stats.finished:
+            progress(len(stats.finished))
+    return feed.result()
+
+
+def run_engines(feeds: list[tuple], clock, on_step: Callable[[int, StepStats], None] | None = None) -> list[tuple]:
+    """Run several engines built on one shared virtual `clock` with owns_clock=False; feeds are
+    (engine, items, arrivals). Returns each engine's (requests, rejected), as run_workload would; the
+    clock is left at the end of the last step."""
+    runs = [_Feed(eng, items, arrivals, clock.now()) for eng, items, arrivals in feeds]
+    for f in runs:
+        if f.engine.clock is not clock or f.engine.owns_clock:
+            raise ValueError("run_engines needs engines on the shared clock with owns_clock=False")
+    free_at = [clock.now()] * len(runs)
+    while True:
+        times = [t for f in runs if (t := f.next_arrival()) is not None]
+        times += [free_at[i] for i, f in enumerate(runs) if f.engine.has_unfinished()]
+        if not times:
+            clock.wait_until(max(free_at))  # the end of the last step
+            return [f.result() for f in runs]
+        now = min(times)
+        clock.wait_until(now)
+        for f in runs:
+            f.admit(now)
+        for i, f in enumerate(runs):
+            if free_at[i] <= now and f.engine.has_unfinished():
+                stats = f.engine.step()
+                free_at[i] = stats.end
+                if on_step:
+                    on_step(i, stats)
