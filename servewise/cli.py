@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--predictors", default=None,
                     help="cost predictors for --preemption adaptive (default: this machine's cached profile)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.add_argument("--engine-in-thread", action="store_true",
+                    help="run the engine in a thread of the server process (default: its own process, so that "
+                         "the HTTP event loop and the engine do not share one interpreter)")
     sv.set_defaults(func=lambda a: __import__("servewise.server.run", fromlist=["main"]).main(a, _engine_kwargs(a)))
 
     ex = sub.add_parser("experiment", help="reproduce a source paper's evaluation")

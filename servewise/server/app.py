@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servewise.detokenize import TextStream
-from servewise.server.async_engine import AsyncEngine, EngineDead, Overloaded
+from servewise.server.client import EngineClient, EngineDead, Overloaded
 from servewise.server.chat import ChatTemplate
 from servewise.server.metrics import ServerMetrics
 from servewise.server.protocol import ChatRequest, CompletionRequest
@@ -96,12 +96,12 @@ class LogprobFormat:
                 "top_logprobs": [{self.text(a): v for a, v in lp.top} for lp in logprobs], "text_offset": offsets}
 
 
-def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate, api_key: str | None = None,
+def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate, api_key: str | None = None,
               default_max_tokens: int = 16) -> FastAPI:
     app = FastAPI(title="servewise", description="OpenAI-compatible LLM serving")
     metrics = ServerMetrics(engine)
     engine.on_finish = metrics.observe
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -144,7 +144,7 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "servewise",
-                                            "max_model_len": engine.engine.model_config.max_model_len}]}
+                                            "max_model_len": engine.limits.max_model_len}]}
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -214,7 +214,7 @@ def build_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
                 "model": model_name, "choices": [choice], "usage": usage(req)}
 
     def usage(req) -> dict:
-        p, c = req.num_prompt_tokens, len(req.output_token_ids)
+        p, c = req.num_prompt_tokens, req.num_output_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     async def stream(req, queue, text: TextStream, lp_format: LogprobFormat, rid, created, chat, include_usage):

@@ -51,13 +51,14 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def observe(self, req) -> None:
-        """A request finished (called from the engine thread; the client library is thread-safe)."""
+        """A request finished (client.Finished; called from the engine client's thread, and the client
+        library is thread-safe)."""
         self.requests.labels(req.finish_reason or "error").inc()
         if req.finish_reason == "abort" or req.first_token_time is None:
             return
         self.ttft.observe(req.first_token_time - req.arrival_time)
         self.e2e.observe(req.finish_time - req.arrival_time)
-        n = len(req.output_token_ids)
+        n = req.num_output_tokens
         if n > 1:
             self.tpot.observe((req.finish_time - req.first_token_time) / (n - 1))
 

@@ -1,4 +1,4 @@
-"""`servewise serve`: build the engine, wrap it in the engine thread and the HTTP app, run uvicorn."""
+"""`servewise serve`: start the engine (its own process by default), wrap it in the HTTP app, run uvicorn."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,8 @@ import sys
 
 from servewise.builder import build_engine
 from servewise.server.app import build_app
-from servewise.server.async_engine import AsyncEngine
+from servewise.server.client import ThreadEngineClient
+from servewise.server.engine_process import ProcessEngineClient
 from servewise.server.chat import ChatTemplate, find_template
 
 
@@ -22,17 +23,21 @@ def _special_tokens(model: str) -> tuple[str, str]:
 
 
 def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = None, api_key: str | None = None,
-             max_waiting: int = 512, default_max_tokens: int = 16, log=None):
-    """(FastAPI app, AsyncEngine); the engine thread is started."""
-    engine = build_engine(model=model, **engine_kwargs)
+             max_waiting: int = 512, default_max_tokens: int = 16, log=None, engine_process: bool = True,
+             max_restarts: int = 3):
+    """(FastAPI app, engine client), the client started: the engine in its own process, or in a thread of
+    this one (engine_process=False)."""
+    if engine_process:
+        client = ProcessEngineClient(dict(engine_kwargs, model=model), max_waiting, max_restarts=max_restarts, log=log)
+    else:
+        client = ThreadEngineClient(build_engine(model=model, **engine_kwargs), max_waiting)
     source, where = find_template(model)
     if log:
         log(f"chat template: {where}")
-    async_engine = AsyncEngine(engine, max_waiting)
-    app = build_app(async_engine, served_model_name or model, ChatTemplate(source, *_special_tokens(model)), api_key,
+    app = build_app(client, served_model_name or model, ChatTemplate(source, *_special_tokens(model)), api_key,
                     default_max_tokens)
-    async_engine.start()
-    return app, async_engine
+    client.start()
+    return app, client
 
 
 def main(a, engine_kwargs: dict) -> None:
@@ -40,13 +45,15 @@ def main(a, engine_kwargs: dict) -> None:
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     app, engine = make_app(a.model, dict(engine_kwargs, predictors=a.predictors, max_model_len=a.max_model_len),
-                           a.served_model_name, a.api_key, a.max_waiting, log=say)
-    bm = engine.engine.block_manager
+                           a.served_model_name, a.api_key, a.max_waiting, log=say, engine_process=not a.engine_in_thread)
+    st = engine.stats()
     import torch
 
+    where = "in a thread of the server" if a.engine_in_thread else f"in its own process (pid {engine.pid})"
     say(f"serving {a.served_model_name or a.model} on http://{a.host}:{a.port}/v1 "
-        f"({bm.num_device_blocks} device / {bm.num_host_blocks} host KV blocks, policy {a.policy}, preemption "
-        f"{a.preemption}, torch threads {torch.get_num_threads()}{', API key required' if a.api_key else ''})")
+        f"({st.device_blocks.total} device / {st.host_blocks.total} host KV blocks, policy {a.policy}, preemption "
+        f"{a.preemption}, torch threads {torch.get_num_threads()}, engine {where}"
+        f"{', API key required' if a.api_key else ''})")
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     finally:

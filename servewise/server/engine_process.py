@@ -1,0 +1,178 @@
+"""The engine core in its own process, so that the event loop and the engine never share an interpreter.
+
+Messages are plain data over two one-way pipes: commands in (add, abort, stop), and one message per
+step out (every open request's new tokens, and the engine's load). The parent keeps a tokenizer and
+the engine's request limits, so requests are validated before they cross.
+
+If the engine process dies (a crash, a kill, a failed step), every open request gets an error at once
+and /health reports it; the client then starts a fresh engine process, up to `max_restarts` times
+(a server that keeps its port and comes back serves its clients better than one that exits; a
+supervisor still sees the failures in the log and in /health). Past that it stays down, answering 503.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import sys
+import threading
+
+from servewise.server.client import EngineLoop, StreamingClient, apply_commands
+
+STARTUP_TIMEOUT_S = 900  # a large model, a first kernel build or a first-use profile take minutes
+
+
+def _engine_main(engine_kwargs: dict, threads: int, log_level: int, cmds, outs) -> None:
+    """The engine process: build the engine, report ready, then serve commands and steps until stopped."""
+    import torch
+
+    from servewise.builder import build_engine
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=log_level, format="%(message)s", stream=sys.stderr)
+    try:
+        engine = build_engine(**engine_kwargs)
+    except Exception as e:
+        outs.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    loop = EngineLoop(engine)
+    outs.send(("ready", engine.tokenizer, engine.limits, engine.stats()))
+    pending: list = []
+    while True:
+        timeout = 0 if engine.has_unfinished() else 0.5
+        try:
+            while cmds.poll(timeout):
+                pending.append(cmds.recv())
+                timeout = 0
+        except EOFError:  # the server is gone
+            return
+        if any(c[0] == "stop" for c in pending):
+            return
+        touched = bool(pending)
+        refused = apply_commands(loop, lambda: pending.pop(0), lambda: bool(pending))
+        if engine.has_unfinished():
+            try:
+                engine.step()
+            except Exception as e:
+                outs.send(("failed", f"engine step failed: {type(e).__name__}: {e}"))
+                return
+            touched = True
+        if touched:
+            outs.send(("out", refused + loop.outputs(), engine.stats()))
+
+
+class ProcessEngineClient(StreamingClient):
+    """An EngineClient whose engine runs in a child process (spawned, so no state is inherited)."""
+
+    def __init__(self, engine_kwargs: dict, max_waiting: int = 512, on_finish=None, max_restarts: int = 3,
+                 log=None):
+        import torch
+
+        self.engine_kwargs, self.max_restarts, self.restarts = dict(engine_kwargs), max_restarts, 0
+        self._threads = torch.get_num_threads()
+        self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self._ctx = mp.get_context("spawn")
+        self._proc = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = False
+        self._up = False
+        tokenizer, limits = self._launch()
+        super().__init__(tokenizer, limits, max_waiting, on_finish)
+        self._stats = self._first_stats
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._up and self.error is None
+
+    def _launch(self):
+        """Start an engine process and wait until it is built; returns (tokenizer, limits)."""
+        cmd_r, cmd_w = self._ctx.Pipe(duplex=False)
+        out_r, out_w = self._ctx.Pipe(duplex=False)
+        level = logging.getLogger("servewise").getEffectiveLevel()
+        proc = self._ctx.Process(target=_engine_main, args=(self.engine_kwargs, self._threads, level, cmd_r, out_w),
+                                 name="servewise-engine", daemon=True)
+        proc.start()
+        cmd_r.close()
+        out_w.close()  # the child holds the only write end: its death reads as EOF here
+        try:
+            if not out_r.poll(STARTUP_TIMEOUT_S):
+                raise RuntimeError(f"the engine process did not start within {STARTUP_TIMEOUT_S} s")
+            msg = out_r.recv()
+        except EOFError:
+            proc.join(5)
+            raise RuntimeError(f"the engine process exited while starting (exit code {proc.exitcode})") from None
+        if msg[0] == "failed":
+            proc.join(5)
+            raise RuntimeError(f"the engine could not be built: {msg[1]}")
+        _, tokenizer, limits, self._first_stats = msg
+        self._proc, self._cmds, self._outs = proc, cmd_w, out_r
+        self._up = True
+        return tokenizer, limits
+
+    def start(self) -> None:
+        threading.Thread(target=self._read, name="servewise-engine-reader", daemon=True).start()
+        threading.Thread(target=self._write, name="servewise-engine-writer", daemon=True).start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._outbox.put(("stop",))
+        if self._proc is not None:
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(5)
+
+    def _send(self, command: tuple) -> None:
+        self._outbox.put(command)
+
+    def _commands_pending(self) -> bool:
+        return not self._outbox.empty()
+
+    def _write(self) -> None:
+        """Commands go out from this thread, so that a busy engine never blocks the event loop."""
+        while True:
+            cmd = self._outbox.get()
+            try:
+                self._cmds.send(cmd)
+            except (OSError, ValueError):  # the engine is gone: its reader reports it and restarts it
+                pass
+            if cmd[0] == "stop":
+                return
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._outs.recv()
+            except (EOFError, OSError):
+                msg = ("failed", None)
+            if msg[0] == "out":
+                self._deliver(msg[1], msg[2])
+                continue
+            if self._stopping:
+                return
+            self._proc.join(1)
+            reason = msg[1] or f"the engine process exited (exit code {self._proc.exitcode})"
+            self._up = False
+            self.error = reason
+            self._fail_all(f"the engine failed: {reason}")
+            self._log(f"servewise: {reason}")
+            if self.restarts >= self.max_restarts:
+                self.error = f"{reason}; not restarted ({self.restarts} restarts already)"
+                self._log(f"servewise: the engine stays down after {self.restarts} restarts; the server answers 503")
+                return
+            self.restarts += 1
+            self._log(f"servewise: restarting the engine process ({self.restarts} of {self.max_restarts})")
+            while not self._outbox.empty():  # commands meant for the dead engine
+                self._outbox.get()
+            try:
+                self._launch()
+            except RuntimeError as e:
+                self.error = f"{reason}; restart failed: {e}"
+                self._log(f"servewise: {self.error}")
+                return
+            self._stats = self._first_stats
+            self.error = None

@@ -1,0 +1,97 @@
+"""The engine in its own process: same tokens as in-process, and a dead engine fails fast and comes back."""
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+
+from test_server import ENGINE, running_server
+
+PROMPTS = ["Paged attention is", "The scheduler", "KV blocks move between pools when", "x"]
+
+
+def completions(url: str, body: dict) -> list:
+    outs = []
+    for i, prompt in enumerate(PROMPTS):
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 20,
+                                                      "ignore_eos": True, "logprobs": 2, "seed": i, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        outs.append((choice["text"], choice["logprobs"]["tokens"], choice["finish_reason"]))
+    return outs
+
+
+def test_process_client_is_token_identical_to_the_in_process_one():
+    with running_server(engine_process=False) as (url, _):
+        in_thread = [completions(url, {"temperature": 0}), completions(url, {"temperature": 0.9, "top_p": 0.9})]
+    with running_server() as (url, engine):
+        assert engine.pid is not None and engine.pid != os.getpid()
+        in_process = [completions(url, {"temperature": 0}), completions(url, {"temperature": 0.9, "top_p": 0.9})]
+    assert in_process == in_thread
+    assert all(len(tokens) == 20 for text, tokens, _ in in_thread[0])
+
+
+async def _streams_until_killed(url: str, engine, n: int) -> list:
+    """n streams; once each has some tokens, kill the engine process; returns (outcome, seconds after the kill)."""
+    killed_at, started = [], asyncio.Event()
+    counts = [0] * n
+
+    async def one(client, i):
+        body = {"model": "tiny-llama", "prompt": f"stream {i}", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return "error", time.monotonic() - killed_at[0], event["error"]["message"]
+                counts[i] += 1
+                if all(c >= 3 for c in counts):
+                    started.set()
+        return "ended", None, None
+
+    async def killer():
+        await started.wait()
+        killed_at.append(time.monotonic())
+        os.kill(engine.pid, signal.SIGKILL)
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        results = await asyncio.gather(killer(), *(one(client, i) for i in range(n)))
+    return results[1:]
+
+
+def test_killing_the_engine_process_fails_open_requests_at_once_and_the_server_recovers():
+    with running_server(dict(ENGINE, num_device_blocks=512, max_model_len=None)) as (url, engine):
+        first_pid = engine.pid
+        results = asyncio.run(_streams_until_killed(url, engine, 6))
+        assert [r[0] for r in results] == ["error"] * 6
+        assert all(r[1] < 1.0 for r in results), results  # every open request hears of it within a second
+        assert all("engine" in r[2] for r in results)
+        # the server answers throughout: 503 with the reason while the engine restarts, then 200
+        health = httpx.get(url + "/health")
+        assert health.status_code in (200, 503)
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/health").status_code != 200:
+            r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code in (200, 503)
+            assert time.monotonic() < deadline, "the engine did not come back"
+            time.sleep(0.2)
+        assert engine.pid != first_pid and engine.restarts == 1
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "after", "max_tokens": 5,
+                                                      "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_an_engine_out_of_restarts_stays_down_and_answers_503():
+    with running_server(max_restarts=0) as (url, engine):
+        os.kill(engine.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while engine.alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and "not restarted" in health.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503
