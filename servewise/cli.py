@@ -1,4 +1,5 @@
-"""The `servewise` command line."""
+"""The `servewise` command line: one pair of functions per subcommand, `_add_<name>` (its flags) and
+`_run_<name>`; the engine's flags come from the config dataclasses."""
 from __future__ import annotations
 
 import argparse
@@ -6,29 +7,47 @@ import logging
 import sys
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama", help="built-in name (tiny-llama, tiny-opt) or a local HF directory")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-device-blocks", type=int, default=None)
-    p.add_argument("--num-host-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--policy", default="fcfs")
-    p.add_argument("--preemption", default="recompute")
+def _config_fields():
+    """(field, its dataclass) for every engine option, from the config dataclasses: one place for
+    names, types, defaults, choices and help."""
+    from dataclasses import fields
+
+    from servewise.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    for cls in (EngineConfig, CacheConfig, SchedulerConfig):
+        for f in fields(cls):
+            if "help" in f.metadata:
+                yield f, cls
+
+
+def _engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
+
+    registries = {"policy": tuple(ORDERING_POLICIES), "preemption": tuple(PREEMPTION_POLICIES)}
+    names = [f.name for f, _ in _config_fields() if f.name not in skip]
+    p.set_defaults(engine_options=[n for n in names if n != "model"])
+    for f, _ in _config_fields():
+        if f.name in skip:
+            continue
+        flag, kind = "--" + f.name.replace("_", "-"), str(f.type).split(" |")[0]
+        if kind == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            continue
+        choices = f.metadata["choices"] or registries.get(f.name)
+        p.add_argument(flag, type={"int": int, "float": float}.get(kind, str), default=f.default, choices=choices,
+                       help=f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else ""))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 
 
 def _engine_kwargs(a) -> dict:
-    return dict(load_format=a.load_format, block_size=a.block_size, num_device_blocks=a.num_device_blocks,
-                num_host_blocks=a.num_host_blocks, max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, policy=a.policy, preemption=a.preemption)
+    """The engine options the command line set (all but the model), as LLM(...) and the builder take them."""
+    return {name: getattr(a, name) for name in a.engine_options}
 
 
-def cmd_generate(a) -> None:
+def _run_generate(a) -> None:
     from servewise import LLM, SamplingParams
 
-    llm = LLM(a.model, predictors=a.predictors, **_engine_kwargs(a))
+    llm = LLM(a.model, **_engine_kwargs(a))
     prompts = a.prompt or ["Hello, my name is", "The capital of France is", "Paged attention works by"]
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
     for o in llm.generate(prompts, params):
@@ -48,7 +67,7 @@ def _sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
-def cmd_profile(a) -> None:
+def _run_profile(a) -> None:
     import torch
 
     from servewise.models.loader import hf_config
@@ -63,10 +82,10 @@ def cmd_profile(a) -> None:
     print(f"profile saved to {a.out}")
     if a.predictors:
         a.profile = a.out
-        cmd_fit(a)
+        _run_fit_predictors(a)
 
 
-def cmd_fit(a) -> None:
+def _run_fit_predictors(a) -> None:
     import json
 
     from servewise.predictors.fit import fit_predictors, format_report
@@ -120,14 +139,15 @@ def _slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-e2el-ms", type=float, default=None)
 
 
-def cmd_simulate(a) -> None:
+def _run_simulate(a) -> None:
     import resource
 
     from servewise.metrics import RequestRecord, compute, format_table, save_json
     from servewise.builder import build_sim_engine
     from servewise.simulator import simulate
 
-    eng = build_sim_engine(a.model, a.hardware, a.predictors, **_engine_kwargs(a))
+    kw = {k: v for k, v in _engine_kwargs(a).items() if k != "predictors"}
+    eng = build_sim_engine(a.model, a.hardware, a.predictors, **kw)
     items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size)
     bar = _bar(len(items), "simulated requests")
     res = simulate(eng, items, arrivals, progress=bar.update if bar else None)
@@ -166,24 +186,31 @@ def _fit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="servewise", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text for a few prompts")
-    _engine_args(g)
+    _engine_args(g, skip=("seed",))
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); built-in examples if none")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--predictors", default=None,
-                   help="cost predictors for --preemption adaptive (default: this machine's cached profile)")
-    g.set_defaults(func=cmd_generate)
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.set_defaults(func=_run_generate)
 
+
+def _add_bench(sub):
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
+    return bsub
+
+
+def _run_bench_throughput(a) -> None:
+    from servewise.bench.throughput import main
+
+    main(a)
+
+
+def _add_bench_throughput(bsub) -> None:
     t = bsub.add_parser("throughput", help="offline output-token throughput vs Hugging Face generate")
     t.add_argument("--model", default="tiny-llama")
     t.add_argument("--num-prompts", type=int, default=200)
@@ -200,8 +227,16 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     t.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     t.add_argument("--out", default="results/bench_throughput.json")
-    t.set_defaults(func=lambda a: __import__("servewise.bench.throughput", fromlist=["main"]).main(a))
+    t.set_defaults(func=_run_bench_throughput)
 
+
+def _run_bench_serve(a) -> None:
+    from servewise.bench.serve import main
+
+    main(a)
+
+
+def _add_bench_serve(bsub) -> None:
     bs = bsub.add_parser("serve", help="load an OpenAI-compatible server (servewise, vLLM, SGLang) and measure it")
     bs.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, with or without /v1")
     bs.add_argument("--model", default=None, help="model name to request (default: the server's first)")
@@ -216,8 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     bs.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     _slo_args(bs)
     bs.add_argument("--out", default="results/bench_serve.json")
-    bs.set_defaults(func=lambda a: __import__("servewise.bench.serve", fromlist=["main"]).main(a), threads=0)
+    bs.set_defaults(func=_run_bench_serve, threads=0)
 
+
+def _add_profile(sub) -> None:
     pr = sub.add_parser("profile", help="measure the real runner's step and copy times; fit the predictors")
     pr.add_argument("--model", default="tiny-llama", help="architecture to profile: built-in name or HF directory")
     pr.add_argument("--sizes", type=_sizes, default="2x128,4x256,6x384,8x512",
@@ -234,17 +271,21 @@ def main(argv: list[str] | None = None) -> None:
                     help="fit and save the predictors here after profiling ('' to skip)")
     pr.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     _fit_args(pr)
-    pr.set_defaults(func=cmd_profile)
+    pr.set_defaults(func=_run_profile)
 
+
+def _add_fit_predictors(sub) -> None:
     f = sub.add_parser("fit-predictors", help="fit step-time and swap-cost predictors on a saved profile")
     f.add_argument("profile", help="a profile JSON written by `servewise profile`")
     f.add_argument("--predictors", default="results/predictors.pkl", help="where to save the fitted predictors")
     f.add_argument("--threads", type=int, default=0)
     _fit_args(f)
-    f.set_defaults(func=cmd_fit)
+    f.set_defaults(func=_run_fit_predictors)
 
+
+def _add_simulate(sub) -> None:
     sm = sub.add_parser("simulate", help="run a workload through the engine on a virtual clock")
-    _engine_args(sm)
+    _engine_args(sm, skip=("load_format", "dtype", "device", "seed", "predictors"))
     sm.add_argument("--hardware", default="profile",
                     help="'profile' (this machine, from --predictors) or an analytical GPU: a100-80g, "
                          "a800-80g-pcie, h100-80g, v100-32g, rtx3090")
@@ -252,8 +293,16 @@ def main(argv: list[str] | None = None) -> None:
     _workload_args(sm)
     _slo_args(sm)
     sm.add_argument("--out", default="results/simulate.json")
-    sm.set_defaults(func=cmd_simulate)
+    sm.set_defaults(func=_run_simulate)
 
+
+def _run_bench_fidelity(a) -> None:
+    from servewise.bench.fidelity import main
+
+    main(a)
+
+
+def _add_bench_fidelity(bsub) -> None:
     fi = bsub.add_parser("fidelity", help="the same workload on the real engine and in the simulator")
     fi.add_argument("--model", default="tiny-llama")
     fi.add_argument("--predictors", default="results/predictors.pkl", help="predictors profiled on this machine")
@@ -270,8 +319,16 @@ def main(argv: list[str] | None = None) -> None:
     fi.add_argument("--seed", type=int, default=0)
     fi.add_argument("--threads", type=int, default=0, help="ignored: the profile's thread count is used")
     fi.add_argument("--out", default="results/bench_fidelity.json")
-    fi.set_defaults(func=lambda a: __import__("servewise.bench.fidelity", fromlist=["main"]).main(a))
+    fi.set_defaults(func=_run_bench_fidelity)
 
+
+def _run_serve(a) -> None:
+    from servewise.server.run import main
+
+    main(a, _engine_kwargs(a))
+
+
+def _add_serve(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     _engine_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
@@ -280,15 +337,22 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     sv.add_argument("--max-waiting", type=int, default=512,
                     help="queued requests at most; beyond it requests get 429 with Retry-After")
-    sv.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
-    sv.add_argument("--predictors", default=None,
-                    help="cost predictors for --preemption adaptive (default: this machine's cached profile)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     sv.add_argument("--engine-in-thread", action="store_true",
                     help="run the engine in a thread of the server process (default: its own process, so that "
                          "the HTTP event loop and the engine do not share one interpreter)")
-    sv.set_defaults(func=lambda a: __import__("servewise.server.run", fromlist=["main"]).main(a, _engine_kwargs(a)))
+    sv.add_argument("--max-restarts", type=int, default=3,
+                    help="times a dead engine process is started again before the server answers 503 for good")
+    sv.set_defaults(func=_run_serve)
 
+
+def _run_experiment(a) -> None:
+    from servewise.experiments.adaptivellm import main
+
+    main(a)
+
+
+def _add_experiment(sub) -> None:
     ex = sub.add_parser("experiment", help="reproduce a source paper's evaluation")
     exsub = ex.add_subparsers(dest="experiment", required=True)
     ad = exsub.add_parser("adaptivellm", help="AdaptiveLLM: cost-aware preemption and fair scheduling vs vLLM "
@@ -307,7 +371,18 @@ def main(argv: list[str] | None = None) -> None:
     ad.add_argument("--seed", type=int, default=0)
     ad.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ad.add_argument("--out-dir", default="results/adaptivellm")
-    ad.set_defaults(func=lambda a: __import__("servewise.experiments.adaptivellm", fromlist=["main"]).main(a))
+    ad.set_defaults(func=_run_experiment)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="servewise", description="An LLM-serving engine and scheduling laboratory.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_generate(sub)
+    bsub = _add_bench(sub)
+    for add in (_add_bench_throughput, _add_bench_serve, _add_bench_fidelity):
+        add(bsub)
+    for add in (_add_profile, _add_fit_predictors, _add_simulate, _add_serve, _add_experiment):
+        add(sub)
 
     a = ap.parse_args(argv)
     logging.basicConfig(format="%(message)s")

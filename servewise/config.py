@@ -4,16 +4,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 
+def option(default, help: str, choices: tuple | None = None):
+    """A config field that is also a command-line flag (servewise.cli builds the flags from these)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class CacheConfig:
     """Paged KV cache. Pool sizes are given in blocks, or derived from byte budgets when None."""
 
-    block_size: int = 16
-    num_device_blocks: int | None = None
-    num_host_blocks: int | None = None
-    device_memory_gb: float = 1.0  # used only when num_device_blocks is None
-    host_memory_gb: float = 1.0  # used only when num_host_blocks is None
-    watermark: float = 0.01  # share of device blocks kept free when admitting new requests
+    block_size: int = option(16, "tokens per KV block")
+    num_device_blocks: int | None = option(None, "KV blocks in the device pool (default: --device-memory-gb of them)")
+    num_host_blocks: int | None = option(None, "KV blocks in the host (swap) pool (default: --host-memory-gb of them)")
+    device_memory_gb: float = option(1.0, "device pool size when --num-device-blocks is not given")
+    host_memory_gb: float = option(1.0, "host pool size when --num-host-blocks is not given")
+    watermark: float = option(0.01, "share of device blocks kept free when admitting new requests")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -40,10 +45,12 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    policy: str = "fcfs"
-    preemption: str = "recompute"
+    max_num_seqs: int = option(256, "requests in the running batch at most")
+    max_num_batched_tokens: int = option(4096, "tokens one step computes at most (a longer prompt runs alone)")
+    policy: str = option("fcfs", "request ordering (policies.ORDERING_POLICIES)")
+    preemption: str = option("recompute", "what happens to a preempted request's KV (policies.PREEMPTION_POLICIES)")
+    chunked_prefill: bool = option(False, "mix decodes and prompt chunks in one step under the token budget, "
+                                          "decodes first, instead of alternating prefill and decode steps")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -56,15 +63,15 @@ class SchedulerConfig:
 class EngineConfig:
     """Everything that decides how an engine is built (servewise.builder builds it)."""
 
-    model: str = "tiny-llama"
-    load_format: str = "auto"  # "auto" | "dummy"
-    dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype elsewhere
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    # fitted predictors for `preemption="adaptive"` on the real engine; None: this machine's cached
-    # profile for the model, profiled on first use (by the builder, before the engine is built)
-    predictors: str | None = None
+    model: str = option("tiny-llama", "built-in name (tiny-llama, tiny-opt) or a local Hugging Face directory")
+    load_format: str = option("auto", "dummy: random weights from config.json alone", ("auto", "dummy"))
+    dtype: str = option("auto", "auto: float32 on CPU, the checkpoint's dtype elsewhere",
+                        ("auto", "float32", "bfloat16", "float16"))
+    device: str = option("auto", "auto: cuda when present, else cpu")
+    seed: int = option(0, "seed of random (dummy) weights")
+    max_model_len: int | None = option(None, "cap on prompt + output tokens (default: the model's)")
+    predictors: str | None = option(None, "fitted cost predictors for --preemption adaptive (default: this "
+                                          "machine's cached profile of the model, made on first use)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

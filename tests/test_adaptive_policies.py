@@ -8,6 +8,7 @@ import pytest
 
 from servewise.config import SchedulerConfig
 from servewise.engine.block_manager import BlockManager
+from servewise.engine.interfaces import Pool
 from servewise.engine.request import Status
 from servewise.engine.scheduler import Scheduler
 from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
@@ -48,12 +49,12 @@ def test_adaptive_takes_the_cheaper_mode(copy_ms, mode):
     # the victim (latest arrival) holds 9 tokens in 2 blocks: recompute 9 ms, swap 2 x 2 x copy_ms
     s, bm, pre = make(copy_ms=copy_ms)
     a, b, out = fill_and_overflow(s)
-    assert [(r.request_id, m) for r, m in out.preempted] == [("1", mode)]
+    assert out.preempted == [("1", mode)]
     d = pre.decisions[-1]
     assert (d.request_id, d.tokens, d.blocks) == ("1", 9, 2)
     assert d.recompute_s == pytest.approx(9e-3) and d.swap_s == pytest.approx(4 * copy_ms * 1e-3)
     assert b.status is (Status.SWAPPED if mode == "swap" else Status.WAITING)
-    assert len(out.swap_out) == (2 if mode == "swap" else 0)
+    assert out.moved_blocks(Pool.HOST) == (2 if mode == "swap" else 0)
     assert mode in d.why()
     bm.check_invariants()
 
@@ -75,8 +76,8 @@ def test_adaptive_preempts_until_the_next_step_fits():
     run_step(s, s.schedule(3.0), 3.0)
     out = s.schedule(3.0)
     # FCFS victims, latest arrival first: freeing 2 and 1 gives 0 its second block
-    assert [r.request_id for r, _ in out.preempted] == ["2", "1"]
-    assert [r.request_id for r in out.batch] == ["0"] and len(pre.decisions) == 2
+    assert [rid for rid, _ in out.preempted] == ["2", "1"]
+    assert out.scheduled == ["0"] and len(pre.decisions) == 2
 
 
 def test_fair_priority_is_waiting_time_over_length():
@@ -91,12 +92,12 @@ def test_fair_preempts_the_lowest_priority_not_the_latest_arrival():
     long, short = req(0, 12, 0.0), req(1, 4, 1.0)
     s.add(long), s.add(short)
     out = s.schedule(2.0)
-    assert out.is_prefill and len(out.batch) == 2
+    assert out.is_prefill and len(out.scheduled) == 2
     run_step(s, out, 2.0)  # long: 13 tokens in 3 blocks, short: 5 in 1; each needs one more, 1 is free
     # priorities at t=4: long 4/13 = 0.31, short 3/5 = 0.6
     out = s.schedule(4.0)
-    assert [r.request_id for r, _ in out.preempted] == ["0"]
-    assert [r.request_id for r in out.batch] == ["1"]
+    assert [rid for rid, _ in out.preempted] == ["0"]
+    assert out.scheduled == ["1"]
 
 
 def swapped_and_waiting(waiting_len, waiting_arrival):
@@ -106,7 +107,8 @@ def swapped_and_waiting(waiting_len, waiting_arrival):
     s.add(a), s.add(b)
     run_step(s, s.schedule(1.0), 1.0)
     out = s.schedule(1.0)  # one of them is swapped out; the other runs
-    (victim, mode), = out.preempted
+    (victim_id, mode), = out.preempted
+    victim = a if victim_id == a.request_id else b
     assert mode == "swap" and victim.status is Status.SWAPPED
     keeper = a if victim is b else b
     keeper.params.max_tokens = 2
@@ -121,16 +123,16 @@ def test_fair_admits_the_prefill_group_when_its_priority_is_higher():
     # swapped: 9 tokens, waited 10 s -> ~1.1; waiting: 2 tokens, waited 9 s -> 4.5
     s, victim, new = swapped_and_waiting(2, 1.0)
     out = s.schedule(10.0)
-    assert out.is_prefill and [r.request_id for r in out.batch] == [new.request_id]
-    assert not out.swap_in and victim.status is Status.SWAPPED  # never both in one step
+    assert out.is_prefill and out.scheduled == [new.request_id]
+    assert not out.moved_blocks(Pool.DEVICE) and victim.status is Status.SWAPPED  # never both in one step
 
 
 def test_fair_swaps_in_when_the_swapped_group_has_the_higher_priority():
     # waiting: 8 tokens that arrived just now -> priority 0
     s, victim, new = swapped_and_waiting(8, 10.0)
     out = s.schedule(10.0)
-    assert not out.is_prefill and [r.request_id for r in out.batch] == [victim.request_id]
-    assert len(out.swap_in) == 2 and new.status is Status.WAITING
+    assert not out.is_prefill and out.scheduled == [victim.request_id]
+    assert out.moved_blocks(Pool.DEVICE) == 2 and new.status is Status.WAITING
 
 
 def test_vllm_rule_swaps_in_first_regardless_of_priority():
@@ -144,4 +146,4 @@ def test_vllm_rule_swaps_in_first_regardless_of_priority():
     run_step(s, out, 10.0)
     s.add(req(2, 2, 1.0), 10.0)
     out = s.schedule(10.0)
-    assert not out.is_prefill and [r.request_id for r in out.batch] == ["1"]
+    assert not out.is_prefill and out.scheduled == ["1"]

@@ -57,3 +57,43 @@ def test_timestamps_are_ordered():
         assert r.arrival_time <= r.first_scheduled_time <= r.first_token_time <= r.finish_time
         assert r.token_times == sorted(r.token_times) and len(r.token_times) == len(o.token_ids)
         assert r.token_times[-1] == r.finish_time
+
+
+def test_seeded_sampling_survives_recompute_and_swap():
+    """A seeded request's random stream lives in the runner's copy of the request, which a preemption
+    keeps: its tokens are those of a run without preemption. A swap restores the KV bit for bit; a
+    recompute rebuilds it in other batch shapes, so logits can differ in the last bits, and over the
+    random model's near-uniform 32,000 tokens that moves a draw to a neighbour: there the draws are
+    between the two likeliest tokens (top_k=2), still half-and-half random."""
+    for preemption, host, top_k in (("swap", 64, -1), ("recompute", 0, 2)):
+        params = [SamplingParams(max_tokens=40, temperature=1.0, top_k=top_k, seed=i, ignore_eos=True)
+                  for i in range(len(PROMPTS))]
+        free = [o.token_ids for o in LLM("tiny-llama").generate(PROMPTS, params)]
+        llm = LLM("tiny-llama", num_device_blocks=16, num_host_blocks=host, preemption=preemption)
+        outs = llm.generate(PROMPTS, params)
+        assert sum(o.request.preemptions[preemption] for o in outs) >= 50
+        assert [o.token_ids for o in outs] == free
+        last = max(o.request.finish_time for o in outs)  # the runner hears of these at the next step
+        assert set(llm.engine.runner.seqs) <= {o.request_id for o in outs if o.request.finish_time == last}
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "torch"])
+def test_chunked_prefill_keeps_outputs(reference, kernels, monkeypatch):
+    """Prompts split into chunks of a 24-token budget, decodes first in mixed steps, under preemption
+    too: the same greedy tokens as whole-prompt prefill steps."""
+    llm = LLM("tiny-llama", num_device_blocks=24, chunked_prefill=True, max_num_batched_tokens=24, device="cpu")
+    if kernels == "torch":
+        llm.engine.runner.attn_kernel = None  # the PyTorch attention paths
+    steps = []
+    eng = llm.engine
+    reqs = [eng.add_request(p, PARAMS) for p in PROMPTS]
+    while eng.has_unfinished():
+        steps.append(eng.step())
+    assert [r.output_token_ids for r in reqs] == reference
+    assert max(sum(s.scheduled_tokens) for s in steps) == 24  # the budget, filled and never exceeded
+    continued = [s for s in steps if any(n > 1 and c > n for n, c in zip(s.scheduled_tokens, s.batch_tokens))]
+    mixed = [s for s in steps if 1 in s.scheduled_tokens and max(s.scheduled_tokens) > 1]
+    assert continued and mixed  # chunks that continue earlier KV, and steps that mix chunks and decodes
+    assert steps[-1].stats.preemptions["recompute"] > 0
+    assert set(eng.runner.seqs) <= set(steps[-1].finished)
+    assert_all_blocks_returned(eng.block_manager)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from servewise.engine.request import Request
+from servewise.runners.torch_runner import SeqState
 from servewise.runners.sampler import _inverse_cdf, _penalize, _top_k_top_p, sample
 from servewise.sampling_params import SamplingParams
 
@@ -31,7 +31,7 @@ def reference(logits: torch.Tensor, temperature=1.0, top_k=-1, top_p=1.0, min_p=
 
 def draw(params: SamplingParams, n=N, logits=LOGITS) -> torch.Tensor:
     torch.manual_seed(0)
-    reqs = [Request(str(i), [1], params, 0.0) for i in range(n)]
+    reqs = [SeqState([1], [], params) for i in range(n)]
     toks = sample(logits.repeat(n, 1), reqs).tokens
     return torch.bincount(torch.tensor(toks), minlength=logits.numel()).double()
 
@@ -59,7 +59,7 @@ def test_the_chi_square_check_can_fail():
 
 def test_seeded_draws_follow_the_distribution_too():
     """Seeded rows draw from their own generators: the stream of one request over many steps."""
-    req = Request("r", [1], SamplingParams(temperature=1.0, seed=3), 0.0)
+    req = SeqState([1], [], SamplingParams(temperature=1.0, seed=3))
     toks = [sample(LOGITS.unsqueeze(0).clone(), [req]).tokens[0] for _ in range(8000)]
     counts = torch.bincount(torch.tensor(toks), minlength=8).double()
     assert p_value(counts, reference(LOGITS)) > 1e-3
@@ -93,7 +93,7 @@ def test_temperature_zero_is_argmax_in_a_mixed_batch():
     logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(1))
     ps = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(temperature=0, logprobs=2),
           SamplingParams(top_k=4, seed=1), SamplingParams(temperature=0), SamplingParams(min_p=0.3)]
-    reqs = [Request(str(i), [1], p, 0.0) for i, p in enumerate(ps)]
+    reqs = [SeqState([1], [], p) for i, p in enumerate(ps)]
     toks = sample(logits.clone(), reqs).tokens
     for i in (0, 2, 4):
         assert toks[i] == logits[i].argmax().item()
@@ -101,8 +101,8 @@ def test_temperature_zero_is_argmax_in_a_mixed_batch():
 
 def test_penalties_match_hand_computed_logits():
     lg = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0]])
-    req = Request("r", [0, 0, 4], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
-                                                 repetition_penalty=2.0), 0.0)
+    req = SeqState([0, 0, 4], [], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
+                                                  repetition_penalty=2.0))
     req.output_token_ids = [1, 3, 3]
     got = _penalize(lg.clone(), [req])[0].tolist()
     # token 0 in the prompt: 2 / 2; token 1 once in the output: -1 * 2 - 0.25 - 0.5;
@@ -112,8 +112,8 @@ def test_penalties_match_hand_computed_logits():
 
 def test_frequency_penalty_changes_greedy_choice_only_where_asked():
     lg = torch.tensor([[1.0, 0.9, 0.0], [1.0, 0.9, 0.0]])
-    a = Request("a", [2], SamplingParams(temperature=0, frequency_penalty=0.2), 0.0)
-    b = Request("b", [2], SamplingParams(temperature=0), 0.0)
+    a = SeqState([2], [], SamplingParams(temperature=0, frequency_penalty=0.2))
+    b = SeqState([2], [], SamplingParams(temperature=0))
     a.output_token_ids, b.output_token_ids = [0], [0]
     assert sample(lg, [a, b]).tokens == [1, 0]
 
@@ -122,7 +122,7 @@ def test_logprobs_are_the_raw_distributions():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
     ps = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.5, seed=0, logprobs=0),
           SamplingParams(temperature=0)]
-    reqs = [Request(str(i), [1], p, 0.0) for i, p in enumerate(ps)]
+    reqs = [SeqState([1], [], p) for i, p in enumerate(ps)]
     res = sample(logits.clone(), reqs)
     lp = logits.log_softmax(-1)
     first = res.logprobs[0]

@@ -25,13 +25,13 @@ def test_top_k_one_is_greedy():
 
 
 def test_top_p_keeps_only_the_nucleus():
-    from servewise.engine.request import Request
+    from servewise.runners.torch_runner import SeqState
     from servewise.runners.sampler import sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     seen = set()
     for s in range(200):
-        req = Request("r", [1], SamplingParams(temperature=1.0, top_p=0.7, seed=s), 0.0)
+        req = SeqState([1], [], SamplingParams(temperature=1.0, top_p=0.7, seed=s))
         seen.update(sample(logits.clone(), [req]).tokens)
     assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.7; the tail is cut
 

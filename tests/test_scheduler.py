@@ -1,6 +1,7 @@
 """The scheduler on crafted states, without a model."""
 from servewise.config import SchedulerConfig
 from servewise.engine.block_manager import BlockManager
+from servewise.engine.interfaces import Pool
 from servewise.engine.request import Request, Status
 from servewise.engine.scheduler import Scheduler
 from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
@@ -19,7 +20,7 @@ def req(i, n, t):
 
 
 def run_step(s, out, now=0.0):
-    return s.postprocess(out, [9] * len(out.batch), now)
+    return s.postprocess(out, [9] * len(out.scheduled), now)
 
 
 def test_prefill_admits_in_arrival_order_within_budget():
@@ -27,7 +28,7 @@ def test_prefill_admits_in_arrival_order_within_budget():
     for i, (n, t) in enumerate([(4, 2.0), (4, 1.0), (4, 3.0)]):
         s.add(req(i, n, t))
     out = s.schedule(0.0)
-    assert out.is_prefill and [r.request_id for r in out.batch] == ["1", "0"]  # third would exceed 10 tokens
+    assert out.is_prefill and out.scheduled == ["1", "0"]  # third would exceed 10 tokens
 
 
 def test_fcfs_preempts_the_latest_arrival_first():
@@ -36,8 +37,8 @@ def test_fcfs_preempts_the_latest_arrival_first():
     s.add(a), s.add(b)
     run_step(s, s.schedule(0.0))  # prefill both, each gets a first token
     out = s.schedule(0.0)  # decoding the 9th token needs a third block for each
-    assert [(r.request_id, m) for r, m in out.preempted] == [("1", "recompute")]
-    assert [r.request_id for r in out.batch] == ["0"] and b.status is Status.WAITING
+    assert out.preempted == [("1", "recompute")]
+    assert out.scheduled == ["0"] and b.status is Status.WAITING
     assert b.preemptions["recompute"] == 1 and not bm.device_tables.get("1")
 
 
@@ -47,12 +48,12 @@ def test_swap_preemption_plans_copies_and_swapped_come_back_before_new_work():
     s.add(a), s.add(b)
     run_step(s, s.schedule(0.0))
     out = s.schedule(0.0)
-    assert len(out.swap_out) == 2 and b.status is Status.SWAPPED and b.preemptions["swap"] == 1
+    assert out.moved_blocks(Pool.HOST) == 2 and b.status is Status.SWAPPED and b.preemptions["swap"] == 1
     s.add(req(2, 2, 2.0))  # a new arrival must wait while a request is swapped out
     a.params.max_tokens = 2
     run_step(s, out)  # a finishes and frees its blocks
     out = s.schedule(0.0)
-    assert not out.is_prefill and [r.request_id for r in out.batch] == ["1"] and len(out.swap_in) == 2
+    assert not out.is_prefill and out.scheduled == ["1"] and out.moved_blocks(Pool.DEVICE) == 2
     bm.check_invariants()
 
 

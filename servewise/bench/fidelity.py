@@ -16,8 +16,7 @@ import torch
 
 from servewise.builder import build_engine, build_sim_engine
 from servewise.engine.llm_engine import LLMEngine
-from servewise.engine.request import Request
-from servewise.engine.scheduler import SchedulerOutput
+from servewise.engine.interfaces import standalone_batch
 from servewise.metrics import RequestRecord, compute
 from servewise.sampling_params import SamplingParams
 from servewise.simulator import simulate
@@ -66,12 +65,8 @@ def reference_step(engine: LLMEngine, batch: int = 8, context: int = 128, reps: 
     bm = engine.block_manager
     blocks = bm.blocks_needed(context)
     batch = max(1, min(batch, bm.num_device_blocks // blocks))
-    reqs = [Request(f"ref{i}", [7] * (context - 1), SamplingParams(max_tokens=1, temperature=0.0), 0.0)
-            for i in range(batch)]
-    for r in reqs:
-        r.output_token_ids.append(7)
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]  # the pool is idle: any blocks
-    out = SchedulerOutput(reqs, False, tables)
+    out = standalone_batch([[7] * context] * batch, tables, True, SamplingParams(max_tokens=1, temperature=0.0))
     return statistics.median(engine.runner.execute(out).elapsed for _ in range(reps))
 
 

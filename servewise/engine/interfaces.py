@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from servewise.engine.scheduler import SchedulerOutput
+from servewise.sampling_params import SamplingParams
 
 
 class Preemption(str, enum.Enum):
@@ -29,11 +28,95 @@ def preemption_counts() -> dict[str, int]:
     return {k.value: 0 for k in Preemption}
 
 
+class Pool(str, enum.Enum):
+    """Where KV blocks live. Later: another instance's pool, a global store."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+@dataclass
+class KVMove:
+    """Copy blocks from one pool to another: (source block, destination block) pairs."""
+
+    src: Pool
+    dst: Pool
+    pairs: list[tuple[int, int]]
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or sees again after a recompute preemption dropped its KV.
+    Its first num_computed_tokens tokens already have KV in the blocks (0 unless KV was reused)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class CachedRequestData:
+    """The per-step diff of a request the runner holds: blocks appended to its table, or (after a
+    swap-in) its whole new table, and how many of its tokens have KV."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    resumed_block_ids: list[int] | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan, plain data keyed by request id. Rows run in `scheduled` order; row i computes
+    `num_scheduled_tokens[i]` new tokens' KV and ends with `context_lens[i]` tokens of context. A row
+    whose context then covers all of its known tokens samples one token. KV moves run before the batch;
+    `finished_ids` are requests the runner can forget (finished, aborted, or recomputed)."""
+
+    is_prefill: bool
+    scheduled: list[str] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    kv_moves: list[KVMove] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    preempted: list[tuple[str, Preemption]] = field(default_factory=list)  # SWAP or RECOMPUTE
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def moved_blocks(self, dst: Pool) -> int:
+        return sum(len(m.pairs) for m in self.kv_moves if m.dst == dst)
+
+
+def standalone_batch(token_lists: list[list[int]], block_tables: list[list[int]], decode: bool,
+                     params: SamplingParams) -> SchedulerOutput:
+    """A self-contained step for measuring a runner outside an engine (profiles, reference batches):
+    every row is sent anew (replacing any earlier row of the same id), so it can be executed again and
+    again. Decode rows compute their last token over the others' (assumed present) KV; prefill rows
+    compute all of theirs."""
+    out = SchedulerOutput(not decode)
+    for i, (toks, table) in enumerate(zip(token_lists, block_tables)):
+        rid = f"standalone-{i}"
+        prompt, output = (toks[:-1], toks[-1:]) if decode else (toks, [])
+        n = 1 if decode else len(toks)
+        out.new_requests.append(NewRequestData(rid, prompt, output, params, list(table), len(toks) - n))
+        out.finished_ids.append(rid)
+        out.scheduled.append(rid)
+        out.num_scheduled_tokens.append(n)
+        out.context_lens.append(len(toks))
+    return out
+
+
 @dataclass
 class StepResult:
     """What a runner returns for one executed batch."""
 
-    tokens: list[int]
+    tokens: list[int | None]  # per scheduled row: the sampled token, None where the row sampled none
     elapsed: float  # seconds
     logprobs: list | None = None  # per batch row: sampler.Logprobs, or None where not asked for
 
@@ -43,7 +126,7 @@ class Runner(Protocol):
 
     def execute(self, out: SchedulerOutput) -> StepResult: ...
 
-    def copy_blocks(self, pairs: list[tuple[int, int]], to_host: bool) -> float: ...
+    def move_blocks(self, move: KVMove) -> float: ...
 
 
 class CostModel(Protocol):
@@ -91,6 +174,7 @@ class StepStats:
     elapsed: float
     is_prefill: bool
     batch_tokens: list[int] = field(default_factory=list)  # per scheduled request: tokens in its context
+    scheduled_tokens: list[int] = field(default_factory=list)  # per scheduled request: tokens computed now
     scheduled: list[str] = field(default_factory=list)
     preempted: list[tuple[str, Preemption]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)

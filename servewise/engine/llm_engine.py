@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from servewise.config import EngineConfig, ModelConfig
 from servewise.engine.block_manager import BlockManager
-from servewise.engine.interfaces import EngineStats, PoolStats, Runner, StepStats
+from servewise.engine.interfaces import EngineStats, Pool, PoolStats, Runner, StepStats
 from servewise.engine.request import Request
 from servewise.engine.scheduler import Scheduler
 from servewise.sampling_params import SamplingParams
@@ -113,13 +113,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule(start)
         schedule_s = time.perf_counter() - t0
-        elapsed = self.runner.copy_blocks(out.swap_out, to_host=True)
-        elapsed += self.runner.copy_blocks(out.swap_in, to_host=False)
-        stats = StepStats(start, start, elapsed, out.is_prefill, [r.num_tokens for r in out.batch],
-                          [r.request_id for r in out.batch], [(r.request_id, k) for r, k in out.preempted],
-                          swapped_out_blocks=len(out.swap_out), swapped_in_blocks=len(out.swap_in),
+        elapsed = sum(self.runner.move_blocks(m) for m in out.kv_moves)
+        stats = StepStats(start=start, end=start, elapsed=elapsed, is_prefill=out.is_prefill,
+                          batch_tokens=list(out.context_lens), scheduled_tokens=list(out.num_scheduled_tokens),
+                          scheduled=list(out.scheduled), preempted=list(out.preempted),
+                          swapped_out_blocks=out.moved_blocks(Pool.HOST), swapped_in_blocks=out.moved_blocks(Pool.DEVICE),
                           schedule_s=schedule_s, num_running=len(self.scheduler.running))
-        if out.batch:
+        if out.scheduled:
             result = self.runner.execute(out)
             stats.execute_s = result.elapsed
             stats.elapsed += result.elapsed
@@ -129,8 +129,10 @@ class LLMEngine:
                 self.requests.pop(r.request_id, None)
             stats.finished = [r.request_id for r in finished]
         else:
-            if not (out.swap_out or out.swap_in) and self.has_unfinished():
+            if not out.kv_moves and self.has_unfinished():
                 raise RuntimeError("the scheduler made no progress; this is a bug, please report it")
+            if out.finished_ids:
+                self.runner.execute(out)  # no rows, but the runner forgets the requests that ended
             stats.end = self.clock.end_of(start, stats.elapsed)
         if self.owns_clock:
             self.clock.wait_until(stats.end)

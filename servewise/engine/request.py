@@ -39,8 +39,8 @@ class Request:
     preemptions: dict[str, int] = field(default_factory=preemption_counts)
     # per output token, where params.logprobs asked for them: sampler.Logprobs
     output_logprobs: list = field(default_factory=list)
-    # set by the runner: per-request random generator for seeded sampling
-    generator: object = None
+    num_computed_tokens: int = 0  # tokens whose KV is in the request's blocks
+    in_runner: bool = False  # the runner holds this request's state (sent once as NewRequestData)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,30 +6,29 @@ unless requests are swapped out: those come back before anything new is admitted
 ordering with `group_admission` (AdaptiveLLM's Algorithm 2), the scheduler first makes room for the
 running batch's next tokens, then builds the group of swapped requests that fit and the group of
 waiting requests that fit, and admits the group with the higher mean priority, never both.
+
+The output (interfaces.SchedulerOutput) is plain data keyed by request id: a request the runner
+does not hold goes out whole once (NewRequestData), then as per-step diffs (new blocks, computed
+tokens). Requests carry num_computed_tokens, the tokens whose KV is in their blocks. The live
+Request objects stay here; postprocess matches the runner's sampled tokens to them.
 """
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
 from servewise.config import SchedulerConfig
 from servewise.engine.block_manager import BlockManager
-from servewise.engine.interfaces import Preemption, preemption_counts
+from servewise.engine.interfaces import (CachedRequestData, KVMove, NewRequestData, Pool, Preemption, SchedulerOutput,
+                                         preemption_counts)
 from servewise.engine.request import Request, Status
 
 
-@dataclass
-class SchedulerOutput:
-    batch: list[Request]
-    is_prefill: bool
-    block_tables: list[list[int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    preempted: list[tuple[Request, Preemption]] = field(default_factory=list)  # SWAP or RECOMPUTE
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.batch) if self.is_prefill else len(self.batch)
+def _move(out: SchedulerOutput, src: Pool, dst: Pool, pairs: list[tuple[int, int]]) -> None:
+    """Add block copies to the step's plan; copies in one direction form one move (one copy call)."""
+    if out.kv_moves and (out.kv_moves[-1].src, out.kv_moves[-1].dst) == (src, dst):
+        out.kv_moves[-1].pairs.extend(pairs)
+    else:
+        out.kv_moves.append(KVMove(src, dst, pairs))
 
 
 class Scheduler:
@@ -43,7 +42,11 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.static = getattr(ordering, "static", False)
         self.group_admission = getattr(ordering, "group_admission", False)
+        if config.chunked_prefill and self.group_admission:
+            raise ValueError(f"chunked prefill does not combine with the {config.policy!r} policy's group admission yet")
         self.preemption_counts = preemption_counts()  # since start, for monitoring
+        self._batch: list[Request] = []  # the last step's rows, for postprocess
+        self._forget: list[str] = []  # requests the runner holds that ended since the last step
 
     def _enqueue(self, queue: list[Request], req: Request, now: float) -> None:
         """Append, or insert in order when the ordering is static (those queues are kept sorted)."""
@@ -70,18 +73,54 @@ class Scheduler:
                     del queue[i]
                     self.bm.free(request_id)
                     req.status, req.finish_reason, req.finish_time = Status.ABORTED, reason, now
+                    self._drop_from_runner(req)
                     return req
         return None
 
     # --- scheduling --------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         if self.group_admission:
-            return self._schedule_by_groups(now)
-        if not self.swapped:
-            out = self._schedule_prefill(now)
-            if out.batch:
-                return out
-        return self._schedule_decode(now)
+            out = self._schedule_by_groups(now)
+        elif self.config.chunked_prefill:
+            out = self._schedule_chunked(now)
+        else:
+            out = None
+            if not self.swapped:
+                out = self._schedule_prefill(now)
+            if out is None or not out.scheduled:
+                out = self._schedule_decode(now)
+        out.finished_ids = self._forget + out.finished_ids
+        self._forget = []
+        return out
+
+    def _drop_from_runner(self, req: Request) -> None:
+        if req.in_runner:
+            self._forget.append(req.request_id)
+            req.in_runner = False
+
+    def _rows(self, out: SchedulerOutput, batch: list[Request], grown: dict[str, int] | None = None,
+              counts: list[int] | None = None) -> SchedulerOutput:
+        """Fill the output's rows for `batch`: every request's uncomputed tokens (or counts[i] of them),
+        and what the runner does not know yet of it (grown: request id -> its table's length before
+        this step, -1 when its table is new: swapped in, or admitted again after a recompute)."""
+        tables = self.bm.device_tables
+        for i, req in enumerate(batch):
+            rid, table = req.request_id, tables[req.request_id]
+            n = req.num_tokens - req.num_computed_tokens if counts is None else counts[i]
+            out.scheduled.append(rid)
+            out.num_scheduled_tokens.append(n)
+            out.context_lens.append(req.num_computed_tokens + n)
+            if not req.in_runner:
+                out.new_requests.append(NewRequestData(rid, list(req.prompt_token_ids), list(req.output_token_ids),
+                                                       req.params, list(table), req.num_computed_tokens))
+                req.in_runner = True
+            elif grown is not None and rid in grown:
+                before = grown[rid]
+                resumed = list(table) if before < 0 else None
+                out.cached_requests.append(CachedRequestData(rid, [] if resumed else table[before:],
+                                                             req.num_computed_tokens, resumed))
+        self._batch = batch
+        return out
 
     def _schedule_by_groups(self, now: float) -> SchedulerOutput:
         self._sorted(self.running, now)
@@ -143,13 +182,14 @@ class Scheduler:
             tokens += n
         for req in batch:
             self._enqueue(self.running, req, now)
-        return SchedulerOutput(batch, True, [self.bm.device_tables[r.request_id] for r in batch])
+        return self._rows(SchedulerOutput(True), batch, {r.request_id: -1 for r in batch})
 
     def _schedule_decode(self, now: float, swap_in_limit: int | None = None) -> SchedulerOutput:
-        out = SchedulerOutput([], False)
+        out = SchedulerOutput(False)
         self._sorted(self.running, now)
         running = self.running
         tables, bs = self.bm.device_tables, self.bm.block_size
+        grown: dict[str, int] = {}  # request id -> table length before this step (-1: swapped in)
         i = 0
         while i < len(running):
             req = running[i]
@@ -163,14 +203,76 @@ class Scheduler:
                 if victim is req:
                     break
             else:  # no break: req itself was not preempted, and now its blocks fit
+                grown[req.request_id] = len(tables[req.request_id])
                 self.bm.append_slots(req.request_id, req.num_tokens)
                 i += 1
         if not out.preempted:
-            self._swap_in(running, now, out, swap_in_limit)
+            self._swap_in(running, now, out, swap_in_limit, grown)
         self.running = running
-        out.batch = list(running)
-        out.block_tables = [self.bm.device_tables[r.request_id] for r in running]
-        return out
+        return self._rows(out, list(running), grown)
+
+    def _schedule_chunked(self, now: float) -> SchedulerOutput:
+        """One mixed step under the token budget: running requests first (a decode's one token, or the
+        next chunk of a prompt), then swapped requests back, then waiting requests admitted with as much
+        of their prompt as the budget leaves. A prompt's blocks are all allocated when it is admitted."""
+        out = SchedulerOutput(False)
+        budget = self.config.max_num_batched_tokens
+        self._sorted(self.running, now)
+        running = self.running
+        tables, bs = self.bm.device_tables, self.bm.block_size
+        grown: dict[str, int] = {}
+        batch, counts = [], []
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            rid = req.request_id
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            upto = req.num_computed_tokens + n
+            if upto > len(tables[rid]) * bs:
+                while self.bm.new_blocks_for(rid, upto) > self.bm.num_free_device:
+                    victim = running.pop()  # lowest priority
+                    self._preempt(victim, now, out)
+                    if victim is req:
+                        break
+                else:
+                    grown[rid] = len(tables[rid])
+                    self.bm.append_slots(rid, upto)
+                if req.status is not Status.RUNNING:
+                    break  # it was the last one, and preempted
+            batch.append(req)
+            counts.append(n)
+            budget -= n
+            i += 1
+        if not out.preempted:
+            before = len(running)
+            self._swap_in(running, now, out, None, grown)
+            for req in running[before:] if not self.static else [r for r in running if grown.get(r.request_id) == -1]:
+                if budget <= 0:
+                    break
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                batch.append(req)
+                counts.append(n)
+                budget -= n
+        if not out.preempted and not self.swapped:
+            self._sorted(self.waiting, now)
+            while self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                if not self.bm.can_allocate(req.num_tokens):
+                    break
+                self.bm.allocate(req.request_id, req.num_tokens)
+                self.waiting.pop(0)
+                req.status = Status.RUNNING
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                self._enqueue(running, req, now)
+                grown[req.request_id] = -1  # a recomputed request the runner holds gets its new table
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                batch.append(req)
+                counts.append(n)
+                budget -= n
+        self.running = running
+        out.is_prefill = any(n > 1 for n in counts)
+        return self._rows(out, batch, grown, counts)
 
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         mode = self.preemption.choose(req, self.bm, now)
@@ -179,16 +281,18 @@ class Scheduler:
             if mode is Preemption.SWAP_FALLBACK:  # a fallback is a recompute too
                 counts[Preemption.RECOMPUTE.value] += 1
         if mode is Preemption.SWAP:
-            out.swap_out.extend(self.bm.swap_out(req.request_id))
+            _move(out, Pool.DEVICE, Pool.HOST, self.bm.swap_out(req.request_id))
             req.status = Status.SWAPPED
             self._enqueue(self.swapped, req, now)
         else:
             self.bm.free(req.request_id)
             req.status = Status.WAITING
+            req.num_computed_tokens = 0  # the runner keeps its copy (tokens, seeded generator); KV is gone
             self._enqueue(self.waiting, req, now)
-        out.preempted.append((req, Preemption.SWAP if mode is Preemption.SWAP else Preemption.RECOMPUTE))
+        out.preempted.append((req.request_id, Preemption.SWAP if mode is Preemption.SWAP else Preemption.RECOMPUTE))
 
-    def _swap_in(self, running: list[Request], now: float, out: SchedulerOutput, limit: int | None = None) -> None:
+    def _swap_in(self, running: list[Request], now: float, out: SchedulerOutput, limit: int | None,
+                 grown: dict[str, int]) -> None:
         self._sorted(self.swapped, now)
         limit = len(self.swapped) if limit is None else limit
         while self.swapped and limit > 0 and len(running) < self.config.max_num_seqs:
@@ -196,23 +300,30 @@ class Scheduler:
             req = self.swapped[0]
             if not self.bm.can_swap_in(req.request_id, req.num_tokens):
                 break
-            out.swap_in.extend(self.bm.swap_in(req.request_id))
+            _move(out, Pool.HOST, Pool.DEVICE, self.bm.swap_in(req.request_id))
             self.bm.append_slots(req.request_id, req.num_tokens)
+            grown[req.request_id] = -1
             self.swapped.pop(0)
             req.status = Status.RUNNING
             self._enqueue(running, req, now)
 
     # --- after the step ----------------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, tokens: list[int], now: float,
+    def postprocess(self, out: SchedulerOutput, tokens: list[int | None], now: float,
                     logprobs: list | None = None) -> list[Request]:
-        """Append sampled tokens (and their log-probabilities, where asked for); retire finished
-        requests and free their blocks."""
+        """Count the computed tokens, append sampled tokens (and their log-probabilities, where asked
+        for); retire finished requests and free their blocks."""
+        if len(tokens) != len(self._batch):
+            raise RuntimeError(f"{len(tokens)} results for {len(self._batch)} scheduled rows")
         finished = []
-        for i, (req, tok) in enumerate(zip(out.batch, tokens)):
+        for i, (req, tok, n) in enumerate(zip(self._batch, tokens, out.num_scheduled_tokens)):
+            req.num_computed_tokens += n
+            if tok is None:
+                continue
             req.append_token(tok, now, logprobs[i] if logprobs else None)
             if req.finish_reason is not None:
                 req.status, req.finish_time = Status.FINISHED, now
                 self.bm.free(req.request_id)
+                self._drop_from_runner(req)
                 finished.append(req)
         if finished:
             done = set(map(id, finished))

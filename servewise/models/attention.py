@@ -24,6 +24,7 @@ class AttentionMetadata:
     mask: torch.Tensor | None = None  # decode, PyTorch path: [batch, 1, 1, max_blocks * block_size], 0 or -inf
     context_lens: torch.Tensor | None = None  # decode: [batch] int64
     kernel: object = None  # decode: the compiled paged-attention module, or None for the PyTorch path
+    prior_lens: list[int] | None = None  # prefill rows that continue earlier KV: tokens already in the cache
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
@@ -34,6 +35,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     cache[0].index_copy_(0, meta.slot_mapping, k)
     cache[1].index_copy_(0, meta.slot_mapping, v)
     gqa = H != KVH
+    if meta.is_prefill and meta.prior_lens is not None:
+        return _continued(q, cache, meta)
     if meta.is_prefill:
         lens = meta.seq_lens
         if len(set(lens)) == 1:  # equal lengths: one batched call
@@ -50,6 +53,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             outs.append(o.transpose(0, 1).reshape(n, H * D))
             start += n
         return torch.cat(outs)
+    return _decode(q, cache, meta)
+
+
+def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """One new token per row over its cached context (the new token's KV is already written)."""
+    T, H, D = q.shape
+    KVH = cache.shape[2]
+    gqa = H != KVH
     if meta.kernel is not None:
         out = meta.kernel.paged_decode_attention(q.contiguous(), cache[0], cache[1], meta.block_tables,
                                                  meta.context_lens, meta.block_size, D ** -0.5)
@@ -61,3 +72,41 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     vc = blocks[1].index_select(0, rows).view(B, L, KVH, D).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=meta.mask, enable_gqa=gqa)
     return out.reshape(T, H * D)
+
+
+def _continued(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Rows of n new tokens after p tokens already cached (chunked prefill, reused KV, decodes in a
+    mixed step): each row's queries attend to its first p + n cached keys, causally. Single-token rows
+    go through the decode path together; longer rows read their blocks one row at a time."""
+    T, H, D = q.shape
+    KVH, bs = cache.shape[2], meta.block_size
+    blocks = cache.view(2, -1, bs * KVH * D)
+    out = q.new_empty(T, H * D)
+    starts = [0]
+    for n in meta.seq_lens:
+        starts.append(starts[-1] + n)
+    single = [i for i, (n, p) in enumerate(zip(meta.seq_lens, meta.prior_lens)) if n == 1 and p > 0]
+    if single:
+        rows = torch.tensor(single, device=q.device)
+        tok = torch.tensor([starts[i] for i in single], device=q.device)
+        ctx = torch.tensor([meta.prior_lens[i] + 1 for i in single], device=q.device)
+        bt = meta.block_tables.index_select(0, rows)
+        sub = AttentionMetadata(False, tok, ctx.tolist(), bs, bt, None, ctx, meta.kernel)
+        if meta.kernel is None:
+            L = bt.shape[1] * bs
+            sub.mask = torch.zeros(len(single), 1, 1, L, dtype=q.dtype, device=q.device)
+            sub.mask.masked_fill_(~(torch.arange(L, device=q.device) < ctx.unsqueeze(1)).view(-1, 1, 1, L), float("-inf"))
+        out[tok] = _decode(q[tok], cache, sub)
+    done = set(single)
+    for i, (n, p) in enumerate(zip(meta.seq_lens, meta.prior_lens)):
+        if i in done:
+            continue
+        L = p + n
+        table = meta.block_tables[i, : -(-L // bs)]
+        kc = blocks[0].index_select(0, table).view(-1, KVH, D)[:L].transpose(0, 1)  # [KVH, L, D]
+        vc = blocks[1].index_select(0, table).view(-1, KVH, D)[:L].transpose(0, 1)
+        visible = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=p)
+        sl = slice(starts[i], starts[i + 1])
+        o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), kc, vc, attn_mask=visible, enable_gqa=H != KVH)
+        out[sl] = o.transpose(0, 1).reshape(n, H * D)
+    return out

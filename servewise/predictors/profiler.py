@@ -18,8 +18,7 @@ import torch
 
 from servewise.config import ModelConfig
 from servewise.engine.block_manager import BlockManager
-from servewise.engine.request import Request
-from servewise.engine.scheduler import SchedulerOutput
+from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, standalone_batch
 from servewise.sampling_params import SamplingParams
 
 PROFILE_VERSION = 1
@@ -86,20 +85,17 @@ class _Bench:
         self.rng = random.Random(0)
         self._flush = torch.zeros(16 << 20, device=device)  # 64 MiB, twice a large L3 cache
 
-    def _requests(self, batch: int, length: int, decode: bool) -> SchedulerOutput:
+    def _requests(self, batch: int, length: int, decode: bool, bm: BlockManager | None = None) -> SchedulerOutput:
         """A batch whose decode contexts are all `length`, or whose prompts average about `length` tokens."""
-        bm = BlockManager(self.num_device_blocks, self.num_host_blocks, self.block_size)
-        reqs, tables = [], []
+        bm = bm or BlockManager(self.num_device_blocks, self.num_host_blocks, self.block_size)
+        token_lists, tables = [], []
         for i in range(batch):
-            n_prompt = length - 1 if decode else length  # a decode context holds at least 2 tokens
+            n = length
             if not decode and batch > 1:  # real prefill batches mix lengths: spread them over [0.5, 1.5] x mean
-                n_prompt = max(1, round(length * (0.5 + i / (batch - 1))))
-            r = Request(str(i), [self.rng.randrange(10, self.cfg.vocab_size) for _ in range(n_prompt)], _GREEDY, 0.0)
-            if decode:
-                r.output_token_ids.append(self.rng.randrange(10, self.cfg.vocab_size))
-            tables.append(bm.allocate(r.request_id, r.num_tokens))
-            reqs.append(r)
-        return SchedulerOutput(reqs, not decode, tables)
+                n = max(1, round(length * (0.5 + i / (batch - 1))))
+            token_lists.append([self.rng.randrange(10, self.cfg.vocab_size) for _ in range(n)])
+            tables.append(bm.allocate(f"p{i}", n))
+        return standalone_batch(token_lists, tables, decode, _GREEDY)
 
     def step_times(self, points: list[tuple[int, int]], decode: bool, reps: int, progress=None) -> list[float]:
         """Median over `reps` rounds; each round times every point once in a shuffled order, so a burst
@@ -124,7 +120,8 @@ class _Bench:
         times = []
         for _ in range(2 * reps + 1):  # copies are short and noisy, and cheap to repeat
             self._flush.sum()  # read, not write: evicts the caches without leaving dirty lines to write back
-            times.append(self.runner.copy_blocks(pairs, to_host))
+            times.append(self.runner.move_blocks(KVMove(*((Pool.DEVICE, Pool.HOST) if to_host else
+                                                          (Pool.HOST, Pool.DEVICE)), pairs)))
         return statistics.median(times)
 
 
@@ -193,9 +190,8 @@ def _swap_requests(bench: _Bench, key: dict, block_bytes: int, lengths: list[int
         bm.free(f"f{i}")
     rows = []
     for i, length in enumerate(lengths):
-        out = bench._requests(1, length, decode=False)
-        rid = out.batch[0].request_id = f"r{i}"
-        out.block_tables = [bm.allocate(rid, length)]
+        out = bench._requests(1, length, decode=False, bm=bm)
+        rid = "p0"
         if real_kv:
             bench.runner.execute(out)
         plan_out = bm.swap_out(rid)

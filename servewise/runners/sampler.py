@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from servewise.engine.request import Request
 
 CANDIDATES = 256  # top-p: tokens sorted before falling back to the whole vocabulary
 
@@ -42,8 +41,10 @@ class SampleResult:
     logprobs: list[Logprobs | None]  # per row; None where the request did not ask
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
-    """logits: [B, V], one row per request; modified in place."""
+def sample(logits: torch.Tensor, reqs: list) -> SampleResult:
+    """logits: [B, V], one row per request; modified in place. A request here is the runner's copy
+    (torch_runner.SeqState): params, prompt_token_ids and output_token_ids (for penalties) and a
+    generator slot, filled on a seeded request's first draw and kept for its whole life."""
     B, V = logits.shape
     ps = [r.params for r in reqs]
     if logits.dtype != torch.float32:
@@ -87,7 +88,7 @@ def argmax(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     return c * chunk + chunks[torch.arange(n, device=x.device), c].argmax(dim=-1)
 
 
-def _penalize(lg: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def _penalize(lg: torch.Tensor, reqs: list) -> torch.Tensor:
     """vLLM's (and OpenAI's) penalties: logits of tokens already seen in the prompt or the output are
     divided (if positive) or multiplied (if negative) by repetition_penalty; each output occurrence
     subtracts frequency_penalty and any occurrence subtracts presence_penalty once."""
@@ -114,7 +115,7 @@ def _penalize(lg: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return lg - freq * out_counts - pres * (out_counts > 0).float()
 
 
-def _sample_random(lg: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def _sample_random(lg: torch.Tensor, reqs: list) -> torch.Tensor:
     """lg: [n, V] logits of the random rows (overwritten); returns their token ids."""
     n, V = lg.shape
     dev = lg.device

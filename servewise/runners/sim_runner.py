@@ -7,8 +7,7 @@ policies run exactly as they do against the real model.
 """
 from __future__ import annotations
 
-from servewise.engine.interfaces import CostModel, StepResult
-from servewise.engine.scheduler import SchedulerOutput
+from servewise.engine.interfaces import CostModel, KVMove, Pool, SchedulerOutput, StepResult
 
 SIM_TOKEN = 0  # the placeholder every simulated step emits
 
@@ -19,15 +18,31 @@ class SimRunner:
     def __init__(self, perf: CostModel, capacity: tuple[int, int]):
         self.perf, self.capacity = perf, capacity
         self.steps = 0
+        self.tokens: dict[str, int] = {}  # tokens each request it holds has, as TorchRunner's copies
 
-    def copy_blocks(self, pairs: list[tuple[int, int]], to_host: bool) -> float:
-        return self.perf.copy(len(pairs), to_host) if pairs else 0.0
+    def move_blocks(self, move: KVMove) -> float:
+        return self.perf.copy(len(move.pairs), move.dst == Pool.HOST) if move.pairs else 0.0
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        for rid in out.finished_ids:
+            self.tokens.pop(rid, None)
+        for n in out.new_requests:
+            self.tokens[n.request_id] = len(n.prompt_token_ids) + len(n.output_token_ids)
+        if not out.scheduled:
+            return StepResult([], 0.0)
         self.steps += 1
-        batch = out.batch
-        if out.is_prefill:
-            elapsed = self.perf.prefill([r.num_tokens for r in batch])
-        else:
-            elapsed = self.perf.decode([r.num_tokens for r in batch])
-        return StepResult([SIM_TOKEN] * len(batch), elapsed)
+        counts, ctx = out.num_scheduled_tokens, out.context_lens
+        if not out.is_prefill:
+            elapsed = self.perf.decode(ctx)
+        elif counts == ctx:  # whole prompts
+            elapsed = self.perf.prefill(ctx)
+        else:  # a mixed step (chunked prefill): its chunks as a prefill plus its decodes; an approximation
+            # that ignores the chunks' earlier context and counts the weights' pass twice
+            decodes = [c for c, n in zip(ctx, counts) if n == 1]
+            elapsed = self.perf.prefill([n for n in counts if n > 1]) + (self.perf.decode(decodes) if decodes else 0.0)
+        tokens = []
+        for rid, c in zip(out.scheduled, ctx):  # a row samples once its context covers all its tokens
+            done = c == self.tokens[rid]
+            self.tokens[rid] += done
+            tokens.append(SIM_TOKEN if done else None)
+        return StepResult(tokens, elapsed)

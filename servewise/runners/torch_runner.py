@@ -8,8 +8,7 @@ import torch
 
 from servewise import kernels
 from servewise.config import ModelConfig
-from servewise.engine.interfaces import StepResult
-from servewise.engine.scheduler import SchedulerOutput
+from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, StepResult
 from servewise.models.attention import AttentionMetadata
 from servewise.models.linear import describe as describe_linears
 from servewise.runners.sampler import sample
@@ -23,6 +22,7 @@ class TorchRunner:
                  block_size: int, device: str = "cpu"):
         self.model, self.mc, self.bs, self.device = model, mc, block_size, torch.device(device)
         self.capacity = (num_device_blocks, num_host_blocks)
+        self.seqs: dict[str, SeqState] = {}  # the requests this runner holds, by id
         dtype = next(model.parameters()).dtype
         per_block = (block_size, mc.num_kv_heads, mc.head_dim)
         # [layer, k/v, block, slot-in-block, kv head, head dim]
@@ -41,64 +41,134 @@ class TorchRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]], to_host: bool) -> float:
+    def move_blocks(self, move: KVMove) -> float:
         """Copy whole blocks between pools (all layers, K and V); returns seconds taken.
 
         Blocks go in groups whose staging tensor stays under 8 MiB: larger temporaries are fresh
         mmap'd pages on every call, and their page faults would dominate the copy.
         """
-        if not pairs:
+        if not move.pairs:
             return 0.0
         t0 = time.perf_counter()
-        src_pool, dst_pool = (self.device_cache, self.host_cache) if to_host else (self.host_cache, self.device_cache)
+        pools = {Pool.DEVICE: self.device_cache, Pool.HOST: self.host_cache}
+        src_pool, dst_pool = pools[move.src], pools[move.dst]
         block_bytes = self.device_cache[:, :, 0].numel() * self.device_cache.element_size()
         group = max(1, (8 << 20) // block_bytes)
-        for i in range(0, len(pairs), group):
-            part = pairs[i:i + group]
+        for i in range(0, len(move.pairs), group):
+            part = move.pairs[i:i + group]
             src = torch.tensor([p[0] for p in part], device=src_pool.device)
             dst = torch.tensor([p[1] for p in part], device=dst_pool.device)
             dst_pool.index_copy_(2, dst, src_pool.index_select(2, src).to(dst_pool.device, non_blocking=False))
         self._sync()
         return time.perf_counter() - t0
 
+    def _apply(self, out: SchedulerOutput) -> None:
+        """Bring the runner's own request state up to date with the step's diffs."""
+        for rid in out.finished_ids:
+            self.seqs.pop(rid, None)
+        for n in out.new_requests:
+            self.seqs[n.request_id] = SeqState(n.prompt_token_ids, list(n.output_token_ids), n.params, list(n.block_ids))
+        for c in out.cached_requests:
+            seq = self.seqs[c.request_id]
+            if c.resumed_block_ids is not None:
+                seq.block_ids = list(c.resumed_block_ids)
+            else:
+                seq.block_ids.extend(c.new_block_ids)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         t0 = time.perf_counter()
-        ids, positions, meta, last = self._prepare(out)
+        self._apply(out)
+        if not out.scheduled:
+            return StepResult([], 0.0)
+        rows = [self.seqs[rid] for rid in out.scheduled]
+        ids, positions, meta, last, sampling = self._prepare(out, rows)
         hidden = self.model(ids, positions, self.kv_caches, meta)
         if last is not None:
             hidden = hidden[last]
-        sampled = sample(self.model.compute_logits(hidden), out.batch)
+        tokens: list[int | None] = [None] * len(rows)
+        logprobs = None
+        if sampling:
+            sampled = sample(self.model.compute_logits(hidden), [rows[i] for i in sampling])
+            if sampled.logprobs is not None:
+                logprobs = [None] * len(rows)
+            for j, i in enumerate(sampling):
+                tokens[i] = sampled.tokens[j]
+                rows[i].output_token_ids.append(sampled.tokens[j])
+                if logprobs is not None:
+                    logprobs[i] = sampled.logprobs[j]
         self._sync()
-        return StepResult(sampled.tokens, time.perf_counter() - t0, sampled.logprobs)
+        return StepResult(tokens, time.perf_counter() - t0, logprobs)
 
-    def _prepare(self, out: SchedulerOutput):
+    def _slots(self, seq: SeqState, start: int, end: int) -> torch.Tensor:
+        bs = self.bs
+        pos = torch.arange(start, end, device=self.device)
+        table = torch.tensor(seq.block_ids, device=self.device)
+        return table[pos // bs] * bs + pos % bs
+
+    def _prepare(self, out: SchedulerOutput, rows: list[SeqState]):
+        """(token ids, positions, attention metadata, rows of hidden states to sample from (None: all),
+        indices of the rows that sample)."""
         bs, dev = self.bs, self.device
-        if out.is_prefill:
-            ids, slots, lens = [], [], []
-            for r, table in zip(out.batch, out.block_tables):
-                toks = r.all_token_ids
-                ids.extend(toks)
-                lens.append(len(toks))
-                t = torch.tensor(table, device=dev)
-                slots.append((t.unsqueeze(1) * bs + self._offsets).view(-1)[: len(toks)])
-            positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-            last = torch.tensor(lens, device=dev).cumsum(0) - 1
-            meta = AttentionMetadata(True, torch.cat(slots), lens, bs)
-            return torch.tensor(ids, device=dev), positions, meta, last
-        B = len(out.batch)
-        ctx = [r.num_tokens for r in out.batch]
-        width = max(len(t) for t in out.block_tables)
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in out.block_tables], device=dev)
+        counts, ctx = out.num_scheduled_tokens, out.context_lens
+        sampling = [i for i, (seq, c) in enumerate(zip(rows, ctx)) if c == seq.num_tokens]
+        if all(n == 1 for n in counts) and len(sampling) == len(rows):  # decode: one token each, all sample
+            return (*self._prepare_decode(rows, ctx), None, sampling)
+        ids, slots = [], []
+        for seq, n, c in zip(rows, counts, ctx):
+            ids.extend(seq.token_ids(c - n, c))
+            slots.append(self._slots(seq, c - n, c))
+        positions = torch.cat([torch.arange(c - n, c, device=dev) for n, c in zip(counts, ctx)])
+        ends = torch.tensor(counts, device=dev).cumsum(0) - 1
+        last = ends[sampling] if len(sampling) < len(rows) else ends
+        prior = [c - n for n, c in zip(counts, ctx)]
+        meta = AttentionMetadata(True, torch.cat(slots), list(counts), bs)
+        if any(prior):  # chunks that continue earlier KV: attention reads it through the block tables
+            meta.prior_lens = prior
+            meta.block_tables = self._block_tables(rows)
+            meta.kernel = self.attn_kernel
+        return torch.tensor(ids, device=dev), positions, meta, last, sampling
+
+    def _block_tables(self, rows: list[SeqState]) -> torch.Tensor:
+        width = max(len(s.block_ids) for s in rows)
+        return torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in rows], device=self.device)
+
+    def _prepare_decode(self, rows: list[SeqState], ctx: list[int]):
+        bs, dev = self.bs, self.device
+        B = len(rows)
+        bt = self._block_tables(rows)
         ctx_t = torch.tensor(ctx, device=dev)
         pos = ctx_t - 1
         slot = bt[torch.arange(B, device=dev), pos // bs] * bs + pos % bs
         mask = None
         if self.attn_kernel is None:
-            L = width * bs
+            L = bt.shape[1] * bs
             visible = torch.arange(L, device=dev).unsqueeze(0) < ctx_t.unsqueeze(1)
             mask = torch.zeros(B, 1, 1, L, dtype=self.device_cache.dtype, device=dev)
             mask.masked_fill_(~visible.view(B, 1, 1, L), float("-inf"))
         meta = AttentionMetadata(False, slot, ctx, bs, bt, mask, ctx_t, self.attn_kernel)
-        ids = torch.tensor([r.output_token_ids[-1] for r in out.batch], device=dev)
-        return ids, pos, meta, None
+        ids = torch.tensor([s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in rows],
+                           device=dev)
+        return ids, pos, meta
+
+
+class SeqState:
+    """The runner's copy of a request: its tokens (the sampler reads prompt and output ids for
+    penalties), sampling parameters, block table and seeded generator."""
+
+    __slots__ = ("prompt_token_ids", "output_token_ids", "params", "block_ids", "generator")
+
+    def __init__(self, prompt: list[int], output: list[int], params, block_ids: list[int] | None = None):
+        self.prompt_token_ids, self.output_token_ids, self.params = prompt, output, params
+        self.block_ids = block_ids or []
+        self.generator = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        p = self.prompt_token_ids
+        if end <= len(p):
+            return p[start:end]
+        return (p + self.output_token_ids)[start:end]

@@ -44,8 +44,8 @@ def main(a, engine_kwargs: dict) -> None:
     import uvicorn
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    app, engine = make_app(a.model, dict(engine_kwargs, predictors=a.predictors, max_model_len=a.max_model_len),
-                           a.served_model_name, a.api_key, a.max_waiting, log=say, engine_process=not a.engine_in_thread)
+    app, engine = make_app(a.model, engine_kwargs, a.served_model_name, a.api_key, a.max_waiting, log=say,
+                           engine_process=not a.engine_in_thread, max_restarts=a.max_restarts)
     st = engine.stats()
     import torch
 
