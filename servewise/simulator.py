@@ -2,6 +2,7 @@
 SimRunner whose step and copy times come from a performance model (built by builder.build_sim_engine)."""
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 
@@ -22,7 +23,18 @@ class SimResult:
 
 
 def simulate(engine: LLMEngine, items: list[WorkloadRequest], arrivals: list[float], progress=None) -> SimResult:
+    """Run the workload to the end on the engine's virtual clock. The run allocates millions of small,
+    mostly long-lived objects (requests and their token lists), so the garbage collector runs less
+    often meanwhile: what exists before the run is frozen out of its scans, and the youngest
+    generation is collected every 50,000 allocations instead of 700 (restored afterwards)."""
     t0 = time.perf_counter()
-    reqs, rejected = run_workload(engine, items, arrivals, progress)
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(50_000, *thresholds[1:])
+    try:
+        reqs, rejected = run_workload(engine, items, arrivals, progress)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
     perf = engine.runner.perf
     return SimResult(reqs, rejected, time.perf_counter() - t0, engine.runner.steps, perf.label, perf.analytical)

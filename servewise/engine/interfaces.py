@@ -35,7 +35,7 @@ class Pool(str, enum.Enum):
     HOST = "host"
 
 
-@dataclass
+@dataclass(slots=True)
 class KVMove:
     """Copy blocks from one pool to another: (source block, destination block) pairs."""
 
@@ -44,7 +44,7 @@ class KVMove:
     pairs: list[tuple[int, int]]
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequestData:
     """A request the runner has not seen, or sees again after a recompute preemption dropped its KV.
     Its first num_computed_tokens tokens already have KV in the blocks (0 unless KV was reused)."""
@@ -57,7 +57,7 @@ class NewRequestData:
     num_computed_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """The per-step diff of a request the runner holds: blocks appended to its table, or (after a
     swap-in) its whole new table, and how many of its tokens have KV."""
@@ -68,12 +68,13 @@ class CachedRequestData:
     resumed_block_ids: list[int] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step's plan, plain data keyed by request id. Rows run in `scheduled` order; row i computes
     `num_scheduled_tokens[i]` new tokens' KV and ends with `context_lens[i]` tokens of context. A row
-    whose context then covers all of its known tokens samples one token. KV moves run before the batch;
-    `finished_ids` are requests the runner can forget (finished, aborted, or recomputed)."""
+    samples one token unless it is in `partial` (a prompt chunk that does not reach the prompt's end).
+    KV moves run before the batch; `finished_ids` are requests the runner can forget (finished or
+    aborted)."""
 
     is_prefill: bool
     scheduled: list[str] = field(default_factory=list)
@@ -84,6 +85,7 @@ class SchedulerOutput:
     kv_moves: list[KVMove] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     preempted: list[tuple[str, Preemption]] = field(default_factory=list)  # SWAP or RECOMPUTE
+    partial: set[str] = field(default_factory=set)
 
     @property
     def num_tokens(self) -> int:
@@ -112,7 +114,7 @@ def standalone_batch(token_lists: list[list[int]], block_tables: list[list[int]]
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     """What a runner returns for one executed batch."""
 
@@ -164,10 +166,10 @@ class EngineStats:
     preemptions: dict[str, int]
 
 
-@dataclass
+@dataclass(slots=True)
 class StepStats:
     """What one step did. `start` and `end` are on the engine's clock; `elapsed` is the time the runner
-    took (copies and the batch), which a virtual clock advances by."""
+    took (copies and the batch), which a virtual clock advances by. engine.stats() gives the load after it."""
 
     start: float
     end: float
@@ -183,4 +185,3 @@ class StepStats:
     execute_s: float = 0.0  # the batch's runner time (elapsed less block copies)
     schedule_s: float = 0.0  # wall time of the scheduling decision
     num_running: int = 0  # the running queue's length once scheduled
-    stats: EngineStats | None = None  # after the step

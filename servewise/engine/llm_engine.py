@@ -108,17 +108,20 @@ class LLMEngine:
     # --- the loop ----------------------------------------------------------------------------
     def step(self) -> StepStats:
         """One iteration at the clock's current time; returns what it did (finished requests by id in
-        `finished`; the Request objects stay readable through the caller's references)."""
+        `finished`; the Request objects stay readable through the caller's references). The stats
+        share their lists with the step's SchedulerOutput: read them, do not change them."""
         start = self.clock.now()
         t0 = time.perf_counter()
         out = self.scheduler.schedule(start)
         schedule_s = time.perf_counter() - t0
-        elapsed = sum(self.runner.move_blocks(m) for m in out.kv_moves)
+        moves = out.kv_moves
+        elapsed = sum(self.runner.move_blocks(m) for m in moves) if moves else 0.0
         stats = StepStats(start=start, end=start, elapsed=elapsed, is_prefill=out.is_prefill,
-                          batch_tokens=list(out.context_lens), scheduled_tokens=list(out.num_scheduled_tokens),
-                          scheduled=list(out.scheduled), preempted=list(out.preempted),
-                          swapped_out_blocks=out.moved_blocks(Pool.HOST), swapped_in_blocks=out.moved_blocks(Pool.DEVICE),
-                          schedule_s=schedule_s, num_running=len(self.scheduler.running))
+                          batch_tokens=out.context_lens, scheduled_tokens=out.num_scheduled_tokens,
+                          scheduled=out.scheduled, preempted=out.preempted, schedule_s=schedule_s,
+                          num_running=len(self.scheduler.running))
+        if moves:
+            stats.swapped_out_blocks, stats.swapped_in_blocks = out.moved_blocks(Pool.HOST), out.moved_blocks(Pool.DEVICE)
         if out.scheduled:
             result = self.runner.execute(out)
             stats.execute_s = result.elapsed
@@ -136,5 +139,4 @@ class LLMEngine:
             stats.end = self.clock.end_of(start, stats.elapsed)
         if self.owns_clock:
             self.clock.wait_until(stats.end)
-        stats.stats = self.stats()
         return stats

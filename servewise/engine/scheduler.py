@@ -15,6 +15,7 @@ Request objects stay here; postprocess matches the runner's sampled tokens to th
 from __future__ import annotations
 
 import bisect
+from itertools import repeat
 
 from servewise.config import SchedulerConfig
 from servewise.engine.block_manager import BlockManager
@@ -47,6 +48,8 @@ class Scheduler:
         self.preemption_counts = preemption_counts()  # since start, for monitoring
         self._batch: list[Request] = []  # the last step's rows, for postprocess
         self._forget: list[str] = []  # requests the runner holds that ended since the last step
+        self._known_blocks: dict[str, int] = {}  # blocks of each request's table the runner has (-1: a new table)
+        self._changed: dict[str, Request] = {}  # requests whose table changed since the runner last saw it
 
     def _enqueue(self, queue: list[Request], req: Request, now: float) -> None:
         """Append, or insert in order when the ordering is static (those queues are kept sorted)."""
@@ -89,36 +92,48 @@ class Scheduler:
                 out = self._schedule_prefill(now)
             if out is None or not out.scheduled:
                 out = self._schedule_decode(now)
-        out.finished_ids = self._forget + out.finished_ids
-        self._forget = []
+        if self._forget:
+            out.finished_ids, self._forget = self._forget, []
         return out
 
     def _drop_from_runner(self, req: Request) -> None:
         if req.in_runner:
             self._forget.append(req.request_id)
+            self._known_blocks.pop(req.request_id, None)
+            self._changed.pop(req.request_id, None)
             req.in_runner = False
 
-    def _rows(self, out: SchedulerOutput, batch: list[Request], grown: dict[str, int] | None = None,
-              counts: list[int] | None = None) -> SchedulerOutput:
+    def _rows(self, out: SchedulerOutput, batch: list[Request], counts: list[int] | None = None,
+              fresh: bool = True) -> SchedulerOutput:
         """Fill the output's rows for `batch`: every request's uncomputed tokens (or counts[i] of them),
-        and what the runner does not know yet of it (grown: request id -> its table's length before
-        this step, -1 when its table is new: swapped in, or admitted again after a recompute)."""
-        tables = self.bm.device_tables
-        for i, req in enumerate(batch):
-            rid, table = req.request_id, tables[req.request_id]
-            n = req.num_tokens - req.num_computed_tokens if counts is None else counts[i]
-            out.scheduled.append(rid)
-            out.num_scheduled_tokens.append(n)
-            out.context_lens.append(req.num_computed_tokens + n)
+        and what the runner does not know yet of it: the whole request (fresh: the batch may hold
+        requests the runner has not seen), or its table's new blocks, or its whole new table (after a
+        swap-in, or when admitted again after a recompute)."""
+        tables, known = self.bm.device_tables, self._known_blocks
+        if counts is None:
+            counts = [r.num_tokens - r.num_computed_tokens for r in batch]
+        out.scheduled = [r.request_id for r in batch]
+        out.num_scheduled_tokens = counts
+        out.context_lens = [r.num_computed_tokens + n for r, n in zip(batch, counts)]
+        for req in batch if fresh else ():
             if not req.in_runner:
-                out.new_requests.append(NewRequestData(rid, list(req.prompt_token_ids), list(req.output_token_ids),
-                                                       req.params, list(table), req.num_computed_tokens))
+                table = tables[req.request_id]
+                out.new_requests.append(NewRequestData(req.request_id, list(req.prompt_token_ids),
+                                                       list(req.output_token_ids), req.params, list(table),
+                                                       req.num_computed_tokens))
                 req.in_runner = True
-            elif grown is not None and rid in grown:
-                before = grown[rid]
-                resumed = list(table) if before < 0 else None
-                out.cached_requests.append(CachedRequestData(rid, [] if resumed else table[before:],
-                                                             req.num_computed_tokens, resumed))
+                known[req.request_id] = len(table)
+                self._changed.pop(req.request_id, None)
+        if self._changed:  # usually a few: the requests that crossed a block boundary or came back
+            # a decode batch is the whole running queue; other batches are checked by id
+            ids = set(out.scheduled) if fresh else None
+            for rid, req in [(rid, req) for rid, req in self._changed.items()
+                             if (rid in ids if fresh else req.status is Status.RUNNING)]:
+                table, k = tables[rid], known[rid]  # k -1: a new table
+                out.cached_requests.append(CachedRequestData(rid, table[k:] if k >= 0 else [], req.num_computed_tokens,
+                                                             list(table) if k < 0 else None))
+                known[rid] = len(table)
+                del self._changed[rid]
         self._batch = batch
         return out
 
@@ -182,14 +197,13 @@ class Scheduler:
             tokens += n
         for req in batch:
             self._enqueue(self.running, req, now)
-        return self._rows(SchedulerOutput(True), batch, {r.request_id: -1 for r in batch})
+        return self._rows(SchedulerOutput(True), batch)
 
     def _schedule_decode(self, now: float, swap_in_limit: int | None = None) -> SchedulerOutput:
         out = SchedulerOutput(False)
         self._sorted(self.running, now)
         running = self.running
         tables, bs = self.bm.device_tables, self.bm.block_size
-        grown: dict[str, int] = {}  # request id -> table length before this step (-1: swapped in)
         i = 0
         while i < len(running):
             req = running[i]
@@ -203,13 +217,14 @@ class Scheduler:
                 if victim is req:
                     break
             else:  # no break: req itself was not preempted, and now its blocks fit
-                grown[req.request_id] = len(tables[req.request_id])
                 self.bm.append_slots(req.request_id, req.num_tokens)
+                self._changed[req.request_id] = req
                 i += 1
         if not out.preempted:
-            self._swap_in(running, now, out, swap_in_limit, grown)
+            self._swap_in(running, now, out, swap_in_limit)
         self.running = running
-        return self._rows(out, list(running), grown)
+        # running requests all came through a prefill: the runner holds them; each decodes one token
+        return self._rows(out, list(running), [1] * len(running), fresh=False)
 
     def _schedule_chunked(self, now: float) -> SchedulerOutput:
         """One mixed step under the token budget: running requests first (a decode's one token, or the
@@ -220,7 +235,6 @@ class Scheduler:
         self._sorted(self.running, now)
         running = self.running
         tables, bs = self.bm.device_tables, self.bm.block_size
-        grown: dict[str, int] = {}
         batch, counts = [], []
         i = 0
         while i < len(running) and budget > 0:
@@ -235,8 +249,8 @@ class Scheduler:
                     if victim is req:
                         break
                 else:
-                    grown[rid] = len(tables[rid])
                     self.bm.append_slots(rid, upto)
+                    self._changed[rid] = req
                 if req.status is not Status.RUNNING:
                     break  # it was the last one, and preempted
             batch.append(req)
@@ -244,9 +258,8 @@ class Scheduler:
             budget -= n
             i += 1
         if not out.preempted:
-            before = len(running)
-            self._swap_in(running, now, out, None, grown)
-            for req in running[before:] if not self.static else [r for r in running if grown.get(r.request_id) == -1]:
+            back = self._swap_in(running, now, out, None)
+            for req in back:
                 if budget <= 0:
                     break
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -265,14 +278,14 @@ class Scheduler:
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now
                 self._enqueue(running, req, now)
-                grown[req.request_id] = -1  # a recomputed request the runner holds gets its new table
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 batch.append(req)
                 counts.append(n)
                 budget -= n
         self.running = running
         out.is_prefill = any(n > 1 for n in counts)
-        return self._rows(out, batch, grown, counts)
+        out.partial = {r.request_id for r, n in zip(batch, counts) if r.num_computed_tokens + n < r.num_tokens}
+        return self._rows(out, batch, counts)
 
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         mode = self.preemption.choose(req, self.bm, now)
@@ -288,11 +301,15 @@ class Scheduler:
             self.bm.free(req.request_id)
             req.status = Status.WAITING
             req.num_computed_tokens = 0  # the runner keeps its copy (tokens, seeded generator); KV is gone
+            if req.in_runner:
+                self._known_blocks[req.request_id] = -1  # it gets a new table when admitted again
+                self._changed[req.request_id] = req
             self._enqueue(self.waiting, req, now)
         out.preempted.append((req.request_id, Preemption.SWAP if mode is Preemption.SWAP else Preemption.RECOMPUTE))
 
-    def _swap_in(self, running: list[Request], now: float, out: SchedulerOutput, limit: int | None,
-                 grown: dict[str, int]) -> None:
+    def _swap_in(self, running: list[Request], now: float, out: SchedulerOutput, limit: int | None) -> list[Request]:
+        """Bring swapped requests back while they fit; returns them."""
+        back = []
         self._sorted(self.swapped, now)
         limit = len(self.swapped) if limit is None else limit
         while self.swapped and limit > 0 and len(running) < self.config.max_num_seqs:
@@ -302,10 +319,13 @@ class Scheduler:
                 break
             _move(out, Pool.HOST, Pool.DEVICE, self.bm.swap_in(req.request_id))
             self.bm.append_slots(req.request_id, req.num_tokens)
-            grown[req.request_id] = -1
+            self._known_blocks[req.request_id] = -1
+            self._changed[req.request_id] = req
+            back.append(req)
             self.swapped.pop(0)
             req.status = Status.RUNNING
             self._enqueue(running, req, now)
+        return back
 
     # --- after the step ----------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, tokens: list[int | None], now: float,
@@ -315,11 +335,11 @@ class Scheduler:
         if len(tokens) != len(self._batch):
             raise RuntimeError(f"{len(tokens)} results for {len(self._batch)} scheduled rows")
         finished = []
-        for i, (req, tok, n) in enumerate(zip(self._batch, tokens, out.num_scheduled_tokens)):
+        for req, tok, n, lp in zip(self._batch, tokens, out.num_scheduled_tokens, logprobs or repeat(None)):
             req.num_computed_tokens += n
             if tok is None:
                 continue
-            req.append_token(tok, now, logprobs[i] if logprobs else None)
+            req.append_token(tok, now, lp)
             if req.finish_reason is not None:
                 req.status, req.finish_time = Status.FINISHED, now
                 self.bm.free(req.request_id)

@@ -18,16 +18,11 @@ class SimRunner:
     def __init__(self, perf: CostModel, capacity: tuple[int, int]):
         self.perf, self.capacity = perf, capacity
         self.steps = 0
-        self.tokens: dict[str, int] = {}  # tokens each request it holds has, as TorchRunner's copies
 
     def move_blocks(self, move: KVMove) -> float:
         return self.perf.copy(len(move.pairs), move.dst == Pool.HOST) if move.pairs else 0.0
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        for rid in out.finished_ids:
-            self.tokens.pop(rid, None)
-        for n in out.new_requests:
-            self.tokens[n.request_id] = len(n.prompt_token_ids) + len(n.output_token_ids)
         if not out.scheduled:
             return StepResult([], 0.0)
         self.steps += 1
@@ -40,9 +35,6 @@ class SimRunner:
             # that ignores the chunks' earlier context and counts the weights' pass twice
             decodes = [c for c, n in zip(ctx, counts) if n == 1]
             elapsed = self.perf.prefill([n for n in counts if n > 1]) + (self.perf.decode(decodes) if decodes else 0.0)
-        tokens = []
-        for rid, c in zip(out.scheduled, ctx):  # a row samples once its context covers all its tokens
-            done = c == self.tokens[rid]
-            self.tokens[rid] += done
-            tokens.append(SIM_TOKEN if done else None)
-        return StepResult(tokens, elapsed)
+        if out.partial:
+            return StepResult([None if rid in out.partial else SIM_TOKEN for rid in out.scheduled], elapsed)
+        return StepResult([SIM_TOKEN] * len(ctx), elapsed)

@@ -111,7 +111,7 @@ class TorchRunner:
         indices of the rows that sample)."""
         bs, dev = self.bs, self.device
         counts, ctx = out.num_scheduled_tokens, out.context_lens
-        sampling = [i for i, (seq, c) in enumerate(zip(rows, ctx)) if c == seq.num_tokens]
+        sampling = [i for i, rid in enumerate(out.scheduled) if rid not in out.partial]
         if all(n == 1 for n in counts) and len(sampling) == len(rows):  # decode: one token each, all sample
             return (*self._prepare_decode(rows, ctx), None, sampling)
         ids, slots = [], []
