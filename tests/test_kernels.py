@@ -71,3 +71,21 @@ def test_linear_paths_agree(rows, bias, transposed):
     assert torch.allclose(lin(x), want, atol=1e-4, rtol=1e-4)
     lin.packed = None  # the plain path
     assert torch.allclose(lin(x), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A build killed midway leaves torch's lock file; later starts would wait on it forever."""
+    import os
+    import time
+
+    from servewise import kernels
+
+    monkeypatch.setattr(kernels, "_build_dir", lambda: str(tmp_path))
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    kernels._clear_stale_lock()
+    assert lock.exists()  # a build may be running now
+    old = time.time() - kernels.STALE_BUILD_LOCK_S - 60
+    os.utime(lock, (old, old))
+    kernels._clear_stale_lock()
+    assert not lock.exists()

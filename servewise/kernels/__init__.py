@@ -7,9 +7,11 @@ import hashlib
 import os
 import sys
 import threading
+import time
 
 _lock = threading.Lock()
 _state: dict = {}
+STALE_BUILD_LOCK_S = 300  # a build takes about a minute; an older lock was left by a killed build
 
 
 def _cpu_flags_line() -> str:
@@ -46,6 +48,7 @@ def paged_attention_ext():
         try:
             from torch.utils.cpp_extension import load
 
+            _clear_stale_lock()
             if not _built_before():
                 print("servewise: building the paged-attention CPU kernel (first use on this machine; "
                       "about a minute)", file=sys.stderr, flush=True)
@@ -57,14 +60,30 @@ def paged_attention_ext():
         return _state["ext"]
 
 
-def _built_before() -> bool:
+def _build_dir() -> str | None:
     from torch.utils.cpp_extension import _get_build_directory
 
     try:
-        d = _get_build_directory(f"servewise_paged_attention_{_cpu_tag()}", verbose=False)
+        return _get_build_directory(f"servewise_paged_attention_{_cpu_tag()}", verbose=False)
     except Exception:
-        return False
-    return any(f.endswith(".so") for f in os.listdir(d)) if os.path.isdir(d) else False
+        return None
+
+
+def _built_before() -> bool:
+    d = _build_dir()
+    return any(f.endswith(".so") for f in os.listdir(d)) if d and os.path.isdir(d) else False
+
+
+def _clear_stale_lock() -> None:
+    """A build killed midway leaves its lock file, and every later start would wait on it forever."""
+    d = _build_dir()
+    lock = os.path.join(d, "lock") if d else None
+    try:
+        if lock and time.time() - os.path.getmtime(lock) > STALE_BUILD_LOCK_S:
+            os.remove(lock)
+            print(f"servewise: removed a stale kernel build lock ({lock})", file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def status() -> str:

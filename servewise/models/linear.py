@@ -1,18 +1,20 @@
 """Linear layers on weights prepacked for oneDNN, where that pays.
 
 On CPU, `F.linear` re-lays out the weight on every call. oneDNN can reorder a weight once into its
-blocked format (what PyTorch's inductor does when it freezes a model); measured here on 2 threads
-(AVX2), fp32, GFLOP/s of `F.linear` -> prepacked:
+blocked format (what PyTorch's inductor does when it freezes a model); measured on 2 threads, fp32,
+GFLOP/s of `F.linear` -> prepacked, on the two CPU kinds of the development machines:
 
-    rows x in x out          plain  packed
-    16 x 1024 x 2816            54     110
-    64 x 1024 x 32000           71     119
-    200 x 256 x 32000          100     143
-    8192 x 1024 x 2816         139     126
+    rows x in x out          AVX2 only        AVX-512
+    16 x 1024 x 2816          54 -> 110
+    64 x 1024 x 32000         71 -> 119       117 -> 365
+    200 x 256 x 32000        100 -> 143
+    200 x 1024 x 5632                         170 -> 419
+    8192 x 1024 x 2816       139 -> 126       198 -> 414 (8192 x 2816 x 1024)
 
-Packed weights win up to about a thousand rows (decode steps, small prefills) and lose on large
-prefills, so `Linear` keeps both and picks by the number of rows; the packed copy costs the weight's
-memory once more. `SERVEWISE_LINEAR=plain` turns packing off.
+With AVX2 alone packed weights win up to about a thousand rows (decode steps, small prefills) and
+lose on large prefills; with AVX-512 they win at every size. `Linear` keeps both and picks by the
+number of rows (PACKED_MAX_ROWS: no limit with AVX-512, 1,024 rows otherwise); the packed copy costs
+the weight's memory once more. `SERVEWISE_LINEAR=plain` turns packing off.
 """
 from __future__ import annotations
 
@@ -24,7 +26,13 @@ import torch.nn.functional as F
 
 log = logging.getLogger("servewise")
 
-PACKED_MAX_ROWS = 1024
+def _packed_max_rows() -> int:
+    from servewise.kernels import cpu_flags
+
+    return 1 << 62 if "avx512f" in cpu_flags().split() else 1024
+
+
+PACKED_MAX_ROWS = _packed_max_rows()
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -61,5 +69,6 @@ class Linear:
 def describe(linears: list[Linear]) -> str:
     packed = sum(lin.packed is not None for lin in linears)
     if packed:
-        return f"linear layers: {packed}/{len(linears)} on prepacked oneDNN weights up to {PACKED_MAX_ROWS} rows, F.linear above"
+        limit = "at any row count" if PACKED_MAX_ROWS >= 1 << 62 else f"up to {PACKED_MAX_ROWS} rows, F.linear above"
+        return f"linear layers: {packed}/{len(linears)} on prepacked oneDNN weights {limit}"
     return "linear layers: F.linear (no prepacked weights)"
