@@ -64,16 +64,19 @@ class Request:
         return self.status in (Status.FINISHED, Status.ABORTED)
 
     def append_token(self, token: int, now: float, logprobs=None) -> None:
-        self.output_token_ids.append(token)
+        """Record a sampled token; set finish_reason when it ends the request. (Called for every token
+        of every request, in the simulator millions of times: max_tokens is spelled out here.)"""
+        out = self.output_token_ids
+        out.append(token)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)
         p = self.params
-        if not p.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id:
+        if not p.ignore_eos and token == self.eos_token_id:
             self.finish_reason = "stop"
-        elif token in p.stop_token_ids:
+        elif p.stop_token_ids and token in p.stop_token_ids:
             self.finish_reason = "stop"
-        elif len(self.output_token_ids) >= self.max_tokens:
+        elif len(out) >= p.max_tokens or len(out) >= self.max_total_tokens - len(self.prompt_token_ids):
             self.finish_reason = "length"
