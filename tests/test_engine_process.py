@@ -95,3 +95,14 @@ def test_an_engine_out_of_restarts_stays_down_and_answers_503():
         assert health.status_code == 503 and "not restarted" in health.json()["error"]["message"]
         r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503
+
+
+def test_an_engine_that_cannot_be_built_is_a_clear_value_error():
+    import pytest
+
+    from servewise.server.run import make_app
+
+    with pytest.raises(ValueError, match="unknown model"):
+        make_app("/nonexistent/model", {})
+    with pytest.raises(ValueError, match="num_device_blocks must be >= 1"):
+        make_app("tiny-llama", {"num_device_blocks": 0})

@@ -31,7 +31,6 @@ class TorchRunner:
                                       pin_memory=self.device.type == "cuda")
         flat = self.device_cache.view(mc.num_layers, 2, num_device_blocks * block_size, *per_block[1:])
         self.kv_caches = list(flat.unbind(0))
-        self._offsets = torch.arange(block_size, device=self.device)
         self.attn_kernel = kernels.paged_attention_ext() if self.device.type == "cpu" else None
         self.paths = "; ".join((describe_linears(model.linears()) if hasattr(model, "linears") else "linear layers: F.linear",
                                 kernels.status() if self.device.type == "cpu" else "decode attention: PyTorch gather + SDPA"))
@@ -162,10 +161,6 @@ class SeqState:
         self.prompt_token_ids, self.output_token_ids, self.params = prompt, output, params
         self.block_ids = block_ids or []
         self.generator = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         p = self.prompt_token_ids

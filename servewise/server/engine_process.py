@@ -20,6 +20,7 @@ import threading
 from servewise.server.client import EngineLoop, StreamingClient, apply_commands
 
 STARTUP_TIMEOUT_S = 900  # a large model, a first kernel build or a first-use profile take minutes
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError)
 
 
 def _engine_main(engine_kwargs: dict, threads: int, log_level: int, cmds, outs) -> None:
@@ -29,11 +30,13 @@ def _engine_main(engine_kwargs: dict, threads: int, log_level: int, cmds, outs) 
     from servewise.builder import build_engine
 
     torch.set_num_threads(threads)
-    logging.basicConfig(level=log_level, format="%(message)s", stream=sys.stderr)
+    logging.basicConfig(format="%(message)s", stream=sys.stderr)
+    logging.getLogger("servewise").setLevel(log_level)
     try:
         engine = build_engine(**engine_kwargs)
-    except Exception as e:
-        outs.send(("failed", f"{type(e).__name__}: {e}"))
+    except Exception as e:  # bad settings (ValueError and kin) are the user's to fix; the rest is a failure
+        outs.send(("failed", str(e) if isinstance(e, USER_ERRORS) else f"{type(e).__name__}: {e}",
+                   isinstance(e, USER_ERRORS)))
         return
     loop = EngineLoop(engine)
     outs.send(("ready", engine.tokenizer, engine.limits, engine.stats()))
@@ -107,6 +110,8 @@ class ProcessEngineClient(StreamingClient):
             raise RuntimeError(f"the engine process exited while starting (exit code {proc.exitcode})") from None
         if msg[0] == "failed":
             proc.join(5)
+            if len(msg) > 2 and msg[2]:
+                raise ValueError(msg[1])  # as an in-process build would: the command line says "error: ..."
             raise RuntimeError(f"the engine could not be built: {msg[1]}")
         _, tokenizer, limits, self._first_stats = msg
         self._proc, self._cmds, self._outs = proc, cmd_w, out_r
