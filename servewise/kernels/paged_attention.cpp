@@ -3,8 +3,12 @@
 //
 // q: [B, H, D]; k_cache, v_cache: [num_blocks * block_size, KVH, D] (one layer's flat pool, any
 // row stride); block_tables: [B, max_blocks] int64; context_lens: [B] int64. Returns [B, H, D].
-// Work items are (request, kv head) pairs, so the H / KVH query heads of a group share every key
-// and value row they read. Scores, softmax and the weighted sum of values accumulate in float.
+// A work item is one request: each token's keys (and values) of all KV heads are one contiguous row,
+// read once, and the H / KVH query heads of a group share it. (Items of (request, KV head) pairs read
+// every row in halves, twice: at 256 requests of 257-320 tokens, 2 threads, AVX-512, per request
+// took 5.9-6.1 ms in four of five runs against 7.2-8.6 ms, with bit-identical outputs; the kernel
+// streams the KV cache from memory there.) Scores, softmax and the weighted sum of values
+// accumulate in float.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -28,26 +32,29 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, h = item % KVH, n = lens[b];
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), scores;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = lens[b];
       const int64_t* table = bt + b * max_blocks;
-      const T* qb = qp + (b * H + h * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qb[i]) * fscale;
-      scores.resize(G * n);
-      for (int64_t t = 0; t < n; ++t) {
-        const T* k = kp + (table[t / block_size] * block_size + t % block_size) * k_row + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = &qf[g * D];
-          float s = 0.f;
+      const T* qb = qp + b * H * D;
+      for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(qb[i]) * fscale;
+      scores.resize(H * n);
+      for (int64_t t = 0; t < n; ++t) {  // a token's keys of all heads are one contiguous row
+        const T* krow = kp + (table[t / block_size] * block_size + t % block_size) * k_row;
+        for (int64_t h = 0; h < KVH; ++h) {
+          const T* k = krow + h * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = &qf[(h * G + g) * D];
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(k[d]);
-          scores[g * n + t] = s;
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(k[d]);
+            scores[(h * G + g) * n + t] = s;
+          }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = &scores[g * n];
+      for (int64_t hq = 0; hq < H; ++hq) {
+        float* s = &scores[hq * n];
         float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
         for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
         for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - m));
@@ -56,16 +63,19 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
-        const T* v = vp + (table[t / block_size] * block_size + t % block_size) * v_row + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + t];
-          float* a = &acc[g * D];
+        const T* vrow = vp + (table[t / block_size] * block_size + t % block_size) * v_row;
+        for (int64_t h = 0; h < KVH; ++h) {
+          const T* v = vrow + h * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[(h * G + g) * n + t];
+            float* a = &acc[(h * G + g) * D];
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+            for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+          }
         }
       }
-      T* ob = op + (b * H + h * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) ob[i] = static_cast<T>(acc[i]);
+      T* ob = op + b * H * D;
+      for (int64_t i = 0; i < H * D; ++i) ob[i] = static_cast<T>(acc[i]);
     }
   });
 }
