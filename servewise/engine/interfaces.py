@@ -164,6 +164,7 @@ class EngineStats:
     device_blocks: PoolStats
     host_blocks: PoolStats
     preemptions: dict[str, int]
+    queued_tokens: int = 0  # prompt (and recompute) tokens still to prefill, of waiting and running requests
 
 
 @dataclass(slots=True)

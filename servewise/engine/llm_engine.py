@@ -101,9 +101,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+        queued += sum(n - 1 for r in s.running if (n := r.num_tokens - r.num_computed_tokens) > 1)
         return EngineStats(len(s.running), len(s.waiting), len(s.swapped),
                            PoolStats(bm.num_device_blocks, bm.num_free_device),
-                           PoolStats(bm.num_host_blocks, bm.num_free_host), dict(s.preemption_counts))
+                           PoolStats(bm.num_host_blocks, bm.num_free_host), dict(s.preemption_counts), queued)
 
     # --- the loop ----------------------------------------------------------------------------
     def step(self) -> StepStats:

@@ -1,0 +1,1 @@
+"""The cluster layer: several engine instances and the routers that spread requests over them."""
