@@ -8,8 +8,8 @@ import sys
 
 
 def _config_fields():
-    """(field, its dataclass) for every engine option, from the config dataclasses: one place for
-    names, types, defaults, choices and help."""
+    """Every engine option's dataclass field, from the config dataclasses: one place for names,
+    types, defaults, choices and help."""
     from dataclasses import fields
 
     from servewise.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -17,18 +17,16 @@ def _config_fields():
     for cls in (EngineConfig, CacheConfig, SchedulerConfig):
         for f in fields(cls):
             if "help" in f.metadata:
-                yield f, cls
+                yield f
 
 
 def _engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
 
     registries = {"policy": tuple(ORDERING_POLICIES), "preemption": tuple(PREEMPTION_POLICIES)}
-    names = [f.name for f, _ in _config_fields() if f.name not in skip]
-    p.set_defaults(engine_options=[n for n in names if n != "model"])
-    for f, _ in _config_fields():
-        if f.name in skip:
-            continue
+    options = [f for f in _config_fields() if f.name not in skip]
+    p.set_defaults(engine_options=[f.name for f in options if f.name != "model"])
+    for f in options:
         flag, kind = "--" + f.name.replace("_", "-"), str(f.type).split(" |")[0]
         if kind == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])

@@ -15,7 +15,7 @@ def test_every_engine_option_is_a_flag_with_its_choices(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     text = capsys.readouterr().out
-    for f, _ in _config_fields():
+    for f in _config_fields():
         assert "--" + f.name.replace("_", "-") in text
     assert "{fcfs,fair}" in text and "{recompute,swap,adaptive}" in text
     with pytest.raises(SystemExit):

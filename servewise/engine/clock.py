@@ -10,16 +10,13 @@ import time
 
 
 class WallClock:
-    """Seconds since the engine started; `advance` is a no-op because real work takes real time."""
+    """Seconds since the engine started; it moves by itself, as real work takes real time."""
 
     def __init__(self) -> None:
         self._t0 = time.perf_counter()
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
-
-    def advance(self, seconds: float) -> None:
-        pass
 
     def end_of(self, start: float, elapsed: float) -> float:
         return self.now()  # real work took real time, and the bookkeeping around it too
@@ -30,16 +27,13 @@ class WallClock:
 
 
 class VirtualClock:
-    """Simulated time: moves only when told how long a step took."""
+    """Simulated time: moves only when told to (wait_until the end of a step, or of an idle gap)."""
 
     def __init__(self) -> None:
         self._t = 0.0
 
     def now(self) -> float:
         return self._t
-
-    def advance(self, seconds: float) -> None:
-        self._t += seconds
 
     def end_of(self, start: float, elapsed: float) -> float:
         return start + elapsed

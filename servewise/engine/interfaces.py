@@ -87,10 +87,6 @@ class SchedulerOutput:
     preempted: list[tuple[str, Preemption]] = field(default_factory=list)  # SWAP or RECOMPUTE
     partial: set[str] = field(default_factory=set)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
     def moved_blocks(self, dst: Pool) -> int:
         return sum(len(m.pairs) for m in self.kv_moves if m.dst == dst)
 

@@ -1,4 +1,4 @@
-"""The step loop: schedule -> copy blocks -> run -> postprocess.
+"""The step loop: schedule -> move blocks -> run -> postprocess.
 
 The engine is handed its parts (servewise.builder assembles them): it imports no runner, model,
 predictor or policy, and a step reports what it did (interfaces.StepStats) instead of being observed
