@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from servewise.config import EngineConfig, ModelConfig
-from servewise.engine.block_manager import BlockManager
+from servewise.engine.block_manager import BlockManager, blocks_for
 from servewise.engine.interfaces import EngineStats, Pool, PoolStats, Runner, StepStats
 from servewise.engine.request import Request
 from servewise.engine.scheduler import Scheduler
@@ -39,7 +39,7 @@ class RequestLimits:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's maximum length is {self.max_model_len} "
                              f"(prompt plus at least one output token)")
         max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
-        need = -(-(len(ids) + max_tokens) // self.block_size)
+        need = blocks_for(len(ids) + max_tokens, self.block_size)
         if need > self.usable_blocks:
             raise ValueError(f"request needs {need} KV blocks ({len(ids)} prompt + {max_tokens} output tokens, "
                              f"block size {self.block_size}) but the device pool has only {self.usable_blocks} "
