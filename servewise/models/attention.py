@@ -56,6 +56,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     return _decode(q, cache, meta)
 
 
+def decode_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype) -> torch.Tensor:
+    """The PyTorch decode path's additive mask over the gathered blocks: [B, 1, 1, max_blocks *
+    block_size], 0 up to each row's context length, -inf beyond."""
+    B, L = block_tables.shape[0], block_tables.shape[1] * block_size
+    visible = torch.arange(L, device=block_tables.device).unsqueeze(0) < context_lens.unsqueeze(1)
+    mask = torch.zeros(B, 1, 1, L, dtype=dtype, device=block_tables.device)
+    return mask.masked_fill_(~visible.view(B, 1, 1, L), float("-inf"))
+
+
 def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """One new token per row over its cached context (the new token's KV is already written)."""
     T, H, D = q.shape
@@ -93,9 +102,7 @@ def _continued(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) ->
         bt = meta.block_tables.index_select(0, rows)
         sub = AttentionMetadata(False, tok, ctx.tolist(), bs, bt, None, ctx, meta.kernel)
         if meta.kernel is None:
-            L = bt.shape[1] * bs
-            sub.mask = torch.zeros(len(single), 1, 1, L, dtype=q.dtype, device=q.device)
-            sub.mask.masked_fill_(~(torch.arange(L, device=q.device) < ctx.unsqueeze(1)).view(-1, 1, 1, L), float("-inf"))
+            sub.mask = decode_mask(bt, ctx, bs, q.dtype)
         out[tok] = _decode(q[tok], cache, sub)
     done = set(single)
     for i, (n, p) in enumerate(zip(meta.seq_lens, meta.prior_lens)):

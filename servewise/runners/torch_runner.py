@@ -9,7 +9,7 @@ import torch
 from servewise import kernels
 from servewise.config import ModelConfig
 from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, StepResult
-from servewise.models.attention import AttentionMetadata
+from servewise.models.attention import AttentionMetadata, decode_mask
 from servewise.models.linear import describe as describe_linears
 from servewise.runners.sampler import sample
 
@@ -139,12 +139,7 @@ class TorchRunner:
         ctx_t = torch.tensor(ctx, device=dev)
         pos = ctx_t - 1
         slot = bt[torch.arange(B, device=dev), pos // bs] * bs + pos % bs
-        mask = None
-        if self.attn_kernel is None:
-            L = bt.shape[1] * bs
-            visible = torch.arange(L, device=dev).unsqueeze(0) < ctx_t.unsqueeze(1)
-            mask = torch.zeros(B, 1, 1, L, dtype=self.device_cache.dtype, device=dev)
-            mask.masked_fill_(~visible.view(B, 1, 1, L), float("-inf"))
+        mask = None if self.attn_kernel is not None else decode_mask(bt, ctx_t, bs, self.device_cache.dtype)
         meta = AttentionMetadata(False, slot, ctx, bs, bt, mask, ctx_t, self.attn_kernel)
         ids = torch.tensor([s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in rows],
                            device=dev)
