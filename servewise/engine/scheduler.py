@@ -175,6 +175,19 @@ class Scheduler:
             return float("-inf")
         return sum(self.ordering.priority(r, now) for r in group) / len(group)
 
+    def _admit(self, now: float) -> bool:
+        """Take the first waiting request off the queue with blocks for all its tokens, if they fit
+        (keeping the admission watermark); the caller puts it in the running queue."""
+        req = self.waiting[0]
+        if not self.bm.can_allocate(req.num_tokens):
+            return False
+        self.bm.allocate(req.request_id, req.num_tokens)
+        self.waiting.pop(0)
+        req.status = Status.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        return True
+
     def _schedule_prefill(self, now: float, limit: int | None = None) -> SchedulerOutput:
         self._sorted(self.waiting, now)
         batch: list[Request] = []
@@ -186,13 +199,8 @@ class Scheduler:
             # the first prefill of a step may exceed the token budget, so long prompts still run
             if batch and tokens + n > self.config.max_num_batched_tokens:
                 break
-            if not self.bm.can_allocate(n):
+            if not self._admit(now):
                 break
-            self.bm.allocate(req.request_id, n)
-            self.waiting.pop(0)
-            req.status = Status.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
             batch.append(req)
             tokens += n
         for req in batch:
@@ -270,13 +278,8 @@ class Scheduler:
             self._sorted(self.waiting, now)
             while self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                if not self.bm.can_allocate(req.num_tokens):
+                if not self._admit(now):
                     break
-                self.bm.allocate(req.request_id, req.num_tokens)
-                self.waiting.pop(0)
-                req.status = Status.RUNNING
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
                 self._enqueue(running, req, now)
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 batch.append(req)
