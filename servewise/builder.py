@@ -76,9 +76,10 @@ def build_engine(config: EngineConfig | None = None, clock=None, **kwargs) -> LL
 
 def build_sim_engine(model: str = "tiny-llama", hardware: str = PROFILE, predictors=None,
                      efficiency: dict | None = None, perf: CostModel | None = None, clock=None,
-                     owns_clock: bool = True, **engine_kw) -> LLMEngine:
+                     owns_clock: bool = True, tp: int = 1, perf_table=None, **engine_kw) -> LLMEngine:
     """An engine whose runner is simulated on a virtual clock: `perf` given, or made for `hardware`
-    (PROFILE: this machine from fitted predictors; else a roofline GPU by name). Without an explicit
+    (PROFILE: this machine from fitted predictors; with `perf_table`, Splitwise's measured GPU runs;
+    else a roofline GPU by name), over `tp` GPUs with tensor parallelism. Without an explicit
     device pool, roofline GPUs get the blocks that fit beside the weights. Several engines may share
     one `clock` (owns_clock=False; workloads.driver.run_engines moves it)."""
     from servewise.models.loader import load_model_config
@@ -90,7 +91,7 @@ def build_sim_engine(model: str = "tiny-llama", hardware: str = PROFILE, predict
     _limit_length(config, mc)
     cc = config.cache
     if perf is None:
-        perf = make_perf(hardware, mc, cc.block_size, predictors, efficiency)
+        perf = make_perf(hardware, mc, cc.block_size, predictors, efficiency, tp, perf_table, model)
     if cc.num_device_blocks is None and hasattr(perf, "device_blocks"):
         cc.num_device_blocks = perf.device_blocks()
     runner = SimRunner(perf, cc.resolve(mc.kv_bytes_per_token * cc.block_size))

@@ -92,7 +92,7 @@ class EngineConfig:
 class ModelConfig:
     """The architecture facts the engine needs, read from a Hugging Face config.json."""
 
-    arch: str  # "llama" | "opt"
+    arch: str  # "llama" | "opt" | "bloom" (configuration only)
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -150,6 +150,15 @@ class ModelConfig:
                 do_layer_norm_before=hf.get("do_layer_norm_before", True),
                 word_embed_proj_dim=hf.get("word_embed_proj_dim") or hf["hidden_size"],
                 remove_final_layer_norm=hf.get("_remove_final_layer_norm", False),
+            )
+        if mt == "bloom":  # configuration only (simulation): no BLOOM model class here
+            hidden, heads = hf.get("hidden_size") or hf["n_embed"], hf.get("n_head") or hf["num_attention_heads"]
+            return cls(
+                arch="bloom", vocab_size=hf["vocab_size"], hidden_size=hidden,
+                num_layers=hf.get("n_layer") or hf["num_hidden_layers"], num_heads=heads, num_kv_heads=heads,
+                head_dim=hidden // heads, intermediate_size=4 * hidden, max_model_len=hf["max_position_embeddings"],
+                norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_word_embeddings=True,
+                bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, dtype=dtype or _dtype(hf),
             )
         raise NotImplementedError(f"model_type {mt!r} is not supported (supported: llama, mistral, opt)")
 

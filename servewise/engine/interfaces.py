@@ -161,6 +161,7 @@ class EngineStats:
     host_blocks: PoolStats
     preemptions: dict[str, int]
     queued_tokens: int = 0  # prompt (and recompute) tokens still to prefill, of waiting and running requests
+    incoming: int = 0  # requests handed to this engine whose KV has not arrived yet (cluster hand-off)
 
 
 @dataclass(slots=True)
@@ -179,6 +180,7 @@ class StepStats:
     finished: list[str] = field(default_factory=list)
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    handed_off: list[str] = field(default_factory=list)  # prefilled requests that leave for another instance
     execute_s: float = 0.0  # the batch's runner time (elapsed less block copies)
     schedule_s: float = 0.0  # wall time of the scheduling decision
     num_running: int = 0  # the running queue's length once scheduled

@@ -97,15 +97,42 @@ class LLMEngine:
         return req is not None
 
     def has_unfinished(self) -> bool:
+        """Work a step can do now (requests whose KV is still on its way wait for kv_arrived)."""
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
-        queued += sum(n - 1 for r in s.running if (n := r.num_tokens - r.num_computed_tokens) > 1)
+        queued = s.queued_tokens
+        if self.config.scheduler.chunked_prefill:  # prompts partly prefilled
+            queued += sum(n - 1 for r in s.running if (n := r.num_tokens - r.num_computed_tokens) > 1)
         return EngineStats(len(s.running), len(s.waiting), len(s.swapped),
                            PoolStats(bm.num_device_blocks, bm.num_free_device),
-                           PoolStats(bm.num_host_blocks, bm.num_free_host), dict(s.preemption_counts), queued)
+                           PoolStats(bm.num_host_blocks, bm.num_free_host), dict(s.preemption_counts), queued,
+                           len(s.incoming) + len(s.receiving))
+
+    # --- cluster hand-off (see scheduler): prefill here, decode elsewhere, or the other way round ----
+    def release(self, request_id: str) -> None:
+        """The KV of a request this engine handed off has been sent: free its blocks."""
+        self.scheduler.release(request_id)
+
+    def receive(self, req: Request) -> None:
+        """Take a request prefilled on another instance (its prompt and first token); it decodes here
+        once blocks are reserved for it (reserve_incoming) and its KV has arrived (kv_arrived)."""
+        if req.num_computed_tokens != req.num_prompt_tokens or len(req.output_token_ids) != 1:
+            raise ValueError(f"request {req.request_id!r} is not freshly prefilled: {req.num_computed_tokens} of "
+                             f"{req.num_prompt_tokens} prompt tokens computed, {len(req.output_token_ids)} output")
+        self.limits.check(req.prompt_token_ids, req.params)
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.scheduler.receive(req)
+
+    def reserve_incoming(self) -> list[str]:
+        """Reserve blocks for received requests while they fit; returns their ids (their KV may come)."""
+        return [r.request_id for r in self.scheduler.reserve_incoming()]
+
+    def kv_arrived(self, request_id: str) -> None:
+        self.scheduler.kv_arrived(request_id, self.clock.now())
 
     # --- the loop ----------------------------------------------------------------------------
     def step(self) -> StepStats:
@@ -133,6 +160,10 @@ class LLMEngine:
             for r in finished:
                 self.requests.pop(r.request_id, None)
             stats.finished = [r.request_id for r in finished]
+            if self.scheduler.handed_off:
+                stats.handed_off = [r.request_id for r in self.scheduler.handed_off]
+                for rid in stats.handed_off:
+                    self.requests.pop(rid, None)
         else:
             if not out.kv_moves and self.has_unfinished():
                 raise RuntimeError("the scheduler made no progress; this is a bug, please report it")

@@ -14,6 +14,10 @@ class Status(enum.Enum):
     SWAPPED = "swapped"
     FINISHED = "finished"
     ABORTED = "aborted"
+    # cluster hand-off (prefill on one instance, decode on another)
+    HANDED_OFF = "handed_off"  # on the prompt instance: prefilled, its blocks held until the transfer ends
+    INCOMING = "incoming"  # on the token instance: waiting for blocks to receive its KV into
+    RECEIVING = "receiving"  # on the token instance: blocks reserved, its KV on the way
 
 
 @dataclass(eq=False, slots=True)
@@ -41,6 +45,7 @@ class Request:
     output_logprobs: list = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the request's blocks
     in_runner: bool = False  # the runner holds this request's state (sent once as NewRequestData)
+    handoff: bool = False  # leave the engine after the prefill (a cluster's prompt instance), KV kept
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,6 +7,11 @@ ordering with `group_admission` (AdaptiveLLM's Algorithm 2), the scheduler first
 running batch's next tokens, then builds the group of swapped requests that fit and the group of
 waiting requests that fit, and admits the group with the higher mean priority, never both.
 
+In a cluster, a request may be prefilled here and decoded elsewhere: flagged `handoff`, it leaves
+the running queue once prefilled and its blocks stay held until `release`. The receiving side
+queues it (`receive`), reserves blocks for it when they fit (`reserve_incoming`), and decodes it
+once its KV has arrived (`kv_arrived`).
+
 The output (interfaces.SchedulerOutput) is plain data keyed by request id: a request the runner
 does not hold goes out whole once (NewRequestData), then as per-step diffs (new blocks, computed
 tokens). Requests carry num_computed_tokens, the tokens whose KV is in their blocks. The live
@@ -50,6 +55,12 @@ class Scheduler:
         self._forget: list[str] = []  # requests the runner holds that ended since the last step
         self._known_blocks: dict[str, int] = {}  # blocks of each request's table the runner has (-1: a new table)
         self._changed: dict[str, Request] = {}  # requests whose table changed since the runner last saw it
+        self.queued_tokens = 0  # tokens still to prefill of the waiting requests
+        self.held: dict[str, Request] = {}  # handed off: blocks kept until released
+        self.incoming: list[Request] = []  # handed to us: waiting for blocks
+        self.receiving: dict[str, Request] = {}  # handed to us: blocks reserved, KV on the way
+        self.handed_off: list[Request] = []  # by the last postprocess
+        self._arrived: list[Request] = []  # received requests the runner has not seen yet
 
     def _enqueue(self, queue: list[Request], req: Request, now: float) -> None:
         """Append, or insert in order when the ordering is static (those queues are kept sorted)."""
@@ -64,17 +75,52 @@ class Scheduler:
 
     def add(self, req: Request, now: float = 0.0) -> None:
         req.status = Status.WAITING
+        self.queued_tokens += req.num_tokens - req.num_computed_tokens
         self._enqueue(self.waiting, req, now)
+
+    # --- cluster hand-off --------------------------------------------------------------------
+    def release(self, request_id: str) -> Request:
+        """Free the blocks of a request handed off to another instance (its KV has been sent)."""
+        req = self.held.pop(request_id)
+        self.bm.free(request_id)
+        return req
+
+    def receive(self, req: Request) -> None:
+        """Queue a request prefilled elsewhere: it needs blocks for its tokens before its KV can come."""
+        req.status = Status.INCOMING
+        req.in_runner = False
+        self.incoming.append(req)
+
+    def reserve_incoming(self) -> list[Request]:
+        """Reserve blocks for incoming requests in arrival order while they fit; returns those."""
+        done = []
+        while self.incoming and self.bm.can_allocate(self.incoming[0].num_tokens):
+            req = self.incoming.pop(0)
+            self.bm.allocate(req.request_id, req.num_tokens)
+            req.status = Status.RECEIVING
+            self.receiving[req.request_id] = req
+            done.append(req)
+        return done
+
+    def kv_arrived(self, request_id: str, now: float) -> None:
+        """The KV of a reserved request is in its blocks: it decodes from the next step on."""
+        req = self.receiving.pop(request_id)
+        req.status = Status.RUNNING
+        self._arrived.append(req)
+        self._enqueue(self.running, req, now)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
     def abort(self, request_id: str, now: float, reason: str = "abort") -> Request | None:
-        for queue in (self.waiting, self.running, self.swapped):
+        for queue in (self.waiting, self.running, self.swapped, self.incoming):
             for i, req in enumerate(queue):
                 if req.request_id == request_id:
                     del queue[i]
-                    self.bm.free(request_id)
+                    if queue is self.waiting:
+                        self.queued_tokens -= req.num_tokens - req.num_computed_tokens
+                    if queue is not self.incoming:
+                        self.bm.free(request_id)
                     req.status, req.finish_reason, req.finish_time = Status.ABORTED, reason, now
                     self._drop_from_runner(req)
                     return req
@@ -115,7 +161,7 @@ class Scheduler:
         out.scheduled = [r.request_id for r in batch]
         out.num_scheduled_tokens = counts
         out.context_lens = [r.num_computed_tokens + n for r, n in zip(batch, counts)]
-        for req in batch if fresh else ():
+        for req in batch if fresh else [r for r in self._arrived if r.status is Status.RUNNING]:
             if not req.in_runner:
                 table = tables[req.request_id]
                 out.new_requests.append(NewRequestData(req.request_id, list(req.prompt_token_ids),
@@ -124,6 +170,8 @@ class Scheduler:
                 req.in_runner = True
                 known[req.request_id] = len(table)
                 self._changed.pop(req.request_id, None)
+        if self._arrived:
+            self._arrived = [r for r in self._arrived if not r.in_runner]
         if self._changed:  # usually a few: the requests that crossed a block boundary or came back
             # a decode batch is the whole running queue; other batches are checked by id
             ids = set(out.scheduled) if fresh else None
@@ -183,6 +231,7 @@ class Scheduler:
             return False
         self.bm.allocate(req.request_id, req.num_tokens)
         self.waiting.pop(0)
+        self.queued_tokens -= req.num_tokens - req.num_computed_tokens
         req.status = Status.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
@@ -304,6 +353,7 @@ class Scheduler:
             self.bm.free(req.request_id)
             req.status = Status.WAITING
             req.num_computed_tokens = 0  # the runner keeps its copy (tokens, seeded generator); KV is gone
+            self.queued_tokens += req.num_tokens
             if req.in_runner:
                 self._known_blocks[req.request_id] = -1  # it gets a new table when admitted again
                 self._changed[req.request_id] = req
@@ -338,6 +388,7 @@ class Scheduler:
         if len(tokens) != len(self._batch):
             raise RuntimeError(f"{len(tokens)} results for {len(self._batch)} scheduled rows")
         finished = []
+        self.handed_off = handed = []
         for req, tok, n, lp in zip(self._batch, tokens, out.num_scheduled_tokens, logprobs or repeat(None)):
             req.num_computed_tokens += n
             if tok is None:
@@ -348,7 +399,12 @@ class Scheduler:
                 self.bm.free(req.request_id)
                 self._drop_from_runner(req)
                 finished.append(req)
-        if finished:
-            done = set(map(id, finished))
+            elif req.handoff:  # prefilled: its KV leaves for another instance; the blocks stay until released
+                req.status, req.handoff = Status.HANDED_OFF, False
+                self.held[req.request_id] = req
+                self._drop_from_runner(req)
+                handed.append(req)
+        if finished or handed:
+            done = set(map(id, finished + handed))
             self.running = [r for r in self.running if id(r) not in done]
         return finished

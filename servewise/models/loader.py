@@ -54,6 +54,12 @@ CONFIG_ONLY_MODELS: dict[str, dict] = {
     "llama-30b": _llama(6656, 60, 52, 17920),  # "Llama-32.5B" in AdaptiveLLM
     "llama-2-13b": _llama(5120, 40, 40, 13824, max_len=4096),
     "llama-2-70b": _llama(8192, 80, 64, 28672, kv_heads=8, max_len=4096),
+    # BLOOM positions are ALiBi biases, with no learned table: its config's seq_length (2048) is the
+    # training length, not a limit. Splitwise measured it on prompts up to 8192 tokens; 16384 admits
+    # every request of the Azure traces (longest prompt 14,050 tokens).
+    "bloom-176b": {"model_type": "bloom", "n_embed": 14336, "n_layer": 70, "n_head": 112, "vocab_size": 250880,
+                   "max_position_embeddings": 16384, "layer_norm_epsilon": 1e-5, "bos_token_id": 1,
+                   "eos_token_id": 2, "torch_dtype": "bfloat16"},
 }
 ARCHS = {"llama": (llama.LlamaForCausalLM, llama.hf_weight_shapes), "opt": (opt.OPTForCausalLM, opt.hf_weight_shapes)}
 
@@ -103,6 +109,8 @@ def load_model(model: str, load_format: str = "auto", dtype: str | None = "float
     if model in CONFIG_ONLY_MODELS and load_format != "dummy":
         raise ValueError(f"{model!r} is a configuration without weights (for simulation); "
                          f"use load_format='dummy' to build it with random weights")
+    if c.arch not in ARCHS:
+        raise ValueError(f"{model!r} ({c.arch}) can only be simulated: servewise has no {c.arch} model to run")
     builtin = model in BUILTIN_MODELS
     weights = random_weights(c, seed) if builtin or load_format == "dummy" else safetensors_weights(model)
     return build_model(c, weights, device), c, tok

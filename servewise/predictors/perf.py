@@ -25,17 +25,26 @@ class ProfiledPerf:
         return link.time(num_blocks * self.block_bytes)
 
 
-def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: dict | None = None):
-    """hardware 'profile': this machine, from fitted predictors (a Predictors or a path); otherwise a
-    roofline GPU by name, with `efficiency` overriding its assumed efficiencies (roofline.Efficiency)."""
+def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: dict | None = None, tp: int = 1,
+              table: str | dict | None = None, model: str | None = None):
+    """hardware 'profile': this machine, from fitted predictors (a Predictors or a path); with `table`
+    (Splitwise's measured perf_model.csv, a path), that table's runs of `model` on `hardware` with `tp`
+    GPUs (predictors.measured); otherwise a roofline GPU by name, with `efficiency` overriding its
+    assumed efficiencies (roofline.Efficiency), over `tp` GPUs."""
     if hardware == PROFILE:
         if predictors is None:
             raise ValueError("hardware 'profile' needs fitted predictors (run `servewise profile` first)")
+        if tp != 1 or table is not None:
+            raise ValueError("hardware 'profile' is this machine: no tensor parallelism, no measured GPU table")
         from servewise.predictors.fit import Predictors
 
         preds = Predictors.load(predictors) if isinstance(predictors, str) else predictors
         return ProfiledPerf(preds, mc.num_layers, mc.hidden_size, mc.kv_bytes_per_token, block_size)
+    if table is not None:
+        from servewise.predictors.measured import MeasuredPerf
+
+        return MeasuredPerf(mc, model, hardware, tp, block_size, table)
     from servewise.predictors.roofline import RooflinePerf
 
-    perf = RooflinePerf(mc, hardware, block_size)
+    perf = RooflinePerf(mc, hardware, block_size, tp=tp)
     return perf.with_efficiency(**efficiency) if efficiency else perf

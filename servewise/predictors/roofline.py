@@ -1,7 +1,10 @@
 """Analytical (roofline) performance model for GPUs nobody here can profile.
 
 A step takes max(FLOPs / (peak x compute efficiency), bytes / (HBM bandwidth x memory efficiency))
-plus a fixed per-step overhead; FLOPs and bytes come from the model's dimensions. A block copy
+plus a fixed per-step overhead; FLOPs and bytes come from the model's dimensions. With tensor
+parallelism over `tp` GPUs of one machine, FLOPs, bytes and memory split evenly over them, and every
+layer adds two all-reduces of the step's activations (after attention and after the MLP), each a
+ring over NVLink: 2 (tp - 1) / tp x bytes / NVLink bandwidth, plus a fixed latency per all-reduce. A block copy
 between GPU and host takes bytes / (link bandwidth x efficiency) plus a latency per copy call
 (vLLM-style swapping issues one copy per block, per layer, for K and for V).
 
@@ -23,16 +26,23 @@ class Hardware:
     link_gbps: float  # host <-> device, per direction, GB/s (PCIe)
     memory_gb: float
     source: str
+    nvlink_gbps: float = 0.0  # GPU <-> GPU in one machine, per direction, GB/s (0: none)
 
 
 # Peaks from the vendors' data sheets (dense FP16 tensor throughput, no sparsity).
 HARDWARE = {
-    "a100-80g": Hardware("A100-80G SXM", 312, 2039, 32, 80, "NVIDIA A100 datasheet; PCIe Gen4 x16"),
-    "a800-80g-pcie": Hardware("A800-80G PCIe", 312, 1935, 32, 80, "NVIDIA A800 PCIe product brief; PCIe Gen4 x16"),
-    "h100-80g": Hardware("H100-80G SXM", 989, 3350, 64, 80, "NVIDIA H100 datasheet; PCIe Gen5 x16"),
-    "v100-32g": Hardware("V100-32G SXM2", 125, 900, 16, 32, "NVIDIA V100 datasheet; PCIe Gen3 x16"),
+# NVLink: the data sheets' total bidirectional bandwidth per GPU, halved.
+    "a100-80g": Hardware("A100-80G SXM", 312, 2039, 32, 80, "NVIDIA A100 datasheet; PCIe Gen4 x16; NVLink 3 600 GB/s",
+                         nvlink_gbps=300),
+    "a800-80g-pcie": Hardware("A800-80G PCIe", 312, 1935, 32, 80,
+                              "NVIDIA A800 PCIe product brief; PCIe Gen4 x16; NVLink bridge 400 GB/s", nvlink_gbps=200),
+    "h100-80g": Hardware("H100-80G SXM", 989, 3350, 64, 80, "NVIDIA H100 datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s",
+                         nvlink_gbps=450),
+    "v100-32g": Hardware("V100-32G SXM2", 125, 900, 16, 32, "NVIDIA V100 datasheet; PCIe Gen3 x16; NVLink 2 300 GB/s",
+                         nvlink_gbps=150),
     "rtx3090": Hardware("GeForce RTX 3090", 71, 936, 32, 24,
-                        "NVIDIA Ampere GA102 whitepaper (FP16 tensor, FP32 accumulate); PCIe Gen4 x16"),
+                        "NVIDIA Ampere GA102 whitepaper (FP16 tensor, FP32 accumulate); PCIe Gen4 x16; "
+                        "NVLink bridge 112.5 GB/s", nvlink_gbps=56),
 }
 
 
@@ -46,13 +56,15 @@ class Efficiency:
     step_overhead_s: float = 2e-3  # scheduler, input preparation, launches (Python-driven engines)
     copy_call_s: float = 2e-6  # per cudaMemcpyAsync of one block of one layer's K or V
     copy_fixed_s: float = 50e-6
+    nvlink: float = 0.8
+    allreduce_s: float = 10e-6  # fixed latency of one all-reduce (launch and ring set-up)
 
 
 def layer_params(c: ModelConfig) -> int:
     """Weights of one transformer layer (norms and biases left out)."""
     qo = 2 * c.hidden_size * c.num_heads * c.head_dim
     kv = 2 * c.hidden_size * c.num_kv_heads * c.head_dim
-    mlp = (3 if c.arch == "llama" else 2) * c.hidden_size * c.intermediate_size
+    mlp = (3 if c.arch == "llama" else 2) * c.hidden_size * c.intermediate_size  # gated (3) or plain (2)
     return qo + kv + mlp
 
 
@@ -65,41 +77,60 @@ def get_hardware(name: str) -> Hardware:
 class RooflinePerf:
     analytical = True
 
-    def __init__(self, c: ModelConfig, hw: Hardware | str, block_size: int, eff: Efficiency | None = None):
+    def __init__(self, c: ModelConfig, hw: Hardware | str, block_size: int, eff: Efficiency | None = None,
+                 tp: int = 1):
         self.c, self.hw = c, get_hardware(hw) if isinstance(hw, str) else hw
         self.eff = eff or Efficiency()
+        if tp < 1 or (tp > 1 and not self.hw.nvlink_gbps):
+            raise ValueError(f"tensor parallel {tp} needs tp >= 1 and GPUs with NVLink ({self.hw.name} has none)"
+                             if tp > 1 else f"tensor parallel must be >= 1, got {tp}")
+        self.tp = tp
         self.itemsize = c.kv_bytes_per_token // (2 * c.num_layers * c.num_kv_heads * c.head_dim)
         self.block_size = block_size
         self.layer_params = layer_params(c)
         self.lm_head = c.vocab_size * c.hidden_size
         self.weight_bytes = (c.num_layers * self.layer_params + self.lm_head) * self.itemsize
-        self.flops_per_s = self.hw.fp16_tflops * 1e12 * self.eff.compute
-        self.bytes_per_s = self.hw.hbm_gbps * 1e9 * self.eff.memory
-        self.link_bytes_per_s = self.hw.link_gbps * 1e9 * self.eff.link
-        self.label = f"analytical roofline ({self.hw.name})"
+        self.flops_per_s = tp * self.hw.fp16_tflops * 1e12 * self.eff.compute
+        self.bytes_per_s = tp * self.hw.hbm_gbps * 1e9 * self.eff.memory
+        self.link_bytes_per_s = tp * self.hw.link_gbps * 1e9 * self.eff.link  # every GPU copies its share
+        # seconds per byte of activations all-reduced, and fixed seconds, per step (2 all-reduces a layer)
+        self.ar_s_per_byte = 2 * c.num_layers * 2 * (tp - 1) / tp / (self.hw.nvlink_gbps * 1e9 * self.eff.nvlink or 1)
+        self.ar_fixed_s = 2 * c.num_layers * self.eff.allreduce_s if tp > 1 else 0.0
+        self.label = f"analytical roofline ({self.hw.name}{f' x{tp} TP' if tp > 1 else ''})"
         self._attn = 4 * c.num_layers * c.num_heads * c.head_dim  # QK^T and PV flops per (query, key) pair
 
     def with_efficiency(self, **kw) -> RooflinePerf:
-        perf = RooflinePerf(self.c, self.hw, self.block_size, replace(self.eff, **kw))
+        perf = RooflinePerf(self.c, self.hw, self.block_size, replace(self.eff, **kw), self.tp)
         if kw:
             perf.label += ", " + ", ".join(f"{k} efficiency {v}" for k, v in kw.items())
         return perf
 
-    def _time(self, flops: float, nbytes: float) -> float:
-        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s) + self.eff.step_overhead_s
+    def _time(self, flops: float, nbytes: float, tokens: int) -> float:
+        t = max(flops / self.flops_per_s, nbytes / self.bytes_per_s) + self.eff.step_overhead_s
+        if self.tp > 1:
+            t += self.ar_fixed_s + tokens * self.c.hidden_size * self.itemsize * self.ar_s_per_byte
+        return t
 
     def prefill(self, lens: list[int]) -> float:
         tokens = sum(lens)
         pairs = sum(n * (n + 1) // 2 for n in lens)  # causal attention
         flops = 2 * self.c.num_layers * self.layer_params * tokens + self._attn * pairs + 2 * self.lm_head * len(lens)
         nbytes = self.weight_bytes + tokens * self.c.kv_bytes_per_token
-        return self._time(flops, nbytes)
+        return self._time(flops, nbytes, tokens)
 
     def decode(self, ctx_lens: list[int]) -> float:
         b, ctx = len(ctx_lens), sum(ctx_lens)
         flops = 2 * (self.c.num_layers * self.layer_params + self.lm_head) * b + self._attn * ctx
         nbytes = self.weight_bytes + ctx * self.c.kv_bytes_per_token
-        return self._time(flops, nbytes)
+        return self._time(flops, nbytes, b)
+
+    def mixed(self, chunks: list[int], ctx_lens: list[int]) -> float:
+        """Prompt chunks (their earlier context left out) and decodes in one pass over the weights."""
+        tokens, b = sum(chunks), len(ctx_lens)
+        flops = (2 * self.c.num_layers * self.layer_params * (tokens + b) + self._attn * (
+            sum(n * (n + 1) // 2 for n in chunks) + sum(ctx_lens)) + 2 * self.lm_head * (len(chunks) + b))
+        nbytes = self.weight_bytes + (tokens + sum(ctx_lens)) * self.c.kv_bytes_per_token
+        return self._time(flops, nbytes, tokens + b)
 
     def copy(self, num_blocks: int, to_host: bool) -> float:
         nbytes = num_blocks * self.block_size * self.c.kv_bytes_per_token
@@ -108,8 +139,10 @@ class RooflinePerf:
 
     def device_blocks(self, memory_utilization: float = 0.9, activation_reserve_gb: float = 2.0) -> int:
         """KV blocks that fit beside the weights in the GPU's memory (vLLM's gpu_memory_utilization)."""
-        free = self.hw.memory_gb * 1e9 * memory_utilization - self.weight_bytes - activation_reserve_gb * 1e9
+        free = self.tp * (self.hw.memory_gb * memory_utilization - activation_reserve_gb) * 1e9 - self.weight_bytes
         if free <= 0:
+            gpus = f"{self.tp} x " if self.tp > 1 else ""
             raise ValueError(f"{self.c.num_layers}-layer model weights ({self.weight_bytes / 1e9:.1f} GB) do not fit "
-                             f"in {self.hw.name} memory ({self.hw.memory_gb} GB)")
+                             f"in {gpus}{self.hw.name} memory ({self.tp * self.hw.memory_gb:g} GB); "
+                             f"use more GPUs (tensor parallel)")
         return int(free // (self.block_size * self.c.kv_bytes_per_token))

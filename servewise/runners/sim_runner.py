@@ -31,10 +31,14 @@ class SimRunner:
             elapsed = self.perf.decode(ctx)
         elif counts == ctx:  # whole prompts
             elapsed = self.perf.prefill(ctx)
-        else:  # a mixed step (chunked prefill): its chunks as a prefill plus its decodes; an approximation
-            # that ignores the chunks' earlier context and counts the weights' pass twice
+        else:  # a mixed step (chunked prefill): prompt chunks and decodes
             decodes = [c for c, n in zip(ctx, counts) if n == 1]
-            elapsed = self.perf.prefill([n for n in counts if n > 1]) + (self.perf.decode(decodes) if decodes else 0.0)
+            chunks = [n for n in counts if n > 1]
+            if hasattr(self.perf, "mixed"):
+                elapsed = self.perf.mixed(chunks, decodes)
+            else:  # its chunks as a prefill plus its decodes: an approximation that ignores the chunks'
+                # earlier context and counts the weights' pass twice
+                elapsed = self.perf.prefill(chunks) + (self.perf.decode(decodes) if decodes else 0.0)
         if out.partial:
             return StepResult([None if rid in out.partial else SIM_TOKEN for rid in out.scheduled], elapsed)
         return StepResult([SIM_TOKEN] * len(ctx), elapsed)
