@@ -43,3 +43,120 @@ def test_a_routed_workload_on_two_instances_beats_one():
     assert 30 <= placed.count(0) <= 50  # shortest queue spreads the load
     m1, m2 = (compute([RequestRecord.from_request(r) for r in rs]) for rs in (one, reqs))
     assert m2["mean_ttft_ms"] < 0.7 * m1["mean_ttft_ms"] and m2["duration_s"] < m1["duration_s"]
+
+
+# --- Splitwise-scale pieces: links, pools, measured table, the cluster simulator ---------------------
+import os  # noqa: E402
+
+from servewise.cluster.links import LinkModel, Network, transfer_end  # noqa: E402
+from servewise.cluster.metrics import percentile, summarize  # noqa: E402
+from servewise.cluster.routers import SplitwisePools  # noqa: E402
+from servewise.cluster.sim import ClusterSim, Design  # noqa: E402
+
+TABLE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "splitwise", "perf_model.csv.gz")
+needs_table = pytest.mark.skipif(not os.path.exists(TABLE), reason="Splitwise's table (../shared/data) not present")
+
+
+def test_layerwise_transfer_on_a_hand_worked_example():
+    link = LinkModel(gbps=100, latency_s=10e-6)  # 4 GB in 4 layers: 40 ms + 4 x 10 us
+    total, per_layer = 0.04004, 0.01001
+    # compute-bound prompt (25 ms a layer > 10 ms to send one): only the last layer's send shows
+    assert transfer_end("layerwise", link, 4e9, 4, 0.0, 0.1, 0.0) == pytest.approx(0.1 + per_layer)
+    assert transfer_end("serialized", link, 4e9, 4, 0.0, 0.1, 0.0) == pytest.approx(0.1 + total)
+    # send-bound (5 ms a layer): the first layer's compute, then the whole send
+    assert transfer_end("layerwise", link, 4e9, 4, 0.0, 0.02, 0.0) == pytest.approx(0.005 + total)
+    # the link (or the receiver's blocks) free only at 0.2 s: the whole send from then
+    assert transfer_end("layerwise", link, 4e9, 4, 0.0, 0.1, 0.2) == pytest.approx(0.2 + total)
+    with pytest.raises(ValueError, match="unknown transfer mode"):
+        transfer_end("pigeon", link, 1, 1, 0, 0, 0)
+    # contention: two transfers out of one machine at once go one after the other
+    net = Network([LinkModel(100, 10e-6)] * 3)
+    a = net.plan("serialized", 0, 1, 4e9, 4, 0.0, 0.1, 0.0)
+    b = net.plan("serialized", 0, 2, 4e9, 4, 0.0, 0.1, 0.0)
+    c = net.plan("serialized", 1, 2, 4e9, 4, 0.0, 0.1, 0.0)  # waits for machine 2's incoming side
+    assert a == pytest.approx(0.14004) and b == pytest.approx(a + total) and c == pytest.approx(b + total)
+
+
+def pload(queued=0, waiting=0, committed=0, running=0):
+    return EngineStats(running, waiting, 0, PoolStats(100, 100 - committed), PoolStats(0, 0), {}, queued, 0, committed)
+
+
+def test_splitwise_pools_route_and_borrow_under_load():
+    pools = SplitwisePools(["prompt", "prompt", "token", "token"], max_pending_tokens=1000)
+    # prompts: the prompt instance with the fewest queued tokens
+    assert pools.prompt(100, [pload(500, 1), pload(200, 1), pload(), pload()]) == 1
+    # decodes: the token instance with the fewest committed blocks
+    assert pools.token(10, [pload(), pload(), pload(committed=70), pload(committed=40)], 0) == 3
+    # every prompt instance over its limit: the token instance with the fewest queued tokens is borrowed
+    full = [pload(900, 2), pload(950, 3), pload(running=9), pload(0, running=2)]
+    assert pools.prompt(200, full) == 3 and pools.pool == ["prompt", "prompt", "token", "mixed"]
+    # ... and mixed instances are tried before borrowing again; an idle one goes home
+    assert pools.prompt(200, [pload(900, 2), pload(950, 3), pload(running=9), pload(100, 1)]) == 3
+    pools.idle(3)
+    assert pools.pool[3] == "token" and pools.borrowed == 1
+    # no token instance has room for 50 more blocks: the prompt instance with the fewest committed decodes it
+    crowded = [pload(committed=40), pload(committed=20), pload(committed=90), pload(committed=80)]
+    assert pools.token(50, crowded, 0) == 1 and pools.pool[1] == "mixed"
+    assert pools.token(90, crowded, 0) == 0  # room nowhere: where it was prefilled
+    with pytest.raises(ValueError, match="prompt and token"):
+        SplitwisePools(["prompt", "prompt"])
+
+
+def test_percentile_matches_linear_interpolation():
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5 and percentile(list(range(101)), 90) == 90
+
+
+@needs_table
+def test_measured_table_model_and_the_roofline_error_against_it():
+    from servewise.models.loader import load_model_config
+    from servewise.predictors.measured import MeasuredPerf, roofline_error
+
+    mc, _ = load_model_config("llama-2-70b", "float16")
+    perf = MeasuredPerf(mc, "llama-2-70b", "a100-80g", 8, 16, TABLE)
+    # medians of the table's runs at measured points (ms): prompt 2048 tokens at batch 1, 64 x 512
+    # tokens; the token time of a batch of 16 at context 512
+    assert perf.prefill([2048]) == pytest.approx(0.2740, abs=2e-3)
+    assert perf.prefill([512] * 64) == pytest.approx(7.554, abs=0.02)
+    assert perf.decode([600] * 16) == pytest.approx(0.0504, abs=1e-3)
+    assert perf.decode([1] * 24) == pytest.approx((perf.decode([1] * 16) + perf.decode([1] * 32)) / 2)
+    assert perf.decode([1] * 200) > perf.decode([1] * 64) > perf.decode([1])  # extended past batch 64
+    with pytest.raises(ValueError, match="no runs of bloom-176b on a100-80g with TP 4"):
+        MeasuredPerf(mc, "bloom-176b", "a100-80g", 4, 16, TABLE)
+    rows = {(r["model"], r["hardware"], r["tp"]): r for r in roofline_error(TABLE)}
+    assert len(rows) == 8  # Llama-2-70B TP 2/4/8 and BLOOM-176B TP 8, A100 and H100
+    # the spec-sheet roofline is optimistic everywhere on token times
+    assert all(r["token_bias_pct"] < 0 for r in rows.values())
+
+
+@needs_table
+def test_a_lone_request_on_a_split_cluster_takes_prompt_transfer_and_decode_time():
+    from servewise.cluster.machines import MACHINES
+
+    items = [WorkloadRequest(1000, 5)]
+    sim = ClusterSim("llama-2-70b", Design({"dgx-a100": 1}, {"dgx-a100": 1}), perf_table=TABLE, transfer="serialized")
+    res = sim.run(items, [1.0])
+    (req,) = res.requests
+    perf = sim.engines[0].runner.perf
+    prompt_s = perf.prefill([1000])
+    send_s = 1000 * sim.kv_bytes_per_token / (MACHINES["dgx-a100"].nic_gbps * 1e9) + 80 * 10e-6
+    assert req.first_token_time == pytest.approx(1.0 + prompt_s)
+    assert req.finish_time == pytest.approx(1.0 + prompt_s + send_s + 4 * perf.decode([1]))
+    assert res.placed == [(0, 1)] and res.transfers == 1 and res.steps == [1, 4]
+    assert res.transfer_wait_s == pytest.approx(send_s)
+    m = summarize(res.requests, perf)
+    assert m["ttft_p50_slowdown"] == pytest.approx(1.0) and m["e2e_p50_slowdown"] > 1.0
+
+
+@needs_table
+def test_split_and_mixed_clusters_finish_every_request_and_split_hands_off():
+    items = [WorkloadRequest(200 + 37 * (i % 23), 1 + (7 * i) % 40) for i in range(300)]
+    arrivals = [0.02 * i for i in range(300)]
+    split = ClusterSim("llama-2-70b", Design({"dgx-h100": 2}, {"dgx-a100": 2}), perf_table=TABLE).run(items, arrivals)
+    mixed = ClusterSim("llama-2-70b", Design(mixed={"dgx-h100": 4}), perf_table=TABLE).run(items, arrivals)
+    for res in (split, mixed):
+        assert not res.rejected and all(r.finished for r in res.requests)
+        assert [len(r.output_token_ids) for r in res.requests] == [it.output_len for it in items]
+    handed = [p for p, it in zip(split.placed, items) if it.output_len > 1]
+    assert split.transfers == sum(p != t for p, t in handed) > 0.9 * len(handed)
+    assert all(p in (0, 1) for p, _ in split.placed)  # prompts on the H100 prompt pool (no borrowing here)
+    assert mixed.transfers == 0 and all(p == t for p, t in mixed.placed)

@@ -162,6 +162,7 @@ class EngineStats:
     preemptions: dict[str, int]
     queued_tokens: int = 0  # prompt (and recompute) tokens still to prefill, of waiting and running requests
     incoming: int = 0  # requests handed to this engine whose KV has not arrived yet (cluster hand-off)
+    committed_blocks: int = 0  # device blocks its requests would hold at their longest (prompt + max_tokens)
 
 
 @dataclass(slots=True)

@@ -60,6 +60,7 @@ class LLMEngine:
                                     bm.block_size, bm.num_device_blocks - bm.watermark_blocks)
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
+        self.committed_blocks = 0  # blocks of self.requests at their longest: a load measure for routers
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -69,9 +70,20 @@ class LLMEngine:
 
     def enqueue(self, req: Request) -> Request:
         """Queue a request built (and validated) by make_request."""
-        self.requests[req.request_id] = req
+        self._track(req)
         self.scheduler.add(req, self.clock.now())
         return req
+
+    def _track(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.committed_blocks += self._longest(req)
+
+    def _untrack(self, request_id: str) -> None:
+        if (req := self.requests.pop(request_id, None)) is not None:
+            self.committed_blocks -= self._longest(req)
+
+    def _longest(self, req: Request) -> int:
+        return blocks_for(req.num_prompt_tokens + req.max_tokens, self.block_manager.block_size)
 
     def make_request(self, prompt, params=None, request_id=None, arrival_time=None) -> Request:
         params = params or SamplingParams()
@@ -93,7 +105,7 @@ class LLMEngine:
         caller ended it on a stop string)."""
         req = self.scheduler.abort(request_id, self.clock.now(), reason)
         if req is not None:
-            self.requests.pop(request_id, None)
+            self._untrack(request_id)
         return req is not None
 
     def has_unfinished(self) -> bool:
@@ -108,12 +120,18 @@ class LLMEngine:
         return EngineStats(len(s.running), len(s.waiting), len(s.swapped),
                            PoolStats(bm.num_device_blocks, bm.num_free_device),
                            PoolStats(bm.num_host_blocks, bm.num_free_host), dict(s.preemption_counts), queued,
-                           len(s.incoming) + len(s.receiving))
+                           len(s.incoming) + len(s.receiving), self.committed_blocks)
 
     # --- cluster hand-off (see scheduler): prefill here, decode elsewhere, or the other way round ----
     def release(self, request_id: str) -> None:
         """The KV of a request this engine handed off has been sent: free its blocks."""
         self.scheduler.release(request_id)
+
+    def keep(self, request_id: str) -> None:
+        """A request this engine handed off decodes here after all (no other instance could take it)."""
+        req = self.scheduler.held[request_id]
+        self.scheduler.keep(request_id, self.clock.now())
+        self._track(req)
 
     def receive(self, req: Request) -> None:
         """Take a request prefilled on another instance (its prompt and first token); it decodes here
@@ -124,7 +142,7 @@ class LLMEngine:
         self.limits.check(req.prompt_token_ids, req.params)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.requests[req.request_id] = req
+        self._track(req)
         self.scheduler.receive(req)
 
     def reserve_incoming(self) -> list[str]:
@@ -157,15 +175,16 @@ class LLMEngine:
             stats.elapsed += result.elapsed
             stats.end = self.clock.end_of(start, stats.elapsed)
             finished = self.scheduler.postprocess(out, result.tokens, stats.end, result.logprobs)
-            for r in finished:
-                self.requests.pop(r.request_id, None)
             stats.finished = [r.request_id for r in finished]
+            for rid in stats.finished:
+                self._untrack(rid)
             if self.scheduler.handed_off:
                 stats.handed_off = [r.request_id for r in self.scheduler.handed_off]
                 for rid in stats.handed_off:
-                    self.requests.pop(rid, None)
+                    self._untrack(rid)
         else:
-            if not out.kv_moves and self.has_unfinished():
+            held = self.scheduler.held or self.scheduler.receiving  # blocks that transfers will free or fill
+            if not out.kv_moves and self.has_unfinished() and not held:
                 raise RuntimeError("the scheduler made no progress; this is a bug, please report it")
             if out.finished_ids:
                 self.runner.execute(out)  # no rows, but the runner forgets the requests that ended

@@ -85,6 +85,13 @@ class Scheduler:
         self.bm.free(request_id)
         return req
 
+    def keep(self, request_id: str, now: float) -> None:
+        """A request handed off decodes here after all: its blocks and KV are already in place."""
+        req = self.held.pop(request_id)
+        req.status = Status.RUNNING
+        self._arrived.append(req)
+        self._enqueue(self.running, req, now)
+
     def receive(self, req: Request) -> None:
         """Queue a request prefilled elsewhere: it needs blocks for its tokens before its KV can come."""
         req.status = Status.INCOMING

@@ -26,10 +26,10 @@ class ProfiledPerf:
 
 
 def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: dict | None = None, tp: int = 1,
-              table: str | dict | None = None, model: str | None = None):
+              table: str | dict | None = None, model: str | None = None, token_axis: str = "batch"):
     """hardware 'profile': this machine, from fitted predictors (a Predictors or a path); with `table`
     (Splitwise's measured perf_model.csv, a path), that table's runs of `model` on `hardware` with `tp`
-    GPUs (predictors.measured); otherwise a roofline GPU by name, with `efficiency` overriding its
+    GPUs (predictors.measured, with its `token_axis`); otherwise a roofline GPU by name, with `efficiency` overriding its
     assumed efficiencies (roofline.Efficiency), over `tp` GPUs."""
     if hardware == PROFILE:
         if predictors is None:
@@ -43,7 +43,7 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
     if table is not None:
         from servewise.predictors.measured import MeasuredPerf
 
-        return MeasuredPerf(mc, model, hardware, tp, block_size, table)
+        return MeasuredPerf(mc, model, hardware, tp, block_size, table, token_axis)
     from servewise.predictors.roofline import RooflinePerf
 
     perf = RooflinePerf(mc, hardware, block_size, tp=tp)

@@ -7,7 +7,7 @@ from servewise.workloads.arrivals import arrival_times
 from servewise.workloads.datasets import LOADERS, WorkloadRequest
 from servewise.workloads.presets import PRESETS, preset_workload
 
-SOURCES = ("synthetic", *PRESETS, "azure", "sharegpt", "arxiv", "lengths_csv")
+SOURCES = ("synthetic", *PRESETS, "azure", "splitwise", "sharegpt", "arxiv", "lengths_csv")
 
 
 def build_workload(source: str, tokenizer, vocab_size: int, *, data: str | None = None, num_requests: int | None = None,

@@ -94,4 +94,22 @@ def load_lengths_csv(path: str, prompt_col: str = "num_prefill_tokens", output_c
     return out
 
 
-LOADERS = {"azure": load_azure_trace, "sharegpt": load_sharegpt, "arxiv": load_arxiv, "lengths_csv": load_lengths_csv}
+def load_splitwise_trace(path: str, limit: int | None = None) -> list[WorkloadRequest]:
+    """A trace in SplitwiseSim's format (arrival_timestamp in seconds, prompt_size, token_size), e.g. the
+    Poisson traces its generate_trace.py draws from the Azure distributions."""
+    out = []
+    with _open(path) as f:
+        reader = csv.DictReader(f)
+        _check_columns(path, reader.fieldnames, ("arrival_timestamp", "prompt_size", "token_size"))
+        for line, row in enumerate(reader, start=2):
+            try:
+                out.append(WorkloadRequest(int(row["prompt_size"]), int(row["token_size"]),
+                                           arrival=float(row["arrival_timestamp"])))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path}, line {line}: {e}") from None
+            if limit is not None and len(out) >= limit:
+                break
+    return out
+
+
+LOADERS = {"azure": load_azure_trace, "splitwise": load_splitwise_trace, "sharegpt": load_sharegpt, "arxiv": load_arxiv, "lengths_csv": load_lengths_csv}

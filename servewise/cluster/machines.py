@@ -1,0 +1,36 @@
+"""Machines a cluster is built of: 8-GPU servers with their power, cost and network.
+
+Relative cost and power are the Splitwise paper's (Patel et al., ISCA 2024, and its simulator's
+notebooks): a DGX-A100 costs 2.21 and draws 24.8, a DGX-H100 costs 4.76 and draws 44, in the same
+units; an H100 machine capped at 70% of its rated power (50% per GPU) costs the same and draws 70%.
+Rated power (TDP) in watts is the simulator's machine definitions'. The network is one InfiniBand
+link per GPU: 200 Gb/s (25 GB/s) on A100 machines and 400 Gb/s (50 GB/s) on H100 machines, as the
+paper's test machines had; a machine's KV transfers use all eight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    gpu: str  # a hardware name of the performance models (roofline.HARDWARE, measured.HARDWARE_NAMES)
+    gpus: int
+    cost: float  # relative
+    power: float  # relative
+    tdp_w: float
+    nic_gbps: float  # GB/s per direction, all GPUs together
+
+
+MACHINES = {
+    "dgx-a100": Machine("DGX-A100", "a100-80g", 8, 2.21, 24.8, 6500, 8 * 25),
+    "dgx-h100": Machine("DGX-H100", "h100-80g", 8, 4.76, 44.0, 10200, 8 * 50),
+    "dgx-h100-pcap": Machine("DGX-H100, power-capped", "h100-80g-pcap", 8, 4.76, 0.7 * 44.0, 7140, 8 * 50),
+}
+
+
+def get_machine(name: str) -> Machine:
+    if name not in MACHINES:
+        raise ValueError(f"unknown machine {name!r}; choose from {', '.join(MACHINES)}")
+    return MACHINES[name]

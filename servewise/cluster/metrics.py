@@ -1,0 +1,69 @@
+"""Cluster metrics in Splitwise's terms: latencies as slowdowns against an unloaded machine, and SLOs.
+
+Per request: TTFT (arrival to first token), TBT (its mean time between tokens after the first) and
+E2E (arrival to last token). Each is divided by what the request would take alone on the reference
+machine (Splitwise: an uncontended DGX-A100), from the same performance model: the prompt time of
+its prompt, the token time of a batch of one, and their sum over its tokens. The SLO holds when
+every P50 / P90 / P99 slowdown is within Splitwise's limits (TTFT 2 / 3 / 6x, TBT and E2E
+1.25 / 1.5 / 5x).
+"""
+from __future__ import annotations
+
+PERCENTILES = (50, 90, 99)
+SPLITWISE_SLO = {"ttft": (2.0, 3.0, 6.0), "tbt": (1.25, 1.5, 5.0), "e2e": (1.25, 1.5, 5.0)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between order statistics (numpy's default)."""
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def latencies(requests) -> dict[str, list[float]]:
+    """Seconds per finished request: ttft, e2e, and tbt (requests with two or more output tokens)."""
+    out = {"ttft": [], "tbt": [], "e2e": []}
+    for r in requests:
+        if r is None or r.finish_time is None:
+            continue
+        out["ttft"].append(r.first_token_time - r.arrival_time)
+        out["e2e"].append(r.finish_time - r.arrival_time)
+        if (n := len(r.output_token_ids)) > 1:
+            out["tbt"].append((r.finish_time - r.first_token_time) / (n - 1))
+    return out
+
+
+def slowdowns(requests, reference) -> dict[str, list[float]]:
+    """Per finished request, its latencies over the reference cost model's unloaded ones."""
+    out = {"ttft": [], "tbt": [], "e2e": []}
+    prompt_s: dict[int, float] = {}
+    token_s = reference.decode([1])
+    for r in requests:
+        if r is None or r.finish_time is None:
+            continue
+        p, n = r.num_prompt_tokens, len(r.output_token_ids)
+        if p not in prompt_s:
+            prompt_s[p] = reference.prefill([p])
+        ttft, e2e = r.first_token_time - r.arrival_time, r.finish_time - r.arrival_time
+        out["ttft"].append(ttft / prompt_s[p])
+        out["e2e"].append(e2e / (prompt_s[p] + token_s * (n - 1)))
+        if n > 1:
+            out["tbt"].append((r.finish_time - r.first_token_time) / (n - 1) / token_s)
+    return out
+
+
+def summarize(requests, reference, slo: dict = SPLITWISE_SLO) -> dict:
+    """Latency percentiles (s), slowdown percentiles, and whether each SLO limit holds."""
+    lat, slow = latencies(requests), slowdowns(requests, reference)
+    m = {"completed": len(lat["e2e"])}
+    for k in ("ttft", "tbt", "e2e"):
+        for q, limit in zip(PERCENTILES, slo[k]):
+            m[f"{k}_p{q}_s"] = percentile(lat[k], q)
+            m[f"{k}_p{q}_slowdown"] = s = percentile(slow[k], q)
+            m[f"{k}_p{q}_ok"] = s <= limit
+    m["slo_met"] = all(m[f"{k}_p{q}_ok"] for k in slo for q in PERCENTILES)
+    return m

@@ -1,0 +1,255 @@
+"""A cluster of simulated engine instances on one virtual clock, driven by one global event queue.
+
+Each instance is a full engine (scheduler, block manager, policies) with a simulated runner on one
+machine (cluster.machines), in a role: `prompt` (prefills, then hands requests off), `token`
+(decodes requests handed to it) or `mixed` (whole requests). Events, in time order: arrivals (from
+the sorted workload), step ends, and KV-transfer ends. At each moment the arrivals are routed first,
+then the events due are handled, then every idle instance with work starts its next step; an
+instance's step is computed when it starts (the simulated runner knows its duration), so what a
+step hands off is known at the prompt's start, and the decode instance is chosen then.
+
+A hand-off: the prompt instance holds the request's blocks; the token instance queues it, reserves
+blocks when they fit, and the transfer (cluster.links, with contention per machine interface) runs
+from then; at its end the prompt side frees its blocks and the token side decodes.
+"""
+from __future__ import annotations
+
+import gc
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from servewise.builder import build_sim_engine
+from servewise.cluster.links import MODES, LinkModel, Network
+from servewise.cluster.machines import get_machine
+from servewise.cluster.routers import SplitwisePools, make_router
+from servewise.engine.clock import VirtualClock
+from servewise.engine.request import Request
+from servewise.predictors.perf import make_perf
+from servewise.workloads.datasets import WorkloadRequest
+from servewise.workloads.driver import params_for
+
+ROLES = ("prompt", "token", "mixed")
+_STEP, _TRANSFER = 1, 0  # event kinds; transfers first at equal times (they free blocks)
+
+
+@dataclass
+class Design:
+    """Machines by role: e.g. Design({"dgx-a100": 27}, {"dgx-a100": 13}) for Splitwise-AA 27 + 13, or
+    Design(mixed={"dgx-h100": 40}) for a baseline of 40 DGX-H100 running whole requests."""
+
+    prompt: dict[str, int] = field(default_factory=dict)
+    token: dict[str, int] = field(default_factory=dict)
+    mixed: dict[str, int] = field(default_factory=dict)
+
+    def instances(self) -> list[tuple[str, str]]:
+        """(machine, role) per instance, prompt instances first."""
+        out = [(m, role) for role in ROLES for m, n in getattr(self, role).items() for _ in range(n)]
+        for m, role in out:
+            get_machine(m)
+            if role not in ROLES:
+                raise ValueError(f"unknown role {role!r}")
+        if not out:
+            raise ValueError("a cluster design needs at least one machine")
+        if bool(self.prompt) != bool(self.token):
+            raise ValueError("a split design needs both prompt and token machines")
+        return out
+
+    @property
+    def split(self) -> bool:
+        return bool(self.prompt)
+
+    def totals(self) -> dict:
+        machines = self.instances()
+        return {"machines": len(machines), "cost": sum(get_machine(m).cost for m, _ in machines),
+                "power": sum(get_machine(m).power for m, _ in machines)}
+
+    def label(self) -> str:
+        part = lambda d: " + ".join(f"{n} {get_machine(m).name}" for m, n in d.items() if n)  # noqa: E731
+        if self.split:
+            return f"prompt {part(self.prompt)}, token {part(self.token)}" + (
+                f", mixed {part(self.mixed)}" if self.mixed else "")
+        return f"mixed {part(self.mixed)}"
+
+
+@dataclass
+class ClusterResult:
+    requests: list[Request]  # in item order; None where rejected
+    rejected: list[tuple[int, str]]
+    placed: list[tuple[int, int] | None]  # (prompt instance, decode instance) per item
+    steps: list[int]  # per instance
+    busy_s: list[float]  # per instance: time spent in steps
+    makespan: float
+    wall_s: float
+    transfers: int
+    transfer_bytes: float
+    transfer_wait_s: float  # sum over hand-offs of (KV arrival - prompt end)
+    borrowed: int
+    perf_labels: list[str]
+
+
+class ClusterSim:
+    """One model served by the instances of `design` on simulated machines.
+
+    router: for a design without prompt/token pools, a routers.make_router name (round_robin, jsq,
+    jsq_tokens); split designs use SplitwisePools. perf_table: Splitwise's measured GPU table (a path)
+    for every machine's times (token_axis: see predictors.measured), else the analytical roofline.
+    transfer: serialized or layerwise.
+    Engine options (max_num_batched_tokens, chunked_prefill, ...) apply to every instance."""
+
+    def __init__(self, model: str, design: Design, router: str = "jsq_tokens", perf_table=None,
+                 transfer: str = "layerwise", link_latency_s: float = 10e-6, max_pending_tokens: int = 8192,
+                 token_axis: str = "batch", **engine_kw):
+        if transfer not in MODES:
+            raise ValueError(f"unknown transfer mode {transfer!r}; choose from {', '.join(MODES)}")
+        from servewise.models.loader import load_model_config
+
+        self.model, self.design, self.transfer = model, design, transfer
+        specs = design.instances()
+        self.roles = [role for _, role in specs]
+        self.clock = VirtualClock()
+        engine_kw.setdefault("dtype", "float16")
+        # Splitwise's machine-level batching: prompt batches up to 2048 tokens, up to 512 requests
+        engine_kw.setdefault("max_num_batched_tokens", 2048)
+        engine_kw.setdefault("max_num_seqs", 512)
+        mc, _ = load_model_config(model, engine_kw["dtype"])
+        self.kv_bytes_per_token, self.layers = mc.kv_bytes_per_token, mc.num_layers
+        block_size = engine_kw.get("block_size", 16)
+        perfs = {}
+        for m, _ in specs:
+            if m not in perfs:
+                machine = get_machine(m)
+                perfs[m] = make_perf(machine.gpu, mc, block_size, tp=machine.gpus, table=perf_table, model=model,
+                                     token_axis=token_axis)
+        self.engines = [build_sim_engine(model, perf=perfs[m], clock=self.clock, owns_clock=False, **engine_kw)
+                        for m, _ in specs]
+        self.network = Network([LinkModel(get_machine(m).nic_gbps, link_latency_s) for m, _ in specs])
+        self.perf_labels = sorted({p.label for p in perfs.values()})
+        if design.split:
+            self.pools = SplitwisePools([r if r != "mixed" else "token" for r in self.roles], max_pending_tokens)
+            self.router = None
+        else:
+            self.pools, self.router = None, make_router(router)
+
+    def run(self, items: list[WorkloadRequest], arrivals: list[float], progress=None) -> ClusterResult:
+        """Run the workload to the end (arrival times in seconds from the start). The garbage collector
+        is kept mostly out of the way meanwhile, as in simulator.simulate."""
+        if len(arrivals) != len(items):
+            raise ValueError(f"{len(arrivals)} arrival times for {len(items)} requests")
+        t0 = time.perf_counter()
+        thresholds = gc.get_threshold()
+        gc.freeze()
+        gc.set_threshold(50_000, *thresholds[1:])
+        try:
+            return self._run(items, arrivals, progress, t0)
+        finally:
+            gc.set_threshold(*thresholds)
+            gc.unfreeze()
+
+    def _run(self, items, arrivals, progress, t0) -> ClusterResult:
+        engines, clock, n = self.engines, self.clock, len(self.engines)
+        order = sorted(range(len(items)), key=lambda i: arrivals[i])
+        reqs: list[Request | None] = [None] * len(items)
+        placed: list[tuple[int, int] | None] = [None] * len(items)
+        rejected: list[tuple[int, str]] = []
+        events: list = []  # (time, kind, seq, payload)
+        seq = 0
+        busy = [False] * n
+        busy_s = [0.0] * n
+        steps = [0] * n
+        prompt_of: dict[str, tuple[int, float, float]] = {}  # handed-off id -> (prompt instance, start, seconds)
+        item_of: dict[str, int] = {}
+        transfers, wait_s = 0, 0.0
+        k = 0
+
+        def start_transfers(j: int, rids: list[str], now: float) -> None:
+            nonlocal seq, transfers
+            for rid in rids:
+                i, start, dur = prompt_of[rid]
+                req = engines[j].requests[rid]
+                end = self.network.plan(self.transfer, i, j, req.num_prompt_tokens * self.kv_bytes_per_token,
+                                        self.layers, start, dur, now)
+                transfers += 1
+                seq += 1
+                heapq.heappush(events, (end, _TRANSFER, seq, (rid, i, j)))
+
+        while True:
+            t_arr = arrivals[order[k]] if k < len(order) else None
+            t_ev = events[0][0] if events else None
+            if t_arr is None and t_ev is None:
+                break
+            now = t_ev if t_arr is None or (t_ev is not None and t_ev < t_arr) else t_arr
+            clock.wait_until(now)
+            dirty = set()
+            loads = None
+            while k < len(order) and arrivals[order[k]] <= now:
+                idx = order[k]
+                k += 1
+                item = items[idx]
+                if loads is None:
+                    loads = [e.stats() for e in engines]
+                i = (self.pools.prompt if self.pools else self.router)(item.prompt_len, loads)
+                prompt = item.prompt if isinstance(item.prompt, list) else [0] * item.prompt_len
+                try:
+                    req = engines[i].add_request(prompt, params_for(item), request_id=str(idx),
+                                                 arrival_time=arrivals[idx])
+                except ValueError as e:
+                    rejected.append((idx, str(e)))
+                    continue
+                req.handoff = self.pools is not None and req.max_tokens > 1
+                reqs[idx], placed[idx] = req, (i, i)
+                item_of[req.request_id] = idx
+                loads[i] = engines[i].stats()
+                dirty.add(i)
+            while events and events[0][0] <= now:
+                _, kind, _, payload = heapq.heappop(events)
+                if kind == _STEP:
+                    busy[payload] = False
+                    dirty.add(payload)
+                else:
+                    rid, i, j = payload
+                    engines[i].release(rid)
+                    engines[j].kv_arrived(rid)
+                    wait_s += now - (prompt_of[rid][1] + prompt_of[rid][2])
+                    del prompt_of[rid]
+                    dirty.update((i, j))
+            for i in sorted(dirty):
+                eng = engines[i]
+                if eng.scheduler.incoming:
+                    start_transfers(i, eng.reserve_incoming(), now)
+                if busy[i]:
+                    continue
+                if not eng.has_unfinished():
+                    if self.pools is not None and not eng.scheduler.receiving and not eng.scheduler.held:
+                        self.pools.idle(i)
+                    continue
+                stats = eng.step()
+                if not stats.scheduled and not stats.swapped_in_blocks and not stats.swapped_out_blocks:
+                    continue  # blocked until a transfer frees blocks
+                busy[i] = True
+                steps[i] += 1
+                busy_s[i] += stats.end - stats.start
+                seq += 1
+                heapq.heappush(events, (stats.end, _STEP, seq, i))
+                if progress and stats.finished:
+                    progress(len(stats.finished))
+                if stats.handed_off:
+                    loads = [e.stats() for e in engines]
+                    for rid in stats.handed_off:
+                        req = eng.scheduler.held[rid]
+                        j = self.pools.token(eng._longest(req), loads, i)
+                        placed[item_of[rid]] = (i, j)
+                        if j == i:  # no room elsewhere: it decodes here, where its KV is
+                            eng.keep(rid)
+                            continue
+                        prompt_of[rid] = (i, stats.start, stats.end - stats.start)
+                        engines[j].receive(req)
+                        start_transfers(j, engines[j].reserve_incoming(), now)
+                        loads[j] = engines[j].stats()
+        unfinished = [e for e in engines if e.has_unfinished() or e.scheduler.incoming or e.scheduler.receiving]
+        if unfinished or prompt_of:
+            raise RuntimeError(f"the cluster stopped with work left on {len(unfinished)} instances "
+                               f"({len(prompt_of)} transfers pending): a hand-off deadlock, please report it")
+        return ClusterResult(reqs, rejected, placed, steps, busy_s, clock.now(), time.perf_counter() - t0, transfers,
+                             self.network.bytes_sent, wait_s, self.pools.borrowed if self.pools else 0,
+                             self.perf_labels)
