@@ -20,7 +20,8 @@ def _config_fields():
                 yield f
 
 
-def _engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+def _engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = (), defaults: dict | None = None) -> None:
+    """Engine options as flags; `defaults` replaces the configuration's defaults for this command."""
     from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
 
     registries = {"policy": tuple(ORDERING_POLICIES), "preemption": tuple(PREEMPTION_POLICIES)}
@@ -28,12 +29,13 @@ def _engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None
     p.set_defaults(engine_options=[f.name for f in options if f.name != "model"])
     for f in options:
         flag, kind = "--" + f.name.replace("_", "-"), str(f.type).split(" |")[0]
+        default = (defaults or {}).get(f.name, f.default)
         if kind == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
             continue
         choices = f.metadata["choices"] or registries.get(f.name)
-        p.add_argument(flag, type={"int": int, "float": float}.get(kind, str), default=f.default, choices=choices,
-                       help=f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else ""))
+        p.add_argument(flag, type={"int": int, "float": float}.get(kind, str), default=default, choices=choices,
+                       help=f.metadata["help"] + (f" (default: {default})" if default is not None else ""))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 
 
@@ -345,9 +347,88 @@ def _add_serve(sub) -> None:
 
 
 def _run_experiment(a) -> None:
-    from servewise.experiments.adaptivellm import main
-
+    if a.experiment == "splitwise":
+        from servewise.experiments.splitwise import main
+    else:
+        from servewise.experiments.adaptivellm import main
     main(a)
+
+
+def _machines(text: str) -> dict[str, int]:
+    """'dgx-a100:27' or 'dgx-h100:25,dgx-a100:5' -> {machine: count}."""
+    from servewise.cluster.machines import MACHINES
+
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, count = part.partition(":")
+        if name not in MACHINES or not count.isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(f"expected MACHINE:COUNT with MACHINE one of {', '.join(MACHINES)} "
+                                             f"and COUNT >= 1, got {part!r}")
+        out[name] = out.get(name, 0) + int(count)
+    return out
+
+
+def _run_cluster(a) -> None:
+    import json
+    import os
+    import resource
+
+    from servewise.cluster.metrics import summarize
+    from servewise.cluster.sim import ClusterSim, Design
+    from servewise.experiments.splitwise import reference_perf_for
+
+    design = Design(a.prompt or {}, a.token or {}, a.mixed or {})
+    kw = {k: v for k, v in _engine_kwargs(a).items() if k not in ("predictors", "model") and v is not None}
+    sim = ClusterSim(a.model, design, router=a.router, perf_table=a.perf_table, transfer=a.transfer,
+                     token_axis=a.token_axis, **kw)
+    eng = sim.engines[0]
+    items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size)
+    bar = _bar(len(items), "simulated requests")
+    res = sim.run(items, arrivals, progress=bar.update if bar else None)
+    if bar:
+        bar.close()
+    m = summarize(res.requests, reference_perf_for(a.model, a.perf_table, a.token_axis))
+    m.update(design=design.label(), **design.totals(), requests=len(items), rejected=len(res.rejected),
+             makespan_s=res.makespan, wall_s=res.wall_s, steps=sum(res.steps), transfers=res.transfers,
+             transfer_gb=res.transfer_bytes / 1e9, borrowed=res.borrowed, perf=res.perf_labels,
+             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    print(f"Cluster: {a.model}, {m['design']} (cost {m['cost']:.1f}, power {m['power']:.1f}); {', '.join(m['perf'])}")
+    print(f"{m['requests']} requests ({m['rejected']} rejected), {res.makespan:.1f} s simulated, "
+          f"{res.transfers} KV transfers ({m['transfer_gb']:.1f} GB), {res.borrowed} machines borrowed")
+    print(f"{'':<5} {'P50 s':>9} {'P90 s':>9} {'P99 s':>9}   slowdowns P50 / P90 / P99")
+    for k in ("ttft", "tbt", "e2e"):
+        print(f"{k.upper():<5} " + " ".join(f"{m[f'{k}_p{q}_s']:>9.3f}" for q in (50, 90, 99)) + "   " +
+              " / ".join(f"{m[f'{k}_p{q}_slowdown']:.2f}" + ("" if m[f"{k}_p{q}_ok"] else "!") for q in (50, 90, 99)))
+    print(f"Splitwise's SLOs {'met' if m['slo_met'] else 'missed (! marks each limit passed)'}")
+    print(f"simulation wall time {res.wall_s:.2f} s, {m['steps']} steps, peak memory {m['peak_rss_mb']:.0f} MB")
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(m, f, indent=1)
+    print(f"saved {a.out}")
+
+
+def _add_cluster(sub) -> None:
+    from servewise.cluster.links import MODES
+    from servewise.cluster.routers import ROUTERS
+
+    cl = sub.add_parser("cluster", help="simulate a cluster of instances (Splitwise's prompt/token split, or not)")
+    # Splitwise's machine-level batching: prompt batches of up to 2048 tokens, up to 512 requests
+    _engine_args(cl, skip=("load_format", "dtype", "device", "seed", "predictors"),
+                 defaults={"model": "bloom-176b", "max_num_batched_tokens": 2048, "max_num_seqs": 512})
+    cl.add_argument("--prompt", type=_machines, default=None, help="prompt machines, e.g. dgx-a100:27")
+    cl.add_argument("--token", type=_machines, default=None, help="token machines, e.g. dgx-a100:13")
+    cl.add_argument("--mixed", type=_machines, default=None,
+                    help="machines running whole requests, e.g. dgx-h100:40 (a baseline without a split)")
+    cl.add_argument("--router", default="jsq_tokens", choices=list(ROUTERS),
+                    help="for designs without a split (split designs use Splitwise's pools)")
+    cl.add_argument("--perf-table", default=None,
+                    help="Splitwise's measured GPU table (perf_model.csv.gz); default: the analytical roofline")
+    cl.add_argument("--token-axis", default="batch", choices=["batch", "tokens"],
+                    help="measured token times by batch size, or as SplitwiseSim looks them up")
+    cl.add_argument("--transfer", default="layerwise", choices=list(MODES))
+    _workload_args(cl)
+    cl.add_argument("--out", default="results/cluster.json")
+    cl.set_defaults(func=_run_cluster)
 
 
 def _add_experiment(sub) -> None:
@@ -370,6 +451,18 @@ def _add_experiment(sub) -> None:
     ad.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ad.add_argument("--out-dir", default="results/adaptivellm")
     ad.set_defaults(func=_run_experiment)
+    sw = exsub.add_parser("splitwise", help="Splitwise: phase-split clusters, KV transfer and provisioning, "
+                                           "simulated on BLOOM-176B DGX machines")
+    sw.add_argument("--data-dir", required=True,
+                    help="directory with AzureLLMInferenceTrace_{code,conv}.csv.gz and splitwise/perf_model.csv.gz")
+    sw.add_argument("--roofline", action="store_true", help="the analytical roofline instead of the measured table")
+    sw.add_argument("--quick", action="store_true", help="a small version (minutes less; for checks, not results)")
+    sw.add_argument("--duration", type=float, default=None, help="seconds of each rescaled trace (default 120)")
+    sw.add_argument("--jobs", type=int, default=None, help="simulations run in parallel (default 2)")
+    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    sw.add_argument("--out-dir", default="results/splitwise")
+    sw.set_defaults(func=_run_experiment)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -379,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
     bsub = _add_bench(sub)
     for add in (_add_bench_throughput, _add_bench_serve, _add_bench_fidelity):
         add(bsub)
-    for add in (_add_profile, _add_fit_predictors, _add_simulate, _add_serve, _add_experiment):
+    for add in (_add_profile, _add_fit_predictors, _add_simulate, _add_cluster, _add_serve, _add_experiment):
         add(sub)
 
     a = ap.parse_args(argv)

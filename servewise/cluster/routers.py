@@ -4,8 +4,8 @@ and real instances. Ties go to the lowest index.
 
 - round_robin: instances in turn, whatever their load.
 - jsq: join the shortest queue, counted in requests (running + waiting + swapped).
-- jsq_tokens: join the shortest queue counted in prompt tokens still to prefill (a long prompt
-  weighs what it costs), then in requests.
+- jsq_tokens: join the shortest queue counted in prompt tokens still to prefill, queued or in the
+  step under way (a long prompt weighs what it costs), then in requests.
 - SplitwisePools: Splitwise's cluster-level scheduler over prompt and token pools (below).
 """
 from __future__ import annotations
@@ -28,14 +28,14 @@ def jsq(prompt_len: int, loads: list[EngineStats]) -> int:
 
 
 def jsq_tokens(prompt_len: int, loads: list[EngineStats]) -> int:
-    return min(range(len(loads)), key=lambda i: (loads[i].queued_tokens,
+    return min(range(len(loads)), key=lambda i: (loads[i].pending_tokens,
                                                  loads[i].running + loads[i].waiting + loads[i].swapped))
 
 
 class SplitwisePools:
     """Splitwise's pools (Patel et al., ISCA 2024, cluster-level scheduling): instances start in the
     prompt or the token pool. A request's prompt goes to the prompt instance with the fewest queued
-    prompt tokens; its decode to the token instance with the fewest committed blocks (what its
+    prompt tokens (queued or being computed); its decode to the token instance with the fewest committed blocks (what its
     requests would hold at their longest, prompt plus max_tokens), chosen when its prompt starts so
     that the transfer can overlap it. Under load an instance passes to the mixed pool, where it takes
     both phases:
@@ -66,12 +66,12 @@ class SplitwisePools:
     def prompt(self, prompt_len: int, loads: list[EngineStats]) -> int:
         for pool in ("prompt", "mixed"):
             if cands := self._in(pool):
-                i = min(cands, key=lambda j: (loads[j].queued_tokens, loads[j].waiting))
-                if not loads[i].waiting or loads[i].queued_tokens + prompt_len <= self.max_pending_tokens:
+                i = min(cands, key=lambda j: (loads[j].pending_tokens, loads[j].waiting))
+                if not loads[i].waiting or loads[i].pending_tokens + prompt_len <= self.max_pending_tokens:
                     return i
         if cands := self._in("token"):
-            return self._borrow(min(cands, key=lambda j: (loads[j].queued_tokens, loads[j].running)))
-        return min(range(len(loads)), key=lambda j: loads[j].queued_tokens)
+            return self._borrow(min(cands, key=lambda j: (loads[j].pending_tokens, loads[j].running)))
+        return min(range(len(loads)), key=lambda j: loads[j].pending_tokens)
 
     def token(self, need_blocks: int, loads: list[EngineStats], prompt_instance: int) -> int:
         fits = lambda j: loads[j].committed_blocks + need_blocks <= loads[j].device_blocks.total  # noqa: E731

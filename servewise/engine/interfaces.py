@@ -163,6 +163,12 @@ class EngineStats:
     queued_tokens: int = 0  # prompt (and recompute) tokens still to prefill, of waiting and running requests
     incoming: int = 0  # requests handed to this engine whose KV has not arrived yet (cluster hand-off)
     committed_blocks: int = 0  # device blocks its requests would hold at their longest (prompt + max_tokens)
+    inflight_tokens: int = 0  # tokens the step under way computes (0 between steps)
+
+    @property
+    def pending_tokens(self) -> int:
+        """Prompt tokens queued or being computed: the work ahead of a new prompt."""
+        return self.queued_tokens + self.inflight_tokens
 
 
 @dataclass(slots=True)

@@ -61,6 +61,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self.committed_blocks = 0  # blocks of self.requests at their longest: a load measure for routers
+        self._inflight = (0.0, 0)  # (end, tokens) of the last step
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -120,7 +121,8 @@ class LLMEngine:
         return EngineStats(len(s.running), len(s.waiting), len(s.swapped),
                            PoolStats(bm.num_device_blocks, bm.num_free_device),
                            PoolStats(bm.num_host_blocks, bm.num_free_host), dict(s.preemption_counts), queued,
-                           len(s.incoming) + len(s.receiving), self.committed_blocks)
+                           len(s.incoming) + len(s.receiving), self.committed_blocks,
+                           self._inflight[1] if self.clock.now() < self._inflight[0] else 0)
 
     # --- cluster hand-off (see scheduler): prefill here, decode elsewhere, or the other way round ----
     def release(self, request_id: str) -> None:
@@ -174,6 +176,7 @@ class LLMEngine:
             stats.execute_s = result.elapsed
             stats.elapsed += result.elapsed
             stats.end = self.clock.end_of(start, stats.elapsed)
+            self._inflight = (stats.end, sum(out.num_scheduled_tokens))
             finished = self.scheduler.postprocess(out, result.tokens, stats.end, result.logprobs)
             stats.finished = [r.request_id for r in finished]
             for rid in stats.finished:

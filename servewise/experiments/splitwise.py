@@ -1,0 +1,390 @@
+"""Splitwise's evaluation (Patel et al., ISCA 2024), reproduced in the cluster simulator.
+
+- the performance model: the spec-sheet roofline against Splitwise's measured table;
+- KV transfer: serialized vs layer-wise, the part not hidden by the prompt against prompt size
+  (Figures 14-15), and its share of end-to-end latency on the code trace;
+- provisioning: for the code trace at 70 req/s, the cheapest machine counts of every design that
+  meet the SLOs, searched along the feasibility frontier (Figure 12: Splitwise-HH's prompt x token
+  grid);
+- load sweeps of the iso-power and iso-cost designs (Figure 16), and the highest load each meets
+  the SLOs at, with its cost and power (Figures 18-19).
+
+Workloads: the 1-hour Azure traces are rescaled to a load as Splitwise's generator does: Poisson
+arrivals at the target rate for `duration_s`, prompt and output sizes drawn independently, with
+replacement, from the trace (seeded). Designs run on BLOOM-176B, 8-GPU machines with tensor
+parallelism 8, the measured table when given (else the roofline, labelled analytical).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+
+from servewise.cluster.machines import get_machine
+from servewise.cluster.metrics import PERCENTILES, summarize
+from servewise.cluster.sim import ClusterSim, Design
+from servewise.workloads.datasets import WorkloadRequest, load_azure_trace
+
+A, H, HCAP = "dgx-a100", "dgx-h100", "dgx-h100-pcap"
+# design kind -> (prompt machine, token machine); baselines run whole requests on one machine kind
+KINDS = {"Baseline-A100": (A, None), "Baseline-H100": (H, None), "Splitwise-AA": (A, A),
+         "Splitwise-HH": (H, H), "Splitwise-HA": (H, A), "Splitwise-HHcap": (H, HCAP)}
+# The paper's iso-power and iso-cost clusters (its simulator's run_throughput_isopower.sh and
+# run_throughput_isocost.sh): (prompt, token) machine counts, or the machine count of a baseline.
+ISO_POWER = {"Baseline-A100": 70, "Baseline-H100": 40, "Splitwise-AA": (45, 25), "Splitwise-HH": (25, 15),
+             "Splitwise-HA": (25, 26), "Splitwise-HHcap": (25, 21)}
+ISO_COST = {"Baseline-A100": 86, "Baseline-H100": 40, "Splitwise-AA": (51, 35), "Splitwise-HH": (25, 15),
+            "Splitwise-HA": (30, 21), "Splitwise-HHcap": (30, 10)}
+PAPER = {
+    "cost_optimal_hh_code_70": "Splitwise-HH: 27 prompt + 3 token machines (Figure 12)",
+    "iso_cost": "Splitwise-AA: 1.4x the throughput of Baseline-H100 at the same cost (Figure 18b); "
+                "the abstract: 1.4x throughput at 20% lower cost",
+    "iso_power": "2.35x throughput at the same cost and power (abstract); Splitwise-AA 2.15x Baseline-A100 "
+                 "at the same power and cost (Figure 18a)",
+    "transfer": "layer-wise KV transfer: under 7% of the prompt time visible, about 8 ms (A100) and 5 ms (H100) "
+                "left after the prompt; 0.8% of end-to-end latency on the code trace (Figures 14-15)",
+}
+
+
+@dataclass
+class Settings:
+    data_dir: str  # holds AzureLLMInferenceTrace_{code,conv}.csv.gz and splitwise/perf_model.csv.gz
+    model: str = "bloom-176b"
+    measured: bool = True  # Splitwise's measured table (else the analytical roofline)
+    duration_s: float = 120.0  # of each rescaled trace (the paper's provisioning used 2-minute traces)
+    provision_rate: float = 70.0  # code trace, Figure 12
+    max_machines: int = 40  # per pool in the provisioning search (baselines: twice that)
+    provision_kinds: tuple[str, ...] = tuple(KINDS)
+    sweep_trace: str = "conv"
+    sweep_rates: tuple[float, ...] = tuple(range(60, 201, 20))
+    transfer_prompts: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
+    transfer: str = "layerwise"
+    jobs: int = 2
+    seed: int = 0
+
+    def trace_path(self, name: str) -> str:
+        return os.path.join(self.data_dir, f"AzureLLMInferenceTrace_{name}.csv.gz")
+
+    @property
+    def table(self) -> str | None:
+        return os.path.join(self.data_dir, "splitwise", "perf_model.csv.gz") if self.measured else None
+
+
+QUICK = dict(duration_s=20.0, max_machines=12, provision_kinds=("Baseline-H100", "Splitwise-HH"),
+             provision_rate=10.0, sweep_rates=(10.0, 20.0), transfer_prompts=(512, 2048))
+
+_TRACES: dict[str, list[WorkloadRequest]] = {}
+
+
+def rescaled(s: Settings, trace: str, rate: float) -> tuple[list[WorkloadRequest], list[float]]:
+    """Poisson arrivals at `rate` for s.duration_s, sizes drawn with replacement from the trace."""
+    if trace not in _TRACES:
+        _TRACES[trace] = load_azure_trace(s.trace_path(trace))
+    pool = _TRACES[trace]
+    rng = random.Random(f"{s.seed}-{trace}-{rate}")
+    items, arrivals, t = [], [], rng.expovariate(rate)
+    while t < s.duration_s:
+        items.append(WorkloadRequest(rng.choice(pool).prompt_len, rng.choice(pool).output_len))
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    return items, arrivals
+
+
+def design_of(kind: str, counts) -> Design:
+    prompt, token = KINDS[kind]
+    if token is None:
+        return Design(mixed={prompt: counts})
+    return Design({prompt: counts[0]}, {token: counts[1]})
+
+
+def run_design(s: Settings, kind: str, counts, trace: str, rate: float, transfer: str | None = None) -> dict:
+    """Simulate one design on one rescaled trace; returns its summary (latencies, slowdowns, SLO)."""
+    design = design_of(kind, counts)
+    items, arrivals = rescaled(s, trace, rate)
+    baseline = KINDS[kind][1] is None
+    kw = dict(chunked_prefill=True) if baseline else {}  # the baselines batch prompts and decodes together
+    sim = ClusterSim(s.model, design, router="jsq_tokens", perf_table=s.table, transfer=transfer or s.transfer, **kw)
+    res = sim.run(items, arrivals)
+    m = summarize(res.requests, reference_perf(s))
+    e2e = sum(r.finish_time - r.arrival_time for r in res.requests if r is not None)
+    m.update(kind=kind, counts=counts, trace=trace, rate=rate, requests=len(items), rejected=len(res.rejected),
+             wall_s=res.wall_s, steps=sum(res.steps), transfers=res.transfers, borrowed=res.borrowed,
+             transfer_share_of_e2e=res.transfer_wait_s / e2e if e2e else 0.0, perf=res.perf_labels,
+             **design.totals())
+    return m
+
+
+def reference_perf(s: Settings):
+    return reference_perf_for(s.model, s.table)
+
+
+def reference_perf_for(model: str, table: str | None, token_axis: str = "batch"):
+    """The SLOs' reference: an unloaded DGX-A100 (Splitwise's), from the same performance model."""
+    from servewise.models.loader import load_model_config
+    from servewise.predictors.perf import make_perf
+
+    machine = get_machine(A)
+    mc, _ = load_model_config(model, "float16")
+    return make_perf(machine.gpu, mc, 16, tp=machine.gpus, table=table, model=model, token_axis=token_axis)
+
+
+def _feasible(s: Settings, kind: str, counts, cache: dict) -> bool:
+    if counts not in cache:
+        cache[counts] = run_design(s, kind, counts, "code", s.provision_rate)
+    return cache[counts]["slo_met"]
+
+
+def provision(s: Settings, kind: str) -> dict:
+    """The cheapest design of `kind` meeting the SLOs on the code trace at s.provision_rate. Meeting the
+    SLOs is taken as monotone in each machine count, so only the frontier is simulated: a binary search
+    over the machine count for baselines; for split designs, a binary search for the fewest prompt
+    machines that meet the SLOs with the most token machines, then for each prompt count upwards a
+    binary search for the fewest token machines (never more than the previous count's), stopping
+    once a design cannot be cheaper than the best found."""
+    cache: dict = {}
+    prompt, token = KINDS[kind]
+
+    def fewest(lo: int, hi: int, ok) -> int | None:
+        if not ok(hi):
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+        return lo
+
+    if token is None:
+        n = fewest(1, 2 * s.max_machines, lambda n: _feasible(s, kind, n, cache))
+        return {"kind": kind, "best": cache[n] if n else None, "evaluated": _rows(cache)}
+    top = s.max_machines
+    p0 = fewest(1, top, lambda p: _feasible(s, kind, (p, top), cache))
+    frontier, best, t_hi = [], None, top
+    cost_p, cost_t = get_machine(prompt).cost, get_machine(token).cost
+    for p in range(p0 or top + 1, top + 1):
+        if best and p * cost_p + cost_t >= best["cost"]:
+            break
+        t = fewest(1, t_hi, lambda t: _feasible(s, kind, (p, t), cache))
+        if t is None:  # not monotone after all: say so in the frontier, go on
+            continue
+        frontier.append((p, t))
+        t_hi = t
+        if best is None or cache[(p, t)]["cost"] < best["cost"]:
+            best = cache[(p, t)]
+        if t == 1:
+            break
+    return {"kind": kind, "best": best, "frontier": frontier, "evaluated": _rows(cache)}
+
+
+def _rows(cache: dict) -> list[dict]:
+    return [{"counts": c, "slo_met": m["slo_met"], "cost": m["cost"], "power": m["power"]} for c, m in cache.items()]
+
+
+def transfer_overheads(s: Settings) -> list[dict]:
+    """A lone request per prompt size on one prompt + one token machine: the KV arrival after the
+    prompt's end (what the transfer adds to the second token), serialized and layer-wise."""
+    rows = []
+    for machine in (A, H):
+        for prompt_len in s.transfer_prompts:
+            row = {"machine": get_machine(machine).name, "prompt_tokens": prompt_len}
+            for mode in ("serialized", "layerwise"):
+                sim = ClusterSim(s.model, Design({machine: 1}, {machine: 1}), perf_table=s.table, transfer=mode)
+                res = sim.run([WorkloadRequest(prompt_len, 2)], [0.0])
+                prompt_s = res.requests[0].first_token_time
+                row["prompt_s"] = prompt_s
+                row[f"{mode}_s"] = res.transfer_wait_s
+                row[f"{mode}_pct_of_prompt"] = 100 * res.transfer_wait_s / prompt_s
+            rows.append(row)
+    return rows
+
+
+def _sweep_point(args) -> dict:
+    s, table_name, kind, counts, rate = args
+    m = run_design(s, kind, counts, s.sweep_trace, rate)
+    m["cluster"] = table_name
+    return m
+
+
+def run_experiment(s: Settings, progress=print) -> dict:
+    from servewise.predictors.measured import roofline_error
+
+    t0 = time.perf_counter()
+    out: dict = {"settings": asdict(s), "paper": PAPER}
+    if s.measured:
+        out["roofline_error"] = roofline_error(s.table)
+    out["transfer"] = transfer_overheads(s)
+    progress(f"transfer overheads: {len(out['transfer'])} prompt sizes ({time.perf_counter() - t0:.0f} s)")
+    ctx = get_context("fork")
+    with ProcessPoolExecutor(max_workers=s.jobs, mp_context=ctx) as pool:
+        prov = {}
+        for kind, res in zip(s.provision_kinds, pool.map(provision, [s] * len(s.provision_kinds), s.provision_kinds)):
+            prov[kind] = res
+            best = res["best"]
+            progress(f"cost-optimal {kind}: {best['counts'] if best else 'none within the search bounds'} "
+                     f"({len(res['evaluated'])} designs simulated, {time.perf_counter() - t0:.0f} s)")
+        out["provisioning"] = prov
+        tasks = [(s, name, kind, counts, rate) for name, table in (("iso-power", ISO_POWER), ("iso-cost", ISO_COST))
+                 for kind, counts in table.items() for rate in s.sweep_rates]
+        points = []
+        for m in pool.map(_sweep_point, tasks):
+            points.append(m)
+            if len(points) % 10 == 0 or len(points) == len(tasks):
+                progress(f"load sweep: {len(points)}/{len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
+    out["sweep"] = points
+    out["throughput"] = max_throughput(points)
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def max_throughput(points: list[dict]) -> list[dict]:
+    """Per cluster and design: the highest swept load meeting the SLOs, with cost and power."""
+    rows = {}
+    for m in points:
+        key = (m["cluster"], m["kind"])
+        row = rows.setdefault(key, {"cluster": m["cluster"], "kind": m["kind"], "counts": m["counts"],
+                                    "cost": m["cost"], "power": m["power"], "max_rate": 0.0})
+        if m["slo_met"]:
+            row["max_rate"] = max(row["max_rate"], m["rate"])
+    out = list(rows.values())
+    for row in out:
+        ref = rows.get((row["cluster"], "Baseline-H100"))
+        row["vs_baseline_h100"] = row["max_rate"] / ref["max_rate"] if ref and ref["max_rate"] else None
+        ref = rows.get((row["cluster"], "Baseline-A100"))
+        row["vs_baseline_a100"] = row["max_rate"] / ref["max_rate"] if ref and ref["max_rate"] else None
+    return out
+
+
+# --- report --------------------------------------------------------------------------------------
+def _counts(kind: str, counts) -> str:
+    return f"{counts}" if KINDS[kind][1] is None else f"{counts[0]} + {counts[1]}"
+
+
+def report(r: dict) -> str:
+    lines = []
+    if "roofline_error" in r:
+        lines += ["Roofline vs Splitwise's measured table (signed mean / mean absolute % error)",
+                  f"{'model':<12} {'hardware':<9} {'TP':>2}  {'prompt':>14}  {'token':>14}"]
+        for e in r["roofline_error"]:
+            lines.append(f"{e['model']:<12} {e['hardware']:<9} {e['tp']:>2}  "
+                         f"{e['prompt_bias_pct']:+6.1f} / {e['prompt_mape_pct']:5.1f}  "
+                         f"{e['token_bias_pct']:+6.1f} / {e['token_mape_pct']:5.1f}")
+        lines.append("")
+    lines += ["KV transfer after the prompt's end, lone request (ms, and % of the prompt time)",
+              f"{'machine':<9} {'prompt':>6} {'prompt ms':>9} {'serialized':>17} {'layer-wise':>17}"]
+    for t in r["transfer"]:
+        lines.append(f"{t['machine']:<9} {t['prompt_tokens']:>6} {t['prompt_s'] * 1e3:>9.1f} "
+                     f"{t['serialized_s'] * 1e3:>8.1f} ({t['serialized_pct_of_prompt']:4.1f}%) "
+                     f"{t['layerwise_s'] * 1e3:>8.1f} ({t['layerwise_pct_of_prompt']:4.1f}%)")
+    lines += ["", f"Cost-optimal designs, code trace at {r['settings']['provision_rate']:g} req/s "
+              f"({r['settings']['duration_s']:g} s), all nine SLO percentiles met",
+              f"{'design':<16} {'machines':>9} {'cost':>7} {'power':>7} {'simulated':>9}"]
+    for kind, p in r["provisioning"].items():
+        b = p["best"]
+        lines.append(f"{kind:<16} {_counts(kind, b['counts']) if b else 'none':>9} "
+                     f"{b['cost'] if b else float('nan'):>7.1f} {b['power'] if b else float('nan'):>7.1f} "
+                     f"{len(p['evaluated']):>9}")
+    lines += ["", f"Highest {r['settings']['sweep_trace']} load meeting the SLOs "
+              f"(swept {', '.join(f'{x:g}' for x in r['settings']['sweep_rates'])} req/s)",
+              f"{'cluster':<10} {'design':<16} {'machines':>9} {'cost':>7} {'power':>7} {'req/s':>6} "
+              f"{'vs H100':>8} {'vs A100':>8}"]
+    for t in r["throughput"]:
+        vs = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
+        lines.append(f"{t['cluster']:<10} {t['kind']:<16} {_counts(t['kind'], t['counts']):>9} {t['cost']:>7.1f} "
+                     f"{t['power']:>7.1f} {t['max_rate']:>6g} {vs(t['vs_baseline_h100']):>8} "
+                     f"{vs(t['vs_baseline_a100']):>8}")
+    lines += ["", "The paper:"] + [f"- {v}" for v in r["paper"].values()]
+    lines.append(f"\nexperiment wall time {r['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def plot(r: dict, out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    prov = r["provisioning"].get("Splitwise-HH")
+    if prov:  # Figure 12: the evaluated prompt x token grid, cost where the SLOs hold
+        fig, ax = plt.subplots(figsize=(6, 5))
+        ok = [e for e in prov["evaluated"] if e["slo_met"]]
+        bad = [e for e in prov["evaluated"] if not e["slo_met"]]
+        ax.scatter([e["counts"][0] for e in bad], [e["counts"][1] for e in bad], c="lightgrey", marker="x",
+                   label="SLOs missed")
+        sc = ax.scatter([e["counts"][0] for e in ok], [e["counts"][1] for e in ok], c=[e["cost"] for e in ok],
+                        cmap="viridis", label="SLOs met (colour: cost)")
+        if prov["best"]:
+            ax.scatter(*prov["best"]["counts"], marker="*", s=300, c="red", label="cost-optimal")
+        fig.colorbar(sc, ax=ax, label="cost (relative)")
+        ax.set_xlabel("prompt machines")
+        ax.set_ylabel("token machines")
+        ax.set_title(f"Splitwise-HH, code trace at {r['settings']['provision_rate']:g} req/s")
+        ax.legend(fontsize=7)
+        paths.append(os.path.join(out_dir, "splitwise_provisioning_hh.png"))
+        fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+        plt.close(fig)
+    for cluster in ("iso-power", "iso-cost"):  # Figure 16
+        pts = [m for m in r["sweep"] if m["cluster"] == cluster]
+        fig, axes = plt.subplots(3, 3, figsize=(12, 9), sharex=True)
+        for kind in dict.fromkeys(m["kind"] for m in pts):
+            ms = sorted((m for m in pts if m["kind"] == kind), key=lambda m: m["rate"])
+            for i, metric in enumerate(("ttft", "tbt", "e2e")):
+                for j, q in enumerate(PERCENTILES):
+                    axes[i][j].plot([m["rate"] for m in ms], [m[f"{metric}_p{q}_slowdown"] for m in ms], marker=".",
+                                    label=kind)
+        from servewise.cluster.metrics import SPLITWISE_SLO
+
+        for i, metric in enumerate(("ttft", "tbt", "e2e")):
+            for j, q in enumerate(PERCENTILES):
+                ax = axes[i][j]
+                ax.axhline(SPLITWISE_SLO[metric][j], color="red", ls="--", lw=0.8)
+                ax.set_yscale("log")
+                ax.set_title(f"P{q} {metric.upper()} slowdown", fontsize=9)
+                if i == 2:
+                    ax.set_xlabel("req/s")
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"{cluster} designs, {r['settings']['sweep_trace']} trace (red: the SLO)")
+        paths.append(os.path.join(out_dir, f"splitwise_{cluster}_sweep.png"))
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))  # Figures 14-15
+    for machine in dict.fromkeys(t["machine"] for t in r["transfer"]):
+        ts = [t for t in r["transfer"] if t["machine"] == machine]
+        for mode, ls in (("serialized", "--"), ("layerwise", "-")):
+            ax.plot([t["prompt_tokens"] for t in ts], [t[f"{mode}_s"] * 1e3 for t in ts], ls=ls, marker=".",
+                    label=f"{machine}, {mode}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("KV transfer after the prompt (ms)")
+    ax.legend(fontsize=7)
+    paths.append(os.path.join(out_dir, "splitwise_transfer.png"))
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def main(a) -> None:
+    kw = dict(QUICK) if a.quick else {}
+    if a.jobs is not None:
+        kw["jobs"] = a.jobs
+    if a.duration is not None:
+        kw["duration_s"] = a.duration
+    s = Settings(data_dir=a.data_dir, measured=not a.roofline, seed=a.seed, **kw)
+    for name in ("code", "conv"):
+        if not os.path.isfile(s.trace_path(name)):
+            raise ValueError(f"no {s.trace_path(name)}: --data-dir must hold the Azure 2023 traces")
+    if s.measured and not os.path.isfile(s.table):
+        raise ValueError(f"no {s.table}: --data-dir must hold splitwise/perf_model.csv.gz (or pass --roofline)")
+    r = run_experiment(s, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    text = report(r)
+    print(text)
+    os.makedirs(a.out_dir, exist_ok=True)
+    with open(os.path.join(a.out_dir, "splitwise.json"), "w") as f:
+        json.dump(r, f, indent=1, default=str)
+    with open(os.path.join(a.out_dir, "splitwise.txt"), "w") as f:
+        f.write(text + "\n")
+    paths = plot(r, a.out_dir)
+    print(f"saved {os.path.join(a.out_dir, 'splitwise.json')}, {', '.join(paths)}")
