@@ -58,7 +58,8 @@ class Settings:
     measured: bool = True  # Splitwise's measured table (else the analytical roofline)
     duration_s: float = 120.0  # of each rescaled trace (the paper's provisioning used 2-minute traces)
     provision_rate: float = 70.0  # code trace, Figure 12
-    max_machines: int = 40  # per pool in the provisioning search (baselines: twice that)
+    max_machines: int = 40  # per pool in the provisioning search
+    max_baseline_machines: int = 140  # the paper's simulator swept baselines up to 139 A100 machines
     provision_kinds: tuple[str, ...] = tuple(KINDS)
     sweep_trace: str = "conv"
     sweep_rates: tuple[float, ...] = tuple(range(60, 201, 20))
@@ -75,7 +76,7 @@ class Settings:
         return os.path.join(self.data_dir, "splitwise", "perf_model.csv.gz") if self.measured else None
 
 
-QUICK = dict(duration_s=20.0, max_machines=12, provision_kinds=("Baseline-H100", "Splitwise-HH"),
+QUICK = dict(duration_s=20.0, max_machines=12, max_baseline_machines=24, provision_kinds=("Baseline-H100", "Splitwise-HH"),
              provision_rate=10.0, sweep_rates=(10.0, 20.0), transfer_prompts=(512, 2048))
 
 _TRACES: dict[str, list[WorkloadRequest]] = {}
@@ -158,7 +159,7 @@ def provision(s: Settings, kind: str) -> dict:
         return lo
 
     if token is None:
-        n = fewest(1, 2 * s.max_machines, lambda n: _feasible(s, kind, n, cache))
+        n = fewest(1, s.max_baseline_machines, lambda n: _feasible(s, kind, n, cache))
         return {"kind": kind, "best": cache[n] if n else None, "evaluated": _rows(cache)}
     top = s.max_machines
     p0 = fewest(1, top, lambda p: _feasible(s, kind, (p, top), cache))
