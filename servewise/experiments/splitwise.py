@@ -58,7 +58,7 @@ class Settings:
     measured: bool = True  # Splitwise's measured table (else the analytical roofline)
     duration_s: float = 120.0  # of each rescaled trace (the paper's provisioning used 2-minute traces)
     provision_rate: float = 70.0  # code trace, Figure 12
-    max_machines: int = 40  # per pool in the provisioning search
+    max_machines: int = 40  # per pool in the provisioning search; A100 pools 70, as the paper's simulator swept them
     max_baseline_machines: int = 140  # the paper's simulator swept baselines up to 139 A100 machines
     provision_kinds: tuple[str, ...] = tuple(KINDS)
     sweep_trace: str = "conv"
@@ -161,11 +161,12 @@ def provision(s: Settings, kind: str) -> dict:
     if token is None:
         n = fewest(1, s.max_baseline_machines, lambda n: _feasible(s, kind, n, cache))
         return {"kind": kind, "best": cache[n] if n else None, "evaluated": _rows(cache)}
-    top = s.max_machines
-    p0 = fewest(1, top, lambda p: _feasible(s, kind, (p, top), cache))
-    frontier, best, t_hi = [], None, top
+    bound = lambda m: s.max_machines * 7 // 4 if m == A else s.max_machines  # noqa: E731
+    top_p, top_t = bound(prompt), bound(token)
+    p0 = fewest(1, top_p, lambda p: _feasible(s, kind, (p, top_t), cache))
+    frontier, best, t_hi = [], None, top_t
     cost_p, cost_t = get_machine(prompt).cost, get_machine(token).cost
-    for p in range(p0 or top + 1, top + 1):
+    for p in range(p0 or top_p + 1, top_p + 1):
         if best and p * cost_p + cost_t >= best["cost"]:
             break
         t = fewest(1, t_hi, lambda t: _feasible(s, kind, (p, t), cache))
