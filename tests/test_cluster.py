@@ -69,12 +69,24 @@ def test_layerwise_transfer_on_a_hand_worked_example():
     assert transfer_end("layerwise", link, 4e9, 4, 0.0, 0.1, 0.2) == pytest.approx(0.2 + total)
     with pytest.raises(ValueError, match="unknown transfer mode"):
         transfer_end("pigeon", link, 1, 1, 0, 0, 0)
-    # contention: two transfers out of one machine at once go one after the other
+    # contention: two transfers out of one machine at once go one after the other; a third into
+    # machine 2 takes the gap before the second; a fourth waits for both
     net = Network([LinkModel(100, 10e-6)] * 3)
     a = net.plan("serialized", 0, 1, 4e9, 4, 0.0, 0.1, 0.0)
     b = net.plan("serialized", 0, 2, 4e9, 4, 0.0, 0.1, 0.0)
-    c = net.plan("serialized", 1, 2, 4e9, 4, 0.0, 0.1, 0.0)  # waits for machine 2's incoming side
-    assert a == pytest.approx(0.14004) and b == pytest.approx(a + total) and c == pytest.approx(b + total)
+    c = net.plan("serialized", 1, 2, 4e9, 4, 0.0, 0.1, 0.0)
+    d = net.plan("serialized", 1, 2, 4e9, 4, 0.0, 0.1, 0.0)
+    assert a == pytest.approx(0.14004) and b == pytest.approx(a + total) and c == pytest.approx(a)
+    assert d == pytest.approx(b + total)
+    # layer-wise: the link carries a transfer's bytes, not the prompt's computation between them; a
+    # short prompt's transfer into the same machine fits in the gap of a long prompt's
+    net = Network([LinkModel(100, 10e-6)] * 3)
+    long = net.plan("layerwise", 0, 2, 4e9, 4, 0.0, 10.0, 0.0)  # 2.5 s a layer: arrives at 10 s + one layer
+    short = net.plan("layerwise", 1, 2, 4e9, 4, 0.0, 0.2, 0.2)
+    assert long == pytest.approx(10.0 + per_layer) and short == pytest.approx(0.2 + total)
+    # ... but not in a gap too small for it: from 2.5 s the link carries the long one's 40 ms of bytes
+    late = net.plan("layerwise", 1, 2, 4e9, 4, 2.45, 0.04, 2.49)
+    assert late == pytest.approx(2.5 + total + total)
 
 
 def pload(queued=0, waiting=0, committed=0, running=0):
@@ -120,6 +132,7 @@ def test_measured_table_model_and_the_roofline_error_against_it():
     assert perf.decode([600] * 16) == pytest.approx(0.0504, abs=1e-3)
     assert perf.decode([1] * 24) == pytest.approx((perf.decode([1] * 16) + perf.decode([1] * 32)) / 2)
     assert perf.decode([1] * 200) > perf.decode([1] * 64) > perf.decode([1])  # extended past batch 64
+    assert perf.mixed([3], [600] * 200) >= perf.decode([600] * 200)  # a mixed step costs at least its decodes
     with pytest.raises(ValueError, match="no runs of bloom-176b on a100-80g with TP 4"):
         MeasuredPerf(mc, "bloom-176b", "a100-80g", 4, 16, TABLE)
     rows = {(r["model"], r["hardware"], r["tp"]): r for r in roofline_error(TABLE)}
@@ -160,3 +173,22 @@ def test_split_and_mixed_clusters_finish_every_request_and_split_hands_off():
     assert split.transfers == sum(p != t for p, t in handed) > 0.9 * len(handed)
     assert all(p in (0, 1) for p, _ in split.placed)  # prompts on the H100 prompt pool (no borrowing here)
     assert mixed.transfers == 0 and all(p == t for p, t in mixed.placed)
+
+
+@needs_table
+def test_the_provisioning_search_finds_the_cheapest_feasible_design_on_its_frontier():
+    from servewise.experiments.splitwise import QUICK, Settings, provision, run_design
+
+    s = Settings(data_dir=os.path.dirname(os.path.dirname(TABLE)), **{**QUICK, "max_machines": 6})
+    res = provision(s, "Splitwise-HH")
+    best, grid = res["best"], {tuple(e["counts"]): e for e in res["evaluated"]}
+    assert best is not None and best["slo_met"]
+    ps = [p for p, _ in res["frontier"]]
+    ts = [t for _, t in res["frontier"]]
+    assert ps == sorted(ps) and ts == sorted(ts, reverse=True)  # a staircase
+    for p, t in res["frontier"]:  # each frontier point is feasible and one token machine fewer is not
+        assert grid[(p, t)]["slo_met"] and (t == 1 or not grid[(p, t - 1)]["slo_met"])
+    # nothing cheaper meets the SLOs: simulate every cheaper design of the small grid
+    p_best, t_best = best["counts"]
+    cheaper = [(p, t) for p in range(1, 7) for t in range(1, 7) if 4.76 * (p + t) < best["cost"] - 1e-9]
+    assert cheaper and all(not run_design(s, "Splitwise-HH", c, "code", s.provision_rate)["slo_met"] for c in cheaper)

@@ -1,9 +1,11 @@
 """KV-cache transfer time over a network link model.
 
 A machine's network interface moves `gbps` GB/s in each direction; a message costs `latency_s` on
-top of its bytes. A transfer sends one message per layer. Transfers contend: each interface sends
-(and receives) one transfer at a time, in the order they were planned, so a transfer starts when
-the sender's outgoing side and the receiver's incoming side are both free.
+top of its bytes. A transfer sends one message per layer. Transfers contend: an interface's sending
+(and receiving) side carries one transfer's bytes at a time, and a transfer takes the earliest gap,
+from when its first message can go, in which both its sender and its receiver are free for the
+time its bytes take. A layer-wise transfer's bytes are counted as one stretch from its start (its
+messages are in fact spread over the prompt's computation: an approximation).
 
 Two modes, as in Splitwise:
 - serialized: the whole cache goes after the prompt phase ends;
@@ -39,25 +41,34 @@ def transfer_end(mode: str, link: LinkModel, nbytes: float, layers: int, prompt_
     if mode != "layerwise":
         raise ValueError(f"unknown transfer mode {mode!r}; choose from {', '.join(MODES)}")
     per_layer = total / layers
-    return max(prompt_start + prompt_s + per_layer, prompt_start + prompt_s / layers + total, free + total)
+    return max(prompt_start + prompt_s + per_layer, max(prompt_start + prompt_s / layers, free) + total)
 
 
 class Network:
-    """The machines' interfaces and their busy times: plans transfers in order, with contention."""
+    """The machines' interfaces and their busy stretches: plans transfers, with contention."""
 
     def __init__(self, links: list[LinkModel]):
         self.links = links
-        self.out_free = [0.0] * len(links)
-        self.in_free = [0.0] * len(links)
+        self.busy_out: list[list[tuple[float, float]]] = [[] for _ in links]
+        self.busy_in: list[list[tuple[float, float]]] = [[] for _ in links]
         self.bytes_sent = 0.0
 
     def plan(self, mode: str, src: int, dst: int, nbytes: float, layers: int, prompt_start: float,
              prompt_s: float, ready: float) -> float:
-        """Plan a transfer from machine src to dst whose receiver has blocks from `ready` on; returns
-        its end and keeps both interfaces busy until then."""
+        """Plan a transfer from machine src to dst whose receiver has blocks from `ready` on (plans come
+        in the order of their `ready` times); returns when its last byte arrives."""
         link = self.links[src] if self.links[src].gbps <= self.links[dst].gbps else self.links[dst]
-        free = max(ready, self.out_free[src], self.in_free[dst])
-        end = transfer_end(mode, link, nbytes, layers, prompt_start, prompt_s, free)
-        self.out_free[src] = self.in_free[dst] = end
+        send = link.send_time(nbytes, layers)
+        first = prompt_start + (prompt_s if mode == "serialized" else prompt_s / layers)
+        out, inc = self.busy_out[src], self.busy_in[dst]
+        for ivs in (out, inc):  # stretches that ended before now cannot matter again
+            ivs[:] = [iv for iv in ivs if iv[1] > ready]
+        t = max(first, ready)
+        for b0, b1 in sorted(out + inc):  # the earliest gap of `send` seconds free on both sides
+            if b0 >= t + send:
+                break
+            t = max(t, b1)
+        out.append((t, t + send))
+        inc.append((t, t + send))
         self.bytes_sent += nbytes
-        return end
+        return transfer_end(mode, link, nbytes, layers, prompt_start, prompt_s, t)

@@ -5,7 +5,8 @@ E2E (arrival to last token). Each is divided by what the request would take alon
 machine (Splitwise: an uncontended DGX-A100), from the same performance model: the prompt time of
 its prompt, the token time of a batch of one, and their sum over its tokens. The SLO holds when
 every P50 / P90 / P99 slowdown is within Splitwise's limits (TTFT 2 / 3 / 6x, TBT and E2E
-1.25 / 1.5 / 5x).
+1.25 / 1.5 / 5x). Requests the instances rejected (too long for the model or a pool) are not in the
+percentiles: the callers report them beside.
 """
 from __future__ import annotations
 

@@ -64,11 +64,10 @@ class SplitwisePools:
         return i
 
     def prompt(self, prompt_len: int, loads: list[EngineStats]) -> int:
+        room = lambda j: not loads[j].waiting or loads[j].pending_tokens + prompt_len <= self.max_pending_tokens  # noqa
         for pool in ("prompt", "mixed"):
-            if cands := self._in(pool):
-                i = min(cands, key=lambda j: (loads[j].pending_tokens, loads[j].waiting))
-                if not loads[i].waiting or loads[i].pending_tokens + prompt_len <= self.max_pending_tokens:
-                    return i
+            if cands := [j for j in self._in(pool) if room(j)]:
+                return min(cands, key=lambda j: (loads[j].pending_tokens, loads[j].waiting))
         if cands := self._in("token"):
             return self._borrow(min(cands, key=lambda j: (loads[j].pending_tokens, loads[j].running)))
         return min(range(len(loads)), key=lambda j: loads[j].pending_tokens)

@@ -30,7 +30,7 @@ from servewise.workloads.datasets import WorkloadRequest
 from servewise.workloads.driver import params_for
 
 ROLES = ("prompt", "token", "mixed")
-_STEP, _TRANSFER = 1, 0  # event kinds; transfers first at equal times (they free blocks)
+_STEP, _TRANSFER = 1, 0  # event kinds
 
 
 @dataclass
@@ -53,6 +53,9 @@ class Design:
             raise ValueError("a cluster design needs at least one machine")
         if bool(self.prompt) != bool(self.token):
             raise ValueError("a split design needs both prompt and token machines")
+        if self.prompt and self.mixed:
+            raise ValueError("a split design has prompt and token machines only (instances join its mixed pool "
+                             "under load)")
         return out
 
     @property
@@ -67,8 +70,7 @@ class Design:
     def label(self) -> str:
         part = lambda d: " + ".join(f"{n} {get_machine(m).name}" for m, n in d.items() if n)  # noqa: E731
         if self.split:
-            return f"prompt {part(self.prompt)}, token {part(self.token)}" + (
-                f", mixed {part(self.mixed)}" if self.mixed else "")
+            return f"prompt {part(self.prompt)}, token {part(self.token)}"
         return f"mixed {part(self.mixed)}"
 
 
@@ -126,7 +128,7 @@ class ClusterSim:
         self.network = Network([LinkModel(get_machine(m).nic_gbps, link_latency_s) for m, _ in specs])
         self.perf_labels = sorted({p.label for p in perfs.values()})
         if design.split:
-            self.pools = SplitwisePools([r if r != "mixed" else "token" for r in self.roles], max_pending_tokens)
+            self.pools = SplitwisePools(self.roles, max_pending_tokens)
             self.router = None
         else:
             self.pools, self.router = None, make_router(router)
@@ -215,10 +217,10 @@ class ClusterSim:
                     dirty.update((i, j))
             for i in sorted(dirty):
                 eng = engines[i]
+                if busy[i]:  # it reserves blocks between steps (a step frees its finished requests' at its end)
+                    continue
                 if eng.scheduler.incoming:
                     start_transfers(i, eng.reserve_incoming(), now)
-                if busy[i]:
-                    continue
                 if not eng.has_unfinished():
                     if self.pools is not None and not eng.scheduler.receiving and not eng.scheduler.held:
                         self.pools.idle(i)
@@ -244,7 +246,8 @@ class ClusterSim:
                             continue
                         prompt_of[rid] = (i, stats.start, stats.end - stats.start)
                         engines[j].receive(req)
-                        start_transfers(j, engines[j].reserve_incoming(), now)
+                        if not busy[j]:
+                            start_transfers(j, engines[j].reserve_incoming(), now)
                         loads[j] = engines[j].stats()
         unfinished = [e for e in engines if e.has_unfinished() or e.scheduler.incoming or e.scheduler.receiving]
         if unfinished or prompt_of:

@@ -162,8 +162,9 @@ class EngineStats:
     preemptions: dict[str, int]
     queued_tokens: int = 0  # prompt (and recompute) tokens still to prefill, of waiting and running requests
     incoming: int = 0  # requests handed to this engine whose KV has not arrived yet (cluster hand-off)
-    committed_blocks: int = 0  # device blocks its requests would hold at their longest (prompt + max_tokens)
-    inflight_tokens: int = 0  # tokens the step under way computes (0 between steps)
+    committed_blocks: int = 0  # device blocks its requests would hold at their longest (prompt + max_tokens),
+    # and the blocks of requests handed off until their KV has gone
+    inflight_tokens: int = 0  # prompt tokens the step under way computes (0 between steps)
 
     @property
     def pending_tokens(self) -> int:

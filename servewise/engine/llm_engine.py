@@ -61,7 +61,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self.committed_blocks = 0  # blocks of self.requests at their longest: a load measure for routers
-        self._inflight = (0.0, 0)  # (end, tokens) of the last step
+        self._inflight = (0.0, 0)  # (end, prompt tokens) of the last step
+        self._held: dict[str, int] = {}  # handed-off requests -> the blocks they hold until released
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -104,6 +105,9 @@ class LLMEngine:
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a request and free its blocks; reason becomes its finish_reason ("stop" when the
         caller ended it on a stop string)."""
+        if request_id in self._held:  # handed off already: its KV need not be sent
+            self.release(request_id)
+            return True
         req = self.scheduler.abort(request_id, self.clock.now(), reason)
         if req is not None:
             self._untrack(request_id)
@@ -124,15 +128,21 @@ class LLMEngine:
                            len(s.incoming) + len(s.receiving), self.committed_blocks,
                            self._inflight[1] if self.clock.now() < self._inflight[0] else 0)
 
+    @property
+    def held_blocks(self) -> int:
+        return sum(self._held.values())
+
     # --- cluster hand-off (see scheduler): prefill here, decode elsewhere, or the other way round ----
     def release(self, request_id: str) -> None:
         """The KV of a request this engine handed off has been sent: free its blocks."""
         self.scheduler.release(request_id)
+        self.committed_blocks -= self._held.pop(request_id)
 
     def keep(self, request_id: str) -> None:
         """A request this engine handed off decodes here after all (no other instance could take it)."""
         req = self.scheduler.held[request_id]
         self.scheduler.keep(request_id, self.clock.now())
+        self.committed_blocks -= self._held.pop(request_id)
         self._track(req)
 
     def receive(self, req: Request) -> None:
@@ -176,15 +186,17 @@ class LLMEngine:
             stats.execute_s = result.elapsed
             stats.elapsed += result.elapsed
             stats.end = self.clock.end_of(start, stats.elapsed)
-            self._inflight = (stats.end, sum(out.num_scheduled_tokens))
+            self._inflight = (stats.end, sum(n for n in out.num_scheduled_tokens if n > 1))
             finished = self.scheduler.postprocess(out, result.tokens, stats.end, result.logprobs)
             stats.finished = [r.request_id for r in finished]
             for rid in stats.finished:
                 self._untrack(rid)
             if self.scheduler.handed_off:
                 stats.handed_off = [r.request_id for r in self.scheduler.handed_off]
-                for rid in stats.handed_off:
+                for rid in stats.handed_off:  # its blocks stay committed until released
                     self._untrack(rid)
+                    self._held[rid] = n = len(self.block_manager.device_tables[rid])
+                    self.committed_blocks += n
         else:
             held = self.scheduler.held or self.scheduler.receiving  # blocks that transfers will free or fill
             if not out.kv_moves and self.has_unfinished() and not held:

@@ -120,6 +120,10 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def abort(self, request_id: str, now: float, reason: str = "abort") -> Request | None:
+        if (req := self.receiving.pop(request_id, None)) is not None:  # blocks reserved, KV on the way
+            self.bm.free(request_id)
+            req.status, req.finish_reason, req.finish_time = Status.ABORTED, reason, now
+            return req
         for queue in (self.waiting, self.running, self.swapped, self.incoming):
             for i, req in enumerate(queue):
                 if req.request_id == request_id:
@@ -178,7 +182,7 @@ class Scheduler:
                 known[req.request_id] = len(table)
                 self._changed.pop(req.request_id, None)
         if self._arrived:
-            self._arrived = [r for r in self._arrived if not r.in_runner]
+            self._arrived = [r for r in self._arrived if not r.in_runner and not r.finished]
         if self._changed:  # usually a few: the requests that crossed a block boundary or came back
             # a decode batch is the whole running queue; other batches are checked by id
             ids = set(out.scheduled) if fresh else None

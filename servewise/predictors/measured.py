@@ -16,7 +16,9 @@ SplitwiseSim, whose table this is, looks token times up on the prompt-token axis
 batch size, which makes a decode step of any batch under 8192 cost about as much as a batch of one;
 `token_axis="tokens"` reproduces that (medians of the table's points at each x), for side-by-side runs.
 
-A mixed step (prompt chunks and decodes together) costs the prompt time of all its tokens. Host
+A mixed step (prompt chunks and decodes together) costs the prompt time of all its tokens, and no
+less than its decodes alone. Of two points at the same x (the two sweeps meet at 1024-8192
+tokens), the first in order is kept. Host
 copies (swapping) and the pool size come from the roofline's spec-sheet figures.
 """
 from __future__ import annotations
@@ -114,7 +116,7 @@ class MeasuredPerf:
         return t
 
     def mixed(self, chunks: list[int], ctx_lens: list[int]) -> float:
-        return self.prefill(chunks + [1] * len(ctx_lens))
+        return max(self.prefill(chunks + [1] * len(ctx_lens)), self.decode(ctx_lens))
 
     def copy(self, num_blocks: int, to_host: bool) -> float:
         return self.roofline.copy(num_blocks, to_host)
