@@ -395,6 +395,8 @@ def _run_cluster(a) -> None:
     print(f"Cluster: {a.model}, {m['design']} (cost {m['cost']:.1f}, power {m['power']:.1f}); {', '.join(m['perf'])}")
     print(f"{m['requests']} requests ({m['rejected']} rejected), {res.makespan:.1f} s simulated, "
           f"{res.transfers} KV transfers ({m['transfer_gb']:.1f} GB), {res.borrowed} machines borrowed")
+    if res.rejected:
+        print(f"rejected requests are left out of the figures below, e.g. #{res.rejected[0][0]}: {res.rejected[0][1]}")
     print(f"{'':<5} {'P50 s':>9} {'P90 s':>9} {'P99 s':>9}   slowdowns P50 / P90 / P99")
     for k in ("ttft", "tbt", "e2e"):
         print(f"{k.upper():<5} " + " ".join(f"{m[f'{k}_p{q}_s']:>9.3f}" for q in (50, 90, 99)) + "   " +
@@ -456,6 +458,9 @@ def _add_experiment(sub) -> None:
     sw.add_argument("--data-dir", required=True,
                     help="directory with AzureLLMInferenceTrace_{code,conv}.csv.gz and splitwise/perf_model.csv.gz")
     sw.add_argument("--roofline", action="store_true", help="the analytical roofline instead of the measured table")
+    sw.add_argument("--splitwisesim", action="store_true",
+                    help="SplitwiseSim's assumptions: token times by its lookup (flat in the batch size) and KV "
+                         "memory of 8 x 80 GiB less its weights figure, no reserve")
     sw.add_argument("--quick", action="store_true", help="a small version (minutes less; for checks, not results)")
     sw.add_argument("--duration", type=float, default=None, help="seconds of each rescaled trace (default 120)")
     sw.add_argument("--jobs", type=int, default=None, help="simulations run in parallel (default 2)")

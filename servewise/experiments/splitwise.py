@@ -65,6 +65,9 @@ class Settings:
     sweep_rates: tuple[float, ...] = tuple(range(60, 201, 20))
     transfer_prompts: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
     transfer: str = "layerwise"
+    # SplitwiseSim's assumptions instead of servewise's: token times looked up on its axis, and every
+    # machine's 8 x 80 GiB less its weights figure holding KV (no reserve, no watermark)
+    splitwisesim: bool = False
     jobs: int = 2
     seed: int = 0
 
@@ -80,6 +83,19 @@ QUICK = dict(duration_s=20.0, max_machines=12, max_baseline_machines=24, provisi
              provision_rate=10.0, sweep_rates=(10.0, 20.0), transfer_prompts=(512, 2048))
 
 _TRACES: dict[str, list[WorkloadRequest]] = {}
+SPLITWISESIM_WEIGHTS = {"bloom-176b": 329e9, "llama-2-70b": 135e9}  # bytes, its model_repo/sizes configs
+GIB80 = 85899345920  # its GPUs' memory_size
+
+
+def assumptions(s: Settings) -> dict:
+    """ClusterSim keyword arguments for s.splitwisesim (none otherwise)."""
+    if not s.splitwisesim:
+        return {}
+    from servewise.models.loader import load_model_config
+
+    mc, _ = load_model_config(s.model, "float16")
+    blocks = int((8 * GIB80 - SPLITWISESIM_WEIGHTS[s.model]) // (mc.kv_bytes_per_token * 16))
+    return {"token_axis": "tokens", "num_device_blocks": blocks, "watermark": 0.0}
 
 
 def rescaled(s: Settings, trace: str, rate: float) -> tuple[list[WorkloadRequest], list[float]]:
@@ -109,7 +125,8 @@ def run_design(s: Settings, kind: str, counts, trace: str, rate: float, transfer
     items, arrivals = rescaled(s, trace, rate)
     baseline = KINDS[kind][1] is None
     kw = dict(chunked_prefill=True) if baseline else {}  # the baselines batch prompts and decodes together
-    sim = ClusterSim(s.model, design, router="jsq_tokens", perf_table=s.table, transfer=transfer or s.transfer, **kw)
+    sim = ClusterSim(s.model, design, router="jsq_tokens", perf_table=s.table, transfer=transfer or s.transfer,
+                     **kw, **assumptions(s))
     res = sim.run(items, arrivals)
     m = summarize(res.requests, reference_perf(s))
     e2e = sum(r.finish_time - r.arrival_time for r in res.requests if r is not None)
@@ -121,7 +138,7 @@ def run_design(s: Settings, kind: str, counts, trace: str, rate: float, transfer
 
 
 def reference_perf(s: Settings):
-    return reference_perf_for(s.model, s.table)
+    return reference_perf_for(s.model, s.table, "tokens" if s.splitwisesim else "batch")
 
 
 def reference_perf_for(model: str, table: str | None, token_axis: str = "batch"):
@@ -374,7 +391,9 @@ def main(a) -> None:
         kw["jobs"] = a.jobs
     if a.duration is not None:
         kw["duration_s"] = a.duration
-    s = Settings(data_dir=a.data_dir, measured=not a.roofline, seed=a.seed, **kw)
+    s = Settings(data_dir=a.data_dir, measured=not a.roofline, seed=a.seed, splitwisesim=a.splitwisesim, **kw)
+    if s.splitwisesim and not s.measured:
+        raise ValueError("--splitwisesim takes SplitwiseSim's measured table; it does not combine with --roofline")
     for name in ("code", "conv"):
         if not os.path.isfile(s.trace_path(name)):
             raise ValueError(f"no {s.trace_path(name)}: --data-dir must hold the Azure 2023 traces")
