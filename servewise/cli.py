@@ -461,6 +461,11 @@ def _add_experiment(sub) -> None:
     sw.add_argument("--splitwisesim", action="store_true",
                     help="SplitwiseSim's assumptions: token times by its lookup (flat in the batch size) and KV "
                          "memory of 8 x 80 GiB less its weights figure, no reserve")
+    sw.add_argument("--baseline-batching", default="chunked", choices=["chunked", "whole"],
+                    help="baselines with chunked prefill (decodes first), or whole prompts first as in the paper")
+    sw.add_argument("--designs", default=None,
+                    help="comma-separated subset of Baseline-A100, Baseline-H100, Splitwise-AA, Splitwise-HH, "
+                         "Splitwise-HA, Splitwise-HHcap (default: all)")
     sw.add_argument("--quick", action="store_true", help="a small version (minutes less; for checks, not results)")
     sw.add_argument("--duration", type=float, default=None, help="seconds of each rescaled trace (default 120)")
     sw.add_argument("--jobs", type=int, default=None, help="simulations run in parallel (default 2)")

@@ -68,6 +68,11 @@ class Settings:
     # SplitwiseSim's assumptions instead of servewise's: token times looked up on its axis, and every
     # machine's 8 x 80 GiB less its weights figure holding KV (no reserve, no watermark)
     splitwisesim: bool = False
+    # how the baselines batch: "chunked" (decodes first, prompt chunks fill a 2048-token budget, as
+    # engines with chunked prefill do) or "whole" (whole prompts first, decodes wait: closer to the
+    # paper's baselines, whose iterations carried whole prompts)
+    baseline_batching: str = "chunked"
+    designs: tuple[str, ...] = tuple(KINDS)  # the designs provisioned and swept
     jobs: int = 2
     seed: int = 0
 
@@ -124,7 +129,7 @@ def run_design(s: Settings, kind: str, counts, trace: str, rate: float, transfer
     design = design_of(kind, counts)
     items, arrivals = rescaled(s, trace, rate)
     baseline = KINDS[kind][1] is None
-    kw = dict(chunked_prefill=True) if baseline else {}  # the baselines batch prompts and decodes together
+    kw = dict(chunked_prefill=baseline and s.baseline_batching == "chunked")
     sim = ClusterSim(s.model, design, router="jsq_tokens", perf_table=s.table, transfer=transfer or s.transfer,
                      **kw, **assumptions(s))
     res = sim.run(items, arrivals)
@@ -239,14 +244,15 @@ def run_experiment(s: Settings, progress=print) -> dict:
     ctx = get_context("fork")
     with ProcessPoolExecutor(max_workers=s.jobs, mp_context=ctx) as pool:
         prov = {}
-        for kind, res in zip(s.provision_kinds, pool.map(provision, [s] * len(s.provision_kinds), s.provision_kinds)):
+        kinds = [k for k in s.provision_kinds if k in s.designs]
+        for kind, res in zip(kinds, pool.map(provision, [s] * len(kinds), kinds)):
             prov[kind] = res
             best = res["best"]
             progress(f"cost-optimal {kind}: {best['counts'] if best else 'none within the search bounds'} "
                      f"({len(res['evaluated'])} designs simulated, {time.perf_counter() - t0:.0f} s)")
         out["provisioning"] = prov
         tasks = [(s, name, kind, counts, rate) for name, table in (("iso-power", ISO_POWER), ("iso-cost", ISO_COST))
-                 for kind, counts in table.items() for rate in s.sweep_rates]
+                 for kind, counts in table.items() if kind in s.designs for rate in s.sweep_rates]
         points = []
         for m in pool.map(_sweep_point, tasks):
             points.append(m)
@@ -391,7 +397,12 @@ def main(a) -> None:
         kw["jobs"] = a.jobs
     if a.duration is not None:
         kw["duration_s"] = a.duration
-    s = Settings(data_dir=a.data_dir, measured=not a.roofline, seed=a.seed, splitwisesim=a.splitwisesim, **kw)
+    if a.designs:
+        kw["designs"] = tuple(a.designs.split(","))
+        if bad := set(kw["designs"]) - set(KINDS):
+            raise ValueError(f"unknown design(s) {', '.join(sorted(bad))}; choose from {', '.join(KINDS)}")
+    s = Settings(data_dir=a.data_dir, measured=not a.roofline, seed=a.seed, splitwisesim=a.splitwisesim,
+                 baseline_batching=a.baseline_batching, **kw)
     if s.splitwisesim and not s.measured:
         raise ValueError("--splitwisesim takes SplitwiseSim's measured table; it does not combine with --roofline")
     for name in ("code", "conv"):
