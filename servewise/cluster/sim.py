@@ -239,7 +239,7 @@ class ClusterSim:
                     loads = [e.stats() for e in engines]
                     for rid in stats.handed_off:
                         req = eng.scheduler.held[rid]
-                        j = self.pools.token(eng._longest(req), loads, i)
+                        j = self.pools.token(eng.longest_blocks(req), loads, i)
                         placed[item_of[rid]] = (i, j)
                         if j == i:  # no room elsewhere: it decodes here, where its KV is
                             eng.keep(rid)

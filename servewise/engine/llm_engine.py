@@ -78,13 +78,14 @@ class LLMEngine:
 
     def _track(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.committed_blocks += self._longest(req)
+        self.committed_blocks += self.longest_blocks(req)
 
     def _untrack(self, request_id: str) -> None:
         if (req := self.requests.pop(request_id, None)) is not None:
-            self.committed_blocks -= self._longest(req)
+            self.committed_blocks -= self.longest_blocks(req)
 
-    def _longest(self, req: Request) -> int:
+    def longest_blocks(self, req: Request) -> int:
+        """Blocks a request holds at its longest (prompt + max_tokens): what it commits here."""
         return blocks_for(req.num_prompt_tokens + req.max_tokens, self.block_manager.block_size)
 
     def make_request(self, prompt, params=None, request_id=None, arrival_time=None) -> Request:
