@@ -87,7 +87,10 @@ class Scheduler:
 
     def keep(self, request_id: str, now: float) -> None:
         """A request handed off decodes here after all: its blocks and KV are already in place."""
-        req = self.held.pop(request_id)
+        self._decode_next(self.held.pop(request_id), now)
+
+    def _decode_next(self, req: Request, now: float) -> None:
+        """A prefilled request joins the running queue; the runner gets it whole with the next step."""
         req.status = Status.RUNNING
         self._arrived.append(req)
         self._enqueue(self.running, req, now)
@@ -111,10 +114,7 @@ class Scheduler:
 
     def kv_arrived(self, request_id: str, now: float) -> None:
         """The KV of a reserved request is in its blocks: it decodes from the next step on."""
-        req = self.receiving.pop(request_id)
-        req.status = Status.RUNNING
-        self._arrived.append(req)
-        self._enqueue(self.running, req, now)
+        self._decode_next(self.receiving.pop(request_id), now)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
