@@ -24,9 +24,10 @@ log = logging.getLogger("servewise")
 
 
 def _check_policies(config: EngineConfig) -> None:
-    for table, name in ((ORDERING_POLICIES, config.scheduler.policy), (PREEMPTION_POLICIES, config.scheduler.preemption)):
+    for table, name, what in ((ORDERING_POLICIES, config.scheduler.policy, "ordering policy"),
+                              (PREEMPTION_POLICIES, config.scheduler.preemption, "preemption mode")):
         if name not in table:
-            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(table)}")
+            raise ValueError(f"unknown {what} {name!r}; choose from {', '.join(table)}")
 
 
 def needs_costs(config: EngineConfig) -> bool:

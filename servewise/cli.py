@@ -117,14 +117,50 @@ def _workload_args(p: argparse.ArgumentParser, rate_args: bool = True) -> None:
         p.add_argument("--rate", type=float, default=None, help="requests/s for poisson and gamma arrivals")
         p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrival gaps")
     p.add_argument("--seed", type=int, default=0)
+    t = p.add_argument_group("columns of a --workload trace file (CSV with a header, or JSONL)")
+    t.add_argument("--time-column", default=None, help="arrival time (default timestamp; 'none': no times)")
+    t.add_argument("--time-unit", default=None, choices=["s", "ms", "us", "ns"], help="of the arrival time (default ms)")
+    t.add_argument("--input-column", default=None, help="prompt tokens (default input_length)")
+    t.add_argument("--output-column", default=None, help="output tokens (default output_length)")
+    t.add_argument("--hash-column", default=None, help="a list of prefix block hashes per request (default: none)")
 
 
-def _workload(a, tokenizer, vocab_size):
+_TRACE_FLAGS = {"time_column": "time_column", "time_unit": "time_unit", "input_column": "input_column",
+                "output_column": "output_column", "hash_column": "hash_column"}
+
+
+def _workload(a, tokenizer, vocab_size, notes: dict | None = None):
     from servewise.workloads.build import build_workload
 
+    trace = {k: getattr(a, k) for k in _TRACE_FLAGS if getattr(a, k, None) is not None}
+    if trace.get("time_column", "").lower() == "none":
+        trace["time_column"] = None
     return build_workload(a.workload, tokenizer, vocab_size, data=a.data, num_requests=a.num_requests,
                           input_len=a.input_len, output_len=a.output_len, max_output_len=a.max_output_len,
-                          max_prompt_len=a.max_prompt_len, arrival=a.arrival, rate=a.rate, cv=a.cv, seed=a.seed)
+                          max_prompt_len=a.max_prompt_len, arrival=a.arrival, rate=a.rate, cv=a.cv, seed=a.seed,
+                          trace_options=trace or None, notes=notes)
+
+
+def _changes(items, reqs, notes: dict, max_model_len: int) -> dict:
+    """What the run changed about the workload, for the summary and the JSON: prompts truncated and
+    outputs capped by options, and outputs cut short because prompt + output pass the model's
+    maximum length (the engine generates up to that length only)."""
+    short = [(it.output_len, len(r.output_token_ids)) for it, r in zip(items, reqs)
+             if r is not None and r.finish_time is not None and len(r.output_token_ids) < it.output_len]
+    return {**notes, "outputs_clipped": len(short), "output_tokens_clipped": sum(w - g for w, g in short),
+            "clip_reason": f"prompt + output longer than the model's maximum length {max_model_len}" if short else None}
+
+
+def _say_changes(ch: dict, rejected: list) -> None:
+    if ch["prompts_truncated"]:
+        print(f"{ch['prompts_truncated']} prompts truncated by --max-prompt-len")
+    if ch["outputs_capped"]:
+        print(f"{ch['outputs_capped']} outputs capped by --max-output-len")
+    if ch["outputs_clipped"]:
+        print(f"{ch['outputs_clipped']} outputs clipped ({ch['output_tokens_clipped']} tokens fewer than the workload "
+              f"asks for): {ch['clip_reason']}")
+    if rejected:
+        print(f"{len(rejected)} requests rejected, e.g. #{rejected[0][0]}: {rejected[0][1]}")
 
 
 def _slo(a):
@@ -147,18 +183,22 @@ def _run_simulate(a) -> None:
     from servewise.simulator import simulate
 
     kw = {k: v for k, v in _engine_kwargs(a).items() if k != "predictors"}
-    eng = build_sim_engine(a.model, a.hardware, a.predictors, **kw)
-    items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size)
+    eng = build_sim_engine(a.model, a.hardware, a.predictors, tp=a.tp, **kw)
+    notes: dict = {}
+    items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size, notes)
     bar = _bar(len(items), "simulated requests")
     res = simulate(eng, items, arrivals, progress=bar.update if bar else None)
     if bar:
         bar.close()
     m = compute([RequestRecord.from_request(r) for r in res.requests], _slo(a))
+    rejected = {i for i, _ in res.rejected}
+    kept = [it for i, it in enumerate(items) if i not in rejected]  # res.requests: the others, in order
     m["rejected"] = len(res.rejected)
+    m["rejected_examples"] = [f"#{i}: {reason}" for i, reason in res.rejected[:10]]
+    m.update(_changes(kept, res.requests, notes, eng.model_config.max_model_len))
     title = f"Simulated: {a.model} on {res.perf_label}"
     print(format_table(m, title))
-    if res.rejected:
-        print(f"{len(res.rejected)} requests rejected, e.g. #{res.rejected[0][0]}: {res.rejected[0][1]}")
+    _say_changes(m, res.rejected)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"simulation wall time {res.wall_s:.2f} s, {res.steps} steps, peak memory {peak_mb:.0f} MB")
     save_json(m, a.out, model=a.model, hardware=a.hardware, perf=res.perf_label, analytical=res.analytical,
@@ -290,6 +330,7 @@ def _add_simulate(sub) -> None:
                     help="'profile' (this machine, from --predictors) or an analytical GPU: a100-80g, "
                          "a800-80g-pcie, h100-80g, v100-32g, rtx3090")
     sm.add_argument("--predictors", default="results/predictors.pkl", help="fitted predictors for --hardware profile")
+    sm.add_argument("--tp", type=int, default=1, help="GPUs per instance, tensor parallel (analytical GPUs only)")
     _workload_args(sm)
     _slo_args(sm)
     sm.add_argument("--out", default="results/simulate.json")
@@ -382,12 +423,15 @@ def _run_cluster(a) -> None:
     sim = ClusterSim(a.model, design, router=a.router, perf_table=a.perf_table, transfer=a.transfer,
                      token_axis=a.token_axis, **kw)
     eng = sim.engines[0]
-    items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size)
+    notes: dict = {}
+    items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size, notes)
     bar = _bar(len(items), "simulated requests")
     res = sim.run(items, arrivals, progress=bar.update if bar else None)
     if bar:
         bar.close()
     m = summarize(res.requests, reference_perf_for(a.model, a.perf_table, a.token_axis))
+    m.update(_changes(items, res.requests, notes, eng.model_config.max_model_len))
+    m["rejected_examples"] = [f"#{i}: {reason}" for i, reason in res.rejected[:10]]
     m.update(design=design.label(), **design.totals(), requests=len(items), rejected=len(res.rejected),
              makespan_s=res.makespan, wall_s=res.wall_s, steps=sum(res.steps), transfers=res.transfers,
              transfer_gb=res.transfer_bytes / 1e9, borrowed=res.borrowed, perf=res.perf_labels,
@@ -395,8 +439,7 @@ def _run_cluster(a) -> None:
     print(f"Cluster: {a.model}, {m['design']} (cost {m['cost']:.1f}, power {m['power']:.1f}); {', '.join(m['perf'])}")
     print(f"{m['requests']} requests ({m['rejected']} rejected), {res.makespan:.1f} s simulated, "
           f"{res.transfers} KV transfers ({m['transfer_gb']:.1f} GB), {res.borrowed} machines borrowed")
-    if res.rejected:
-        print(f"rejected requests are left out of the figures below, e.g. #{res.rejected[0][0]}: {res.rejected[0][1]}")
+    _say_changes(m, res.rejected)
     print(f"{'':<5} {'P50 s':>9} {'P90 s':>9} {'P99 s':>9}   slowdowns P50 / P90 / P99")
     for k in ("ttft", "tbt", "e2e"):
         print(f"{k.upper():<5} " + " ".join(f"{m[f'{k}_p{q}_s']:>9.3f}" for q in (50, 90, 99)) + "   " +

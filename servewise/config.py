@@ -23,12 +23,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        for name in ("num_device_blocks", "num_host_blocks"):
+        for name, least in (("num_device_blocks", 1), ("num_host_blocks", 0)):
             v = getattr(self, name)
-            if v is not None and v < 0:
-                raise ValueError(f"{name} must be >= 0, got {v}")
-        if self.num_device_blocks == 0:
-            raise ValueError("num_device_blocks must be >= 1")
+            if v is not None and v < least:
+                raise ValueError(f"{name} must be >= {least}, got {v}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 

@@ -67,5 +67,7 @@ def test_output_is_capped_by_model_length(llm):
 def test_unknown_model_and_policy():
     with pytest.raises(ValueError, match="unknown model"):
         LLM("no-such-model")
-    with pytest.raises(ValueError, match="unknown policy"):
+    with pytest.raises(ValueError, match="unknown preemption mode 'teleport'"):
         LLM("tiny-llama", preemption="teleport")
+    with pytest.raises(ValueError, match="unknown ordering policy 'lifo'"):
+        LLM("tiny-llama", policy="lifo")

@@ -72,8 +72,9 @@ def hf_config(model: str) -> dict:
         return dict(CONFIG_ONLY_MODELS[model])
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"unknown model {model!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}) "
-                         f"and no config.json in that directory")
+        raise ValueError(f"unknown model {model!r}: not a built-in model ({', '.join(BUILTIN_MODELS)}), not a "
+                         f"configuration for simulation ({', '.join(CONFIG_ONLY_MODELS)}), and no directory with "
+                         f"a config.json")
     with open(path) as f:
         return json.load(f)
 

@@ -142,7 +142,10 @@ class RooflinePerf:
         free = self.tp * (self.hw.memory_gb * memory_utilization - activation_reserve_gb) * 1e9 - self.weight_bytes
         if free <= 0:
             gpus = f"{self.tp} x " if self.tp > 1 else ""
+            per_gpu = (self.hw.memory_gb * memory_utilization - activation_reserve_gb) * 1e9
+            need = next((n for n in (2, 4, 8, 16) if n * per_gpu > self.weight_bytes * 1.05), None)
+            fix = (f"tensor parallelism over {need} GPUs would leave room for KV (--tp {need})" if need and
+                   self.hw.nvlink_gbps else "a GPU with more memory")
             raise ValueError(f"{self.c.num_layers}-layer model weights ({self.weight_bytes / 1e9:.1f} GB) do not fit "
-                             f"in {gpus}{self.hw.name} memory ({self.tp * self.hw.memory_gb:g} GB); "
-                             f"use more GPUs (tensor parallel)")
+                             f"in {gpus}{self.hw.name} memory ({self.tp * self.hw.memory_gb:g} GB): {fix}")
         return int(free // (self.block_size * self.c.kv_bytes_per_token))

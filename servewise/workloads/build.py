@@ -7,17 +7,29 @@ from servewise.workloads.arrivals import arrival_times
 from servewise.workloads.datasets import LOADERS, WorkloadRequest
 from servewise.workloads.presets import PRESETS, preset_workload
 
-SOURCES = ("synthetic", *PRESETS, "azure", "splitwise", "sharegpt", "arxiv", "lengths_csv")
+SOURCES = ("synthetic", *PRESETS, "azure", "splitwise", "trace", "sharegpt", "arxiv", "lengths_csv")
 
 
 def build_workload(source: str, tokenizer, vocab_size: int, *, data: str | None = None, num_requests: int | None = None,
                    input_len: int = 128, output_len: int = 128, max_output_len: int | None = None,
                    max_prompt_len: int | None = None, arrival: str | None = None, rate: float | None = None,
-                   cv: float = 1.0, seed: int = 0) -> tuple[list[WorkloadRequest], list[float]]:
+                   cv: float = 1.0, seed: int = 0, trace_options: dict | None = None,
+                   notes: dict | None = None) -> tuple[list[WorkloadRequest], list[float]]:
     """source: 'synthetic' (fixed lengths, random ids), a preset (data: optional directory), or a loader
-    (data: the file). arrival defaults to the source's own timestamps when it has them, else all at once."""
+    (data: the file; trace_options: load_trace's column options for 'trace'). arrival defaults to the
+    source's own timestamps when it has them, else all at once. `notes`, when given, receives what
+    the options changed: prompts_truncated (by max_prompt_len), outputs_capped (by max_output_len)."""
     if source not in SOURCES:
         raise ValueError(f"unknown workload {source!r}; choose from {', '.join(SOURCES)}")
+    for name, v in (("num_requests", num_requests), ("max_output_len", max_output_len),
+                    ("max_prompt_len", max_prompt_len), ("input_len", input_len), ("output_len", output_len)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if rate is not None and arrival not in ("poisson", "gamma"):
+        raise ValueError(f"rate {rate:g} applies to poisson or gamma arrivals only; add --arrival poisson "
+                         f"(without it, {'the trace is replayed at its own times' if source not in ('synthetic', *PRESETS) else 'every request arrives at once'})")
+    if trace_options and source != "trace":
+        raise ValueError(f"trace column options apply to the 'trace' workload only, not {source!r}")
     if source == "synthetic":
         rng = random.Random(seed)
         n = num_requests or 100
@@ -29,7 +41,12 @@ def build_workload(source: str, tokenizer, vocab_size: int, *, data: str | None 
         if data is None:
             raise ValueError(f"workload {source!r} needs --data pointing at its file")
         loader = LOADERS[source]
-        items = loader(data, tokenizer) if source == "sharegpt" else loader(data)
+        if source == "sharegpt":
+            items = loader(data, tokenizer)
+        elif source == "trace":
+            items = loader(data, **(trace_options or {}))
+        else:
+            items = loader(data)
         if num_requests is not None:
             if num_requests > len(items):
                 raise ValueError(f"{data} holds {len(items)} requests, {num_requests} asked for")
@@ -37,17 +54,24 @@ def build_workload(source: str, tokenizer, vocab_size: int, *, data: str | None 
                 items = random.Random(seed).sample(items, num_requests)
             else:  # traces: keep the first n, so arrival gaps stay real
                 items = items[:num_requests]
+    truncated = capped = 0
     for it in items:
-        if max_output_len is not None:
-            it.output_len = min(it.output_len, max_output_len)
+        if max_output_len is not None and it.output_len > max_output_len:
+            it.output_len = max_output_len
+            capped += 1
         if max_prompt_len is not None and it.prompt_len > max_prompt_len:
             it.prompt_len = max_prompt_len
+            truncated += 1
             if isinstance(it.prompt, list):
                 it.prompt = it.prompt[:max_prompt_len]
         if isinstance(it.prompt, str):
             it.prompt = tokenizer.encode(it.prompt)[: it.prompt_len]
             it.prompt_len = len(it.prompt)
+    if notes is not None:
+        notes.update(prompts_truncated=truncated, outputs_capped=capped)
     has_times = all(it.arrival is not None for it in items)
     arrival = arrival or ("trace" if has_times else "all")
+    if arrival == "trace" and not has_times:
+        raise ValueError(f"workload {source!r} has no arrival times to replay; choose --arrival all, poisson or gamma")
     times = arrival_times(len(items), arrival, rate, cv, seed, [it.arrival for it in items] if has_times else None)
     return items, times
