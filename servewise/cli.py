@@ -253,9 +253,9 @@ def _run_bench_throughput(a) -> None:
 def _add_bench_throughput(bsub) -> None:
     t = bsub.add_parser("throughput", help="offline output-token throughput vs Hugging Face generate")
     t.add_argument("--model", default="tiny-llama")
-    t.add_argument("--num-prompts", type=int, default=200)
-    t.add_argument("--input-len", type=int, default=128)
-    t.add_argument("--output-len", type=int, default=64)
+    t.add_argument("--num-prompts", type=_at_least(1), default=200)
+    t.add_argument("--input-len", type=_at_least(1), default=128)
+    t.add_argument("--output-len", type=_at_least(1), default=64)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -373,7 +373,7 @@ def _add_serve(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     _engine_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=_at_least(0, 65535), default=8000)
     sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     sv.add_argument("--max-waiting", type=int, default=512,
@@ -393,6 +393,20 @@ def _run_experiment(a) -> None:
     else:
         from servewise.experiments.adaptivellm import main
     main(a)
+
+
+def _at_least(least: int, most: int | None = None):
+    """An argparse type: an integer >= least (and <= most)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if v < least or (most is not None and v > most):
+            raise argparse.ArgumentTypeError(f"must be >= {least}" + (f" and <= {most}" if most is not None else "")
+                                             + f", got {v}")
+        return v
+    return parse
 
 
 def _machines(text: str) -> dict[str, int]:

@@ -1,6 +1,7 @@
 """Fit both predictors on a profile, report their errors, and persist them together."""
 from __future__ import annotations
 
+import os
 import pickle
 from dataclasses import dataclass, field
 
@@ -23,8 +24,14 @@ class Predictors:
 
     @staticmethod
     def load(path: str) -> Predictors:
-        with open(path, "rb") as f:
-            p = pickle.load(f)
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: no fitted predictors there (make them with `servewise profile --predictors "
+                             f"{path}`)")
+        try:
+            with open(path, "rb") as f:
+                p = pickle.load(f)
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+            raise ValueError(f"{path}: not a predictors file ({e})") from None
         if not isinstance(p, Predictors):
             raise ValueError(f"{path} does not hold fitted predictors")
         return p
