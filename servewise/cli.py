@@ -523,6 +523,8 @@ def _add_experiment(sub) -> None:
     sw.add_argument("--designs", default=None,
                     help="comma-separated subset of Baseline-A100, Baseline-H100, Splitwise-AA, Splitwise-HH, "
                          "Splitwise-HA, Splitwise-HHcap (default: all)")
+    sw.add_argument("--sections", default=None,
+                    help="comma-separated subset of transfer, provision, sweep, iso (default: all)")
     sw.add_argument("--quick", action="store_true", help="a small version (minutes less; for checks, not results)")
     sw.add_argument("--duration", type=float, default=None, help="seconds of each rescaled trace (default 120)")
     sw.add_argument("--jobs", type=int, default=None, help="simulations run in parallel (default 2)")

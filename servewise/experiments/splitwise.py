@@ -17,6 +17,7 @@ parallelism 8, the measured table when given (else the roofline, labelled analyt
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import sys
@@ -73,6 +74,7 @@ class Settings:
     # paper's baselines, whose iterations carried whole prompts)
     baseline_batching: str = "chunked"
     designs: tuple[str, ...] = tuple(KINDS)  # the designs provisioned and swept
+    sections: tuple[str, ...] = ("transfer", "provision", "sweep", "iso")
     jobs: int = 2
     seed: int = 0
 
@@ -236,6 +238,51 @@ def _sweep_point(args) -> dict:
     return m
 
 
+BUDGETS = {"iso-power": ("power", 40 * 44.0), "iso-cost": ("cost", 40 * 4.76)}  # 40 DGX-H100's
+
+
+def budget_splits(kind: str, attr: str, budget: float, step: int = 5) -> list[tuple[int, int]]:
+    """Prompt x token counts of a split design within a power or cost budget: prompt machines in steps
+    of `step`, as many token machines as the rest of the budget buys (the paper's simulator swept
+    its iso-power and iso-cost clusters this way)."""
+    mp, mt = (get_machine(m) for m in KINDS[kind])
+    out = []
+    for p in range(step, int(budget // getattr(mp, attr)) + 1, step):
+        t = math.floor((budget - p * getattr(mp, attr)) / getattr(mt, attr) + 1e-9)
+        if t >= 1:
+            out.append((p, t))
+    return out
+
+
+def _best_load(args) -> dict:
+    """The highest swept load at which one design meets the SLOs (binary search: meeting them is taken
+    as monotone in the load)."""
+    s, cluster, kind, counts = args
+    rates, lo, hi = sorted(s.sweep_rates), -1, len(s.sweep_rates) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if run_design(s, kind, counts, s.sweep_trace, rates[mid])["slo_met"]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return {"cluster": cluster, "kind": kind, "counts": counts, "max_rate": rates[lo] if lo >= 0 else 0.0}
+
+
+def iso_search(s: Settings, pool) -> list[dict]:
+    """For each budget and split design kind, the split within the budget that sustains the highest
+    load (ties: the fewest machines)."""
+    tasks = [(s, cluster, kind, c) for cluster, (attr, budget) in BUDGETS.items() for kind in KINDS
+             if KINDS[kind][1] is not None and kind in s.designs for c in budget_splits(kind, attr, budget)]
+    found: dict = {}
+    splits: dict = {}
+    for r in pool.map(_best_load, tasks):
+        key = (r["cluster"], r["kind"])
+        splits.setdefault(key, []).append((r["counts"], r["max_rate"]))
+        if key not in found or (r["max_rate"], -sum(r["counts"])) > (found[key]["max_rate"], -sum(found[key]["counts"])):
+            found[key] = r
+    return [{**r, "splits": splits[key]} for key, r in found.items()]
+
+
 def run_experiment(s: Settings, progress=print) -> dict:
     from servewise.predictors.measured import roofline_error
 
@@ -243,12 +290,12 @@ def run_experiment(s: Settings, progress=print) -> dict:
     out: dict = {"settings": asdict(s), "paper": PAPER}
     if s.measured:
         out["roofline_error"] = roofline_error(s.table)
-    out["transfer"] = transfer_overheads(s)
+    out["transfer"] = transfer_overheads(s) if "transfer" in s.sections else []
     progress(f"transfer overheads: {len(out['transfer'])} prompt sizes ({time.perf_counter() - t0:.0f} s)")
     ctx = get_context("fork")
     with ProcessPoolExecutor(max_workers=s.jobs, mp_context=ctx) as pool:
         prov = {}
-        kinds = [k for k in s.provision_kinds if k in s.designs]
+        kinds = [k for k in s.provision_kinds if k in s.designs and "provision" in s.sections]
         for kind, res in zip(kinds, pool.map(provision, [s] * len(kinds), kinds)):
             prov[kind] = res
             best = res["best"]
@@ -256,12 +303,15 @@ def run_experiment(s: Settings, progress=print) -> dict:
                      f"({len(res['evaluated'])} designs simulated, {time.perf_counter() - t0:.0f} s)")
         out["provisioning"] = prov
         tasks = [(s, name, kind, counts, rate) for name, table in (("iso-power", ISO_POWER), ("iso-cost", ISO_COST))
-                 for kind, counts in table.items() if kind in s.designs for rate in s.sweep_rates]
+                 for kind, counts in table.items() if kind in s.designs and "sweep" in s.sections
+                 for rate in s.sweep_rates]
         points = []
         for m in pool.map(_sweep_point, tasks):
             points.append(m)
             if len(points) % 10 == 0 or len(points) == len(tasks):
                 progress(f"load sweep: {len(points)}/{len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
+        out["iso_search"] = iso_search(s, pool) if "iso" in s.sections else []
+        progress(f"iso-power and iso-cost splits searched ({time.perf_counter() - t0:.0f} s)")
     out["sweep"] = points
     out["throughput"] = max_throughput(points)
     out["wall_s"] = time.perf_counter() - t0
@@ -326,6 +376,11 @@ def report(r: dict) -> str:
         lines.append(f"{t['cluster']:<10} {t['kind']:<16} {_counts(t['kind'], t['counts']):>9} {t['cost']:>7.1f} "
                      f"{t['power']:>7.1f} {t['max_rate']:>6g} {vs(t['vs_baseline_h100']):>8} "
                      f"{vs(t['vs_baseline_a100']):>8}")
+    if r.get("iso_search"):
+        lines += ["", "Splits searched within the budgets (prompt machines in steps of 5): the highest load met"]
+        for x in r["iso_search"]:
+            lines.append(f"{x['cluster']:<10} {x['kind']:<16} {_counts(x['kind'], x['counts']):>9} {x['max_rate']:>6g}   "
+                         + ", ".join(f"{c[0]}+{c[1]}: {m:g}" for c, m in x["splits"]))
     lines += ["", "The paper:"] + [f"- {v}" for v in r["paper"].values()]
     lines.append(f"\nexperiment wall time {r['wall_s']:.0f} s")
     return "\n".join(lines)
@@ -359,6 +414,8 @@ def plot(r: dict, out_dir: str) -> list[str]:
         plt.close(fig)
     for cluster in ("iso-power", "iso-cost"):  # Figure 16
         pts = [m for m in r["sweep"] if m["cluster"] == cluster]
+        if not pts:
+            continue
         fig, axes = plt.subplots(3, 3, figsize=(12, 9), sharex=True)
         for kind in dict.fromkeys(m["kind"] for m in pts):
             ms = sorted((m for m in pts if m["kind"] == kind), key=lambda m: m["rate"])
@@ -381,6 +438,8 @@ def plot(r: dict, out_dir: str) -> list[str]:
         paths.append(os.path.join(out_dir, f"splitwise_{cluster}_sweep.png"))
         fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
         plt.close(fig)
+    if not r["transfer"]:
+        return paths
     fig, ax = plt.subplots(figsize=(6, 4))  # Figures 14-15
     for machine in dict.fromkeys(t["machine"] for t in r["transfer"]):
         ts = [t for t in r["transfer"] if t["machine"] == machine]
@@ -407,6 +466,10 @@ def main(a) -> None:
         kw["designs"] = tuple(a.designs.split(","))
         if bad := set(kw["designs"]) - set(KINDS):
             raise ValueError(f"unknown design(s) {', '.join(sorted(bad))}; choose from {', '.join(KINDS)}")
+    if a.sections:
+        kw["sections"] = tuple(a.sections.split(","))
+        if bad := set(kw["sections"]) - set(Settings.sections):
+            raise ValueError(f"unknown section(s) {', '.join(sorted(bad))}; choose from {', '.join(Settings.sections)}")
     s = Settings(data_dir=a.data_dir, measured=not a.roofline, seed=a.seed, splitwisesim=a.splitwisesim,
                  baseline_batching=a.baseline_batching, **kw)
     if s.splitwisesim and not s.measured:
