@@ -125,8 +125,7 @@ def _workload_args(p: argparse.ArgumentParser, rate_args: bool = True) -> None:
     t.add_argument("--hash-column", default=None, help="a list of prefix block hashes per request (default: none)")
 
 
-_TRACE_FLAGS = {"time_column": "time_column", "time_unit": "time_unit", "input_column": "input_column",
-                "output_column": "output_column", "hash_column": "hash_column"}
+_TRACE_FLAGS = ("time_column", "time_unit", "input_column", "output_column", "hash_column")  # load_trace's options
 
 
 def _workload(a, tokenizer, vocab_size, notes: dict | None = None):
@@ -330,7 +329,7 @@ def _add_simulate(sub) -> None:
                     help="'profile' (this machine, from --predictors) or an analytical GPU: a100-80g, "
                          "a800-80g-pcie, h100-80g, v100-32g, rtx3090")
     sm.add_argument("--predictors", default="results/predictors.pkl", help="fitted predictors for --hardware profile")
-    sm.add_argument("--tp", type=int, default=1, help="GPUs per instance, tensor parallel (analytical GPUs only)")
+    sm.add_argument("--tp", type=_at_least(1), default=1, help="GPUs per instance, tensor parallel (analytical GPUs only)")
     _workload_args(sm)
     _slo_args(sm)
     sm.add_argument("--out", default="results/simulate.json")
