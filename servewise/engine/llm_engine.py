@@ -129,10 +129,6 @@ class LLMEngine:
                            len(s.incoming) + len(s.receiving), self.committed_blocks,
                            self._inflight[1] if self.clock.now() < self._inflight[0] else 0)
 
-    @property
-    def held_blocks(self) -> int:
-        return sum(self._held.values())
-
     # --- cluster hand-off (see scheduler): prefill here, decode elsewhere, or the other way round ----
     def release(self, request_id: str) -> None:
         """The KV of a request this engine handed off has been sent: free its blocks."""
