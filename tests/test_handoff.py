@@ -39,3 +39,82 @@ def test_a_request_prefilled_on_one_real_engine_decodes_on_another_token_for_tok
         b.step()
     assert [r.output_token_ids for r in reqs] == want
     assert b.committed_blocks == 0 and not b.requests
+
+
+# --- the protocol: nothing leaks, nothing decodes from wrong data ------------------------------------
+import pytest  # noqa: E402
+
+from servewise.cluster.handoff import HandoffBook, State, combine, layer_checksum, settle  # noqa: E402
+
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPT = [5 + (11 * i) % 300 for i in range(30)]
+
+
+def _pair():
+    a = build_engine(model="tiny-llama", num_device_blocks=32, block_size=4)
+    b = build_engine(model="tiny-llama", num_device_blocks=32, block_size=4)
+    req = a.add_request(PROMPT, PARAMS, request_id="r")
+    req.handoff = True
+    assert a.step().handed_off == ["r"]
+    b.receive(req)
+    assert b.reserve_incoming() == ["r"]
+    return a, b, req
+
+
+def _send(book, a, b, rid, now, layers=None, corrupt=False):
+    """Copy layer by layer, as a transport would; returns the transfer id, committed when all went."""
+    src, dst = a.block_manager.device_tables[rid], b.block_manager.device_tables[rid]
+    n = a.model_config.num_layers
+    t = book.begin(rid, n, now)
+    sums = []
+    for k in range(n if layers is None else layers):
+        b.runner.device_cache[k, :, dst[:len(src)]] = a.runner.device_cache[k, :, src]
+        sums.append(layer_checksum(a.runner.device_cache, k, src))
+        book.layer_sent(t.id, k, now)
+    if corrupt:
+        b.runner.device_cache[1, 0, dst[0], 0, 0, 0] += 1.0  # one value flipped on the way
+    if layers is None:
+        book.commit(t.id, combine(sums))
+    return t.id, dst[:len(src)]
+
+
+def _finish(b, req):
+    while b.has_unfinished():
+        b.step()
+    return req.output_token_ids
+
+
+@pytest.fixture(scope="module")
+def want():
+    alone = build_engine(model="tiny-llama", num_device_blocks=32, block_size=4)
+    return _finish(alone, alone.add_request(PROMPT, PARAMS))
+
+
+@pytest.mark.parametrize("fault", ["none", "corrupted", "sender stops", "token side aborts"])
+def test_a_hand_off_never_leaks_blocks_nor_decodes_wrong_data(fault, want):
+    a, b, req = _pair()
+    book = HandoffBook(lease_s=2.0)
+    if fault == "none":
+        tid, blocks = _send(book, a, b, "r", 0.0)
+        assert settle(book, tid, a, b, b.runner.device_cache, blocks)
+    elif fault == "corrupted":
+        tid, blocks = _send(book, a, b, "r", 0.0, corrupt=True)
+        assert not settle(book, tid, a, b, b.runner.device_cache, blocks)  # checksum differs: recompute
+    elif fault == "sender stops":
+        tid, _ = _send(book, a, b, "r", 0.0, layers=2)  # 2 of 4 layers, then nothing
+        assert book.expire(1.9) == [] and [t.id for t in book.expire(2.0)] == [tid]
+        assert book.transfers[tid].state is State.EXPIRED
+        with pytest.raises(ValueError, match="has ended"):
+            book.layer_sent(tid, 2, 2.1)  # a late layer is refused
+        assert not settle(book, tid, a, b)
+    else:  # the token side gives the request up: the prompt side must still free its blocks
+        tid, _ = _send(book, a, b, "r", 0.0, layers=1)
+        book.abort(tid, "token instance aborted the request")
+        assert b.abort_request("r")
+        settle(book, tid, a, None)
+    assert a.block_manager.num_free_device == 32 and a.committed_blocks == 0 and not a.scheduler.held
+    if fault == "token side aborts":
+        assert req.finish_reason == "abort"
+    else:
+        assert _finish(b, req) == want  # right tokens, from the KV or recomputed
+    assert b.block_manager.num_free_device == 32 and b.committed_blocks == 0 and not b.requests

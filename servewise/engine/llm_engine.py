@@ -161,6 +161,10 @@ class LLMEngine:
     def kv_arrived(self, request_id: str) -> None:
         self.scheduler.kv_arrived(request_id, self.clock.now())
 
+    def kv_failed(self, request_id: str) -> None:
+        """The request's KV will not come, or came wrong: compute it here instead."""
+        self.scheduler.kv_failed(request_id, self.clock.now())
+
     # --- the loop ----------------------------------------------------------------------------
     def step(self) -> StepStats:
         """One iteration at the clock's current time; returns what it did (finished requests by id in

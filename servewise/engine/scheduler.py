@@ -112,6 +112,14 @@ class Scheduler:
             done.append(req)
         return done
 
+    def kv_failed(self, request_id: str, now: float) -> None:
+        """The KV of a reserved request did not come (or came wrong): free its blocks and compute it
+        here from its tokens (prompt and first output), as a recompute."""
+        req = self.receiving.pop(request_id)
+        self.bm.free(request_id)
+        req.num_computed_tokens = 0
+        self.add(req, now)
+
     def kv_arrived(self, request_id: str, now: float) -> None:
         """The KV of a reserved request is in its blocks: it decodes from the next step on."""
         self._decode_next(self.receiving.pop(request_id), now)

@@ -1,0 +1,116 @@
+"""The KV hand-off protocol between a prompt instance and a token instance, so that it cannot leak
+blocks or decode from wrong data (the start of "Cluster, part 2").
+
+Each transfer has an id and one state at a time: reserved (the token side holds blocks for it) ->
+sending (layer k of L has arrived) -> committed (all layers, with the sender's checksum), or
+aborted by either side, or expired (its lease, on the engines' clock, ran out: a sender or receiver
+that stopped answering). The prompt side frees its blocks only when the transfer ends, whatever the
+end; the token side decodes only a committed transfer whose data matches the sender's checksum and
+length, and otherwise recomputes the request itself (engine.kv_failed).
+"""
+from __future__ import annotations
+
+import enum
+import zlib
+from dataclasses import dataclass
+
+
+class State(str, enum.Enum):
+    RESERVED = "reserved"
+    SENDING = "sending"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+
+
+ENDED = (State.COMMITTED, State.ABORTED, State.EXPIRED)
+
+
+@dataclass
+class Transfer:
+    id: str
+    request_id: str
+    layers: int
+    lease_s: float
+    lease_until: float
+    state: State = State.RESERVED
+    sent_layers: int = 0
+    checksum: int | None = None
+    reason: str | None = None
+
+
+class HandoffBook:
+    """Every transfer of a cluster and its state; the coordinator's single source of truth."""
+
+    def __init__(self, lease_s: float = 5.0):
+        self.lease_s = lease_s
+        self.transfers: dict[str, Transfer] = {}
+        self._n = 0
+
+    def begin(self, request_id: str, layers: int, now: float) -> Transfer:
+        self._n += 1
+        t = Transfer(f"{request_id}#{self._n}", request_id, layers, self.lease_s, now + self.lease_s)
+        self.transfers[t.id] = t
+        return t
+
+    def _live(self, tid: str) -> Transfer:
+        t = self.transfers[tid]
+        if t.state in ENDED:
+            raise ValueError(f"transfer {tid} has ended ({t.state.value}{': ' + t.reason if t.reason else ''})")
+        return t
+
+    def layer_sent(self, tid: str, layer: int, now: float) -> None:
+        """Layer `layer` (0-based) has arrived; layers come in order. Renews the lease."""
+        t = self._live(tid)
+        if layer != t.sent_layers:
+            raise ValueError(f"transfer {tid}: layer {layer} arrived, layer {t.sent_layers} expected")
+        t.state, t.sent_layers, t.lease_until = State.SENDING, layer + 1, now + t.lease_s
+
+    def commit(self, tid: str, checksum: int) -> Transfer:
+        t = self._live(tid)
+        if t.sent_layers != t.layers:
+            raise ValueError(f"transfer {tid}: commit after {t.sent_layers} of {t.layers} layers")
+        t.state, t.checksum = State.COMMITTED, checksum
+        return t
+
+    def abort(self, tid: str, reason: str) -> Transfer:
+        t = self._live(tid)
+        t.state, t.reason = State.ABORTED, reason
+        return t
+
+    def expire(self, now: float) -> list[Transfer]:
+        """End every transfer whose lease ran out; returns them."""
+        out = [t for t in self.transfers.values() if t.state not in ENDED and now >= t.lease_until]
+        for t in out:
+            t.state, t.reason = State.EXPIRED, f"no word for {t.lease_s:g} s after layer {t.sent_layers}"
+        return out
+
+
+def layer_checksum(cache, layer: int, blocks: list[int]) -> int:
+    """CRC-32 of one layer's K and V in the given blocks (a runner's device_cache: [layer, k/v, block, ...])."""
+    data = cache[layer, :, blocks].contiguous().cpu().numpy().tobytes()
+    return zlib.crc32(data)
+
+
+def combine(checksums: list[int]) -> int:
+    return zlib.crc32(b"".join(c.to_bytes(4, "little") for c in checksums))
+
+
+def settle(book: HandoffBook, tid: str, prompt_engine, token_engine, token_cache=None, blocks=None) -> bool:
+    """End a transfer on both sides. A committed one whose received data matches the checksum (and
+    the layer count) is decoded by the token side; anything else is recomputed there. The prompt
+    side's blocks are freed in every case (prompt_engine None: that instance is gone). Returns
+    whether the KV was used."""
+    t = book.transfers[tid]
+    if t.state not in ENDED:
+        raise ValueError(f"transfer {tid} has not ended ({t.state.value})")
+    ok = t.state is State.COMMITTED and t.sent_layers == t.layers and (
+        token_cache is None or combine([layer_checksum(token_cache, k, blocks) for k in range(t.layers)]) == t.checksum)
+    if prompt_engine is not None:
+        prompt_engine.release(t.request_id)
+    if token_engine is not None:
+        if ok:
+            token_engine.kv_arrived(t.request_id)
+        else:
+            token_engine.kv_failed(t.request_id)
+    return ok
