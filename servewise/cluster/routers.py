@@ -34,10 +34,10 @@ def jsq_tokens(prompt_len: int, loads: list[EngineStats]) -> int:
 
 class SplitwisePools:
     """Splitwise's pools (Patel et al., ISCA 2024, cluster-level scheduling): instances start in the
-    prompt or the token pool. A request's prompt goes to the prompt instance with the fewest queued
-    prompt tokens (queued or being computed); its decode to the token instance with the fewest committed blocks (what its
-    requests would hold at their longest, prompt plus max_tokens), chosen when its prompt starts so
-    that the transfer can overlap it. Under load an instance passes to the mixed pool, where it takes
+    prompt or the token pool. A request's prompt goes to the prompt instance with the fewest pending
+    prompt tokens (queued or being computed); its decode to the token instance with the fewest
+    committed blocks (what its requests would hold at their longest, prompt plus max_tokens), chosen
+    when its prompt starts so that the transfer can overlap it. Under load an instance passes to the mixed pool, where it takes
     both phases:
     - a prompt instance is full when it has a queue and its queued tokens plus the new prompt exceed
       `max_pending_tokens` (8192, SplitwiseSim's setting); when all are, the mixed pool is tried the

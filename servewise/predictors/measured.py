@@ -10,22 +10,21 @@ each; the median of the runs is used:
   extended linearly past 64.
 Points that break monotonicity are dropped from both (Llama-2-70B at TP 2, batch 64: a prompt
 phase under a second where batch 32 takes six and a half, and a token time below batch 32's: not
-runs of the same workload). Context length is left out: at batch 1, 128 to 8192 tokens of context
-  change the token time by under 4% in every configuration of the table.
+runs of the same workload). Of two points at the same x (the two sweeps meet at 1024-8192 tokens),
+the first in order is kept. Context length is left out: at batch 1, 128 to 8192 tokens of context
+change the token time by under 4% in every configuration of the table.
 SplitwiseSim, whose table this is, looks token times up on the prompt-token axis with x = the
 batch size, which makes a decode step of any batch under 8192 cost about as much as a batch of one;
 `token_axis="tokens"` reproduces that (medians of the table's points at each x), for side-by-side runs.
 
 A mixed step (prompt chunks and decodes together) costs the prompt time of all its tokens, and no
-less than its decodes alone. Of two points at the same x (the two sweeps meet at 1024-8192
-tokens), the first in order is kept. Host
-copies (swapping) and the pool size come from the roofline's spec-sheet figures.
+less than its decodes alone. Host copies (swapping) and the pool size come from the roofline's
+spec-sheet figures.
 """
 from __future__ import annotations
 
 import bisect
-import csv
-import gzip
+import functools
 import statistics
 from collections import defaultdict
 
@@ -57,25 +56,19 @@ def _monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return kept
 
 
+@functools.lru_cache(maxsize=8)
 def load_table(path: str) -> dict[tuple[str, str, int], dict[tuple[int, int, int], tuple[float, float]]]:
-    """{(model, hardware, tp): {(prompt size, batch size, token size): (median prompt s, median token s)}}."""
+    """{(model, hardware, tp): {(prompt size, batch size, token size): (median prompt s, median token s)}},
+    read once per path (every simulated cluster and reference model of a run asks for it)."""
+    from servewise.workloads.datasets import number, records
+
+    need = ("model", "hardware", "tensor_parallel", "prompt_size", "batch_size", "token_size", "prompt_time",
+            "token_time")
     runs: dict = defaultdict(lambda: defaultdict(list))
-    try:
-        with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
-            rows = list(csv.DictReader(f))
-    except OSError as e:
-        raise ValueError(f"cannot read the performance table {path!r}: {e}") from None
-    need = {"model", "hardware", "tensor_parallel", "prompt_size", "batch_size", "token_size", "prompt_time",
-            "token_time"}
-    if not rows or not need <= set(rows[0]):
-        raise ValueError(f"{path!r} is not a Splitwise performance table (columns {', '.join(sorted(need))})")
-    for line, r in enumerate(rows, start=2):
-        try:
-            key = (r["model"], r["hardware"], int(r["tensor_parallel"]))
-            point = (int(r["prompt_size"]), int(r["batch_size"]), int(r["token_size"]))
-            runs[key][point].append((float(r["prompt_time"]) / 1e3, float(r["token_time"]) / 1e3))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}, line {line}: {e}") from None
+    for line, r in records(path, need, jsonl=False, what="measured runs"):
+        key = (r["model"], r["hardware"], number(r, "tensor_parallel", path, line, least=1))
+        point = tuple(number(r, c, path, line, least=1) for c in ("prompt_size", "batch_size", "token_size"))
+        runs[key][point].append(tuple(number(r, c, path, line, float) / 1e3 for c in ("prompt_time", "token_time")))
     return {key: {p: (statistics.median(v[0] for v in vs), statistics.median(v[1] for v in vs))
                   for p, vs in points.items()} for key, points in runs.items()}
 

@@ -39,9 +39,10 @@ def _is_jsonl(path: str) -> bool:
     return path.removesuffix(".gz").endswith((".jsonl", ".json"))
 
 
-def _records(path: str, need: tuple[str, ...], jsonl: bool | None = None) -> Iterator[tuple[int, dict]]:
+def records(path: str, need: tuple[str, ...], jsonl: bool | None = None,
+            what: str = "requests") -> Iterator[tuple[int, dict]]:
     """(line number, record) of a CSV (with a header) or JSONL file; errors name the file and line.
-    Raises when a needed column is missing or the file holds no records."""
+    Raises when a needed column is missing or the file holds no records (`what` it should hold)."""
     jsonl = _is_jsonl(path) if jsonl is None else jsonl
     count = 0
     try:
@@ -73,10 +74,10 @@ def _records(path: str, need: tuple[str, ...], jsonl: bool | None = None) -> Ite
     except (OSError, EOFError, UnicodeDecodeError, csv.Error) as e:  # gzip and text errors while reading
         raise ValueError(f"{path}: cannot be read ({e})") from None
     if not count:
-        raise ValueError(f"{path}: no requests in it (empty, or only a header)")
+        raise ValueError(f"{path}: no {what} in it (empty, or only a header)")
 
 
-def _number(row: dict, col: str, path: str, line: int, kind=int, least: float = 0):
+def number(row: dict, col: str, path: str, line: int, kind=int, least: float = 0):
     """row[col] as an int (a whole number) or a float, at least `least`; errors name file and line."""
     v, x = row[col], None
     if not isinstance(v, bool):
@@ -109,11 +110,11 @@ def load_trace(path: str, time_column: str | None = "timestamp", time_unit: str 
         raise ValueError(f"time unit must be one of {', '.join(TIME_UNITS)}, got {time_unit!r}")
     need = tuple(c for c in (time_column, input_column, output_column, hash_column) if c)
     out, t0 = [], None
-    for line, row in _records(path, need):
-        item = WorkloadRequest(_number(row, input_column, path, line, least=1),
-                               _number(row, output_column, path, line, least=1))
+    for line, row in records(path, need):
+        item = WorkloadRequest(number(row, input_column, path, line, least=1),
+                               number(row, output_column, path, line, least=1))
         if time_column:
-            t = _number(row, time_column, path, line, float)
+            t = number(row, time_column, path, line, float)
             t0 = t if t0 is None else t0
             item.arrival = (t - t0) * TIME_UNITS[time_unit]
         if hash_column:
@@ -135,7 +136,7 @@ def load_trace(path: str, time_column: str | None = "timestamp", time_unit: str 
 def load_azure_trace(path: str, limit: int | None = None) -> list[WorkloadRequest]:
     """Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens), lengths and arrivals."""
     out, t0 = [], None
-    for line, row in _records(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), jsonl=False):
+    for line, row in records(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), jsonl=False):
         # 7 fractional digits: datetime takes at most 6
         base, _, frac = row["TIMESTAMP"].partition(".")
         try:
@@ -144,8 +145,8 @@ def load_azure_trace(path: str, limit: int | None = None) -> list[WorkloadReques
             raise ValueError(f"{path}, line {line}: TIMESTAMP must look like 2023-11-16 18:15:46.6805900, "
                              f"got {row['TIMESTAMP']!r}") from None
         t0 = t if t0 is None else t0
-        out.append(WorkloadRequest(_number(row, "ContextTokens", path, line, least=1),
-                                   _number(row, "GeneratedTokens", path, line, least=1), arrival=t - t0))
+        out.append(WorkloadRequest(number(row, "ContextTokens", path, line, least=1),
+                                   number(row, "GeneratedTokens", path, line, least=1), arrival=t - t0))
         if limit is not None and len(out) >= limit:
             break
     return out
@@ -155,7 +156,7 @@ def load_sharegpt(path: str, tokenizer, limit: int | None = None) -> list[Worklo
     """ShareGPT-style JSONL pairs ({"human": ..., "gpt": ...}): prompt = human text tokenized with the
     model's tokenizer; output length = the reference reply's token count."""
     out = []
-    for line, row in _records(path, ("human", "gpt"), jsonl=True):
+    for line, row in records(path, ("human", "gpt"), jsonl=True):
         if not isinstance(row["human"], str) or not isinstance(row["gpt"], str):
             raise ValueError(f"{path}, line {line}: human and gpt must be texts")
         ids = tokenizer.encode(row["human"])
@@ -170,10 +171,10 @@ def load_sharegpt(path: str, tokenizer, limit: int | None = None) -> list[Worklo
 def load_arxiv(path: str, limit: int | None = None) -> list[WorkloadRequest]:
     """arXiv summarization JSONL (ContextTokens, GeneratedTokens, StartTimeOffset in ns, SynthesizedBody)."""
     out = []
-    for line, row in _records(path, ("ContextTokens", "GeneratedTokens", "StartTimeOffset"), jsonl=True):
-        out.append(WorkloadRequest(_number(row, "ContextTokens", path, line, least=1),
-                                   _number(row, "GeneratedTokens", path, line, least=1), row.get("SynthesizedBody"),
-                                   _number(row, "StartTimeOffset", path, line, float) / 1e9))
+    for line, row in records(path, ("ContextTokens", "GeneratedTokens", "StartTimeOffset"), jsonl=True):
+        out.append(WorkloadRequest(number(row, "ContextTokens", path, line, least=1),
+                                   number(row, "GeneratedTokens", path, line, least=1), row.get("SynthesizedBody"),
+                                   number(row, "StartTimeOffset", path, line, float) / 1e9))
         if limit is not None and len(out) >= limit:
             break
     return out
