@@ -47,9 +47,11 @@ class HandoffBook:
         self.transfers: dict[str, Transfer] = {}
         self._n = 0
 
-    def begin(self, request_id: str, layers: int, now: float) -> Transfer:
+    def begin(self, request_id: str, layers: int, now: float, leased: bool = True) -> Transfer:
+        """A new transfer; its lease runs from now, or (leased=False) from its first renew."""
         self._n += 1
-        t = Transfer(f"{request_id}#{self._n}", request_id, layers, self.lease_s, now + self.lease_s)
+        t = Transfer(f"{request_id}#{self._n}", request_id, layers, self.lease_s,
+                     now + self.lease_s if leased else float("inf"))
         self.transfers[t.id] = t
         return t
 
@@ -65,6 +67,9 @@ class HandoffBook:
         if layer != t.sent_layers:
             raise ValueError(f"transfer {tid}: layer {layer} arrived, layer {t.sent_layers} expected")
         t.state, t.sent_layers, t.lease_until = State.SENDING, layer + 1, now + t.lease_s
+
+    def renew(self, tid: str, now: float) -> None:
+        self._live(tid).lease_until = now + self.lease_s
 
     def commit(self, tid: str, checksum: int) -> Transfer:
         t = self._live(tid)

@@ -113,10 +113,13 @@ class Scheduler:
         return done
 
     def kv_failed(self, request_id: str, now: float) -> None:
-        """The KV of a reserved request did not come (or came wrong): free its blocks and compute it
-        here from its tokens (prompt and first output), as a recompute."""
-        req = self.receiving.pop(request_id)
-        self.bm.free(request_id)
+        """The KV of a received request will not come (or came wrong): free the blocks reserved for it,
+        if any, and compute it here from its tokens (prompt and any output), as a recompute."""
+        if (req := self.receiving.pop(request_id, None)) is not None:
+            self.bm.free(request_id)
+        else:
+            req = next(r for r in self.incoming if r.request_id == request_id)
+            self.incoming.remove(req)
         req.num_computed_tokens = 0
         self.add(req, now)
 

@@ -69,6 +69,7 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    after_layer = None  # called with each layer's index once its KV is in the cache
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
@@ -81,8 +82,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
-        for layer, cache in zip(self.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, positions, cache, meta, self.rotary)
+            if self.after_layer is not None:  # a layer's KV is written: a cluster hand-off may send it now
+                self.after_layer(i)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,7 @@ class OPTLayer(nn.Module):
 
 
 class OPTForCausalLM(nn.Module):
+    after_layer = None  # called with each layer's index once its KV is in the cache
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
@@ -73,8 +74,10 @@ class OPTForCausalLM(nn.Module):
         if self.project_in is not None:
             x = F.linear(x, self.project_in)
         x = x + F.embedding(positions + POSITION_OFFSET, self.embed_positions)
-        for layer, cache in zip(self.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cache, meta)
+            if self.after_layer is not None:
+                self.after_layer(i)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

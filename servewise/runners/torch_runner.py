@@ -23,6 +23,7 @@ class TorchRunner:
         self.model, self.mc, self.bs, self.device = model, mc, block_size, torch.device(device)
         self.capacity = (num_device_blocks, num_host_blocks)
         self.seqs: dict[str, SeqState] = {}  # the requests this runner holds, by id
+        self.current: SchedulerOutput | None = None  # the step being executed
         dtype = next(model.parameters()).dtype
         per_block = (block_size, mc.num_kv_heads, mc.head_dim)
         # [layer, k/v, block, slot-in-block, kv head, head dim]
@@ -81,6 +82,7 @@ class TorchRunner:
         if not out.scheduled:
             return StepResult([], 0.0)
         rows = [self.seqs[rid] for rid in out.scheduled]
+        self.current = out  # for a model's after_layer hook
         ids, positions, meta, last, sampling = self._prepare(out, rows)
         hidden = self.model(ids, positions, self.kv_caches, meta)
         if last is not None:

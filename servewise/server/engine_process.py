@@ -64,6 +64,33 @@ def _engine_main(engine_kwargs: dict, threads: int, log_level: int, cmds, outs) 
             outs.send(("out", refused + loop.outputs(), engine.stats()))
 
 
+def spawn(ctx, target, args: tuple, name: str):
+    """Start target(*args, log level, command reader, output writer) in a child process and wait for
+    its first message; returns (process, command writer, output reader, the "ready" message). A child
+    that fails to build reports ("failed", why, the user's fault?): ValueError if it was, else RuntimeError."""
+    cmd_r, cmd_w = ctx.Pipe(duplex=False)
+    out_r, out_w = ctx.Pipe(duplex=False)
+    level = logging.getLogger("servewise").getEffectiveLevel()
+    proc = ctx.Process(target=target, args=(*args, level, cmd_r, out_w), name=name, daemon=True)
+    proc.start()
+    cmd_r.close()
+    out_w.close()  # the child holds the only write end: its death reads as EOF here
+    try:
+        if not out_r.poll(STARTUP_TIMEOUT_S):
+            proc.kill()
+            raise RuntimeError(f"{name} did not start within {STARTUP_TIMEOUT_S} s")
+        msg = out_r.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(f"{name} exited while starting (exit code {proc.exitcode})") from None
+    if msg[0] == "failed":
+        proc.join(5)
+        if len(msg) > 2 and msg[2]:
+            raise ValueError(msg[1])  # as an in-process build would: the command line says "error: ..."
+        raise RuntimeError(f"the engine could not be built: {msg[1]}")
+    return proc, cmd_w, out_r, msg
+
+
 class ProcessEngineClient(StreamingClient):
     """An EngineClient whose engine runs in a child process (spawned, so no state is inherited)."""
 
@@ -93,28 +120,9 @@ class ProcessEngineClient(StreamingClient):
 
     def _launch(self):
         """Start an engine process and wait until it is built; returns (tokenizer, limits)."""
-        cmd_r, cmd_w = self._ctx.Pipe(duplex=False)
-        out_r, out_w = self._ctx.Pipe(duplex=False)
-        level = logging.getLogger("servewise").getEffectiveLevel()
-        proc = self._ctx.Process(target=_engine_main, args=(self.engine_kwargs, self._threads, level, cmd_r, out_w),
-                                 name="servewise-engine", daemon=True)
-        proc.start()
-        cmd_r.close()
-        out_w.close()  # the child holds the only write end: its death reads as EOF here
-        try:
-            if not out_r.poll(STARTUP_TIMEOUT_S):
-                raise RuntimeError(f"the engine process did not start within {STARTUP_TIMEOUT_S} s")
-            msg = out_r.recv()
-        except EOFError:
-            proc.join(5)
-            raise RuntimeError(f"the engine process exited while starting (exit code {proc.exitcode})") from None
-        if msg[0] == "failed":
-            proc.join(5)
-            if len(msg) > 2 and msg[2]:
-                raise ValueError(msg[1])  # as an in-process build would: the command line says "error: ..."
-            raise RuntimeError(f"the engine could not be built: {msg[1]}")
+        self._proc, self._cmds, self._outs, msg = spawn(self._ctx, _engine_main, (self.engine_kwargs, self._threads),
+                                                        "servewise-engine")
         _, tokenizer, limits, self._first_stats = msg
-        self._proc, self._cmds, self._outs = proc, cmd_w, out_r
         self._up = True
         return tokenizer, limits
 

@@ -1,0 +1,276 @@
+"""One engine instance of a real cluster, run in its own process or in a Ray actor: the engine loop of
+the single-engine server plus the two sides of the KV hand-off.
+
+Commands in (plain tuples, from the coordinator):
+- ("add", rid, ids, params, segment path or None): a request; with a path, this instance prefills it
+  and hands it off, writing its KV layer by layer into that segment (during the forward pass when
+  `layerwise`, else after the step), and keeps its blocks until "release".
+- ("expect", rid, ids, params, segment path): a request another instance prefills; blocks are
+  reserved for it as soon as they are free, and its layers are copied in as they are written.
+- ("first", rid, token, logprobs): its first token, sampled by the prompt instance.
+- ("release", rid): the transfer has ended (committed, aborted or expired): free the held blocks.
+- ("fail", rid): the KV will not come (the sender died or its lease expired): compute the request here
+  from its prompt and whatever tokens it has.
+- ("abort", rid, reason), ("stop",), and ("fault", name), which tests use to inject failures.
+
+Out: ("ready", tokenizer, limits, stats), then ("out", outputs, stats, events) after every step or
+command, where events are ("handoff", rid, token, logprobs) and ("kv_done", rid, ok, reason).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+from servewise.cluster.handoff import combine
+from servewise.cluster.transport import Segment, crc
+from servewise.engine.block_manager import blocks_for
+from servewise.server.client import EngineLoop
+
+FAULTS = ("corrupt", "stall", "drop", "exit_on_handoff", "exit_now")
+
+
+@dataclass
+class Incoming:
+    path: str
+    segment: Segment | None = None
+    reserved: bool = False
+    copied: int = 0
+    first: tuple | None = None  # (token, logprobs) once the prompt instance has sent it
+    failed: str | None = None
+    orphaned: bool = False  # the coordinator says no first token will come unless it came already
+    sums: list = field(default_factory=list)  # CRC-32 of each layer copied
+
+
+class Instance:
+    def __init__(self, engine, layerwise: bool = True):
+        self.engine, self.loop, self.layerwise = engine, EngineLoop(engine), layerwise
+        self.runner = engine.runner
+        mc = engine.model_config
+        self.layers, self.bs = mc.num_layers, engine.block_manager.block_size
+        self.dtype = self.runner.device_cache.dtype
+        self.kv_shape = tuple(self.runner.device_cache.shape[3:])  # block size, kv heads, head dim
+        self.sending: dict[str, str] = {}  # rid -> segment path, until released
+        self.segments: dict[str, Segment] = {}  # rid -> segment being written
+        self.incoming: dict[str, Incoming] = {}
+        self.events: list[tuple] = []
+        self.faults: set[str] = set()
+        if layerwise:
+            self.runner.model.after_layer = self._after_layer
+
+    # --- commands ----------------------------------------------------------------------------
+    def command(self, cmd: tuple) -> list:
+        """Apply one command; returns outputs for requests it refused."""
+        kind, *args = cmd
+        eng = self.engine
+        if kind == "add":
+            rid, ids, params, path = args
+            if (out := self.loop.add(rid, ids, params)) is not None:
+                return [out]
+            if path is not None:
+                eng.requests[rid].handoff = True
+                self.sending[rid] = path
+        elif kind == "expect":
+            rid, ids, params, path = args
+            try:
+                req = eng.make_request(ids, params, request_id=rid)
+            except ValueError as e:
+                return [(rid, [], None, True, f"error: {e}")]
+            req.num_computed_tokens = len(ids)
+            req.output_token_ids.append(0)  # a placeholder for the first token, never decoded from
+            eng.receive(req)
+            self.loop.open[rid] = [req, 1]
+            self.incoming[rid] = Incoming(path)
+        elif kind == "first":
+            rid, token, lps = args
+            if (inc := self.incoming.get(rid)) is not None:
+                inc.first = (token, lps)
+                req = eng.requests[rid]
+                req.output_token_ids[0] = token
+                if lps is not None:
+                    req.output_logprobs.append(lps)
+        elif kind == "release":
+            self._forget_sent(args[0])
+            if args[0] in eng.scheduler.held:
+                eng.release(args[0])
+        elif kind == "fail":
+            if (inc := self.incoming.get(args[0])) is not None:
+                inc.failed, inc.orphaned = inc.failed or "the KV will not come", True
+        elif kind == "abort":
+            rid, reason = args
+            self._forget_sent(rid)
+            self.incoming.pop(rid, None)
+            self.loop.abort(rid, reason)
+        elif kind == "fault":
+            if args[0] not in FAULTS:
+                raise ValueError(f"unknown fault {args[0]!r}")
+            if args[0] == "exit_now":
+                os._exit(3)
+            self.faults.add(args[0])
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+        return []
+
+    def _forget_sent(self, rid: str) -> None:
+        self.sending.pop(rid, None)
+        self.segments.pop(rid, None)
+        if rid in self.engine.scheduler.held:
+            self.loop.open.pop(rid, None)  # its tokens come from the token instance now
+
+    # --- the prompt side ---------------------------------------------------------------------
+    def _segment(self, rid: str, n_blocks: int) -> Segment:
+        seg = self.segments.get(rid)
+        if seg is None:
+            path = self.sending[rid]
+            seg = Segment(path + ".new", self.layers, (2, n_blocks, *self.kv_shape), self.dtype, create=True)
+            os.rename(path + ".new", path)  # a reader never sees a segment without its header
+            seg.path = path
+            self.segments[rid] = seg
+        return seg
+
+    def _write(self, rid: str, layer: int, block_ids: list[int]) -> None:
+        if "drop" in self.faults or ("stall" in self.faults and layer > 0):
+            return
+        seg = self._segment(rid, len(block_ids))
+        seg.write(layer, self.runner.device_cache[layer, :, block_ids])
+        if "corrupt" in self.faults and layer == min(1, self.layers - 1):
+            seg.data[layer].view(-1)[0] += 1.0  # after the checksum: a bit flipped on the way
+
+    def _prefilling(self):
+        """(rid, prompt block ids) of the requests to hand off whose prefill completes in this step."""
+        out, reqs = self.runner.current, self.engine.requests
+        for rid, n in zip(out.scheduled, out.num_scheduled_tokens):
+            if rid in self.sending and (req := reqs.get(rid)) is not None and req.handoff and \
+                    req.num_computed_tokens + n >= req.num_prompt_tokens:
+                yield rid, self.runner.seqs[rid].block_ids[:blocks_for(req.num_prompt_tokens, self.bs)]
+
+    def _after_layer(self, layer: int) -> None:
+        for rid, blocks in self._prefilling():
+            self._write(rid, layer, blocks)
+
+    def _handed_off(self, rids: list[str]) -> None:
+        tables = self.engine.block_manager.device_tables
+        for rid in rids:
+            req = self.engine.scheduler.held[rid]
+            if not self.layerwise:
+                blocks = tables[rid][:blocks_for(req.num_prompt_tokens, self.bs)]
+                for k in range(self.layers):
+                    self._write(rid, k, blocks)
+            if "exit_on_handoff" in self.faults:
+                os._exit(3)  # the KV is written, the first token never reported
+            lps = req.output_logprobs[0] if req.output_logprobs else None
+            self.events.append(("handoff", rid, req.output_token_ids[0], lps))
+            self.segments.pop(rid, None)
+
+    # --- the token side ----------------------------------------------------------------------
+    def _receive(self) -> None:
+        eng = self.engine
+        for rid in eng.reserve_incoming():
+            if rid in self.incoming:
+                self.incoming[rid].reserved = True
+        cache, tables = self.runner.device_cache, eng.block_manager.device_tables
+        for rid, inc in list(self.incoming.items()):
+            if inc.failed is None and inc.reserved:
+                try:
+                    self._copy(rid, inc, cache, tables[rid])
+                except (OSError, ValueError) as e:
+                    inc.failed = f"unreadable KV: {e}"
+            if inc.failed is not None and (inc.first is not None or inc.orphaned):
+                self._recompute(rid, inc)
+            elif inc.copied == self.layers and inc.first is not None:
+                del self.incoming[rid]
+                eng.kv_arrived(rid)
+                self.events.append(("kv_done", rid, True, None, combine(inc.sums)))
+
+    def _copy(self, rid: str, inc: Incoming, cache, table: list[int]) -> None:
+        """Copy the layers written so far into the request's blocks, checking each one's CRC on the copy."""
+        if inc.segment is None:
+            if not os.path.exists(inc.path):
+                return
+            n = blocks_for(self.engine.requests[rid].num_prompt_tokens, self.bs)
+            inc.segment = Segment(inc.path, self.layers, (2, n, *self.kv_shape), self.dtype, create=False)
+        seg = inc.segment
+        dst = table[:seg.shape[1]]
+        while inc.copied < seg.written:
+            k = inc.copied
+            cache[k, :, dst] = seg.data[k]
+            inc.sums.append(crc(cache[k, :, dst]))
+            if inc.sums[-1] != seg.checksum(k):
+                inc.failed = f"checksum mismatch in layer {k}"
+                return
+            inc.copied += 1
+
+    def _recompute(self, rid: str, inc: Incoming) -> None:
+        """Compute a request whose KV failed here instead. Without its first token (the prompt
+        instance died before sending it), it starts from its prompt like a new request."""
+        del self.incoming[rid]
+        self.events.append(("kv_done", rid, False, inc.failed, None))
+        req = self.engine.requests[rid]
+        if inc.first is None:
+            req.output_token_ids.clear()
+            self.loop.open[rid][1] = 0
+        self.engine.kv_failed(rid)
+
+    # --- the loop ----------------------------------------------------------------------------
+    def busy(self) -> bool:
+        return self.engine.has_unfinished() or bool(self.incoming)
+
+    def tick(self) -> tuple[list, bool]:
+        """Reserve and copy incoming KV, run a step if there is work; returns (outputs, whether anything happened)."""
+        did = bool(self.incoming)
+        if self.incoming:
+            self._receive()
+        if self.engine.has_unfinished():
+            stats = self.engine.step()
+            if stats.handed_off:
+                self._handed_off(stats.handed_off)
+            did = True
+        return self.loop.outputs(), did
+
+    def take_events(self) -> list[tuple]:
+        ev, self.events = self.events, []
+        return ev
+
+
+def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, log_level: int, cmds, outs) -> None:
+    """An instance's whole life: build the engine, report ready, then serve commands and steps until
+    "stop" or until the coordinator is gone. cmds: poll(timeout), recv(); outs: send(message) (the
+    ends of two pipes, or of two queues in a Ray actor)."""
+    import torch
+
+    from servewise.builder import build_engine
+    from servewise.server.engine_process import USER_ERRORS
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(format="%(message)s", stream=sys.stderr)
+    logging.getLogger("servewise").setLevel(log_level)
+    try:
+        inst = Instance(build_engine(**engine_kwargs), layerwise)
+    except Exception as e:
+        outs.send(("failed", str(e) if isinstance(e, USER_ERRORS) else f"{type(e).__name__}: {e}",
+                   isinstance(e, USER_ERRORS)))
+        return
+    eng = inst.engine
+    outs.send(("ready", eng.tokenizer, eng.limits, eng.stats(), inst.layers))
+    while True:
+        timeout = 0 if eng.has_unfinished() else 0.002 if inst.incoming else 0.5
+        refused: list = []
+        touched = False
+        try:
+            while cmds.poll(timeout):
+                cmd = cmds.recv()
+                if cmd[0] == "stop":
+                    return
+                refused += inst.command(cmd)
+                touched, timeout = True, 0
+        except EOFError:  # the coordinator is gone
+            return
+        try:
+            stepped, did = inst.tick()
+        except Exception as e:
+            outs.send(("failed", f"engine step failed: {type(e).__name__}: {e}"))
+            return
+        events = inst.take_events()
+        if touched or did or events:
+            outs.send(("out", refused + stepped, eng.stats(), events))

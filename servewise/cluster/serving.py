@@ -1,0 +1,416 @@
+"""A real cluster behind one engine client: N engine instances, each in its own process (or Ray actor),
+with roles, a router in front and the KV hand-off between them. The HTTP server takes it as it takes a
+single engine (server/client.py's StreamingClient).
+
+The coordinator lives here, in the server's process, and is the hand-off's single source of truth
+(handoff.HandoffBook):
+- A request goes to one instance chosen by the router (`mixed` instances: JSQ or round robin), or, in
+  a Splitwise split, to a prompt instance and a token instance chosen together when it arrives
+  (routers.SplitwisePools on the instances' last reported load), so that the token instance reserves
+  blocks and copies each layer while the prompt instance computes the next.
+- Its tokens reach the client from one instance at a time, its owner: the prompt instance up to the
+  first token, then the token instance. Anything else an instance reports about it is dropped.
+- The transfer ends committed (the token instance checked every layer's CRC on its copy), aborted
+  (a bad checksum, a client gone) or expired (no commit within `lease_s` of the first token): in every
+  case the prompt instance frees its blocks and the segment is removed; a token instance without good
+  KV computes the request itself, from its prompt and first token.
+- An instance that dies fails its own requests with a clear error, except those it was only
+  prefilling for a live token instance, which that instance finishes; its transfers are ended so no
+  block stays held elsewhere; it is started again up to `max_restarts` times, and the router skips it
+  while it is down.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+from servewise.cluster.handoff import ENDED, HandoffBook
+from servewise.cluster.instance import instance_main
+from servewise.cluster.routers import SplitwisePools, make_router
+from servewise.cluster.transport import make_dir, remove_dir
+from servewise.engine.block_manager import blocks_for
+from servewise.engine.interfaces import EngineStats, PoolStats
+from servewise.server.client import StreamingClient
+from servewise.server.engine_process import spawn
+
+ROLES = ("mixed", "prompt", "token")
+DOWN = EngineStats(0, 10**9, 0, PoolStats(0, 0), PoolStats(0, 0), {}, 10**9, 0, 10**9)  # what a dead instance looks like to a router
+
+
+def parse_instances(spec: str) -> list[str]:
+    """"2" -> two mixed instances; "prompt=1,token=1" (or "prompt:1,token:1") -> the roles in order."""
+    spec = spec.strip()
+    if spec.isdigit():
+        if int(spec) < 1:
+            raise ValueError("--instances needs at least one instance")
+        return ["mixed"] * int(spec)
+    roles: list[str] = []
+    for part in spec.split(","):
+        role, sep, n = part.replace(":", "=").partition("=")
+        if role.strip() not in ROLES or not sep or not n.strip().isdigit():
+            raise ValueError(f"--instances {spec!r}: expected a count or ROLE=N pairs with roles {', '.join(ROLES)}")
+        roles += [role.strip()] * int(n)
+    if not roles:
+        raise ValueError(f"--instances {spec!r} names no instance")
+    if ("prompt" in roles) != ("token" in roles) or ("prompt" in roles and "mixed" in roles):
+        raise ValueError(f"--instances {spec!r}: a split needs prompt and token instances and no mixed ones")
+    return roles
+
+
+@dataclass
+class Move:
+    """A request prefilled on one instance and decoded on another."""
+
+    tid: str
+    prompt: int
+    token: int
+    path: str
+
+
+@dataclass
+class Member:
+    """The coordinator's handle on one instance."""
+
+    index: int
+    role: str
+    up: bool = False
+    stats: EngineStats | None = None
+    restarts: int = 0
+    pid: int | None = None
+    outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    conn: object = None  # the launcher's handle: (process, command writer, output reader) or a Ray actor
+
+
+class ClusterClient(StreamingClient):
+    def __init__(self, engine_kwargs: dict, roles: list[str], threads: int = 1, launcher: str = "process",
+                 layerwise: bool = True, router: str = "jsq", lease_s: float = 5.0, max_waiting: int = 512,
+                 max_restarts: int = 3, on_finish=None, log=None):
+        if launcher not in ("process", "ray"):
+            raise ValueError(f"unknown launcher {launcher!r}; choose process or ray")
+        self.engine_kwargs, self.threads, self.layerwise = dict(engine_kwargs), threads, layerwise
+        self.launcher, self.max_restarts = launcher, max_restarts
+        self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.split = "prompt" in roles
+        self.pools = SplitwisePools(roles) if self.split else None
+        self.router = None if self.split else make_router(router)
+        self.book = HandoffBook(lease_s)
+        self.members = [Member(i, r) for i, r in enumerate(roles)]
+        self.owner: dict[str, int] = {}  # request id -> the instance whose tokens reach the client
+        self.moves: dict[str, Move] = {}
+        self.handoffs = {"committed": 0, "recomputed": 0, "expired": 0, "lost": 0}
+        self._co = threading.RLock()
+        self._stopping = False
+        self.kv_dir = make_dir()
+        self._ctx = mp.get_context("spawn")
+        if launcher == "ray":
+            from servewise.cluster import ray_launcher
+            self._ray = ray_launcher
+            ray_launcher.connect()  # once, from this thread, before instances start in parallel
+        try:
+            ready = self._launch_all()
+        except BaseException:
+            self.shutdown()
+            raise
+        super().__init__(ready[0], ready[1], max_waiting, on_finish)
+        self._stats = self._aggregate()
+
+    # --- instances ---------------------------------------------------------------------------
+    def _launch_all(self):
+        results: list = [None] * len(self.members)
+
+        def go(m: Member):
+            try:
+                results[m.index] = self._launch(m)
+            except Exception as e:  # noqa: BLE001 (reported below, with the first failure's type)
+                results[m.index] = e
+        threads = [threading.Thread(target=go, args=(m,)) for m in self.members]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return results[0]
+
+    def _launch(self, m: Member):
+        """Start instance m and wait until its engine is built; returns (tokenizer, limits)."""
+        args = (self.engine_kwargs, self.threads, self.layerwise)
+        if self.launcher == "ray":
+            m.conn, msg = self._ray.start(args)
+            m.pid = self._ray.pid(m.conn)
+        else:
+            proc, cmd_w, out_r, msg = spawn(self._ctx, instance_main, args, f"servewise instance {m.index} ({m.role})")
+            m.conn, m.pid = (proc, cmd_w, out_r), proc.pid
+        _, tokenizer, limits, m.stats, self.layers = msg
+        m.outbox = queue.SimpleQueue()
+        m.up = True
+        return tokenizer, limits
+
+    def start(self) -> None:
+        for m in self.members:
+            self._start_io(m)
+        threading.Thread(target=self._expire_loop, name="servewise-leases", daemon=True).start()
+
+    def _start_io(self, m: Member) -> None:
+        threading.Thread(target=self._read, args=(m, m.conn), name=f"servewise-read-{m.index}", daemon=True).start()
+        threading.Thread(target=self._write, args=(m, m.conn, m.outbox), name=f"servewise-write-{m.index}",
+                         daemon=True).start()
+
+    def _write(self, m: Member, conn, outbox) -> None:
+        while True:
+            cmd = outbox.get()
+            try:
+                if self.launcher == "ray":
+                    self._ray.push(conn, cmd)
+                else:
+                    conn[1].send(cmd)
+            except Exception:  # noqa: BLE001 (the instance is gone: its reader reports it)
+                pass
+            if cmd[0] == "stop":
+                return
+
+    def _read(self, m: Member, conn) -> None:
+        while True:
+            try:
+                msgs = self._ray.pull(conn) if self.launcher == "ray" else [conn[2].recv()]
+            except Exception:  # noqa: BLE001 (EOF on the pipe, or a dead actor)
+                msgs = [("failed", None)]
+            for msg in msgs:
+                if msg[0] == "out":
+                    self._on_out(m, *msg[1:])
+                    continue
+                if self._stopping or conn is not m.conn:
+                    return
+                self._on_death(m, msg[1])
+                return
+
+    def _tell(self, i: int, cmd: tuple) -> None:
+        m = self.members[i]
+        if m.up:
+            m.outbox.put(cmd)
+
+    def instance_info(self) -> list[dict]:
+        return [{"index": m.index, "role": m.role, "up": m.up, "pid": m.pid, "restarts": m.restarts}
+                for m in self.members]
+
+    # --- requests ----------------------------------------------------------------------------
+    def _loads(self) -> list[EngineStats]:
+        return [m.stats if m.up else DOWN for m in self.members]
+
+    def _charge(self, i: int, prompt_len: int, blocks: int, prompt: bool) -> None:
+        """Count a routed request in the instance's load until its next report."""
+        st = self.members[i].stats
+        self.members[i].stats = replace(st, waiting=st.waiting + prompt, queued_tokens=st.queued_tokens + prompt_len * prompt,
+                                        committed_blocks=st.committed_blocks + blocks)
+
+    def _send(self, command: tuple) -> None:
+        with self._co:
+            if command[0] == "add":
+                self._route(*command[1:])
+            elif command[0] == "abort":
+                rid, reason = command[1:]
+                if (mv := self.moves.pop(rid, None)) is not None:
+                    self._end(mv, reason)
+                    self._tell(mv.prompt, ("abort", rid, reason))
+                    self._tell(mv.token, ("abort", rid, reason))
+                elif rid in self.owner:
+                    self._tell(self.owner[rid], ("abort", rid, reason))
+
+    def _route(self, rid: str, ids: list[int], params) -> None:
+        loads = self._loads()
+        if not any(m.up for m in self.members):
+            self._deliver([(rid, [], None, True, "error: no instance is up")], None)
+            return
+        need = blocks_for(len(ids) + params.max_tokens, self.limits.block_size)
+        if not self.split:
+            i = self.router(len(ids), loads)
+            self._charge(i, len(ids), need, True)
+            self.owner[rid] = i
+            self._tell(i, ("add", rid, ids, params, None))
+            return
+        p = self.pools.prompt(len(ids), loads)
+        t = self.pools.token(need, loads, p) if min(params.max_tokens, self.limits.max_model_len - len(ids)) > 1 else p
+        if not self.members[t].up:
+            t = p
+        self.owner[rid] = p
+        self._charge(p, len(ids), need if t == p else blocks_for(len(ids), self.limits.block_size), True)
+        if t == p:
+            self._tell(p, ("add", rid, ids, params, None))
+            return
+        self._charge(t, 0, need, False)
+        tr = self.book.begin(rid, self.layers, time.monotonic(), leased=False)  # leased from the first token on
+        mv = self.moves[rid] = Move(tr.id, p, t, os.path.join(self.kv_dir, tr.id.replace("#", "-")))
+        self._tell(t, ("expect", rid, ids, params, mv.path))
+        self._tell(p, ("add", rid, ids, params, mv.path))
+
+    def _end(self, mv: Move, reason: str | None = None, checksum: int | None = None) -> None:
+        """End a transfer, committed (with the checksum of what arrived) or aborted (with a reason) if it
+        has not ended already (expired), and drop its segment."""
+        tr = self.book.transfers[mv.tid]
+        if tr.state not in ENDED:
+            if checksum is not None:
+                now = time.monotonic()
+                for k in range(tr.sent_layers, tr.layers):  # the token instance copied them in order
+                    self.book.layer_sent(mv.tid, k, now)
+                self.book.commit(mv.tid, checksum)
+            else:
+                self.book.abort(mv.tid, reason)
+        try:
+            os.unlink(mv.path)
+        except FileNotFoundError:
+            pass
+
+    # --- what instances report ---------------------------------------------------------------
+    def _on_out(self, m: Member, outputs: list, stats: EngineStats, events: list) -> None:
+        with self._co:
+            if not m.up:
+                return
+            m.stats = stats
+            mine = []
+            for out in outputs:
+                rid = out[0]
+                if self.owner.get(rid) != m.index:
+                    continue
+                mine.append(out)
+                if out[3]:  # finished
+                    del self.owner[rid]
+                    if (mv := self.moves.pop(rid, None)) is not None:  # ended at the prompt instance (EOS, an error)
+                        self._end(mv, "finished before its hand-off")
+                        self._tell(mv.token, ("abort", rid, "finished at the prompt instance"))
+            for ev in events:
+                getattr(self, f"_on_{ev[0]}")(m.index, *ev[1:])
+            if mine:
+                self._deliver(mine, None)
+            self._stats = self._aggregate()
+
+    def _on_handoff(self, i: int, rid: str, token: int, lps) -> None:
+        mv = self.moves.get(rid)
+        if mv is None:  # the transfer ended already (a bad checksum, an abort): nothing to keep here
+            self._tell(i, ("release", rid))
+            return
+        self.owner[rid] = mv.token
+        self.book.renew(mv.tid, time.monotonic())
+        self._tell(mv.token, ("first", rid, token, lps))
+
+    def _on_kv_done(self, i: int, rid: str, ok: bool, why: str | None, checksum: int | None) -> None:
+        """The token instance has the KV (ok) or computes the request itself; either way after the first token."""
+        if (mv := self.moves.pop(rid, None)) is None:
+            return
+        self.handoffs["committed" if ok else "recomputed"] += 1
+        self._end(mv, why, checksum if ok else None)
+        self._tell(mv.prompt, ("release", rid))
+
+    def _expire_loop(self) -> None:
+        while not self._stopping:
+            time.sleep(0.05)
+            with self._co:
+                for tr in self.book.expire(time.monotonic()):
+                    if (mv := self.moves.pop(tr.request_id, None)) is None:
+                        continue
+                    self.handoffs["expired"] += 1
+                    self._end(mv)
+                    self._tell(mv.prompt, ("abort", tr.request_id, "its KV transfer expired"))
+                    self.owner[tr.request_id] = mv.token
+                    self._tell(mv.token, ("fail", tr.request_id))
+
+    def _on_death(self, m: Member, reason: str | None) -> None:
+        proc = m.conn[0] if self.launcher == "process" else None
+        if proc is not None:
+            proc.join(1)
+        reason = reason or f"instance {m.index} ({m.role}) exited" + (f" (exit code {proc.exitcode})" if proc else "")
+        with self._co:
+            m.up = False
+            lost = []
+            for rid, mv in list(self.moves.items()):
+                if m.index not in (mv.prompt, mv.token):
+                    continue
+                del self.moves[rid]
+                self._end(mv, reason)
+                other = mv.token if m.index == mv.prompt else mv.prompt
+                if m.index == mv.prompt and self.members[other].up:  # the token instance finishes it
+                    self.owner[rid] = other
+                    self._tell(other, ("fail", rid))
+                else:
+                    self._tell(other, ("abort", rid, reason))
+                    if self.owner.get(rid) is not None:
+                        self.owner[rid] = m.index  # fails with this instance's requests, below
+            for rid, i in list(self.owner.items()):
+                if i == m.index:
+                    del self.owner[rid]
+                    lost.append((rid, [], None, True, f"error: the engine failed: {reason}"))
+            self.handoffs["lost"] += len(lost)
+            self._stats = self._aggregate()
+        self._deliver(lost, None)
+        self._log(f"servewise: {reason}")
+        if self._stopping:
+            return
+        if m.restarts >= self.max_restarts:
+            self._log(f"servewise: instance {m.index} stays down after {m.restarts} restarts")
+            if not any(x.up for x in self.members):
+                self.error = f"every instance is down; last: {reason}"
+            return
+        m.outbox.put(("stop",))  # ends its writer thread
+        m.restarts += 1
+        self._log(f"servewise: restarting instance {m.index} ({m.restarts} of {self.max_restarts})")
+        try:
+            self._launch(m)
+        except (RuntimeError, ValueError) as e:
+            self._log(f"servewise: instance {m.index} could not restart: {e}")
+            return
+        self._start_io(m)
+
+    # --- the client protocol -----------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.error is None and any(m.up for m in self.members)
+
+    def _commands_pending(self) -> bool:
+        return any(not m.outbox.empty() for m in self.members)
+
+    def idle(self) -> bool:
+        with self._co:
+            busy = self.moves or any(m.stats.incoming or m.stats.committed_blocks for m in self.members if m.up)
+        return not busy and super().idle()
+
+    def _aggregate(self) -> EngineStats:
+        sts = [m.stats for m in self.members if m.up and m.stats is not None]
+        pre: dict[str, int] = {}
+        for s in sts:
+            for k, v in s.preemptions.items():
+                pre[k] = pre.get(k, 0) + v
+        total = lambda f: sum(f(s) for s in sts)  # noqa: E731
+        return EngineStats(total(lambda s: s.running), total(lambda s: s.waiting), total(lambda s: s.swapped),
+                           PoolStats(total(lambda s: s.device_blocks.total), total(lambda s: s.device_blocks.free)),
+                           PoolStats(total(lambda s: s.host_blocks.total), total(lambda s: s.host_blocks.free)),
+                           pre, total(lambda s: s.queued_tokens), total(lambda s: s.incoming),
+                           total(lambda s: s.committed_blocks), total(lambda s: s.inflight_tokens))
+
+    def fault(self, i: int, name: str) -> None:
+        """Inject a failure into instance i (tests): see instance.FAULTS."""
+        self._tell(i, ("fault", name))
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        for m in self.members:
+            if m.up:
+                m.outbox.put(("stop",))
+        for m in self.members:
+            if m.conn is None:
+                continue
+            if self.launcher == "ray":
+                self._ray.stop(m.conn)
+                continue
+            proc = m.conn[0]
+            proc.join(10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+        remove_dir(self.kv_dir)
+        logging.getLogger("servewise").debug("cluster stopped")
