@@ -383,6 +383,21 @@ def _add_serve(sub) -> None:
                          "the HTTP event loop and the engine do not share one interpreter)")
     sv.add_argument("--max-restarts", type=int, default=3,
                     help="times a dead engine process is started again before the server answers 503 for good")
+    cl = sv.add_argument_group("cluster (several engine instances behind one server)")
+    cl.add_argument("--instances", default=None,
+                    help="N (N mixed instances, --router picks one per request) or a Splitwise split such as "
+                         "prompt=1,token=1 (prefill on one, decode on the other, KV handed off between them); "
+                         "each instance runs --threads torch threads (default 1)")
+    cl.add_argument("--launcher", default="process", choices=["process", "ray"],
+                    help="instances as local processes, or as Ray actors (pip install -e \".[cluster]\")")
+    cl.add_argument("--router", default="jsq", choices=["round_robin", "jsq", "jsq_tokens"],
+                    help="how mixed instances share requests")
+    cl.add_argument("--kv-handoff", default="layerwise", choices=["layerwise", "serialized"],
+                    help="send each layer's KV as soon as the prompt's forward pass has written it, or all layers "
+                         "after the step")
+    cl.add_argument("--lease", type=float, default=5.0,
+                    help="seconds a KV transfer may take after the first token before the prompt instance frees "
+                         "its blocks and the token instance computes the request itself")
     sv.set_defaults(func=_run_serve)
 
 

@@ -24,10 +24,16 @@ def _special_tokens(model: str) -> tuple[str, str]:
 
 def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = None, api_key: str | None = None,
              max_waiting: int = 512, default_max_tokens: int = 16, log=None, engine_process: bool = True,
-             max_restarts: int = 3):
+             max_restarts: int = 3, cluster: dict | None = None):
     """(FastAPI app, engine client), the client started: the engine in its own process, or in a thread of
-    this one (engine_process=False)."""
-    if engine_process:
+    this one (engine_process=False), or several instances (cluster: ClusterClient's keyword arguments,
+    with `roles`)."""
+    if cluster is not None:
+        from servewise.cluster.serving import ClusterClient
+
+        client = ClusterClient(dict(engine_kwargs, model=model), max_waiting=max_waiting, max_restarts=max_restarts,
+                               log=log, **cluster)
+    elif engine_process:
         client = ProcessEngineClient(dict(engine_kwargs, model=model), max_waiting, max_restarts=max_restarts, log=log)
     else:
         client = ThreadEngineClient(build_engine(model=model, **engine_kwargs), max_waiting)
@@ -43,16 +49,33 @@ def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = No
 def main(a, engine_kwargs: dict) -> None:
     import uvicorn
 
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    app, engine = make_app(a.model, engine_kwargs, a.served_model_name, a.api_key, a.max_waiting, log=say,
-                           engine_process=not a.engine_in_thread, max_restarts=a.max_restarts)
-    st = engine.stats()
     import torch
 
-    where = "in a thread of the server" if a.engine_in_thread else f"in its own process (pid {engine.pid})"
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    cluster = None
+    if a.instances is not None:
+        from servewise.cluster.serving import parse_instances
+
+        if a.engine_in_thread:
+            raise ValueError("--engine-in-thread runs one engine; it cannot go with --instances")
+        if a.lease <= 0:
+            raise ValueError(f"--lease must be > 0 seconds, got {a.lease}")
+        cluster = dict(roles=parse_instances(a.instances), threads=a.threads or 1, launcher=a.launcher,
+                       router=a.router, layerwise=a.kv_handoff == "layerwise", lease_s=a.lease)
+    app, engine = make_app(a.model, engine_kwargs, a.served_model_name, a.api_key, a.max_waiting, log=say,
+                           engine_process=not a.engine_in_thread, max_restarts=a.max_restarts, cluster=cluster)
+    st = engine.stats()
+    if cluster is not None:
+        members = ", ".join(f"{m['role']} pid {m['pid']}" for m in engine.instance_info())
+        where = (f"{len(cluster['roles'])} instances as {'Ray actors' if a.launcher == 'ray' else 'processes'} "
+                 f"({members}), {cluster['threads']} torch thread(s) each, "
+                 + (f"KV hand-off {a.kv_handoff}" if engine.split else f"router {a.router}"))
+    else:
+        where = ("engine in a thread of the server" if a.engine_in_thread else
+                 f"engine in its own process (pid {engine.pid})") + f", torch threads {torch.get_num_threads()}"
     say(f"serving {a.served_model_name or a.model} on http://{a.host}:{a.port}/v1 "
         f"({st.device_blocks.total} device / {st.host_blocks.total} host KV blocks, policy {a.policy}, preemption "
-        f"{a.preemption}, torch threads {torch.get_num_threads()}, engine {where}"
+        f"{a.preemption}, {where}"
         f"{', API key required' if a.api_key else ''})")
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)

@@ -1,0 +1,216 @@
+"""A real cluster (cluster/serving.py): instances in their own processes (or Ray actors), a prompt ->
+token hand-off of real KV tensors, and the faults it must survive: afterwards every block is free in
+every pool, every request completed with the tokens of one engine or got a clear error, and the
+cluster still answers."""
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from servewise.builder import build_engine
+from servewise.cluster.serving import ClusterClient, parse_instances
+from servewise.sampling_params import SamplingParams
+
+KW = dict(model="tiny-llama", num_device_blocks=64, block_size=4)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+PROMPTS = [[5 + (7 * i + j) % 300 for i in range(n)] for j, n in enumerate((9, 23, 40, 17, 33))]
+WORK = [(p, GREEDY) for p in PROMPTS] + [(PROMPTS[1], SEEDED), (PROMPTS[2], SamplingParams(max_tokens=1, temperature=0.0))]
+
+
+def alone(work):
+    eng = build_engine(**KW)
+    reqs = [eng.add_request(p, q) for p, q in work]
+    while eng.has_unfinished():
+        eng.step()
+    return [r.output_token_ids for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def want():
+    return alone(WORK)
+
+
+async def _collect(q, first=None):
+    tokens = []
+    while True:
+        d = await q.get()
+        if d.error:
+            return "error: " + d.error
+        tokens += d.token_ids
+        if tokens and first is not None and not first.is_set():
+            first.set()
+        if d.finished:
+            return tokens
+
+
+def generate(client, work):
+    async def go():
+        handles = [client.submit(p, q) for p, q in work]
+        return await asyncio.gather(*[_collect(q) for _, q in handles])
+    return asyncio.run(go())
+
+
+def settled(client, timeout=20.0):
+    """Wait until nothing is in flight; then every pool of every live instance must be whole."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not (client.idle() and all(
+            m.stats.device_blocks.free == m.stats.device_blocks.total for m in client.members if m.up)):
+        time.sleep(0.02)
+    for m in client.members:
+        if m.up:
+            assert m.stats.device_blocks.free == m.stats.device_blocks.total, (m.index, m.stats)
+            assert m.stats.committed_blocks == 0 and m.stats.incoming == 0, (m.index, m.stats)
+    assert not client.moves and not client.owner
+    assert os.listdir(client.kv_dir) == []  # no shared-memory segment left behind
+    return True
+
+
+def cluster(roles=("prompt", "token"), **kw):
+    c = ClusterClient(KW, list(roles), **kw)
+    c.start()
+    return c
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "serialized"])
+def test_prompt_and_token_instances_give_the_tokens_of_one_engine(want, layerwise):
+    c = cluster(layerwise=layerwise)
+    try:
+        assert generate(c, WORK) == want  # greedy and seeded sampling, and a request done at its first token
+        assert c.handoffs == {"committed": 6, "recomputed": 0, "expired": 0, "lost": 0}
+        assert all(t.state.value == "committed" and t.sent_layers == 4 for t in c.book.transfers.values())
+        assert settled(c)
+        assert {m.pid for m in c.members} & {os.getpid()} == set()
+    finally:
+        c.shutdown()
+    assert not os.path.exists(c.kv_dir)
+
+
+def test_mixed_instances_share_requests_without_hand_offs(want):
+    c = cluster(("mixed", "mixed"), router="round_robin")
+    try:
+        assert generate(c, WORK) == want
+        assert c.handoffs["committed"] == 0 and not c.book.transfers
+        assert settled(c)
+    finally:
+        c.shutdown()
+
+
+def test_on_ray_actors_too(want):
+    pytest.importorskip("ray")
+    c = cluster(launcher="ray")
+    try:
+        assert generate(c, WORK) == want
+        assert c.handoffs["committed"] == 6 and settled(c)
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("fault,outcome", [("corrupt", "recomputed"), ("stall", "expired"), ("drop", "expired")])
+def test_bad_or_missing_kv_is_recomputed_never_decoded(want, fault, outcome):
+    """A flipped value after the checksum, a sender that stops after layer 0, one that sends nothing:
+    the token instance computes the requests itself; the prompt instance frees its blocks."""
+    c = cluster(lease_s=0.5)
+    try:
+        c.fault(0, fault)
+        assert generate(c, WORK[:3]) == want[:3]
+        assert c.handoffs[outcome] == 3 and c.handoffs["committed"] == 0
+        assert {t.state.value for t in c.book.transfers.values()} == {"aborted" if fault == "corrupt" else "expired"}
+        assert settled(c)
+    finally:
+        c.shutdown()
+
+
+def test_a_prompt_instance_that_dies_mid_transfer_loses_nothing(want):
+    """It wrote the KV but died before reporting the first token: the token instance computes the
+    requests from their prompts; the dead instance comes back and serves again."""
+    c = cluster()
+    try:
+        c.fault(0, "exit_on_handoff")
+        assert generate(c, WORK[:1]) == want[:1]
+        assert c.members[0].restarts == 1 and c.handoffs["lost"] == 0
+        assert generate(c, WORK[1:3]) == want[1:3]
+        assert settled(c)
+    finally:
+        c.shutdown()
+
+
+def test_a_token_instance_killed_mid_transfer_fails_its_request_clearly(want):
+    c = cluster(lease_s=60)  # the stalled transfer must not expire first
+
+    async def go():
+        first = asyncio.Event()
+        _, q = c.submit(PROMPTS[0], GREEDY)
+        task = asyncio.ensure_future(_collect(q, first))
+        await asyncio.wait_for(first.wait(), 30)  # the first token came from the prompt instance
+        os.kill(c.members[1].pid, signal.SIGKILL)
+        return await asyncio.wait_for(task, 30)
+
+    try:
+        c.fault(0, "stall")
+        out = asyncio.run(go())
+        assert out.startswith("error: the engine failed: instance 1 (token) exited"), out
+        assert c.book.transfers[next(iter(c.book.transfers))].state.value == "aborted"
+        end = time.monotonic() + 30
+        while not c.members[1].up and time.monotonic() < end:
+            time.sleep(0.05)
+        assert c.members[1].restarts == 1
+        assert settled(c)  # the prompt instance's blocks were freed
+        c.book.lease_s = 0.3  # the prompt instance still stalls: new hand-offs expire, and answer right
+
+        assert generate(c, WORK[1:2]) == want[1:2]
+    finally:
+        c.shutdown()
+
+
+def test_a_prompt_instance_killed_after_commit_does_not_stop_the_decode():
+    long = SamplingParams(max_tokens=180, temperature=0.0, ignore_eos=True)
+    (ref,) = alone([(PROMPTS[3], long)])
+    c = cluster()
+
+    async def go():
+        _, q = c.submit(PROMPTS[3], long)
+        task = asyncio.ensure_future(_collect(q))
+        while c.handoffs["committed"] == 0:
+            await asyncio.sleep(0.005)
+        os.kill(c.members[0].pid, signal.SIGKILL)
+        return await asyncio.wait_for(task, 60)
+
+    try:
+        assert asyncio.run(go()) == ref
+        assert c.handoffs["lost"] == 0
+        end = time.monotonic() + 30
+        while not (c.members[0].restarts == 1 and c.members[0].up) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert c.members[0].up and settled(c)
+    finally:
+        c.shutdown()
+
+
+def test_the_server_serves_through_a_cluster_and_survives_a_dead_instance():
+    from test_server import running_server
+
+    body = {"model": "tiny-llama", "prompt": "Paged attention is", "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True}
+    with running_server(engine_process=False) as (url, _):
+        ref = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    with running_server(cluster=dict(roles=["prompt", "token"])) as (url, c):
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == ref
+        os.kill(c.members[1].pid, signal.SIGKILL)
+        end = time.monotonic() + 30
+        while (c.members[1].restarts == 0 or not c.members[1].up) and time.monotonic() < end:
+            time.sleep(0.05)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+def test_instance_specs_are_checked():
+    assert parse_instances("3") == ["mixed"] * 3
+    assert parse_instances("prompt=2,token:1") == ["prompt", "prompt", "token"]
+    for bad in ("0", "prompt=1", "prompt=1,token=1,mixed=1", "gpu=2", "prompt=x,token=1", ""):
+        with pytest.raises(ValueError):
+            parse_instances(bad)
