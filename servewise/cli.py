@@ -336,6 +336,40 @@ def _add_simulate(sub) -> None:
     sm.set_defaults(func=_run_simulate)
 
 
+def _run_bench_cluster(a) -> None:
+    from servewise.bench.cluster import main
+
+    main(a)
+
+
+def _add_bench_cluster(bsub) -> None:
+    bc = bsub.add_parser("cluster", help="a real prompt + token cluster against the cluster simulator, same workload")
+    bc.add_argument("--model", default="tiny-llama")
+    bc.add_argument("--predictors", default=None,
+                    help="predictors profiled on this machine with --threads threads (default: the cached profile, "
+                         "taken on first use)")
+    bc.add_argument("--workload", default="sharegpt", help="a workload source (see `simulate --help`)")
+    bc.add_argument("--data", default=None, help="the workload's file, e.g. the ShareGPT pairs JSONL")
+    bc.add_argument("--num-requests", type=_at_least(1), default=200)
+    bc.add_argument("--max-prompt-len", type=_at_least(1), default=256)
+    bc.add_argument("--max-output-len", type=_at_least(1), default=128)
+    bc.add_argument("--rate", type=float, default=6.0, help="poisson arrival rate, requests/s")
+    bc.add_argument("--num-device-blocks", type=_at_least(1), default=1024)
+    bc.add_argument("--block-size", type=_at_least(1), default=16)
+    bc.add_argument("--max-num-seqs", type=_at_least(1), default=256)
+    bc.add_argument("--kv-handoff", nargs="+", default=["layerwise", "serialized"],
+                    choices=["layerwise", "serialized"])
+    bc.add_argument("--single", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run one instance with both instances' threads")
+    bc.add_argument("--calibration-requests", type=_at_least(0), default=60,
+                    help="synthetic requests run first on the same cluster to measure each instance's step-time "
+                         "scale and loop overhead; the simulator is shown with and without them (0: without)")
+    bc.add_argument("--seed", type=int, default=0)
+    bc.add_argument("--threads", type=_at_least(1), default=1, help="torch threads per instance")
+    bc.add_argument("--out", default="results/bench_cluster.json")
+    bc.set_defaults(func=_run_bench_cluster)
+
+
 def _run_bench_fidelity(a) -> None:
     from servewise.bench.fidelity import main
 
@@ -553,7 +587,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_generate(sub)
     bsub = _add_bench(sub)
-    for add in (_add_bench_throughput, _add_bench_serve, _add_bench_fidelity):
+    for add in (_add_bench_throughput, _add_bench_serve, _add_bench_fidelity, _add_bench_cluster):
         add(bsub)
     for add in (_add_profile, _add_fit_predictors, _add_simulate, _add_cluster, _add_serve, _add_experiment):
         add(sub)

@@ -65,7 +65,9 @@ def settled(client, timeout=20.0):
             assert m.stats.device_blocks.free == m.stats.device_blocks.total, (m.index, m.stats)
             assert m.stats.committed_blocks == 0 and m.stats.incoming == 0, (m.index, m.stats)
     assert not client.moves and not client.owner
-    assert os.listdir(client.kv_dir) == []  # no shared-memory segment left behind
+    left = [f for f in os.listdir(client.kv_dir) if not f.startswith("cache-")]
+    assert left == []  # no transfer record left behind
+    assert len(os.listdir(client.kv_dir)) == sum(m.up for m in client.members) * client.split  # live caches only
     return True
 
 

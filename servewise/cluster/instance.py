@@ -1,30 +1,39 @@
 """One engine instance of a real cluster, run in its own process or in a Ray actor: the engine loop of
 the single-engine server plus the two sides of the KV hand-off.
 
+In a split cluster every instance keeps its device KV cache in a shared file (cluster.transport), so
+that a hand-off costs the sender a checksum per layer and the receiver one copy.
+
 Commands in (plain tuples, from the coordinator):
-- ("add", rid, ids, params, segment path or None): a request; with a path, this instance prefills it
-  and hands it off, writing its KV layer by layer into that segment (during the forward pass when
-  `layerwise`, else after the step), and keeps its blocks until "release".
-- ("expect", rid, ids, params, segment path): a request another instance prefills; blocks are
-  reserved for it as soon as they are free, and its layers are copied in as they are written.
+- ("add", rid, ids, params, record path or None): a request; with a path, this instance prefills it
+  and hands it off: it publishes the request's blocks and each layer's CRC in that record (during the
+  forward pass, layer by layer, when `layerwise`; else after the step, once the first token has been
+  reported), and keeps the blocks until "release".
+- ("expect", rid, ids, params, record path, sender's cache file): a request another instance
+  prefills; blocks are reserved for it as soon as they are free, and each layer is copied in from the
+  sender's blocks as soon as the record says it is ready.
 - ("first", rid, token, logprobs): its first token, sampled by the prompt instance.
 - ("release", rid): the transfer has ended (committed, aborted or expired): free the held blocks.
 - ("fail", rid): the KV will not come (the sender died or its lease expired): compute the request here
   from its prompt and whatever tokens it has.
-- ("abort", rid, reason), ("stop",), and ("fault", name), which tests use to inject failures.
+- ("abort", rid, reason), ("stop",), ("trace", on): report each step, and ("fault", name), which
+  tests use to inject failures.
 
-Out: ("ready", tokenizer, limits, stats), then ("out", outputs, stats, events) after every step or
-command, where events are ("handoff", rid, token, logprobs) and ("kv_done", rid, ok, reason).
+Out: ("ready", tokenizer, limits, stats, layers, cache file), then ("out", outputs, stats, events) after every step or
+command, where events are ("handoff", rid, token, logprobs), ("kv_done", rid, ok, reason, checksum)
+and, when tracing, ("step", is_prefill, context lengths, execute seconds, seconds with the hand-off's
+checksums after the step, its start on the instance's perf_counter).
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 from servewise.cluster.handoff import combine
-from servewise.cluster.transport import Segment, crc
+from servewise.cluster.transport import Record, crc, map_file
 from servewise.engine.block_manager import blocks_for
 from servewise.server.client import EngineLoop
 
@@ -34,7 +43,8 @@ FAULTS = ("corrupt", "stall", "drop", "exit_on_handoff", "exit_now")
 @dataclass
 class Incoming:
     path: str
-    segment: Segment | None = None
+    source: str  # the sender's cache file
+    record: Record | None = None
     reserved: bool = False
     copied: int = 0
     first: tuple | None = None  # (token, logprobs) once the prompt instance has sent it
@@ -44,18 +54,22 @@ class Incoming:
 
 
 class Instance:
-    def __init__(self, engine, layerwise: bool = True):
+    def __init__(self, engine, layerwise: bool = True, cache_file: str | None = None):
+        """cache_file: where to keep the device KV cache so that other instances can read it."""
         self.engine, self.loop, self.layerwise = engine, EngineLoop(engine), layerwise
         self.runner = engine.runner
-        mc = engine.model_config
-        self.layers, self.bs = mc.num_layers, engine.block_manager.block_size
-        self.dtype = self.runner.device_cache.dtype
-        self.kv_shape = tuple(self.runner.device_cache.shape[3:])  # block size, kv heads, head dim
-        self.sending: dict[str, str] = {}  # rid -> segment path, until released
-        self.segments: dict[str, Segment] = {}  # rid -> segment being written
+        self.cache_file = cache_file
+        if cache_file is not None:
+            self.runner.share_device_cache(cache_file)
+        self.layers, self.bs = engine.model_config.num_layers, engine.block_manager.block_size
+        self.sending: dict[str, str] = {}  # rid -> record path, until released
+        self.records: dict[str, Record] = {}  # rid -> record being published
+        self.deferred: list[str] = []  # serialized hand-offs to publish after the step's report
         self.incoming: dict[str, Incoming] = {}
+        self.peers: dict[str, object] = {}  # senders' cache files -> their mapped caches
         self.events: list[tuple] = []
         self.faults: set[str] = set()
+        self.trace = False
         if layerwise:
             self.runner.model.after_layer = self._after_layer
 
@@ -72,7 +86,7 @@ class Instance:
                 eng.requests[rid].handoff = True
                 self.sending[rid] = path
         elif kind == "expect":
-            rid, ids, params, path = args
+            rid, ids, params, path, source = args
             try:
                 req = eng.make_request(ids, params, request_id=rid)
             except ValueError as e:
@@ -81,7 +95,7 @@ class Instance:
             req.output_token_ids.append(0)  # a placeholder for the first token, never decoded from
             eng.receive(req)
             self.loop.open[rid] = [req, 1]
-            self.incoming[rid] = Incoming(path)
+            self.incoming[rid] = Incoming(path, source)
         elif kind == "first":
             rid, token, lps = args
             if (inc := self.incoming.get(rid)) is not None:
@@ -94,14 +108,18 @@ class Instance:
             self._forget_sent(args[0])
             if args[0] in eng.scheduler.held:
                 eng.release(args[0])
-        elif kind == "fail":
+        elif kind == "fail":  # the sender may be gone: so may its cache file
             if (inc := self.incoming.get(args[0])) is not None:
                 inc.failed, inc.orphaned = inc.failed or "the KV will not come", True
+            for path in [p for p in self.peers if not os.path.exists(p)]:
+                del self.peers[path]
         elif kind == "abort":
             rid, reason = args
             self._forget_sent(rid)
             self.incoming.pop(rid, None)
             self.loop.abort(rid, reason)
+        elif kind == "trace":  # report every step's batch and times (for the simulator's fidelity)
+            self.trace = bool(args[0])
         elif kind == "fault":
             if args[0] not in FAULTS:
                 raise ValueError(f"unknown fault {args[0]!r}")
@@ -114,28 +132,22 @@ class Instance:
 
     def _forget_sent(self, rid: str) -> None:
         self.sending.pop(rid, None)
-        self.segments.pop(rid, None)
+        self.records.pop(rid, None)
         if rid in self.engine.scheduler.held:
             self.loop.open.pop(rid, None)  # its tokens come from the token instance now
 
     # --- the prompt side ---------------------------------------------------------------------
-    def _segment(self, rid: str, n_blocks: int) -> Segment:
-        seg = self.segments.get(rid)
-        if seg is None:
-            path = self.sending[rid]
-            seg = Segment(path + ".new", self.layers, (2, n_blocks, *self.kv_shape), self.dtype, create=True)
-            os.rename(path + ".new", path)  # a reader never sees a segment without its header
-            seg.path = path
-            self.segments[rid] = seg
-        return seg
-
-    def _write(self, rid: str, layer: int, block_ids: list[int]) -> None:
+    def _publish(self, rid: str, layer: int, block_ids: list[int]) -> None:
+        """Layer `layer` of a request being handed off is in its blocks: publish its CRC."""
         if "drop" in self.faults or ("stall" in self.faults and layer > 0):
             return
-        seg = self._segment(rid, len(block_ids))
-        seg.write(layer, self.runner.device_cache[layer, :, block_ids])
+        rec = self.records.get(rid)
+        if rec is None:
+            rec = self.records[rid] = Record(self.sending[rid], self.layers, block_ids)
+        cache = self.runner.device_cache
+        rec.publish(layer, crc(cache[layer, :, block_ids]))
         if "corrupt" in self.faults and layer == min(1, self.layers - 1):
-            seg.data[layer].view(-1)[0] += 1.0  # after the checksum: a bit flipped on the way
+            cache[layer, 0, block_ids[0]].view(-1)[0] += 1.0  # after the checksum: a bit flipped on the way
 
     def _prefilling(self):
         """(rid, prompt block ids) of the requests to hand off whose prefill completes in this step."""
@@ -147,21 +159,27 @@ class Instance:
 
     def _after_layer(self, layer: int) -> None:
         for rid, blocks in self._prefilling():
-            self._write(rid, layer, blocks)
+            self._publish(rid, layer, blocks)
 
     def _handed_off(self, rids: list[str]) -> None:
-        tables = self.engine.block_manager.device_tables
         for rid in rids:
             req = self.engine.scheduler.held[rid]
-            if not self.layerwise:
-                blocks = tables[rid][:blocks_for(req.num_prompt_tokens, self.bs)]
-                for k in range(self.layers):
-                    self._write(rid, k, blocks)
             if "exit_on_handoff" in self.faults:
-                os._exit(3)  # the KV is written, the first token never reported
+                os._exit(3)  # the KV is published, the first token never reported
             lps = req.output_logprobs[0] if req.output_logprobs else None
             self.events.append(("handoff", rid, req.output_token_ids[0], lps))
-            self.segments.pop(rid, None)
+            if not self.layerwise:
+                self.deferred.append(rid)
+
+    def publish_deferred(self) -> None:
+        """Serialized hand-offs: every layer's CRC, after the step's first tokens have been reported."""
+        tables = self.engine.block_manager.device_tables
+        for rid in self.deferred:
+            if rid in self.sending and rid in self.engine.scheduler.held:
+                blocks = tables[rid][:blocks_for(self.engine.scheduler.held[rid].num_prompt_tokens, self.bs)]
+                for k in range(self.layers):
+                    self._publish(rid, k, blocks)
+        self.deferred.clear()
 
     # --- the token side ----------------------------------------------------------------------
     def _receive(self) -> None:
@@ -184,19 +202,22 @@ class Instance:
                 self.events.append(("kv_done", rid, True, None, combine(inc.sums)))
 
     def _copy(self, rid: str, inc: Incoming, cache, table: list[int]) -> None:
-        """Copy the layers written so far into the request's blocks, checking each one's CRC on the copy."""
-        if inc.segment is None:
+        """Copy the layers ready so far from the sender's blocks into this request's, checking each
+        one's CRC on the copy."""
+        if inc.record is None:
             if not os.path.exists(inc.path):
                 return
-            n = blocks_for(self.engine.requests[rid].num_prompt_tokens, self.bs)
-            inc.segment = Segment(inc.path, self.layers, (2, n, *self.kv_shape), self.dtype, create=False)
-        seg = inc.segment
-        dst = table[:seg.shape[1]]
-        while inc.copied < seg.written:
+            inc.record = Record(inc.path, self.layers)
+        rec = inc.record
+        src = self.peers.get(inc.source)
+        if src is None:
+            src = self.peers[inc.source] = map_file(inc.source, tuple(cache.shape), cache.dtype, create=False)
+        dst = table[:len(rec.blocks)]
+        while inc.copied < rec.ready:
             k = inc.copied
-            cache[k, :, dst] = seg.data[k]
+            cache[k, :, dst] = src[k, :, rec.blocks]
             inc.sums.append(crc(cache[k, :, dst]))
-            if inc.sums[-1] != seg.checksum(k):
+            if inc.sums[-1] != rec.checksum(k):
                 inc.failed = f"checksum mismatch in layer {k}"
                 return
             inc.copied += 1
@@ -222,9 +243,13 @@ class Instance:
         if self.incoming:
             self._receive()
         if self.engine.has_unfinished():
+            t0 = time.perf_counter()
             stats = self.engine.step()
             if stats.handed_off:
                 self._handed_off(stats.handed_off)
+            if self.trace and stats.scheduled:
+                self.events.append(("step", stats.is_prefill, list(stats.batch_tokens), stats.execute_s,
+                                    time.perf_counter() - t0, t0))
             did = True
         return self.loop.outputs(), did
 
@@ -233,26 +258,31 @@ class Instance:
         return ev
 
 
-def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, log_level: int, cmds, outs) -> None:
+def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, cpus: set[int] | None, cache_dir: str | None,
+                  log_level: int, cmds, outs) -> None:
     """An instance's whole life: build the engine, report ready, then serve commands and steps until
-    "stop" or until the coordinator is gone. cmds: poll(timeout), recv(); outs: send(message) (the
-    ends of two pipes, or of two queues in a Ray actor)."""
+    "stop" or until the coordinator is gone. cpus: the cores it may run on (None: any); cache_dir:
+    where to share its KV cache (split clusters). cmds: poll(timeout), recv(); outs: send(message)
+    (the ends of two pipes, or of two queues in a Ray actor)."""
     import torch
 
     from servewise.builder import build_engine
     from servewise.server.engine_process import USER_ERRORS
 
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)
     logging.basicConfig(format="%(message)s", stream=sys.stderr)
     logging.getLogger("servewise").setLevel(log_level)
     try:
-        inst = Instance(build_engine(**engine_kwargs), layerwise)
+        cache_file = os.path.join(cache_dir, f"cache-{os.getpid()}") if cache_dir else None
+        inst = Instance(build_engine(**engine_kwargs), layerwise, cache_file)
     except Exception as e:
         outs.send(("failed", str(e) if isinstance(e, USER_ERRORS) else f"{type(e).__name__}: {e}",
                    isinstance(e, USER_ERRORS)))
         return
     eng = inst.engine
-    outs.send(("ready", eng.tokenizer, eng.limits, eng.stats(), inst.layers))
+    outs.send(("ready", eng.tokenizer, eng.limits, eng.stats(), inst.layers, cache_file))
     while True:
         timeout = 0 if eng.has_unfinished() else 0.002 if inst.incoming else 0.5
         refused: list = []
@@ -268,6 +298,12 @@ def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, log_level:
             return
         try:
             stepped, did = inst.tick()
+            if inst.deferred:  # first tokens first: a serialized hand-off does not delay them
+                outs.send(("out", refused + stepped, eng.stats(), inst.take_events()))
+                inst.publish_deferred()
+                continue
+        except (BrokenPipeError, EOFError):
+            return
         except Exception as e:
             outs.send(("failed", f"engine step failed: {type(e).__name__}: {e}"))
             return

@@ -27,6 +27,10 @@ MACHINES = {
     "dgx-a100": Machine("DGX-A100", "a100-80g", 8, 2.21, 24.8, 6500, 8 * 25),
     "dgx-h100": Machine("DGX-H100", "h100-80g", 8, 4.76, 44.0, 10200, 8 * 50),
     "dgx-h100-pcap": Machine("DGX-H100, power-capped", "h100-80g-pcap", 8, 4.76, 0.7 * 44.0, 7140, 8 * 50),
+    # an instance on this machine's CPU, with its profiled step times (ClusterSim's `predictors`) and
+    # KV hand-offs through shared memory (ClusterSim's link_gbps / link_latency_s, measured by
+    # `servewise bench cluster`); no cost or power model
+    "this-cpu": Machine("this machine's CPU", "profile", 1, 0.0, 0.0, 0.0, 5.0),
 }
 
 

@@ -4,8 +4,8 @@ machines of a Ray cluster. Each actor runs the same instance loop as a local pro
 pushes commands and pulls outputs through two single-threaded concurrency groups, so commands keep
 their order and a pending pull never blocks a push. A dead actor reads as a failed pull.
 
-The segments of the KV hand-off live in /dev/shm, so prompt and token instances must share a machine
-for now (actors are placed where Ray has room; with one machine that always holds).
+The KV caches and records of the hand-off live in /dev/shm, so prompt and token instances must share
+a machine for now (actors are placed where Ray has room; with one machine that always holds).
 """
 from __future__ import annotations
 

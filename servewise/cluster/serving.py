@@ -12,7 +12,7 @@ The coordinator lives here, in the server's process, and is the hand-off's singl
   first token, then the token instance. Anything else an instance reports about it is dropped.
 - The transfer ends committed (the token instance checked every layer's CRC on its copy), aborted
   (a bad checksum, a client gone) or expired (no commit within `lease_s` of the first token): in every
-  case the prompt instance frees its blocks and the segment is removed; a token instance without good
+  case the prompt instance frees its blocks and the record is removed; a token instance without good
   KV computes the request itself, from its prompt and first token.
 - An instance that dies fails its own requests with a clear error, except those it was only
   prefilling for a live token instance, which that instance finishes; its transfers are ended so no
@@ -85,16 +85,17 @@ class Member:
     pid: int | None = None
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     conn: object = None  # the launcher's handle: (process, command writer, output reader) or a Ray actor
+    cache_file: str | None = None  # its shared KV cache (split clusters)
 
 
 class ClusterClient(StreamingClient):
     def __init__(self, engine_kwargs: dict, roles: list[str], threads: int = 1, launcher: str = "process",
                  layerwise: bool = True, router: str = "jsq", lease_s: float = 5.0, max_waiting: int = 512,
-                 max_restarts: int = 3, on_finish=None, log=None):
+                 max_restarts: int = 3, pin: bool = False, on_finish=None, log=None):
         if launcher not in ("process", "ray"):
             raise ValueError(f"unknown launcher {launcher!r}; choose process or ray")
         self.engine_kwargs, self.threads, self.layerwise = dict(engine_kwargs), threads, layerwise
-        self.launcher, self.max_restarts = launcher, max_restarts
+        self.launcher, self.max_restarts, self.pin = launcher, max_restarts, pin
         self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         self.split = "prompt" in roles
         self.pools = SplitwisePools(roles) if self.split else None
@@ -104,6 +105,7 @@ class ClusterClient(StreamingClient):
         self.owner: dict[str, int] = {}  # request id -> the instance whose tokens reach the client
         self.moves: dict[str, Move] = {}
         self.handoffs = {"committed": 0, "recomputed": 0, "expired": 0, "lost": 0}
+        self.step_log: list[list[tuple]] = [[] for _ in roles]
         self._co = threading.RLock()
         self._stopping = False
         self.kv_dir = make_dir()
@@ -141,17 +143,24 @@ class ClusterClient(StreamingClient):
 
     def _launch(self, m: Member):
         """Start instance m and wait until its engine is built; returns (tokenizer, limits)."""
-        args = (self.engine_kwargs, self.threads, self.layerwise)
+        args = (self.engine_kwargs, self.threads, self.layerwise, self._cores(m.index), self.kv_dir if self.split else None)
         if self.launcher == "ray":
             m.conn, msg = self._ray.start(args)
             m.pid = self._ray.pid(m.conn)
         else:
             proc, cmd_w, out_r, msg = spawn(self._ctx, instance_main, args, f"servewise instance {m.index} ({m.role})")
             m.conn, m.pid = (proc, cmd_w, out_r), proc.pid
-        _, tokenizer, limits, m.stats, self.layers = msg
+        _, tokenizer, limits, m.stats, self.layers, m.cache_file = msg
         m.outbox = queue.SimpleQueue()
         m.up = True
         return tokenizer, limits
+
+    def _cores(self, i: int) -> set[int] | None:
+        """With `pin`, instance i runs on its own `threads` cores (round robin over this machine's)."""
+        if not self.pin or self.launcher == "ray":
+            return None
+        n = os.cpu_count() or 1
+        return {(i * self.threads + k) % n for k in range(self.threads)}
 
     def start(self) -> None:
         for m in self.members:
@@ -247,12 +256,12 @@ class ClusterClient(StreamingClient):
         self._charge(t, 0, need, False)
         tr = self.book.begin(rid, self.layers, time.monotonic(), leased=False)  # leased from the first token on
         mv = self.moves[rid] = Move(tr.id, p, t, os.path.join(self.kv_dir, tr.id.replace("#", "-")))
-        self._tell(t, ("expect", rid, ids, params, mv.path))
+        self._tell(t, ("expect", rid, ids, params, mv.path, self.members[p].cache_file))
         self._tell(p, ("add", rid, ids, params, mv.path))
 
     def _end(self, mv: Move, reason: str | None = None, checksum: int | None = None) -> None:
         """End a transfer, committed (with the checksum of what arrived) or aborted (with a reason) if it
-        has not ended already (expired), and drop its segment."""
+        has not ended already (expired), and drop its record."""
         tr = self.book.transfers[mv.tid]
         if tr.state not in ENDED:
             if checksum is not None:
@@ -307,6 +316,15 @@ class ClusterClient(StreamingClient):
         self._end(mv, why, checksum if ok else None)
         self._tell(mv.prompt, ("release", rid))
 
+    def _on_step(self, i: int, *step) -> None:
+        self.step_log[i].append(step)
+
+    def trace(self, on: bool = True) -> None:
+        """Have every instance report its steps into step_log[i]: (is_prefill, context lengths,
+        execute seconds, seconds with the hand-off's checksums after the step, start time)."""
+        for m in self.members:
+            self._tell(m.index, ("trace", on))
+
     def _expire_loop(self) -> None:
         while not self._stopping:
             time.sleep(0.05)
@@ -327,6 +345,11 @@ class ClusterClient(StreamingClient):
         reason = reason or f"instance {m.index} ({m.role}) exited" + (f" (exit code {proc.exitcode})" if proc else "")
         with self._co:
             m.up = False
+            if m.cache_file is not None:  # its memory goes once no reader maps it
+                try:
+                    os.unlink(m.cache_file)
+                except FileNotFoundError:
+                    pass
             lost = []
             for rid, mv in list(self.moves.items()):
                 if m.index not in (mv.prompt, mv.token):

@@ -25,7 +25,7 @@ from servewise.cluster.machines import get_machine
 from servewise.cluster.routers import SplitwisePools, make_router
 from servewise.engine.clock import VirtualClock
 from servewise.engine.request import Request
-from servewise.predictors.perf import make_perf
+from servewise.predictors.perf import Calibrated, make_perf
 from servewise.workloads.datasets import WorkloadRequest
 from servewise.workloads.driver import params_for
 
@@ -93,13 +93,16 @@ class ClusterSim:
 
     router: for a design without prompt/token pools, a routers.make_router name (round_robin, jsq,
     jsq_tokens); split designs use SplitwisePools. perf_table: Splitwise's measured GPU table (a path)
-    for every machine's times (token_axis: see predictors.measured), else the analytical roofline.
-    transfer: serialized or layerwise.
+    for every GPU machine's times (token_axis: see predictors.measured), else the analytical roofline;
+    `this-cpu` machines take `predictors` (profiled on this machine). transfer: serialized or
+    layerwise, over links of the machines' bandwidth unless `link_gbps` is given. calibration: per
+    role, predictors.perf.Calibrated's corrections (measured on real instances).
     Engine options (max_num_batched_tokens, chunked_prefill, ...) apply to every instance."""
 
     def __init__(self, model: str, design: Design, router: str = "jsq_tokens", perf_table=None,
                  transfer: str = "layerwise", link_latency_s: float = 10e-6, max_pending_tokens: int = 8192,
-                 token_axis: str = "batch", **engine_kw):
+                 token_axis: str = "batch", predictors=None, link_gbps: float | None = None,
+                 calibration: dict[str, dict] | None = None, **engine_kw):
         if transfer not in MODES:
             raise ValueError(f"unknown transfer mode {transfer!r}; choose from {', '.join(MODES)}")
         from servewise.models.loader import load_model_config
@@ -119,12 +122,16 @@ class ClusterSim:
         for m, _ in specs:
             if m not in perfs:
                 machine = get_machine(m)
-                perfs[m] = make_perf(machine.gpu, mc, block_size, tp=machine.gpus, table=perf_table, model=model,
+                cpu = machine.gpu == "profile"
+                perfs[m] = make_perf(machine.gpu, mc, block_size, predictors=predictors if cpu else None,
+                                     tp=machine.gpus, table=None if cpu else perf_table, model=model,
                                      token_axis=token_axis)
-        self.engines = [build_sim_engine(model, perf=perfs[m], clock=self.clock, owns_clock=False, **engine_kw)
-                        for m, _ in specs]
-        self.network = Network([LinkModel(get_machine(m).nic_gbps, link_latency_s) for m, _ in specs])
-        self.perf_labels = sorted({p.label for p in perfs.values()})
+        cal = calibration or {}
+        perf_of = lambda m, role: Calibrated(perfs[m], **cal[role]) if role in cal else perfs[m]  # noqa: E731
+        self.engines = [build_sim_engine(model, perf=perf_of(m, role), clock=self.clock, owns_clock=False, **engine_kw)
+                        for m, role in specs]
+        self.network = Network([LinkModel(link_gbps or get_machine(m).nic_gbps, link_latency_s) for m, _ in specs])
+        self.perf_labels = sorted({e.runner.perf.label for e in self.engines})
         if design.split:
             self.pools = SplitwisePools(self.roles, max_pending_tokens)
             self.router = None

@@ -25,6 +25,27 @@ class ProfiledPerf:
         return link.time(num_blocks * self.block_bytes)
 
 
+class Calibrated:
+    """A performance model corrected by what an instance was measured to do in a separate calibration
+    run: each step kind's time scaled, plus the time its loop spends per step outside the runner."""
+
+    def __init__(self, base, prefill_scale: float = 1.0, decode_scale: float = 1.0, step_overhead_s: float = 0.0):
+        self.base, self.prefill_scale, self.decode_scale = base, prefill_scale, decode_scale
+        self.step_overhead_s = step_overhead_s
+        self.analytical, self.block_bytes = base.analytical, base.block_bytes
+        self.label = (f"{base.label}, calibrated (prefill x{prefill_scale:.2f}, decode x{decode_scale:.2f}, "
+                      f"+{step_overhead_s * 1e3:.2f} ms per step)")
+
+    def prefill(self, lens: list[int]) -> float:
+        return self.base.prefill(lens) * self.prefill_scale + self.step_overhead_s
+
+    def decode(self, ctx_lens: list[int]) -> float:
+        return self.base.decode(ctx_lens) * self.decode_scale + self.step_overhead_s
+
+    def copy(self, num_blocks: int, to_host: bool) -> float:
+        return self.base.copy(num_blocks, to_host)
+
+
 def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: dict | None = None, tp: int = 1,
               table: str | dict | None = None, model: str | None = None, token_axis: str = "batch"):
     """hardware 'profile': this machine, from fitted predictors (a Predictors or a path); with `table`

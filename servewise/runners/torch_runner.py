@@ -37,6 +37,18 @@ class TorchRunner:
                                 kernels.status() if self.device.type == "cpu" else "decode attention: PyTorch gather + SDPA"))
         log.info("servewise: %s", self.paths)
 
+    def share_device_cache(self, path: str) -> None:
+        """Keep the device KV cache in a shared file that other processes can map (cluster hand-offs)."""
+        if self.device.type != "cpu":
+            raise ValueError("a shared KV cache file is for CPU instances")
+        from servewise.cluster.transport import map_file
+
+        shared = map_file(path, tuple(self.device_cache.shape), self.device_cache.dtype, create=True)
+        shared.copy_(self.device_cache)
+        self.device_cache = shared
+        mc, n = self.mc, self.capacity[0]
+        self.kv_caches = list(shared.view(mc.num_layers, 2, n * self.bs, mc.num_kv_heads, mc.head_dim).unbind(0))
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

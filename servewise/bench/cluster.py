@@ -1,0 +1,286 @@
+"""`servewise bench cluster`: one workload through a real cluster (a prompt and a token instance, each
+in its own process with its own torch threads) and through the cluster simulator (cluster/sim.py)
+with this machine's profiled step times, side by side; and the same workload on one instance given
+all the cores, for comparison.
+
+The simulator's link for the shared-memory hand-off is measured here, before the runs: the token
+instance's copy of a mean prompt's KV out of the prompt instance's mapped cache (with its checksums),
+and the one-way latency of a message between processes, which a hand-off pays twice (prompt instance
+-> coordinator -> token instance), spread over the layers' messages of the link model. (The prompt
+instance's own share, a checksum per layer, is measured and reported but not simulated.)
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from servewise.bench.fidelity import format_steps, step_check
+from servewise.metrics import RequestRecord, compute
+from servewise.predictors.perf import make_perf
+from servewise.workloads.driver import params_for
+
+COMPARED = (("duration_s", "makespan (s)"), ("mean_ttft_ms", "mean TTFT (ms)"), ("mean_tpot_ms", "mean TBT (ms)"),
+            ("mean_e2el_ms", "mean E2E (ms)"), ("p99_ttft_ms", "p99 TTFT (ms)"))
+
+
+def _echo(conn) -> None:
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        conn.send(msg)
+
+
+def message_latency_s(rounds: int = 300) -> float:
+    """One-way latency of a small message between two processes over a pipe (half the median round trip)."""
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_echo, args=(there,), daemon=True)
+    proc.start()
+    trips = []
+    msg = ("first", "r1", 123, None)
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        here.send(msg)
+        here.recv()
+        trips.append(time.perf_counter() - t0)
+    here.send(None)
+    proc.join(5)
+    return statistics.median(trips) / 2
+
+
+def copy_gbps(layers: int, blocks: int, cache_shape: tuple[int, ...], dtype: torch.dtype,
+              repeat: int = 20) -> dict:
+    """A hand-off's two costs per byte, as the instances pay them: the sender's checksum of each layer
+    of a request's blocks, and the receiver's copy of them out of the sender's mapped cache into its
+    own blocks with its checksum; GB/s of each (best of `repeat`)."""
+    from servewise.cluster.transport import crc, make_dir, map_file, remove_dir
+
+    d = make_dir()
+    try:
+        src = map_file(os.path.join(d, "cache"), cache_shape, dtype, create=True)
+        src.copy_(torch.randn(cache_shape).to(dtype))
+        dst = torch.zeros(cache_shape, dtype=dtype)
+        n = cache_shape[2]
+        send = recv = float("inf")
+        for i in range(repeat):
+            a = [(i * blocks + k) % n for k in range(blocks)]
+            b = [(i * blocks + k + n // 2) % n for k in range(blocks)]
+            t0 = time.perf_counter()
+            sums = [crc(src[k, :, a]) for k in range(layers)]
+            t1 = time.perf_counter()
+            for k in range(layers):
+                dst[k, :, b] = src[k, :, a]
+                if crc(dst[k, :, b]) != sums[k]:
+                    raise RuntimeError("a copy did not match its checksum")
+            t2 = time.perf_counter()
+            send, recv = min(send, t1 - t0), min(recv, t2 - t1)
+        nbytes = layers * 2 * blocks * src[0, 0, 0].numel() * src.element_size()
+        return {"send_gbps": nbytes / send / 1e9, "receive_gbps": nbytes / recv / 1e9}
+    finally:
+        remove_dir(d)
+
+
+async def _drive(client, items, arrivals) -> list[RequestRecord]:
+    """Submit each request at its arrival time; time every token as the client receives it."""
+    t0 = time.monotonic()
+
+    async def one(i: int) -> RequestRecord:
+        await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.monotonic()))
+        item = items[i]
+        sent = time.monotonic() - t0
+        _, q = client.submit(item.prompt, params_for(item))
+        times: list[float] = []
+        reason = None
+        while True:
+            d = await q.get()
+            now = time.monotonic() - t0
+            if d.error:
+                raise RuntimeError(f"request {i} failed: {d.error}")
+            times += [now] * len(d.token_ids)
+            if d.finished:
+                reason = d.finish_reason
+                break
+        return RequestRecord(sent, item.prompt_len, len(times), times[0], times[-1], None, times, reason)
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(items)))))
+
+
+def run_real(model: str, roles: list[str], threads: int, layerwise: bool, engine_kw: dict, items, arrivals,
+             calibration=None, pin: bool = False) -> dict:
+    """The workload through a real cluster, every instance's steps traced. calibration: a separate
+    (items, arrivals) run first, whose traced steps are returned as "calibration_steps"."""
+    from servewise.cluster.serving import ClusterClient
+
+    client = ClusterClient(dict(engine_kw, model=model), roles, threads=threads, layerwise=layerwise,
+                           max_waiting=len(items) + 1, pin=pin)
+    client.start()
+    out: dict = {}
+    try:
+        warm = [type(items[0])(16, 4, [5] * 16)] * 2  # the first steps of each instance, outside the run
+        asyncio.run(_drive(client, warm, [0.0, 0.0]))
+        client.trace(True)
+        if calibration is not None:
+            asyncio.run(_drive(client, *calibration))
+            out["calibration_steps"] = [list(s) for s in client.step_log]
+            for log in client.step_log:
+                log.clear()
+        t0 = time.perf_counter()
+        records = asyncio.run(_drive(client, items, arrivals))
+        wall = time.perf_counter() - t0
+        handoffs = dict(client.handoffs)
+    finally:
+        client.shutdown()
+    return dict(out, metrics=compute(records), handoff_gap_ms=_gap_ms(records), handoffs=handoffs,
+                steps=client.step_log, wall_s=wall)
+
+
+def same_batches(steps: list[tuple], perf, wall: float) -> dict:
+    """An instance's real steps against the predictions for the same batches (bench fidelity's check),
+    and the time its hand-off checksums added after its steps."""
+    out = step_check([(p, lens, t) for p, lens, t, _, _ in steps], perf, wall)
+    out["handoff_writes_s"] = sum(w - t for _, _, t, w, _ in steps)
+    return out
+
+
+def calibrate(steps: list[tuple], perf) -> dict:
+    """predictors.perf.Calibrated's corrections for one instance, from its traced steps: measured over
+    predicted time per step kind, and the median time between one step's end and the next one's start
+    when they follow each other within 5 ms (the instance loop's own work: commands, reports, copies)."""
+    out = {}
+    for kind, is_prefill in (("prefill", True), ("decode", False)):
+        rows = [(lens, t) for p, lens, t, _, _ in steps if p == is_prefill]
+        predict = perf.prefill if is_prefill else perf.decode
+        if rows:
+            out[f"{kind}_scale"] = sum(t for _, t in rows) / sum(predict(lens) for lens, _ in rows)
+    gaps = [b[4] - (a[4] + a[3]) for a, b in zip(steps, steps[1:])]
+    gaps = [g for g in gaps if 0 <= g < 5e-3]
+    out["step_overhead_s"] = statistics.median(gaps) if gaps else 0.0
+    return out
+
+
+def _gap_ms(records: list[RequestRecord]) -> float:
+    """Mean time from the first token to the second: where a hand-off shows."""
+    gaps = [r.token_times[1] - r.token_times[0] for r in records if len(r.token_times) > 1]
+    return statistics.mean(gaps) * 1e3 if gaps else 0.0
+
+
+def run_sim(model: str, predictors, layerwise: bool, link: dict, engine_kw: dict, items, arrivals,
+            calibration: dict | None = None) -> dict:
+    from servewise.cluster.sim import ClusterSim, Design
+
+    sim = ClusterSim(model, Design({"this-cpu": 1}, {"this-cpu": 1}), predictors=predictors,
+                     transfer="layerwise" if layerwise else "serialized", link_gbps=link["gbps"],
+                     link_latency_s=link["latency_per_layer_s"], calibration=calibration, **engine_kw)
+    res = sim.run(items, arrivals)
+    records = [RequestRecord.from_request(r) for r in res.requests if r is not None]
+    return {"metrics": compute(records), "handoff_gap_ms": _gap_ms(records), "wall_s": res.wall_s,
+            "transfers": res.transfers}
+
+
+def main(a) -> None:
+    from servewise.models.loader import load_model_config
+    from servewise.predictors.auto import ensure_predictors
+    from servewise.workloads.build import build_workload
+
+    if a.threads < 1:
+        raise ValueError(f"--threads must be >= 1 (torch threads per instance), got {a.threads}")
+    torch.set_num_threads(a.threads)  # the profile is taken with each instance's thread count
+    mc, tok = load_model_config(a.model)
+    engine_kw = dict(num_device_blocks=a.num_device_blocks, max_num_seqs=a.max_num_seqs, block_size=a.block_size)
+    preds = ensure_predictors(a.model, mc, "cpu", a.block_size, a.predictors)
+    perf = make_perf("profile", mc, a.block_size, predictors=preds)
+    items, arrivals = build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
+                                     max_output_len=a.max_output_len, max_prompt_len=a.max_prompt_len,
+                                     arrival="poisson", rate=a.rate, seed=a.seed)
+    flags = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2") if f in _cpu_flags()]
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    say(f"{a.model}: {len(items)} {a.workload} requests, mean prompt {statistics.mean(i.prompt_len for i in items):.0f} "
+        f"tokens, mean output {statistics.mean(i.output_len for i in items):.0f}, poisson {a.rate} req/s; "
+        f"{a.threads} torch thread(s) per instance, {os.cpu_count()} cores ({', '.join(flags)})")
+    hop = message_latency_s()
+    n_blocks = -(-int(statistics.mean(i.prompt_len for i in items)) // a.block_size)
+    cache_shape = (mc.num_layers, 2, a.num_device_blocks, a.block_size, mc.num_kv_heads, mc.head_dim)
+    link = copy_gbps(mc.num_layers, n_blocks, cache_shape, getattr(torch, mc.dtype))
+    link.update(gbps=link["receive_gbps"], message_latency_s=hop, latency_per_layer_s=2 * hop / mc.num_layers)
+    say(f"hand-off measured on a mean prompt's KV: sender's checksums {link['send_gbps']:.2f} GB/s, receiver's "
+        f"copy and checksums {link['receive_gbps']:.2f} GB/s, {hop * 1e6:.0f} us per message")
+    sim_kw = dict(engine_kw, dtype=mc.dtype, max_num_batched_tokens=4096, max_num_seqs=a.max_num_seqs)
+    results: dict = {}
+    # calibration: a different workload (random prompts of 16-256 tokens, 64 output tokens), same rate
+    cal_items, cal_arrivals = build_workload("synthetic", tok, mc.vocab_size, num_requests=a.calibration_requests,
+                                             input_len=256, output_len=64, arrival="poisson", rate=a.rate,
+                                             seed=a.seed + 1) if a.calibration_requests else ([], [])
+    rng = random.Random(a.seed + 1)
+    cal_items = [type(i)(n, i.output_len, i.prompt[:n]) for i, n in zip(cal_items, (rng.randint(16, 256) for _ in cal_items))]
+    for mode in a.kv_handoff:
+        lw = mode == "layerwise"
+        say(f"[{mode}] real cluster: 1 prompt + 1 token instance, {len(cal_items)} calibration requests first ...")
+        real = run_real(a.model, ["prompt", "token"], a.threads, lw, engine_kw, items, arrivals,
+                        calibration=(cal_items, cal_arrivals) if a.calibration_requests else None)
+        cal = {role: calibrate(steps, perf) for role, steps in zip(("prompt", "token"), real.pop("calibration_steps", []))}
+        sim = run_sim(a.model, preds, lw, link, sim_kw, items, arrivals)
+        simc = run_sim(a.model, preds, lw, link, sim_kw, items, arrivals, cal) if cal else None
+        rows = {}
+        for key, label in COMPARED + (("handoff_gap_ms", "first -> second token (ms)"),):
+            r = real["metrics"][key] if key in real["metrics"] else real[key]
+            row = rows[label] = {"real": r}
+            for name, res in (("sim", sim), ("calibrated", simc)):
+                if res is not None:
+                    v = res["metrics"][key] if key in res["metrics"] else res[key]
+                    row[name], row[f"{name}_error_pct"] = v, (v - r) / r * 100 if r else None
+        checks = {role: same_batches(steps, perf, real["wall_s"]) for role, steps in zip(("prompt", "token"), real.pop("steps"))}
+        results[mode] = {"rows": rows, "real": real, "sim": sim, "calibrated_sim": simc, "calibration": cal,
+                         "same_batches": checks}
+        print(_table(f"\n1 prompt + 1 token instance, KV hand-off {mode} (hand-offs: {real['handoffs']}; "
+                     f"simulation {sim['wall_s']:.2f} s)", rows))
+        for role, c in cal.items():
+            print(f"calibration of the {role} instance (on the calibration requests): " + ", ".join(
+                f"{k} {v * 1e3:.2f} ms" if k.endswith("_s") else f"{k} {v:.2f}" for k, v in c.items()))
+        for role, c in checks.items():
+            print(f"{role} instance: " + format_steps(c).replace("\n", "\n  ")
+                  + (f"\n  hand-off checksums after its steps: {c['handoff_writes_s'] * 1e3:.0f} ms" if role == "prompt" else ""))
+    if a.single:
+        say(f"one instance with {2 * a.threads} threads ...")
+        one = run_real(a.model, ["mixed"], 2 * a.threads, True, engine_kw, items, arrivals)
+        one.pop("steps")
+        results["one_instance"] = one
+        print(f"\none instance, {2 * a.threads} torch threads (same cores): " + ", ".join(
+            f"{label} {one['metrics'][key]:.1f}" for key, label in COMPARED))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"model": a.model, "workload": a.workload, "num_requests": len(items), "rate": a.rate,
+                   "threads_per_instance": a.threads, "cpu_flags": flags, "link": link, "predictors": preds.meta,
+                   "results": results}, f, indent=1, default=str)
+    print(f"saved {a.out}")
+
+
+def _table(title: str, rows: dict) -> str:
+    cal = "calibrated" in next(iter(rows.values()))
+    lines = [title, f"{'metric':<28}{'real':>11}{'simulated':>11}{'error':>9}"
+             + (f"{'calibrated':>12}{'error':>9}" if cal else "")]
+    pct = lambda v: f"{v:+.1f}%" if v is not None else "-"  # noqa: E731
+    for label, r in rows.items():
+        lines.append(f"{label:<28}{r['real']:>11.2f}{r['sim']:>11.2f}{pct(r['sim_error_pct']):>9}"
+                     + (f"{r['calibrated']:>12.2f}{pct(r['calibrated_error_pct']):>9}" if cal else ""))
+    return "\n".join(lines)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
