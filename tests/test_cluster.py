@@ -192,3 +192,35 @@ def test_the_provisioning_search_finds_the_cheapest_feasible_design_on_its_front
     p_best, t_best = best["counts"]
     cheaper = [(p, t) for p in range(1, 7) for t in range(1, 7) if 4.76 * (p + t) < best["cost"] - 1e-9]
     assert cheaper and all(not run_design(s, "Splitwise-HH", c, "code", s.provision_rate)["slo_met"] for c in cheaper)
+
+
+class _Costs:  # what fitted predictors give: step times in closed form (ms-scale, like a small CPU model)
+    class step:
+        prefill = staticmethod(lambda lens: 1e-3 + 2e-5 * sum(lens))
+        decode = staticmethod(lambda ctx: 5e-4 + 1e-6 * sum(ctx))
+    swap_model = None
+
+
+class _Predictors:
+    meta = {"hardware": "test cpu", "threads": 1}
+
+    def costs(self, *args):
+        return _Costs
+
+
+def test_this_cpu_split_with_a_measured_link_and_calibrated_steps_on_a_hand_worked_request():
+    """The real cluster's simulated twin: profiled step times, corrected by a calibration (prompt
+    steps x1.5 + 1 ms, decode steps x1 + 0.2 ms), a shared-memory link of 2 GB/s with 40 us per
+    hand-off spread over the 4 layers' messages."""
+    cal = {"prompt": {"prefill_scale": 1.5, "step_overhead_s": 1e-3}, "token": {"step_overhead_s": 2e-4}}
+    sim = ClusterSim("tiny-llama", Design({"this-cpu": 1}, {"this-cpu": 1}), predictors=_Predictors(),
+                     transfer="serialized", link_gbps=2.0, link_latency_s=10e-6, calibration=cal, dtype="float32",
+                     num_device_blocks=256, block_size=16)
+    res = sim.run([WorkloadRequest(100, 3, list(range(5, 105)))], [0.5])
+    (req,) = res.requests
+    prompt_s = (1e-3 + 2e-5 * 100) * 1.5 + 1e-3
+    send_s = 100 * sim.kv_bytes_per_token / 2e9 + 4 * 10e-6
+    decode = lambda n: 5e-4 + 1e-6 * n + 2e-4  # noqa: E731
+    assert req.first_token_time == pytest.approx(0.5 + prompt_s)
+    assert req.finish_time == pytest.approx(0.5 + prompt_s + send_s + decode(101) + decode(102))
+    assert "calibrated (prefill x1.50" in " ".join(res.perf_labels) and res.transfers == 1

@@ -208,6 +208,9 @@ def test_the_server_serves_through_a_cluster_and_survives_a_dead_instance():
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
         assert httpx.get(url + "/health", timeout=10).status_code == 200
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'servewise_kv_handoffs_total{outcome="committed"} 2.0' in metrics
+        assert 'servewise_instance_up{instance="1",role="token"} 1.0' in metrics
 
 
 def test_instance_specs_are_checked():

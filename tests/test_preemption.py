@@ -97,3 +97,24 @@ def test_chunked_prefill_keeps_outputs(reference, kernels, monkeypatch):
     assert eng.stats().preemptions["recompute"] > 0
     assert set(eng.runner.seqs) <= set(steps[-1].finished)
     assert_all_blocks_returned(eng.block_manager)
+
+
+def test_a_seeded_request_keeps_its_random_stream_through_a_recompute():
+    """Its output must not depend on memory pressure: the draws after the recompute continue the
+    stream (the runner keeps a preempted request's generator)."""
+    from servewise.builder import build_engine
+    from servewise.sampling_params import SamplingParams
+
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+
+    def run(blocks):
+        eng = build_engine(model="tiny-llama", num_device_blocks=blocks, block_size=4, preemption="recompute")
+        reqs = [eng.add_request([5 + i + j for j in range(30)], seeded if i == 2 else greedy) for i in range(3)]
+        while eng.has_unfinished():
+            eng.step()
+        return reqs[2]
+
+    roomy, tight = run(128), run(24)
+    assert roomy.preemptions["recompute"] == 0 and tight.preemptions["recompute"] >= 1
+    assert tight.output_token_ids == roomy.output_token_ids

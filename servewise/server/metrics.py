@@ -34,6 +34,17 @@ class _EngineState:
         for kind, n in st.preemptions.items():
             pre.add_metric([kind], n)
         yield pre
+        if (handoffs := getattr(self.engine, "handoffs", None)) is not None:  # a cluster
+            ho = CounterMetricFamily("servewise_kv_handoffs", "KV hand-offs between instances by outcome "
+                                     "(committed; recomputed: bad checksum; expired: lease ran out; lost: "
+                                     "requests failed with a dead instance)", labels=["outcome"])
+            for outcome, n in handoffs.items():
+                ho.add_metric([outcome], n)
+            yield ho
+            up = GaugeMetricFamily("servewise_instance_up", "Whether each instance is up", labels=["instance", "role"])
+            for m in self.engine.instance_info():
+                up.add_metric([str(m["index"]), m["role"]], float(m["up"]))
+            yield up
 
 
 class ServerMetrics:
