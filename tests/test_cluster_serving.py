@@ -77,9 +77,12 @@ def cluster(roles=("prompt", "token"), **kw):
     return c
 
 
-@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "serialized"])
-def test_prompt_and_token_instances_give_the_tokens_of_one_engine(want, layerwise):
-    c = cluster(layerwise=layerwise)
+@pytest.mark.parametrize("layerwise,chunked", [(True, False), (False, False), (True, True)],
+                         ids=["layerwise", "serialized", "layerwise-chunked-prefill"])
+def test_prompt_and_token_instances_give_the_tokens_of_one_engine(want, layerwise, chunked):
+    c = ClusterClient(dict(KW, chunked_prefill=True, max_num_batched_tokens=16) if chunked else KW,
+                      ["prompt", "token"], layerwise=layerwise)  # chunked: prompts of up to 40 tokens in 16-token chunks
+    c.start()
     try:
         assert generate(c, WORK) == want  # greedy and seeded sampling, and a request done at its first token
         assert c.handoffs == {"committed": 6, "recomputed": 0, "expired": 0, "lost": 0}
