@@ -429,6 +429,9 @@ def _add_serve(sub) -> None:
     cl.add_argument("--kv-handoff", default="layerwise", choices=["layerwise", "serialized"],
                     help="send each layer's KV as soon as the prompt's forward pass has written it, or all layers "
                          "after the step")
+    cl.add_argument("--kv-transport", default="shm", choices=["shm", "gloo"],
+                    help="shm: instances on one machine share their KV caches in /dev/shm (no copy on the sending "
+                         "side); gloo: torch.distributed messages, for instances that share no memory")
     cl.add_argument("--lease", type=float, default=5.0,
                     help="seconds a KV transfer may take after the first token before the prompt instance frees "
                          "its blocks and the token instance computes the request itself")

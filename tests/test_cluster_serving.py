@@ -67,7 +67,8 @@ def settled(client, timeout=20.0):
     assert not client.moves and not client.owner
     left = [f for f in os.listdir(client.kv_dir) if not f.startswith("cache-")]
     assert left == []  # no transfer record left behind
-    assert len(os.listdir(client.kv_dir)) == sum(m.up for m in client.members) * client.split  # live caches only
+    live = {os.path.basename(m.cache_file) for m in client.members if m.up and m.cache_file}
+    assert set(os.listdir(client.kv_dir)) == live  # the live instances' shared caches only
     return True
 
 
@@ -77,11 +78,13 @@ def cluster(roles=("prompt", "token"), **kw):
     return c
 
 
-@pytest.mark.parametrize("layerwise,chunked", [(True, False), (False, False), (True, True)],
-                         ids=["layerwise", "serialized", "layerwise-chunked-prefill"])
-def test_prompt_and_token_instances_give_the_tokens_of_one_engine(want, layerwise, chunked):
+@pytest.mark.parametrize("transport,layerwise,chunked", [("shm", True, False), ("shm", False, False), ("shm", True, True),
+                                                         ("gloo", True, False), ("gloo", False, True)],
+                         ids=["layerwise", "serialized", "layerwise-chunked-prefill", "gloo-layerwise",
+                              "gloo-serialized-chunked-prefill"])
+def test_prompt_and_token_instances_give_the_tokens_of_one_engine(want, transport, layerwise, chunked):
     c = ClusterClient(dict(KW, chunked_prefill=True, max_num_batched_tokens=16) if chunked else KW,
-                      ["prompt", "token"], layerwise=layerwise)  # chunked: prompts of up to 40 tokens in 16-token chunks
+                      ["prompt", "token"], layerwise=layerwise, transport=transport)  # chunked: prompts of up to 40 tokens in 16-token chunks
     c.start()
     try:
         assert generate(c, WORK) == want  # greedy and seeded sampling, and a request done at its first token
@@ -89,6 +92,7 @@ def test_prompt_and_token_instances_give_the_tokens_of_one_engine(want, layerwis
         assert all(t.state.value == "committed" and t.sent_layers == 4 for t in c.book.transfers.values())
         assert settled(c)
         assert {m.pid for m in c.members} & {os.getpid()} == set()
+        assert transport == "gloo" or all(m.cache_file for m in c.members)
     finally:
         c.shutdown()
     assert not os.path.exists(c.kv_dir)
@@ -114,11 +118,12 @@ def test_on_ray_actors_too(want):
         c.shutdown()
 
 
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
 @pytest.mark.parametrize("fault,outcome", [("corrupt", "recomputed"), ("stall", "expired"), ("drop", "expired")])
-def test_bad_or_missing_kv_is_recomputed_never_decoded(want, fault, outcome):
+def test_bad_or_missing_kv_is_recomputed_never_decoded(want, fault, outcome, transport):
     """A flipped value after the checksum, a sender that stops after layer 0, one that sends nothing:
     the token instance computes the requests itself; the prompt instance frees its blocks."""
-    c = cluster(lease_s=0.5)
+    c = cluster(lease_s=0.5, transport=transport)
     try:
         c.fault(0, fault)
         assert generate(c, WORK[:3]) == want[:3]
@@ -129,22 +134,29 @@ def test_bad_or_missing_kv_is_recomputed_never_decoded(want, fault, outcome):
         c.shutdown()
 
 
-def test_a_prompt_instance_that_dies_mid_transfer_loses_nothing(want):
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_prompt_instance_that_dies_mid_transfer_loses_nothing(want, transport):
     """It wrote the KV but died before reporting the first token: the token instance computes the
     requests from their prompts; the dead instance comes back and serves again."""
-    c = cluster()
+    c = cluster(transport=transport)
     try:
         c.fault(0, "exit_on_handoff")
         assert generate(c, WORK[:1]) == want[:1]
         assert c.members[0].restarts == 1 and c.handoffs["lost"] == 0
+        end = time.monotonic() + 30
+        while not c.members[0].up and time.monotonic() < end:
+            time.sleep(0.05)
         assert generate(c, WORK[1:3]) == want[1:3]
+        assert c.handoffs["committed"] == 2  # the restarted instance hands off again (gloo: a new pair group)
+        assert c.pools.pool == ["prompt", "token"]  # the token instance, borrowed while it was alone, is back
         assert settled(c)
     finally:
         c.shutdown()
 
 
-def test_a_token_instance_killed_mid_transfer_fails_its_request_clearly(want):
-    c = cluster(lease_s=60)  # the stalled transfer must not expire first
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_token_instance_killed_mid_transfer_fails_its_request_clearly(want, transport):
+    c = cluster(lease_s=60, transport=transport)  # the stalled transfer must not expire first
 
     async def go():
         first = asyncio.Event()
@@ -171,10 +183,11 @@ def test_a_token_instance_killed_mid_transfer_fails_its_request_clearly(want):
         c.shutdown()
 
 
-def test_a_prompt_instance_killed_after_commit_does_not_stop_the_decode():
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_prompt_instance_killed_after_commit_does_not_stop_the_decode(transport):
     long = SamplingParams(max_tokens=180, temperature=0.0, ignore_eos=True)
     (ref,) = alone([(PROMPTS[3], long)])
-    c = cluster()
+    c = cluster(transport=transport)
 
     async def go():
         _, q = c.submit(PROMPTS[3], long)

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from servewise.cluster.handoff import combine
-from servewise.cluster.transport import Record, crc, map_file
+from servewise.cluster.transport import GlooLink, ShmLink
 from servewise.engine.block_manager import blocks_for
 from servewise.server.client import EngineLoop
 
@@ -42,31 +42,41 @@ FAULTS = ("corrupt", "stall", "drop", "exit_on_handoff", "exit_now")
 
 @dataclass
 class Incoming:
-    path: str
-    source: str  # the sender's cache file
-    record: Record | None = None
+    route: tuple  # where its KV comes from (the link's business)
+    layers: int
+    state: object = None  # the link's
     reserved: bool = False
     copied: int = 0
     first: tuple | None = None  # (token, logprobs) once the prompt instance has sent it
     failed: str | None = None
     orphaned: bool = False  # the coordinator says no first token will come unless it came already
     sums: list = field(default_factory=list)  # CRC-32 of each layer copied
+    expected: list = field(default_factory=list)  # the sender's, per layer (None until known)
+
+    def __post_init__(self):
+        self.expected = [None] * self.layers
 
 
 class Instance:
-    def __init__(self, engine, layerwise: bool = True, cache_file: str | None = None):
-        """cache_file: where to keep the device KV cache so that other instances can read it."""
+    def __init__(self, engine, layerwise: bool = True, link: tuple | None = None):
+        """link: how KV moves: ("shm", cache file), where to keep the device KV cache so that other
+        instances can read it; ("gloo", store host, store port, this instance's index, timeout s);
+        None: no hand-offs."""
         self.engine, self.loop, self.layerwise = engine, EngineLoop(engine), layerwise
         self.runner = engine.runner
-        self.cache_file = cache_file
-        if cache_file is not None:
-            self.runner.share_device_cache(cache_file)
         self.layers, self.bs = engine.model_config.num_layers, engine.block_manager.block_size
-        self.sending: dict[str, str] = {}  # rid -> record path, until released
-        self.records: dict[str, Record] = {}  # rid -> record being published
+        self.cache_file = None
+        if link is not None and link[0] == "shm":
+            self.cache_file = link[1]
+            self.runner.share_device_cache(link[1])
+            self.link = ShmLink(self.runner.device_cache, self.layers)
+        elif link is not None and link[0] == "gloo":
+            self.link = GlooLink(self.runner.device_cache, self.layers, *link[1:])
+        else:
+            self.link = None
+        self.sending: dict[str, object] = {}  # rid -> its route, until released
         self.deferred: list[str] = []  # serialized hand-offs to publish after the step's report
         self.incoming: dict[str, Incoming] = {}
-        self.peers: dict[str, object] = {}  # senders' cache files -> their mapped caches
         self.events: list[tuple] = []
         self.faults: set[str] = set()
         self.trace = False
@@ -79,14 +89,14 @@ class Instance:
         kind, *args = cmd
         eng = self.engine
         if kind == "add":
-            rid, ids, params, path = args
+            rid, ids, params, route = args
             if (out := self.loop.add(rid, ids, params)) is not None:
                 return [out]
-            if path is not None:
+            if route is not None:
                 eng.requests[rid].handoff = True
-                self.sending[rid] = path
+                self.sending[rid] = route
         elif kind == "expect":
-            rid, ids, params, path, source = args
+            rid, ids, params, route = args
             try:
                 req = eng.make_request(ids, params, request_id=rid)
             except ValueError as e:
@@ -95,7 +105,7 @@ class Instance:
             req.output_token_ids.append(0)  # a placeholder for the first token, never decoded from
             eng.receive(req)
             self.loop.open[rid] = [req, 1]
-            self.incoming[rid] = Incoming(path, source)
+            self.incoming[rid] = Incoming(route, self.layers)
         elif kind == "first":
             rid, token, lps = args
             if (inc := self.incoming.get(rid)) is not None:
@@ -104,15 +114,19 @@ class Instance:
                 req.output_token_ids[0] = token
                 if lps is not None:
                     req.output_logprobs.append(lps)
+        elif kind == "checksums":  # the sender's, where the link does not carry them
+            if (inc := self.incoming.get(args[0])) is not None:
+                inc.expected = list(args[1])
+        elif kind == "connect":  # (gloo) a pair group with a peer, new or restarted
+            self.link.connect(*args)
         elif kind == "release":
             self._forget_sent(args[0])
             if args[0] in eng.scheduler.held:
                 eng.release(args[0])
-        elif kind == "fail":  # the sender may be gone: so may its cache file
+        elif kind == "fail":  # the sender may be gone
             if (inc := self.incoming.get(args[0])) is not None:
                 inc.failed, inc.orphaned = inc.failed or "the KV will not come", True
-            for path in [p for p in self.peers if not os.path.exists(p)]:
-                del self.peers[path]
+            self.link.peer_gone()
         elif kind == "abort":
             rid, reason = args
             self._forget_sent(rid)
@@ -132,22 +146,20 @@ class Instance:
 
     def _forget_sent(self, rid: str) -> None:
         self.sending.pop(rid, None)
-        self.records.pop(rid, None)
+        if self.link is not None:
+            self.link.forget(rid)
         if rid in self.engine.scheduler.held:
             self.loop.open.pop(rid, None)  # its tokens come from the token instance now
 
     # --- the prompt side ---------------------------------------------------------------------
     def _publish(self, rid: str, layer: int, block_ids: list[int]) -> None:
-        """Layer `layer` of a request being handed off is in its blocks: publish its CRC."""
+        """Layer `layer` of a request being handed off is in its blocks: send it (or publish its CRC)."""
         if "drop" in self.faults or ("stall" in self.faults and layer > 0):
             return
-        rec = self.records.get(rid)
-        if rec is None:
-            rec = self.records[rid] = Record(self.sending[rid], self.layers, block_ids)
-        cache = self.runner.device_cache
-        rec.publish(layer, crc(cache[layer, :, block_ids]))
-        if "corrupt" in self.faults and layer == min(1, self.layers - 1):
-            cache[layer, 0, block_ids[0]].view(-1)[0] += 1.0  # after the checksum: a bit flipped on the way
+        corrupt = "corrupt" in self.faults and layer == min(1, self.layers - 1)
+        self.link.send(rid, self.sending[rid], layer, block_ids, corrupt)
+        if layer == self.layers - 1 and (sums := self.link.sent(rid)) is not None:
+            self.events.append(("checksums", rid, sums))
 
     def _prefilling(self):
         """(rid, prompt block ids) of the requests to hand off whose prefill completes in this step."""
@@ -187,40 +199,22 @@ class Instance:
         for rid in eng.reserve_incoming():
             if rid in self.incoming:
                 self.incoming[rid].reserved = True
-        cache, tables = self.runner.device_cache, eng.block_manager.device_tables
+        tables = eng.block_manager.device_tables
         for rid, inc in list(self.incoming.items()):
             if inc.failed is None and inc.reserved:
                 try:
-                    self._copy(rid, inc, cache, tables[rid])
+                    self.link.receive(inc, tables[rid], blocks_for(eng.requests[rid].num_prompt_tokens, self.bs))
                 except (OSError, ValueError) as e:
                     inc.failed = f"unreadable KV: {e}"
+                bad = [k for k, (got, want) in enumerate(zip(inc.sums, inc.expected)) if want is not None and got != want]
+                if bad and inc.failed is None:
+                    inc.failed = f"checksum mismatch in layer {bad[0]}"
             if inc.failed is not None and (inc.first is not None or inc.orphaned):
                 self._recompute(rid, inc)
-            elif inc.copied == self.layers and inc.first is not None:
+            elif inc.copied == self.layers and inc.first is not None and None not in inc.expected:
                 del self.incoming[rid]
                 eng.kv_arrived(rid)
                 self.events.append(("kv_done", rid, True, None, combine(inc.sums)))
-
-    def _copy(self, rid: str, inc: Incoming, cache, table: list[int]) -> None:
-        """Copy the layers ready so far from the sender's blocks into this request's, checking each
-        one's CRC on the copy."""
-        if inc.record is None:
-            if not os.path.exists(inc.path):
-                return
-            inc.record = Record(inc.path, self.layers)
-        rec = inc.record
-        src = self.peers.get(inc.source)
-        if src is None:
-            src = self.peers[inc.source] = map_file(inc.source, tuple(cache.shape), cache.dtype, create=False)
-        dst = table[:len(rec.blocks)]
-        while inc.copied < rec.ready:
-            k = inc.copied
-            cache[k, :, dst] = src[k, :, rec.blocks]
-            inc.sums.append(crc(cache[k, :, dst]))
-            if inc.sums[-1] != rec.checksum(k):
-                inc.failed = f"checksum mismatch in layer {k}"
-                return
-            inc.copied += 1
 
     def _recompute(self, rid: str, inc: Incoming) -> None:
         """Compute a request whose KV failed here instead. Without its first token (the prompt
@@ -234,12 +228,11 @@ class Instance:
         self.engine.kv_failed(rid)
 
     # --- the loop ----------------------------------------------------------------------------
-    def busy(self) -> bool:
-        return self.engine.has_unfinished() or bool(self.incoming)
-
     def tick(self) -> tuple[list, bool]:
         """Reserve and copy incoming KV, run a step if there is work; returns (outputs, whether anything happened)."""
         did = bool(self.incoming)
+        if isinstance(self.link, GlooLink):
+            self.link.flush()
         if self.incoming:
             self._receive()
         if self.engine.has_unfinished():
@@ -258,12 +251,13 @@ class Instance:
         return ev
 
 
-def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, cpus: set[int] | None, cache_dir: str | None,
+def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, cpus: set[int] | None, link: tuple | None,
                   log_level: int, cmds, outs) -> None:
     """An instance's whole life: build the engine, report ready, then serve commands and steps until
-    "stop" or until the coordinator is gone. cpus: the cores it may run on (None: any); cache_dir:
-    where to share its KV cache (split clusters). cmds: poll(timeout), recv(); outs: send(message)
-    (the ends of two pipes, or of two queues in a Ray actor)."""
+    "stop" or until the coordinator is gone. cpus: the cores it may run on (None: any); link (split
+    clusters): ("shm", directory to share its KV cache in) or ("gloo", store host, store port, its
+    index, timeout s, epoch, the peers to connect to). cmds: poll(timeout), recv(); outs:
+    send(message) (the ends of two pipes, or of two queues in a Ray actor)."""
     import torch
 
     from servewise.builder import build_engine
@@ -275,14 +269,20 @@ def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, cpus: set[
     logging.basicConfig(format="%(message)s", stream=sys.stderr)
     logging.getLogger("servewise").setLevel(log_level)
     try:
-        cache_file = os.path.join(cache_dir, f"cache-{os.getpid()}") if cache_dir else None
-        inst = Instance(build_engine(**engine_kwargs), layerwise, cache_file)
+        if link is not None and link[0] == "shm":
+            spec = ("shm", os.path.join(link[1], f"cache-{os.getpid()}"))
+        else:
+            spec = link[:5] if link is not None else None
+        inst = Instance(build_engine(**engine_kwargs), layerwise, spec)
+        if link is not None and link[0] == "gloo":
+            for peer in link[6]:
+                inst.link.connect(peer, link[5])
     except Exception as e:
         outs.send(("failed", str(e) if isinstance(e, USER_ERRORS) else f"{type(e).__name__}: {e}",
                    isinstance(e, USER_ERRORS)))
         return
     eng = inst.engine
-    outs.send(("ready", eng.tokenizer, eng.limits, eng.stats(), inst.layers, cache_file))
+    outs.send(("ready", eng.tokenizer, eng.limits, eng.stats(), inst.layers, inst.cache_file))
     while True:
         timeout = 0 if eng.has_unfinished() else 0.002 if inst.incoming else 0.5
         refused: list = []

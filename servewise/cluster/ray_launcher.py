@@ -118,6 +118,11 @@ def start(args: tuple):
     raise RuntimeError(f"a Ray instance did not start within {STARTUP_TIMEOUT_S} s")
 
 
+def node_address() -> str:
+    """This machine's address in the Ray cluster (where instances reach the coordinator's store)."""
+    return connect().util.get_node_ip_address()
+
+
 def pid(actor) -> int:
     return connect().get(actor.pid.remote())
 

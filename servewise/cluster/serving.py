@@ -70,7 +70,7 @@ class Move:
     tid: str
     prompt: int
     token: int
-    path: str
+    path: str | None  # its record (shared memory), None over gloo
 
 
 @dataclass
@@ -91,9 +91,12 @@ class Member:
 class ClusterClient(StreamingClient):
     def __init__(self, engine_kwargs: dict, roles: list[str], threads: int = 1, launcher: str = "process",
                  layerwise: bool = True, router: str = "jsq", lease_s: float = 5.0, max_waiting: int = 512,
-                 max_restarts: int = 3, pin: bool = False, on_finish=None, log=None):
+                 max_restarts: int = 3, pin: bool = False, transport: str = "shm", on_finish=None, log=None):
         if launcher not in ("process", "ray"):
             raise ValueError(f"unknown launcher {launcher!r}; choose process or ray")
+        if transport not in ("shm", "gloo"):
+            raise ValueError(f"unknown KV transport {transport!r}; choose shm or gloo")
+        self.transport, self.epoch = transport, 0
         self.engine_kwargs, self.threads, self.layerwise = dict(engine_kwargs), threads, layerwise
         self.launcher, self.max_restarts, self.pin = launcher, max_restarts, pin
         self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -114,6 +117,12 @@ class ClusterClient(StreamingClient):
             from servewise.cluster import ray_launcher
             self._ray = ray_launcher
             ray_launcher.connect()  # once, from this thread, before instances start in parallel
+        if self.split and transport == "gloo":  # the rendezvous of the instances' pair groups
+            from torch.distributed import TCPStore
+
+            host = self._ray.node_address() if launcher == "ray" else "127.0.0.1"
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            self._store_addr = (host, self._store.port)
         try:
             ready = self._launch_all()
         except BaseException:
@@ -143,7 +152,7 @@ class ClusterClient(StreamingClient):
 
     def _launch(self, m: Member):
         """Start instance m and wait until its engine is built; returns (tokenizer, limits)."""
-        args = (self.engine_kwargs, self.threads, self.layerwise, self._cores(m.index), self.kv_dir if self.split else None)
+        args = (self.engine_kwargs, self.threads, self.layerwise, self._cores(m.index), self._link(m))
         if self.launcher == "ray":
             m.conn, msg = self._ray.start(args)
             m.pid = self._ray.pid(m.conn)
@@ -154,6 +163,15 @@ class ClusterClient(StreamingClient):
         m.outbox = queue.SimpleQueue()
         m.up = True
         return tokenizer, limits
+
+    def _link(self, m: Member) -> tuple | None:
+        """How instance m moves KV (instance.instance_main's `link`)."""
+        if not self.split:
+            return None
+        if self.transport == "shm":
+            return ("shm", self.kv_dir)
+        peers = [x.index for x in self.members if x is not m and (x.up or self.epoch == 0)]
+        return ("gloo", *self._store_addr, m.index, max(10.0, 4 * self.book.lease_s), self.epoch, peers)
 
     def _cores(self, i: int) -> set[int] | None:
         """With `pin`, instance i runs on its own `threads` cores (round robin over this machine's)."""
@@ -255,9 +273,15 @@ class ClusterClient(StreamingClient):
             return
         self._charge(t, 0, need, False)
         tr = self.book.begin(rid, self.layers, time.monotonic(), leased=False)  # leased from the first token on
-        mv = self.moves[rid] = Move(tr.id, p, t, os.path.join(self.kv_dir, tr.id.replace("#", "-")))
-        self._tell(t, ("expect", rid, ids, params, mv.path, self.members[p].cache_file))
-        self._tell(p, ("add", rid, ids, params, mv.path))
+        if self.transport == "shm":
+            mv = self.moves[rid] = Move(tr.id, p, t, os.path.join(self.kv_dir, tr.id.replace("#", "-")))
+            self._tell(t, ("expect", rid, ids, params, (mv.path, self.members[p].cache_file)))
+            self._tell(p, ("add", rid, ids, params, mv.path))
+        else:
+            tag = int(tr.id.rsplit("#", 1)[1])  # unique per transfer
+            self.moves[rid] = Move(tr.id, p, t, None)
+            self._tell(t, ("expect", rid, ids, params, (p, tag)))
+            self._tell(p, ("add", rid, ids, params, (t, tag)))
 
     def _end(self, mv: Move, reason: str | None = None, checksum: int | None = None) -> None:
         """End a transfer, committed (with the checksum of what arrived) or aborted (with a reason) if it
@@ -271,10 +295,11 @@ class ClusterClient(StreamingClient):
                 self.book.commit(mv.tid, checksum)
             else:
                 self.book.abort(mv.tid, reason)
-        try:
-            os.unlink(mv.path)
-        except FileNotFoundError:
-            pass
+        if mv.path is not None:
+            try:
+                os.unlink(mv.path)
+            except FileNotFoundError:
+                pass
 
     # --- what instances report ---------------------------------------------------------------
     def _on_out(self, m: Member, outputs: list, stats: EngineStats, events: list) -> None:
@@ -282,6 +307,8 @@ class ClusterClient(StreamingClient):
             if not m.up:
                 return
             m.stats = stats
+            if self.pools is not None and not (stats.running or stats.waiting or stats.incoming or stats.committed_blocks):
+                self.pools.idle(m.index)  # an instance borrowed under load goes back to its pool once idle
             mine = []
             for out in outputs:
                 rid = out[0]
@@ -307,6 +334,10 @@ class ClusterClient(StreamingClient):
         self.owner[rid] = mv.token
         self.book.renew(mv.tid, time.monotonic())
         self._tell(mv.token, ("first", rid, token, lps))
+
+    def _on_checksums(self, i: int, rid: str, sums: list[int]) -> None:
+        if (mv := self.moves.get(rid)) is not None:
+            self._tell(mv.token, ("checksums", rid, sums))
 
     def _on_kv_done(self, i: int, rid: str, ok: bool, why: str | None, checksum: int | None) -> None:
         """The token instance has the KV (ok) or computes the request itself; either way after the first token."""
@@ -381,6 +412,7 @@ class ClusterClient(StreamingClient):
             return
         m.outbox.put(("stop",))  # ends its writer thread
         m.restarts += 1
+        self.epoch += 1
         self._log(f"servewise: restarting instance {m.index} ({m.restarts} of {self.max_restarts})")
         try:
             self._launch(m)
@@ -388,6 +420,10 @@ class ClusterClient(StreamingClient):
             self._log(f"servewise: instance {m.index} could not restart: {e}")
             return
         self._start_io(m)
+        if self.split and self.transport == "gloo":
+            for x in self.members:
+                if x is not m:
+                    self._tell(x.index, ("connect", m.index, self.epoch))
 
     # --- the client protocol -----------------------------------------------------------------
     @property

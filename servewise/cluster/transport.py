@@ -85,3 +85,164 @@ class Record:
             raise ValueError(f"{self.path}: layer {layer} published, layer {self.ready} expected")
         self.raw[2 + layer] = checksum
         self.raw[0] = layer + 1
+
+
+class ShmLink:
+    """The zero-copy hand-off between instances on one machine (above). A sender's route is the
+    transfer's record path; a receiver's, (record path, the sender's cache file)."""
+
+    def __init__(self, cache: torch.Tensor, layers: int):
+        self.cache, self.layers = cache, layers
+        self.records: dict[str, Record] = {}
+        self.peers: dict[str, torch.Tensor] = {}  # senders' cache files, mapped
+
+    def send(self, rid: str, route, layer: int, blocks: list[int], corrupt: bool = False) -> None:
+        rec = self.records.get(rid)
+        if rec is None:
+            rec = self.records[rid] = Record(route, self.layers, blocks)
+        rec.publish(layer, crc(self.cache[layer, :, blocks]))
+        if corrupt:  # after the checksum: a bit flipped on the way
+            self.cache[layer, 0, blocks[0]].view(-1)[0] += 1.0
+
+    def sent(self, rid: str) -> list[int] | None:
+        """The checksums the receiver must be told (None: it reads them from the record)."""
+        return None
+
+    def forget(self, rid: str) -> None:
+        self.records.pop(rid, None)
+
+    def receive(self, inc, table: list[int], n_blocks: int) -> None:
+        """Copy the layers ready so far into the request's blocks; their CRCs on the copy go to
+        inc.sums, the sender's to inc.expected."""
+        path, source = inc.route
+        if inc.state is None:
+            if not os.path.exists(path):
+                return
+            inc.state = Record(path, self.layers)
+        rec, cache = inc.state, self.cache
+        src = self.peers.get(source)
+        if src is None:
+            src = self.peers[source] = map_file(source, tuple(cache.shape), cache.dtype, create=False)
+        dst = table[:len(rec.blocks)]
+        while inc.copied < rec.ready:
+            k = inc.copied
+            cache[k, :, dst] = src[k, :, rec.blocks]
+            inc.sums.append(crc(cache[k, :, dst]))
+            inc.expected[k] = rec.checksum(k)
+            inc.copied += 1
+
+    def peer_gone(self) -> None:
+        """A sender may have died: unmap the caches whose files the coordinator removed."""
+        for path in [p for p in self.peers if not os.path.exists(p)]:
+            del self.peers[path]
+
+
+class GlooLink:
+    """The hand-off over torch.distributed's gloo backend, for instances that share no memory
+    (different machines). Each pair of instances has its own two-rank process group, formed in the
+    background through the coordinator's TCP store (again, under a new epoch, when either restarts).
+    The sender gathers each layer of the request's blocks into a buffer, sends it tagged with the
+    transfer and the layer, and reports the CRCs once all are sent (`sent`); the receiver posts its
+    receives when it has blocks, and a thread per transfer waits for them (a gloo receive completes
+    only when waited on). A receive from a dead peer fails, and so does the transfer."""
+
+    def __init__(self, cache: torch.Tensor, layers: int, host: str, port: int, index: int, timeout_s: float):
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        self.cache, self.layers, self.index = cache, layers, index
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+        self.groups: dict[int, tuple] = {}  # peer index -> (process group, the peer's rank in it)
+        self.sums: dict[str, list[int]] = {}
+        self.outbox: dict[str, list] = {}  # rid -> [(peer, tag, layer, buffer)] until its group is up
+
+    def connect(self, peer: int, epoch: int) -> None:
+        """Form the pair group with `peer` in the background (both sides call this)."""
+        import threading
+
+        from torch.distributed import PrefixStore, ProcessGroupGloo
+
+        self.groups.pop(peer, None)
+        a, b = sorted((self.index, peer))
+        mine = 0 if self.index == a else 1
+
+        def form():
+            try:
+                group = ProcessGroupGloo(PrefixStore(f"kv-{a}-{b}-{epoch}", self.store), mine, 2, self.timeout)
+            except RuntimeError:
+                return  # the peer never came: its transfers end by their leases
+            self.groups[peer] = (group, 1 - mine)
+        threading.Thread(target=form, daemon=True).start()
+
+    def _wait(self, works: list, done) -> None:
+        """Wait for works in order in a thread; done(k) after the k-th, done(None, error) on a failure."""
+        import threading
+
+        def run():
+            for k, w in enumerate(works):
+                try:
+                    w.wait()
+                except RuntimeError as e:
+                    done(None, str(e).split("\n")[0][:200])
+                    return
+                done(k)
+        threading.Thread(target=run, daemon=True).start()
+
+    def send(self, rid: str, route, layer: int, blocks: list[int], corrupt: bool = False) -> None:
+        peer, tag = route
+        buf = self.cache[layer, :, blocks].contiguous()
+        self.sums.setdefault(rid, []).append(crc(buf))
+        if corrupt:
+            buf.view(-1)[0] += 1.0
+        self.outbox.setdefault(rid, []).append((peer, tag, layer, buf))
+        self.flush()
+
+    def flush(self) -> None:
+        """Send what waits for a pair group that is up now."""
+        for rid, items in list(self.outbox.items()):
+            if items[0][0] not in self.groups:
+                continue
+            group, other = self.groups[items[0][0]]
+            works = [group.send([buf], other, tag * self.layers + layer) for _, tag, layer, buf in items]
+            del self.outbox[rid]
+            self._wait(works, lambda k, err=None, keep=items: None)  # keeps the buffers until sent
+
+    def sent(self, rid: str) -> list[int] | None:
+        sums = self.sums.get(rid, [])
+        return list(sums) if len(sums) == self.layers else None
+
+    def forget(self, rid: str) -> None:
+        self.sums.pop(rid, None)
+        self.outbox.pop(rid, None)
+
+    def receive(self, inc, table: list[int], n_blocks: int) -> None:
+        peer, tag = inc.route
+        cache = self.cache
+        if inc.state is None:
+            if peer not in self.groups:
+                return
+            group, other = self.groups[peer]
+            shape = (2, n_blocks, *cache.shape[3:])
+            st = inc.state = {"bufs": [torch.empty(shape, dtype=cache.dtype) for _ in range(self.layers)],
+                              "arrived": 0, "error": None}
+
+            def done(k, err=None, st=st):
+                if err is not None:
+                    st["error"] = f"the KV did not arrive: {err}"
+                else:
+                    st["arrived"] = k + 1
+            self._wait([group.recv([b], other, tag * self.layers + k) for k, b in enumerate(st["bufs"])], done)
+        st = inc.state
+        dst = table[:n_blocks]
+        while inc.copied < st["arrived"]:
+            k = inc.copied
+            cache[k, :, dst] = st["bufs"][k]
+            inc.sums.append(crc(cache[k, :, dst]))
+            inc.copied += 1
+        if st["error"] is not None and inc.copied < self.layers:
+            raise ValueError(st["error"])
+
+    def peer_gone(self) -> None:
+        """Nothing to do: a restarted peer comes back through `connect`."""

@@ -61,7 +61,8 @@ def main(a, engine_kwargs: dict) -> None:
         if a.lease <= 0:
             raise ValueError(f"--lease must be > 0 seconds, got {a.lease}")
         cluster = dict(roles=parse_instances(a.instances), threads=a.threads or 1, launcher=a.launcher,
-                       router=a.router, layerwise=a.kv_handoff == "layerwise", lease_s=a.lease)
+                       router=a.router, layerwise=a.kv_handoff == "layerwise", lease_s=a.lease,
+                       transport=a.kv_transport)
     app, engine = make_app(a.model, engine_kwargs, a.served_model_name, a.api_key, a.max_waiting, log=say,
                            engine_process=not a.engine_in_thread, max_restarts=a.max_restarts, cluster=cluster)
     st = engine.stats()
@@ -69,7 +70,7 @@ def main(a, engine_kwargs: dict) -> None:
         members = ", ".join(f"{m['role']} pid {m['pid']}" for m in engine.instance_info())
         where = (f"{len(cluster['roles'])} instances as {'Ray actors' if a.launcher == 'ray' else 'processes'} "
                  f"({members}), {cluster['threads']} torch thread(s) each, "
-                 + (f"KV hand-off {a.kv_handoff}" if engine.split else f"router {a.router}"))
+                 + (f"KV hand-off {a.kv_handoff} over {a.kv_transport}" if engine.split else f"router {a.router}"))
     else:
         where = ("engine in a thread of the server" if a.engine_in_thread else
                  f"engine in its own process (pid {engine.pid})") + f", torch threads {torch.get_num_threads()}"
