@@ -41,6 +41,12 @@ def packing_available(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+# Prompt-sized row counts are padded to a multiple of PAD_TO (its rows come out unchanged: each output
+# row depends on its input row only), so that prompts of every length share 1 / PAD_TO of the kernels
+# and meet them built; small counts (decode batches) are few and kept exact.
+PAD_ABOVE, PAD_TO = 64, 16
+
+
 class Linear:
     """y = x @ weight.T (+ bias). weight: [out, in]. With transposed=True the plain path multiplies by a
     contiguous [in, out] copy (faster for a wide output such as the vocabulary on CPU)."""
@@ -58,7 +64,10 @@ class Linear:
                 log.warning("servewise: no prepacked weight for shape %s (%s)", tuple(weight.shape), e)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+        if self.packed is not None and (n := x.shape[0]) <= PACKED_MAX_ROWS:
+            if n > PAD_ABOVE and n % PAD_TO:  # a bounded set of row counts: oneDNN builds a kernel per count
+                x = torch.cat((x, x.new_zeros(PAD_TO - n % PAD_TO, x.shape[1])))
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:n]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.weight_t is not None:
             y = x @ self.weight_t
