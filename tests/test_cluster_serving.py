@@ -18,7 +18,8 @@ KW = dict(model="tiny-llama", num_device_blocks=64, block_size=4)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
 PROMPTS = [[5 + (7 * i + j) % 300 for i in range(n)] for j, n in enumerate((9, 23, 40, 17, 33))]
-WORK = [(p, GREEDY) for p in PROMPTS] + [(PROMPTS[1], SEEDED), (PROMPTS[2], SamplingParams(max_tokens=1, temperature=0.0))]
+WORK = [(p, GREEDY) for p in PROMPTS] + [(PROMPTS[1], SEEDED),
+                                         (PROMPTS[2], SamplingParams(max_tokens=1, temperature=0.0))]
 
 
 def alone(work):
@@ -78,13 +79,15 @@ def cluster(roles=("prompt", "token"), **kw):
     return c
 
 
-@pytest.mark.parametrize("transport,layerwise,chunked", [("shm", True, False), ("shm", False, False), ("shm", True, True),
-                                                         ("gloo", True, False), ("gloo", False, True)],
+@pytest.mark.parametrize("transport,layerwise,chunked", [("shm", True, False), ("shm", False, False),
+                                                         ("shm", True, True), ("gloo", True, False),
+                                                         ("gloo", False, True)],
                          ids=["layerwise", "serialized", "layerwise-chunked-prefill", "gloo-layerwise",
                               "gloo-serialized-chunked-prefill"])
 def test_prompt_and_token_instances_give_the_tokens_of_one_engine(want, transport, layerwise, chunked):
+    # chunked: prompts of up to 40 tokens in 16-token chunks
     c = ClusterClient(dict(KW, chunked_prefill=True, max_num_batched_tokens=16) if chunked else KW,
-                      ["prompt", "token"], layerwise=layerwise, transport=transport)  # chunked: prompts of up to 40 tokens in 16-token chunks
+                      ["prompt", "token"], layerwise=layerwise, transport=transport)
     c.start()
     try:
         assert generate(c, WORK) == want  # greedy and seeded sampling, and a request done at its first token
@@ -235,3 +238,28 @@ def test_instance_specs_are_checked():
     for bad in ("0", "prompt=1", "prompt=1,token=1,mixed=1", "gpu=2", "prompt=x,token=1", ""):
         with pytest.raises(ValueError):
             parse_instances(bad)
+
+
+def test_bench_cluster_runs_real_and_simulated_side_by_side(tmp_path):
+    """The command end to end on a few requests: real hand-offs all commit, and every compared figure
+    has a simulated and a calibrated value."""
+    import json
+
+    from servewise.cli import main
+    from servewise.models.loader import hf_config
+    from servewise.predictors.fit import fit_predictors
+    from servewise.predictors.profiler import profile
+
+    prof = profile(hf_config("tiny-llama"), sizes=((4, 256),), prefill_points=12, decode_points=12, max_batch=16,
+                   max_prefill_len=256, max_decode_ctx=256, max_prefill_tokens=512, max_decode_tokens=2048,
+                   max_copy_blocks=16, validation_requests=2, reps=2)
+    fit_predictors(prof, names=["ridge"], degrees=[2]).save(str(tmp_path / "p.pkl"))
+    out = tmp_path / "bc.json"
+    main(["bench", "cluster", "--predictors", str(tmp_path / "p.pkl"), "--workload", "synthetic",
+          "--num-requests", "6", "--rate", "20", "--calibration-requests", "4", "--kv-handoff", "serialized",
+          "--no-single", "--num-device-blocks", "256", "--out", str(out)])
+    r = json.loads(out.read_text())["results"]["serialized"]
+    assert r["real"]["handoffs"] == {"committed": 12, "recomputed": 0, "expired": 0, "lost": 0}
+    for row in r["rows"].values():
+        assert row["real"] > 0 and row["sim"] > 0 and row["calibrated"] > 0
+    assert set(r["calibration"]) == {"prompt", "token"} and r["sim"]["transfers"] == 6

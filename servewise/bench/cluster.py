@@ -203,11 +203,12 @@ def main(a) -> None:
                                      arrival="poisson", rate=a.rate, seed=a.seed)
     flags = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2") if f in _cpu_flags()]
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    say(f"{a.model}: {len(items)} {a.workload} requests, mean prompt {statistics.mean(i.prompt_len for i in items):.0f} "
+    mean_prompt = statistics.mean(i.prompt_len for i in items)
+    say(f"{a.model}: {len(items)} {a.workload} requests, mean prompt {mean_prompt:.0f} "
         f"tokens, mean output {statistics.mean(i.output_len for i in items):.0f}, poisson {a.rate} req/s; "
         f"{a.threads} torch thread(s) per instance, {os.cpu_count()} cores ({', '.join(flags)})")
     hop = message_latency_s()
-    n_blocks = -(-int(statistics.mean(i.prompt_len for i in items)) // a.block_size)
+    n_blocks = -(-int(mean_prompt) // a.block_size)
     cache_shape = (mc.num_layers, 2, a.num_device_blocks, a.block_size, mc.num_kv_heads, mc.head_dim)
     link = copy_gbps(mc.num_layers, n_blocks, cache_shape, getattr(torch, mc.dtype))
     link.update(gbps=link["receive_gbps"], message_latency_s=hop, latency_per_layer_s=2 * hop / mc.num_layers)
@@ -220,13 +221,15 @@ def main(a) -> None:
                                              input_len=256, output_len=64, arrival="poisson", rate=a.rate,
                                              seed=a.seed + 1) if a.calibration_requests else ([], [])
     rng = random.Random(a.seed + 1)
-    cal_items = [type(i)(n, i.output_len, i.prompt[:n]) for i, n in zip(cal_items, (rng.randint(16, 256) for _ in cal_items))]
+    cal_items = [type(i)(n, i.output_len, i.prompt[:n])
+                 for i, n in zip(cal_items, (rng.randint(16, 256) for _ in cal_items))]
     for mode in a.kv_handoff:
         lw = mode == "layerwise"
         say(f"[{mode}] real cluster: 1 prompt + 1 token instance, {len(cal_items)} calibration requests first ...")
         real = run_real(a.model, ["prompt", "token"], a.threads, lw, engine_kw, items, arrivals,
                         calibration=(cal_items, cal_arrivals) if a.calibration_requests else None)
-        cal = {role: calibrate(steps, perf) for role, steps in zip(("prompt", "token"), real.pop("calibration_steps", []))}
+        cal = {role: calibrate(steps, perf)
+               for role, steps in zip(("prompt", "token"), real.pop("calibration_steps", []))}
         sim = run_sim(a.model, preds, lw, link, sim_kw, items, arrivals)
         simc = run_sim(a.model, preds, lw, link, sim_kw, items, arrivals, cal) if cal else None
         rows = {}
@@ -237,7 +240,8 @@ def main(a) -> None:
                 if res is not None:
                     v = res["metrics"][key] if key in res["metrics"] else res[key]
                     row[name], row[f"{name}_error_pct"] = v, (v - r) / r * 100 if r else None
-        checks = {role: same_batches(steps, perf, real["wall_s"]) for role, steps in zip(("prompt", "token"), real.pop("steps"))}
+        checks = {role: same_batches(steps, perf, real["wall_s"])
+                  for role, steps in zip(("prompt", "token"), real.pop("steps"))}
         results[mode] = {"rows": rows, "real": real, "sim": sim, "calibrated_sim": simc, "calibration": cal,
                          "same_batches": checks}
         print(_table(f"\n1 prompt + 1 token instance, KV hand-off {mode} (hand-offs: {real['handoffs']}; "
@@ -246,8 +250,8 @@ def main(a) -> None:
             print(f"calibration of the {role} instance (on the calibration requests): " + ", ".join(
                 f"{k} {v * 1e3:.2f} ms" if k.endswith("_s") else f"{k} {v:.2f}" for k, v in c.items()))
         for role, c in checks.items():
-            print(f"{role} instance: " + format_steps(c).replace("\n", "\n  ")
-                  + (f"\n  hand-off checksums after its steps: {c['handoff_writes_s'] * 1e3:.0f} ms" if role == "prompt" else ""))
+            extra = f"\n  hand-off checksums after its steps: {c['handoff_writes_s'] * 1e3:.0f} ms"
+            print(f"{role} instance: " + format_steps(c).replace("\n", "\n  ") + (extra if role == "prompt" else ""))
     if a.single:
         say(f"one instance with {2 * a.threads} threads ...")
         one = run_real(a.model, ["mixed"], 2 * a.threads, True, engine_kw, items, arrivals)

@@ -1,28 +1,31 @@
 """One engine instance of a real cluster, run in its own process or in a Ray actor: the engine loop of
 the single-engine server plus the two sides of the KV hand-off.
 
-In a split cluster every instance keeps its device KV cache in a shared file (cluster.transport), so
-that a hand-off costs the sender a checksum per layer and the receiver one copy.
+In a split cluster KV moves over a link (cluster.transport): ShmLink, where every instance keeps its
+device KV cache in a shared file and a hand-off costs the sender a checksum per layer and the
+receiver one copy; or GlooLink, torch.distributed messages for instances that share no memory.
 
 Commands in (plain tuples, from the coordinator):
-- ("add", rid, ids, params, record path or None): a request; with a path, this instance prefills it
-  and hands it off: it publishes the request's blocks and each layer's CRC in that record (during the
-  forward pass, layer by layer, when `layerwise`; else after the step, once the first token has been
-  reported), and keeps the blocks until "release".
-- ("expect", rid, ids, params, record path, sender's cache file): a request another instance
-  prefills; blocks are reserved for it as soon as they are free, and each layer is copied in from the
-  sender's blocks as soon as the record says it is ready.
+- ("add", rid, ids, params, route or None): a request; with a route (the link's: a record path, or
+  the token instance and a tag), this instance prefills it and hands it off, sending each layer's KV
+  (or its CRC, through shared memory) during the forward pass, layer by layer, when `layerwise`,
+  else after the step once the first token has been reported; it keeps the blocks until "release".
+- ("expect", rid, ids, params, route): a request another instance prefills; blocks are reserved for
+  it as soon as they are free, and each layer is copied in as soon as it is there.
 - ("first", rid, token, logprobs): its first token, sampled by the prompt instance.
+- ("checksums", rid, CRCs): the sender's, where the link does not carry them (gloo).
 - ("release", rid): the transfer has ended (committed, aborted or expired): free the held blocks.
 - ("fail", rid): the KV will not come (the sender died or its lease expired): compute the request here
   from its prompt and whatever tokens it has.
+- ("connect", peer, epoch): (gloo) form the pair group with a new or restarted peer.
 - ("abort", rid, reason), ("stop",), ("trace", on): report each step, and ("fault", name), which
   tests use to inject failures.
 
-Out: ("ready", tokenizer, limits, stats, layers, cache file), then ("out", outputs, stats, events) after every step or
-command, where events are ("handoff", rid, token, logprobs), ("kv_done", rid, ok, reason, checksum)
-and, when tracing, ("step", is_prefill, context lengths, execute seconds, seconds with the hand-off's
-checksums after the step, its start on the instance's perf_counter).
+Out: ("ready", tokenizer, limits, stats, layers, shared cache file or None), then ("out", outputs,
+stats, events) after every step or command, where events are ("handoff", rid, token, logprobs),
+("checksums", rid, CRCs), ("kv_done", rid, ok, reason, checksum) and, when tracing, ("step",
+is_prefill, context lengths, execute seconds, seconds with the hand-off's work after the step, its
+start on the instance's perf_counter).
 """
 from __future__ import annotations
 
@@ -206,7 +209,8 @@ class Instance:
                     self.link.receive(inc, tables[rid], blocks_for(eng.requests[rid].num_prompt_tokens, self.bs))
                 except (OSError, ValueError) as e:
                     inc.failed = f"unreadable KV: {e}"
-                bad = [k for k, (got, want) in enumerate(zip(inc.sums, inc.expected)) if want is not None and got != want]
+                bad = [k for k, (got, want) in enumerate(zip(inc.sums, inc.expected))
+                       if want is not None and got != want]
                 if bad and inc.failed is None:
                     inc.failed = f"checksum mismatch in layer {bad[0]}"
             if inc.failed is not None and (inc.first is not None or inc.orphaned):
@@ -246,6 +250,10 @@ class Instance:
             did = True
         return self.loop.outputs(), did
 
+    def in_flight(self) -> bool:
+        """KV on its way in, or (gloo) out: the loop polls often meanwhile."""
+        return bool(self.incoming) or bool(getattr(self.link, "outbox", None))
+
     def take_events(self) -> list[tuple]:
         ev, self.events = self.events, []
         return ev
@@ -284,7 +292,7 @@ def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, cpus: set[
     eng = inst.engine
     outs.send(("ready", eng.tokenizer, eng.limits, eng.stats(), inst.layers, inst.cache_file))
     while True:
-        timeout = 0 if eng.has_unfinished() else 0.002 if inst.incoming else 0.5
+        timeout = 0 if eng.has_unfinished() else 0.002 if inst.in_flight() else 0.5
         refused: list = []
         touched = False
         try:
@@ -301,6 +309,8 @@ def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, cpus: set[
             if inst.deferred:  # first tokens first: a serialized hand-off does not delay them
                 outs.send(("out", refused + stepped, eng.stats(), inst.take_events()))
                 inst.publish_deferred()
+                if inst.events:  # (gloo) the checksums the token instance waits for
+                    outs.send(("out", [], eng.stats(), inst.take_events()))
                 continue
         except (BrokenPipeError, EOFError):
             return

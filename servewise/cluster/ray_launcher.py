@@ -101,7 +101,8 @@ def start(args: tuple):
     from servewise.server.engine_process import STARTUP_TIMEOUT_S
 
     ray = connect()
-    actor = _actor_class().options(num_cpus=0, max_restarts=0).remote(args, logging.getLogger("servewise").getEffectiveLevel())
+    level = logging.getLogger("servewise").getEffectiveLevel()
+    actor = _actor_class().options(num_cpus=0, max_restarts=0).remote(args, level)
     waited = 0.0
     while waited < STARTUP_TIMEOUT_S:
         msgs = ray.get(actor.pull.remote(PULL_WAIT_S))

@@ -40,7 +40,8 @@ from servewise.server.client import StreamingClient
 from servewise.server.engine_process import spawn
 
 ROLES = ("mixed", "prompt", "token")
-DOWN = EngineStats(0, 10**9, 0, PoolStats(0, 0), PoolStats(0, 0), {}, 10**9, 0, 10**9)  # what a dead instance looks like to a router
+# what a dead instance looks like to a router: endless queues, no room
+DOWN = EngineStats(0, 10**9, 0, PoolStats(0, 0), PoolStats(0, 0), {}, 10**9, 0, 10**9)
 
 
 def parse_instances(spec: str) -> list[str]:
@@ -234,7 +235,8 @@ class ClusterClient(StreamingClient):
     def _charge(self, i: int, prompt_len: int, blocks: int, prompt: bool) -> None:
         """Count a routed request in the instance's load until its next report."""
         st = self.members[i].stats
-        self.members[i].stats = replace(st, waiting=st.waiting + prompt, queued_tokens=st.queued_tokens + prompt_len * prompt,
+        self.members[i].stats = replace(st, waiting=st.waiting + prompt,
+                                        queued_tokens=st.queued_tokens + prompt_len * prompt,
                                         committed_blocks=st.committed_blocks + blocks)
 
     def _send(self, command: tuple) -> None:
@@ -307,7 +309,8 @@ class ClusterClient(StreamingClient):
             if not m.up:
                 return
             m.stats = stats
-            if self.pools is not None and not (stats.running or stats.waiting or stats.incoming or stats.committed_blocks):
+            idle = not (stats.running or stats.waiting or stats.incoming or stats.committed_blocks)
+            if self.pools is not None and idle:
                 self.pools.idle(m.index)  # an instance borrowed under load goes back to its pool once idle
             mine = []
             for out in outputs:
