@@ -14,12 +14,14 @@ from servewise.builder import build_engine
 from servewise.cluster.serving import ClusterClient, parse_instances
 from servewise.sampling_params import SamplingParams
 
-KW = dict(model="tiny-llama", num_device_blocks=64, block_size=4)
+KW = dict(model="tiny-llama", num_device_blocks=96, block_size=4)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
 PROMPTS = [[5 + (7 * i + j) % 300 for i in range(n)] for j, n in enumerate((9, 23, 40, 17, 33))]
+# greedy, seeded top-p, one done at its first token, one done at the token right after its KV came
 WORK = [(p, GREEDY) for p in PROMPTS] + [(PROMPTS[1], SEEDED),
-                                         (PROMPTS[2], SamplingParams(max_tokens=1, temperature=0.0))]
+                                         (PROMPTS[2], SamplingParams(max_tokens=1, temperature=0.0)),
+                                         (PROMPTS[4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))]
 
 
 def alone(work):
@@ -91,7 +93,7 @@ def test_prompt_and_token_instances_give_the_tokens_of_one_engine(want, transpor
     c.start()
     try:
         assert generate(c, WORK) == want  # greedy and seeded sampling, and a request done at its first token
-        assert c.handoffs == {"committed": 6, "recomputed": 0, "expired": 0, "lost": 0}
+        assert c.handoffs == {"committed": 7, "recomputed": 0, "expired": 0, "lost": 0}
         assert all(t.state.value == "committed" and t.sent_layers == 4 for t in c.book.transfers.values())
         assert settled(c)
         assert {m.pid for m in c.members} & {os.getpid()} == set()
@@ -116,7 +118,7 @@ def test_on_ray_actors_too(want):
     c = cluster(launcher="ray")
     try:
         assert generate(c, WORK) == want
-        assert c.handoffs["committed"] == 6 and settled(c)
+        assert c.handoffs["committed"] == 7 and settled(c)
     finally:
         c.shutdown()
 
@@ -230,6 +232,32 @@ def test_the_server_serves_through_a_cluster_and_survives_a_dead_instance():
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert 'servewise_kv_handoffs_total{outcome="committed"} 2.0' in metrics
         assert 'servewise_instance_up{instance="1",role="token"} 1.0' in metrics
+
+
+def test_a_client_that_goes_away_mid_decode_frees_both_instances():
+    c = cluster()
+
+    async def go():
+        first = asyncio.Event()
+        handle, q = c.submit(PROMPTS[0], SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True))
+        task = asyncio.ensure_future(_collect_reason(q, first))
+        await asyncio.wait_for(first.wait(), 30)
+        c.abort(handle.request_id)
+        return await asyncio.wait_for(task, 30)
+
+    async def _collect_reason(q, first):
+        while True:
+            d = await q.get()
+            if d.token_ids:
+                first.set()
+            if d.finished:
+                return d.finish_reason
+
+    try:
+        assert asyncio.run(go()) == "abort"
+        assert settled(c)
+    finally:
+        c.shutdown()
 
 
 def test_instance_specs_are_checked():

@@ -118,3 +118,15 @@ def test_a_hand_off_never_leaks_blocks_nor_decodes_wrong_data(fault, want):
     else:
         assert _finish(b, req) == want  # right tokens, from the KV or recomputed
     assert b.block_manager.num_free_device == 32 and b.committed_blocks == 0 and not b.requests
+
+
+def test_a_book_keeps_its_live_transfers_and_only_the_latest_ended_ones():
+    book = HandoffBook(lease_s=1.0, keep_ended=5)
+    live = book.begin("keep", 4, 0.0, leased=False)
+    for i in range(40):
+        book.abort(book.begin(f"r{i}", 4, 0.0).id, "done")
+    assert live.id in book.transfers and book.live == {live.id}
+    assert 1 + 5 <= len(book.transfers) <= 1 + 5 + 1 and "r39#41" in book.transfers and "r0#2" not in book.transfers
+    assert book.expire(1e9) == []  # not leased until renewed
+    book.renew(live.id, 0.0)
+    assert [t.id for t in book.expire(2.0)] == [live.id] and not book.live

@@ -42,9 +42,12 @@ class Transfer:
 class HandoffBook:
     """Every transfer of a cluster and its state; the coordinator's single source of truth."""
 
-    def __init__(self, lease_s: float = 5.0):
-        self.lease_s = lease_s
-        self.transfers: dict[str, Transfer] = {}
+    def __init__(self, lease_s: float = 5.0, keep_ended: int = 10_000):
+        """keep_ended: ended transfers kept for inspection, the latest first to stay (a server's book
+        must not grow with every request it ever handled)."""
+        self.lease_s, self.keep_ended = lease_s, keep_ended
+        self.transfers: dict[str, Transfer] = {}  # in the order they began
+        self.live: set[str] = set()
         self._n = 0
 
     def begin(self, request_id: str, layers: int, now: float, leased: bool = True) -> Transfer:
@@ -53,7 +56,15 @@ class HandoffBook:
         t = Transfer(f"{request_id}#{self._n}", request_id, layers, self.lease_s,
                      now + self.lease_s if leased else float("inf"))
         self.transfers[t.id] = t
+        self.live.add(t.id)
         return t
+
+    def _end(self, t: Transfer, state: State, reason: str | None = None) -> None:
+        t.state, t.reason = state, reason
+        self.live.discard(t.id)
+        if len(self.transfers) > len(self.live) + self.keep_ended:  # drop the oldest ended ones
+            for tid in [tid for tid in self.transfers if tid not in self.live][:len(self.transfers) // 10 or 1]:
+                del self.transfers[tid]
 
     def _live(self, tid: str) -> Transfer:
         t = self.transfers[tid]
@@ -75,19 +86,20 @@ class HandoffBook:
         t = self._live(tid)
         if t.sent_layers != t.layers:
             raise ValueError(f"transfer {tid}: commit after {t.sent_layers} of {t.layers} layers")
-        t.state, t.checksum = State.COMMITTED, checksum
+        t.checksum = checksum
+        self._end(t, State.COMMITTED)
         return t
 
     def abort(self, tid: str, reason: str) -> Transfer:
         t = self._live(tid)
-        t.state, t.reason = State.ABORTED, reason
+        self._end(t, State.ABORTED, reason)
         return t
 
     def expire(self, now: float) -> list[Transfer]:
         """End every transfer whose lease ran out; returns them."""
-        out = [t for t in self.transfers.values() if t.state not in ENDED and now >= t.lease_until]
+        out = [t for tid in self.live if now >= (t := self.transfers[tid]).lease_until]
         for t in out:
-            t.state, t.reason = State.EXPIRED, f"no word for {t.lease_s:g} s after layer {t.sent_layers}"
+            self._end(t, State.EXPIRED, f"no word for {t.lease_s:g} s after layer {t.sent_layers}")
         return out
 
 

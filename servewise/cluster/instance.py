@@ -17,7 +17,8 @@ Commands in (plain tuples, from the coordinator):
 - ("release", rid): the transfer has ended (committed, aborted or expired): free the held blocks.
 - ("fail", rid): the KV will not come (the sender died or its lease expired): compute the request here
   from its prompt and whatever tokens it has.
-- ("connect", peer, epoch): (gloo) form the pair group with a new or restarted peer.
+- ("connect", peer, generation): (gloo) form the pair group with a new or restarted peer.
+- ("peer_gone",): an instance died; drop any mapping of its memory.
 - ("abort", rid, reason), ("stop",), ("trace", on): report each step, and ("fault", name), which
   tests use to inject failures.
 
@@ -63,8 +64,8 @@ class Incoming:
 class Instance:
     def __init__(self, engine, layerwise: bool = True, link: tuple | None = None):
         """link: how KV moves: ("shm", cache file), where to keep the device KV cache so that other
-        instances can read it; ("gloo", store host, store port, this instance's index, timeout s);
-        None: no hand-offs."""
+        instances can read it; ("gloo", store host, store port, this instance's index and generation,
+        timeout s); None: no hand-offs."""
         self.engine, self.loop, self.layerwise = engine, EngineLoop(engine), layerwise
         self.runner = engine.runner
         self.layers, self.bs = engine.model_config.num_layers, engine.block_manager.block_size
@@ -126,9 +127,10 @@ class Instance:
             self._forget_sent(args[0])
             if args[0] in eng.scheduler.held:
                 eng.release(args[0])
-        elif kind == "fail":  # the sender may be gone
+        elif kind == "fail":  # the KV will not come
             if (inc := self.incoming.get(args[0])) is not None:
                 inc.failed, inc.orphaned = inc.failed or "the KV will not come", True
+        elif kind == "peer_gone":  # an instance died: drop what maps its memory
             self.link.peer_gone()
         elif kind == "abort":
             rid, reason = args
@@ -244,6 +246,9 @@ class Instance:
             stats = self.engine.step()
             if stats.handed_off:
                 self._handed_off(stats.handed_off)
+            for rid in stats.finished:  # ended here before its hand-off (its first token was the last)
+                if rid in self.sending:
+                    self._forget_sent(rid)
             if self.trace and stats.scheduled:
                 self.events.append(("step", stats.is_prefill, list(stats.batch_tokens), stats.execute_s,
                                     time.perf_counter() - t0, t0))
@@ -264,8 +269,9 @@ def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, cpus: set[
     """An instance's whole life: build the engine, report ready, then serve commands and steps until
     "stop" or until the coordinator is gone. cpus: the cores it may run on (None: any); link (split
     clusters): ("shm", directory to share its KV cache in) or ("gloo", store host, store port, its
-    index, timeout s, epoch, the peers to connect to). cmds: poll(timeout), recv(); outs:
-    send(message) (the ends of two pipes, or of two queues in a Ray actor)."""
+    index, its generation, timeout s, the (index, generation) of the peers to connect to). cmds:
+    poll(timeout), recv(); outs: send(message) (the ends of two pipes, or of two queues in a Ray
+    actor)."""
     import torch
 
     from servewise.builder import build_engine
@@ -280,11 +286,11 @@ def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, cpus: set[
         if link is not None and link[0] == "shm":
             spec = ("shm", os.path.join(link[1], f"cache-{os.getpid()}"))
         else:
-            spec = link[:5] if link is not None else None
+            spec = link[:6] if link is not None else None
         inst = Instance(build_engine(**engine_kwargs), layerwise, spec)
         if link is not None and link[0] == "gloo":
-            for peer in link[6]:
-                inst.link.connect(peer, link[5])
+            for peer, gen in link[6]:
+                inst.link.connect(peer, gen)
     except Exception as e:
         outs.send(("failed", str(e) if isinstance(e, USER_ERRORS) else f"{type(e).__name__}: {e}",
                    isinstance(e, USER_ERRORS)))
@@ -303,6 +309,9 @@ def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, cpus: set[
                 refused += inst.command(cmd)
                 touched, timeout = True, 0
         except EOFError:  # the coordinator is gone
+            return
+        except Exception as e:  # the instance's state is unknown: report, and let it be restarted
+            outs.send(("failed", f"command failed: {type(e).__name__}: {e}"))
             return
         try:
             stepped, did = inst.tick()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from servewise.cluster.handoff import ENDED, HandoffBook
 from servewise.cluster.instance import instance_main
-from servewise.cluster.routers import SplitwisePools, make_router
+from servewise.cluster.routers import SplitwisePools, jsq, make_router
 from servewise.cluster.transport import make_dir, remove_dir
 from servewise.engine.block_manager import blocks_for
 from servewise.engine.interfaces import EngineStats, PoolStats
@@ -87,6 +87,7 @@ class Member:
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     conn: object = None  # the launcher's handle: (process, command writer, output reader) or a Ray actor
     cache_file: str | None = None  # its shared KV cache (split clusters)
+    gen: int = 0  # which start of it this is, cluster-wide unique (gloo pair groups are named by it)
 
 
 class ClusterClient(StreamingClient):
@@ -97,7 +98,7 @@ class ClusterClient(StreamingClient):
             raise ValueError(f"unknown launcher {launcher!r}; choose process or ray")
         if transport not in ("shm", "gloo"):
             raise ValueError(f"unknown KV transport {transport!r}; choose shm or gloo")
-        self.transport, self.epoch = transport, 0
+        self.transport = transport
         self.engine_kwargs, self.threads, self.layerwise = dict(engine_kwargs), threads, layerwise
         self.launcher, self.max_restarts, self.pin = launcher, max_restarts, pin
         self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -105,7 +106,9 @@ class ClusterClient(StreamingClient):
         self.pools = SplitwisePools(roles) if self.split else None
         self.router = None if self.split else make_router(router)
         self.book = HandoffBook(lease_s)
-        self.members = [Member(i, r) for i, r in enumerate(roles)]
+        self.members = [Member(i, r, gen=i) for i, r in enumerate(roles)]
+        self._next_gen = len(roles)
+        self._starting = True
         self.owner: dict[str, int] = {}  # request id -> the instance whose tokens reach the client
         self.moves: dict[str, Move] = {}
         self.handoffs = {"committed": 0, "recomputed": 0, "expired": 0, "lost": 0}
@@ -129,6 +132,7 @@ class ClusterClient(StreamingClient):
         except BaseException:
             self.shutdown()
             raise
+        self._starting = False
         super().__init__(ready[0], ready[1], max_waiting, on_finish)
         self._stats = self._aggregate()
 
@@ -171,8 +175,9 @@ class ClusterClient(StreamingClient):
             return None
         if self.transport == "shm":
             return ("shm", self.kv_dir)
-        peers = [x.index for x in self.members if x is not m and (x.up or self.epoch == 0)]
-        return ("gloo", *self._store_addr, m.index, max(10.0, 4 * self.book.lease_s), self.epoch, peers)
+        with self._co:
+            peers = [(x.index, x.gen) for x in self.members if x is not m and (x.up or self._starting)]
+        return ("gloo", *self._store_addr, m.index, m.gen, max(10.0, 4 * self.book.lease_s), peers)
 
     def _cores(self, i: int) -> set[int] | None:
         """With `pin`, instance i runs on its own `threads` cores (round robin over this machine's)."""
@@ -249,6 +254,11 @@ class ClusterClient(StreamingClient):
                     self._end(mv, reason)
                     self._tell(mv.prompt, ("abort", rid, reason))
                     self._tell(mv.token, ("abort", rid, reason))
+                    if self.members[mv.token].up:  # its report of the abort ends the stream
+                        self.owner[rid] = mv.token
+                    else:
+                        self.owner.pop(rid, None)
+                        self._deliver([(rid, [], None, True, reason)], None)
                 elif rid in self.owner:
                     self._tell(self.owner[rid], ("abort", rid, reason))
 
@@ -260,6 +270,8 @@ class ClusterClient(StreamingClient):
         need = blocks_for(len(ids) + params.max_tokens, self.limits.block_size)
         if not self.split:
             i = self.router(len(ids), loads)
+            if not self.members[i].up:  # round robin does not look at loads
+                i = jsq(len(ids), loads)
             self._charge(i, len(ids), need, True)
             self.owner[rid] = i
             self._tell(i, ("add", rid, ids, params, None))
@@ -312,6 +324,11 @@ class ClusterClient(StreamingClient):
             idle = not (stats.running or stats.waiting or stats.incoming or stats.committed_blocks)
             if self.pools is not None and idle:
                 self.pools.idle(m.index)  # an instance borrowed under load goes back to its pool once idle
+            # a commit before the outputs of the same message (the request may end in the step after its
+            # KV came); a hand-off after them (the prompt instance's first token is still its own)
+            for ev in events:
+                if ev[0] == "kv_done":
+                    self._on_kv_done(m.index, *ev[1:])
             mine = []
             for out in outputs:
                 rid = out[0]
@@ -320,11 +337,13 @@ class ClusterClient(StreamingClient):
                 mine.append(out)
                 if out[3]:  # finished
                     del self.owner[rid]
-                    if (mv := self.moves.pop(rid, None)) is not None:  # ended at the prompt instance (EOS, an error)
+                    if (mv := self.moves.pop(rid, None)) is not None:  # ended before its transfer did
                         self._end(mv, "finished before its hand-off")
-                        self._tell(mv.token, ("abort", rid, "finished at the prompt instance"))
+                        other = mv.token if m.index == mv.prompt else mv.prompt
+                        self._tell(other, ("abort", rid, "finished on the other instance"))
             for ev in events:
-                getattr(self, f"_on_{ev[0]}")(m.index, *ev[1:])
+                if ev[0] != "kv_done":
+                    getattr(self, f"_on_{ev[0]}")(m.index, *ev[1:])
             if mine:
                 self._deliver(mine, None)
             self._stats = self._aggregate()
@@ -384,6 +403,9 @@ class ClusterClient(StreamingClient):
                     os.unlink(m.cache_file)
                 except FileNotFoundError:
                     pass
+                for x in self.members:
+                    if x is not m:
+                        self._tell(x.index, ("peer_gone",))
             lost = []
             for rid, mv in list(self.moves.items()):
                 if m.index not in (mv.prompt, mv.token):
@@ -414,8 +436,11 @@ class ClusterClient(StreamingClient):
                 self.error = f"every instance is down; last: {reason}"
             return
         m.outbox.put(("stop",))  # ends its writer thread
-        m.restarts += 1
-        self.epoch += 1
+        if self.launcher == "ray":
+            self._ray.stop(m.conn)  # an actor whose loop failed may still be alive
+        with self._co:
+            m.restarts += 1
+            m.gen, self._next_gen = self._next_gen, self._next_gen + 1
         self._log(f"servewise: restarting instance {m.index} ({m.restarts} of {self.max_restarts})")
         try:
             self._launch(m)
@@ -426,7 +451,7 @@ class ClusterClient(StreamingClient):
         if self.split and self.transport == "gloo":
             for x in self.members:
                 if x is not m:
-                    self._tell(x.index, ("connect", m.index, self.epoch))
+                    self._tell(x.index, ("connect", m.index, m.gen))
 
     # --- the client protocol -----------------------------------------------------------------
     @property

@@ -109,7 +109,12 @@ class ShmLink:
         return None
 
     def forget(self, rid: str) -> None:
-        self.records.pop(rid, None)
+        """The transfer has ended: drop its record (the coordinator may have removed it already)."""
+        if (rec := self.records.pop(rid, None)) is not None:
+            try:
+                os.unlink(rec.path)
+            except FileNotFoundError:
+                pass
 
     def receive(self, inc, table: list[int], n_blocks: int) -> None:
         """Copy the layers ready so far into the request's blocks; their CRCs on the copy go to
@@ -140,40 +145,50 @@ class ShmLink:
 class GlooLink:
     """The hand-off over torch.distributed's gloo backend, for instances that share no memory
     (different machines). Each pair of instances has its own two-rank process group, formed in the
-    background through the coordinator's TCP store (again, under a new epoch, when either restarts).
+    background through the coordinator's TCP store (again, named by the new generation, when either
+    restarts).
     The sender gathers each layer of the request's blocks into a buffer, sends it tagged with the
     transfer and the layer, and reports the CRCs once all are sent (`sent`); the receiver posts its
     receives when it has blocks, and a thread per transfer waits for them (a gloo receive completes
     only when waited on). A receive from a dead peer fails, and so does the transfer."""
 
-    def __init__(self, cache: torch.Tensor, layers: int, host: str, port: int, index: int, timeout_s: float):
+    def __init__(self, cache: torch.Tensor, layers: int, host: str, port: int, index: int, gen: int,
+                 timeout_s: float):
         from datetime import timedelta
 
         from torch.distributed import TCPStore
 
-        self.cache, self.layers, self.index = cache, layers, index
+        self.cache, self.layers, self.index, self.gen = cache, layers, index, gen
+        self.names: dict[int, str] = {}  # peer index -> the name of the pair group formed or forming
         self.timeout = timedelta(seconds=timeout_s)
         self.store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
         self.groups: dict[int, tuple] = {}  # peer index -> (process group, the peer's rank in it)
         self.sums: dict[str, list[int]] = {}
         self.outbox: dict[str, list] = {}  # rid -> [(peer, tag, layer, buffer)] until its group is up
 
-    def connect(self, peer: int, epoch: int) -> None:
-        """Form the pair group with `peer` in the background (both sides call this)."""
+    def connect(self, peer: int, gen: int) -> None:
+        """Form the pair group with generation `gen` of instance `peer` in the background. Both sides
+        call this and name the group by both instances' generations, so a restart on either side (a
+        new generation) forms a new one."""
         import threading
 
         from torch.distributed import PrefixStore, ProcessGroupGloo
 
+        a, b = sorted(((self.index, self.gen), (peer, gen)))
+        name = f"kv-{a[0]}.{a[1]}-{b[0]}.{b[1]}"
+        if self.names.get(peer) == name:  # formed or forming already
+            return
+        self.names[peer] = name
         self.groups.pop(peer, None)
-        a, b = sorted((self.index, peer))
-        mine = 0 if self.index == a else 1
+        mine = 0 if (self.index, self.gen) == a else 1
 
         def form():
             try:
-                group = ProcessGroupGloo(PrefixStore(f"kv-{a}-{b}-{epoch}", self.store), mine, 2, self.timeout)
+                group = ProcessGroupGloo(PrefixStore(name, self.store), mine, 2, self.timeout)
             except RuntimeError:
                 return  # the peer never came: its transfers end by their leases
-            self.groups[peer] = (group, 1 - mine)
+            if self.names.get(peer) == name:
+                self.groups[peer] = (group, 1 - mine)
         threading.Thread(target=form, daemon=True).start()
 
     def _wait(self, works: list, done) -> None:
