@@ -133,7 +133,7 @@ def _sample_random(lg: torch.Tensor, reqs: list) -> torch.Tensor:
     u = torch.rand(n, 1, dtype=torch.float64)
     for j, r in enumerate(reqs):
         if r.params.seed is not None:
-            if r.generator is None:  # a request with outputs already (recomputed, or prefilled elsewhere)
+            if r.generator is None:  # a request with outputs already (prefilled on another instance)
                 r.generator = g = torch.Generator().manual_seed(r.params.seed)  # skips the draws they took
                 if done := len(r.output_token_ids):
                     torch.rand(done, generator=g, dtype=torch.float64)
