@@ -485,8 +485,16 @@ def _run_cluster(a) -> None:
 
     design = Design(a.prompt or {}, a.token or {}, a.mixed or {})
     kw = {k: v for k, v in _engine_kwargs(a).items() if k not in ("predictors", "model") and v is not None}
+    preds = None
+    if "this-cpu" in {m for m, _ in design.instances()}:  # this machine's profile (taken on first use)
+        from servewise.models.loader import load_model_config
+        from servewise.predictors.auto import ensure_predictors
+
+        kw.setdefault("dtype", "float32")
+        mc, _ = load_model_config(a.model, kw["dtype"])
+        preds = ensure_predictors(a.model, mc, "cpu", kw.get("block_size", 16), getattr(a, "predictors", None))
     sim = ClusterSim(a.model, design, router=a.router, perf_table=a.perf_table, transfer=a.transfer,
-                     token_axis=a.token_axis, **kw)
+                     token_axis=a.token_axis, predictors=preds, **kw)
     eng = sim.engines[0]
     notes: dict = {}
     items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size, notes)
@@ -494,7 +502,10 @@ def _run_cluster(a) -> None:
     res = sim.run(items, arrivals, progress=bar.update if bar else None)
     if bar:
         bar.close()
-    m = summarize(res.requests, reference_perf_for(a.model, a.perf_table, a.token_axis))
+    # slowdowns against an unloaded DGX-A100 (Splitwise's reference), or this CPU for this-cpu designs
+    ref = (sim.engines[0].runner.perf if preds is not None
+           else reference_perf_for(a.model, a.perf_table, a.token_axis))
+    m = summarize(res.requests, ref)
     m.update(_changes(items, res.requests, notes, eng.model_config.max_model_len))
     m["rejected_examples"] = [f"#{i}: {reason}" for i, reason in res.rejected[:10]]
     m.update(design=design.label(), **design.totals(), requests=len(items), rejected=len(res.rejected),
