@@ -23,6 +23,7 @@ import time
 import torch
 
 from servewise.bench.fidelity import format_steps, step_check
+from servewise.kernels import cpu_flags
 from servewise.metrics import RequestRecord, compute
 from servewise.predictors.perf import make_perf
 from servewise.workloads.driver import params_for
@@ -62,7 +63,8 @@ def copy_gbps(layers: int, blocks: int, cache_shape: tuple[int, ...], dtype: tor
     """A hand-off's two costs per byte, as the instances pay them: the sender's checksum of each layer
     of a request's blocks, and the receiver's copy of them out of the sender's mapped cache into its
     own blocks with its checksum; GB/s of each (best of `repeat`)."""
-    from servewise.cluster.transport import crc, make_dir, map_file, remove_dir
+    from servewise.cluster.handoff import crc
+    from servewise.cluster.transport import make_dir, map_file, remove_dir
 
     d = make_dir()
     try:
@@ -201,12 +203,12 @@ def main(a) -> None:
     items, arrivals = build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
                                      max_output_len=a.max_output_len, max_prompt_len=a.max_prompt_len,
                                      arrival="poisson", rate=a.rate, seed=a.seed)
-    flags = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2") if f in _cpu_flags()]
+    flags = cpu_flags()
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     mean_prompt = statistics.mean(i.prompt_len for i in items)
     say(f"{a.model}: {len(items)} {a.workload} requests, mean prompt {mean_prompt:.0f} "
         f"tokens, mean output {statistics.mean(i.output_len for i in items):.0f}, poisson {a.rate} req/s; "
-        f"{a.threads} torch thread(s) per instance, {os.cpu_count()} cores ({', '.join(flags)})")
+        f"{a.threads} torch thread(s) per instance, {os.cpu_count()} cores ({flags})")
     hop = message_latency_s()
     n_blocks = -(-int(mean_prompt) // a.block_size)
     cache_shape = (mc.num_layers, 2, a.num_device_blocks, a.block_size, mc.num_kv_heads, mc.head_dim)
@@ -276,15 +278,3 @@ def _table(title: str, rows: dict) -> str:
         lines.append(f"{label:<28}{r['real']:>11.2f}{r['sim']:>11.2f}{pct(r['sim_error_pct']):>9}"
                      + (f"{r['calibrated']:>12.2f}{pct(r['calibrated_error_pct']):>9}" if cal else ""))
     return "\n".join(lines)
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-

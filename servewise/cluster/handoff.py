@@ -14,6 +14,8 @@ import enum
 import zlib
 from dataclasses import dataclass
 
+import torch
+
 
 class State(str, enum.Enum):
     RESERVED = "reserved"
@@ -103,10 +105,14 @@ class HandoffBook:
         return out
 
 
+def crc(t) -> int:
+    """CRC-32 of a tensor's bytes."""
+    return zlib.crc32(t.contiguous().cpu().view(torch.uint8).numpy())
+
+
 def layer_checksum(cache, layer: int, blocks: list[int]) -> int:
     """CRC-32 of one layer's K and V in the given blocks (a runner's device_cache: [layer, k/v, block, ...])."""
-    data = cache[layer, :, blocks].contiguous().cpu().numpy().tobytes()
-    return zlib.crc32(data)
+    return crc(cache[layer, :, blocks])
 
 
 def combine(checksums: list[int]) -> int:

@@ -6,7 +6,7 @@ device KV cache in a shared file and a hand-off costs the sender a checksum per 
 receiver one copy; or GlooLink, torch.distributed messages for instances that share no memory.
 
 Commands in (plain tuples, from the coordinator):
-- ("add", rid, ids, params, route or None): a request; with a route (the link's: a record path, or
+- ("add", rid, ids, params[, route]): a request; with a route (the link's: a record path, or
   the token instance and a tag), this instance prefills it and hands it off, sending each layer's KV
   (or its CRC, through shared memory) during the forward pass, layer by layer, when `layerwise`,
   else after the step once the first token has been reported; it keeps the blocks until "release".
@@ -93,7 +93,8 @@ class Instance:
         kind, *args = cmd
         eng = self.engine
         if kind == "add":
-            rid, ids, params, route = args
+            rid, ids, params, *rest = args  # a single engine's adds carry no route
+            route = rest[0] if rest else None
             if (out := self.loop.add(rid, ids, params)) is not None:
                 return [out]
             if route is not None:
@@ -237,7 +238,7 @@ class Instance:
     def tick(self) -> tuple[list, bool]:
         """Reserve and copy incoming KV, run a step if there is work; returns (outputs, whether anything happened)."""
         did = bool(self.incoming)
-        if isinstance(self.link, GlooLink):
+        if self.link is not None:
             self.link.flush()
         if self.incoming:
             self._receive()
@@ -256,8 +257,8 @@ class Instance:
         return self.loop.outputs(), did
 
     def in_flight(self) -> bool:
-        """KV on its way in, or (gloo) out: the loop polls often meanwhile."""
-        return bool(self.incoming) or bool(getattr(self.link, "outbox", None))
+        """KV on its way in, or waiting to go out: the loop polls often meanwhile."""
+        return bool(self.incoming) or (self.link is not None and self.link.waiting())
 
     def take_events(self) -> list[tuple]:
         ev, self.events = self.events, []

@@ -16,12 +16,14 @@ stops, so a crashed instance leaves no memory behind.
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
-import zlib
 
 import torch
+
+from servewise.cluster.handoff import crc
 
 
 def make_dir() -> str:
@@ -34,16 +36,9 @@ def remove_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
-
-
 def map_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
     """A tensor backed by a shared file (created, zeroed, when `create`)."""
-    n = 1
-    for d in shape:
-        n *= d
-    size = n * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if create:
         with open(path, "wb") as f:
             f.truncate(size)
@@ -107,6 +102,12 @@ class ShmLink:
     def sent(self, rid: str) -> list[int] | None:
         """The checksums the receiver must be told (None: it reads them from the record)."""
         return None
+
+    def flush(self) -> None:
+        """Send what waits to be sent (nothing waits here)."""
+
+    def waiting(self) -> bool:
+        return False
 
     def forget(self, rid: str) -> None:
         """The transfer has ended: drop its record (the coordinator may have removed it already)."""
@@ -223,6 +224,10 @@ class GlooLink:
             works = [group.send([buf], other, tag * self.layers + layer) for _, tag, layer, buf in items]
             del self.outbox[rid]
             self._wait(works, lambda k, err=None, keep=items: None)  # keeps the buffers until sent
+
+    def waiting(self) -> bool:
+        """Layers wait for their pair group."""
+        return bool(self.outbox)
 
     def sent(self, rid: str) -> list[int] | None:
         sums = self.sums.get(rid, [])

@@ -2,7 +2,8 @@
 
 Messages are plain data over two one-way pipes: commands in (add, abort, stop), and one message per
 step out (every open request's new tokens, and the engine's load). The parent keeps a tokenizer and
-the engine's request limits, so requests are validated before they cross.
+the engine's request limits, so requests are validated before they cross. The child runs the loop
+of a cluster's instance (cluster/instance.py) with no hand-off.
 
 If the engine process dies (a crash, a kill, a failed step), every open request gets an error at once
 and /health reports it; the client then starts a fresh engine process, up to `max_restarts` times
@@ -17,51 +18,10 @@ import queue
 import sys
 import threading
 
-from servewise.server.client import EngineLoop, StreamingClient, apply_commands
+from servewise.server.client import StreamingClient
 
 STARTUP_TIMEOUT_S = 900  # a large model, a first kernel build or a first-use profile take minutes
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError)
-
-
-def _engine_main(engine_kwargs: dict, threads: int, log_level: int, cmds, outs) -> None:
-    """The engine process: build the engine, report ready, then serve commands and steps until stopped."""
-    import torch
-
-    from servewise.builder import build_engine
-
-    torch.set_num_threads(threads)
-    logging.basicConfig(format="%(message)s", stream=sys.stderr)
-    logging.getLogger("servewise").setLevel(log_level)
-    try:
-        engine = build_engine(**engine_kwargs)
-    except Exception as e:  # bad settings (ValueError and kin) are the user's to fix; the rest is a failure
-        outs.send(("failed", str(e) if isinstance(e, USER_ERRORS) else f"{type(e).__name__}: {e}",
-                   isinstance(e, USER_ERRORS)))
-        return
-    loop = EngineLoop(engine)
-    outs.send(("ready", engine.tokenizer, engine.limits, engine.stats()))
-    pending: list = []
-    while True:
-        timeout = 0 if engine.has_unfinished() else 0.5
-        try:
-            while cmds.poll(timeout):
-                pending.append(cmds.recv())
-                timeout = 0
-        except EOFError:  # the server is gone
-            return
-        if any(c[0] == "stop" for c in pending):
-            return
-        touched = bool(pending)
-        refused = apply_commands(loop, lambda: pending.pop(0), lambda: bool(pending))
-        if engine.has_unfinished():
-            try:
-                engine.step()
-            except Exception as e:
-                outs.send(("failed", f"engine step failed: {type(e).__name__}: {e}"))
-                return
-            touched = True
-        if touched:
-            outs.send(("out", refused + loop.outputs(), engine.stats()))
 
 
 def spawn(ctx, target, args: tuple, name: str):
@@ -120,9 +80,11 @@ class ProcessEngineClient(StreamingClient):
 
     def _launch(self):
         """Start an engine process and wait until it is built; returns (tokenizer, limits)."""
-        self._proc, self._cmds, self._outs, msg = spawn(self._ctx, _engine_main, (self.engine_kwargs, self._threads),
-                                                        "servewise-engine")
-        _, tokenizer, limits, self._first_stats = msg
+        from servewise.cluster.instance import instance_main  # the loop of a cluster's instance, alone
+
+        args = (self.engine_kwargs, self._threads, False, None, None)  # no layer hook, no cores pinned, no link
+        self._proc, self._cmds, self._outs, msg = spawn(self._ctx, instance_main, args, "servewise-engine")
+        tokenizer, limits, self._first_stats = msg[1:4]
         self._up = True
         return tokenizer, limits
 
