@@ -45,7 +45,9 @@ def assemble(config: EngineConfig, mc, tokenizer, runner, cost_model: CostModel 
              owns_clock: bool = True) -> LLMEngine:
     """Block manager, policies and scheduler around a runner that reports its pools (runner.capacity)."""
     n_dev, n_host = runner.capacity
-    bm = BlockManager(n_dev, n_host, config.cache.block_size, config.cache.watermark)
+    cc = config.cache
+    bm = BlockManager(n_dev, n_host, cc.block_size, cc.watermark,
+                      prefix_key=f"{config.model}|{mc.dtype}" if cc.enable_prefix_caching else None)
     preemption = PREEMPTION_POLICIES[config.scheduler.preemption]
     preemption = preemption(cost_model) if preemption.needs_costs else preemption()
     scheduler = Scheduler(config.scheduler, bm, ORDERING_POLICIES[config.scheduler.policy](), preemption)

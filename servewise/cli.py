@@ -122,22 +122,38 @@ def _workload_args(p: argparse.ArgumentParser, rate_args: bool = True) -> None:
     t.add_argument("--time-unit", default=None, choices=["s", "ms", "us", "ns"], help="of the arrival time (default ms)")
     t.add_argument("--input-column", default=None, help="prompt tokens (default input_length)")
     t.add_argument("--output-column", default=None, help="output tokens (default output_length)")
-    t.add_argument("--hash-column", default=None, help="a list of prefix block hashes per request (default: none)")
+    t.add_argument("--hash-column", default=None, help="a list of prefix block hashes per request (default: none); "
+                   "equal hashes become equal token blocks")
+    t.add_argument("--hash-block", type=int, default=None, help="tokens per prefix block hash (default 512)")
+    g = p.add_argument_group("shared_prefix and multi_turn workloads (--input-len: the suffix / user message length, "
+                             "--output-len: the reply length)")
+    g.add_argument("--num-prefixes", type=int, default=None, help="shared_prefix: distinct system prompts (default 4)")
+    g.add_argument("--prefix-len", type=int, default=None, help="shared_prefix: tokens per system prompt (default 512)")
+    g.add_argument("--conversations", type=int, default=None, help="multi_turn: conversations (default 20)")
+    g.add_argument("--turns", type=int, default=None, help="multi_turn: turns per conversation at most (default 6)")
+    g.add_argument("--think-s", type=float, default=None, help="multi_turn: mean seconds between turns (default 5)")
+    g.add_argument("--conversation-rate", type=float, default=None,
+                   help="multi_turn: conversations starting per second (default 1)")
+    g.add_argument("--system-len", type=int, default=None, help="multi_turn: a system prompt every conversation "
+                   "starts with, in tokens (default 0)")
 
 
-_TRACE_FLAGS = ("time_column", "time_unit", "input_column", "output_column", "hash_column")  # load_trace's options
+_TRACE_FLAGS = ("time_column", "time_unit", "input_column", "output_column", "hash_column", "hash_block")
+_PREFIX_FLAGS = ("num_prefixes", "prefix_len", "conversations", "turns", "think_s", "conversation_rate", "system_len")
 
 
-def _workload(a, tokenizer, vocab_size, notes: dict | None = None):
+def _workload(a, tokenizer, vocab_size, notes: dict | None = None, max_len: int = 2048):
     from servewise.workloads.build import build_workload
 
     trace = {k: getattr(a, k) for k in _TRACE_FLAGS if getattr(a, k, None) is not None}
     if trace.get("time_column", "").lower() == "none":
         trace["time_column"] = None
+    prefix = {k: getattr(a, k) for k in _PREFIX_FLAGS if getattr(a, k, None) is not None}
     return build_workload(a.workload, tokenizer, vocab_size, data=a.data, num_requests=a.num_requests,
                           input_len=a.input_len, output_len=a.output_len, max_output_len=a.max_output_len,
-                          max_prompt_len=a.max_prompt_len, arrival=a.arrival, rate=a.rate, cv=a.cv, seed=a.seed,
-                          trace_options=trace or None, notes=notes)
+                          max_prompt_len=a.max_prompt_len, arrival=a.arrival, rate=getattr(a, "rate", None),
+                          cv=getattr(a, "cv", 1.0), seed=a.seed, trace_options=trace or None,
+                          prefix_options=prefix or None, max_len=max_len, notes=notes)
 
 
 def _changes(items, reqs, notes: dict, max_model_len: int) -> dict:
@@ -184,7 +200,7 @@ def _run_simulate(a) -> None:
     kw = {k: v for k, v in _engine_kwargs(a).items() if k != "predictors"}
     eng = build_sim_engine(a.model, a.hardware, a.predictors, tp=a.tp, **kw)
     notes: dict = {}
-    items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size, notes)
+    items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size, notes, eng.model_config.max_model_len)
     bar = _bar(len(items), "simulated requests")
     res = simulate(eng, items, arrivals, progress=bar.update if bar else None)
     if bar:
@@ -396,6 +412,23 @@ def _add_bench_fidelity(bsub) -> None:
     fi.set_defaults(func=_run_bench_fidelity)
 
 
+def _run_bench_prefix(a) -> None:
+    from servewise.bench.prefix import main
+
+    main(a)
+
+
+def _add_bench_prefix(bsub) -> None:
+    bp = bsub.add_parser("prefix", help="prefix caching off and on, real engine and simulator, same workload")
+    _engine_args(bp, skip=("seed",))
+    _workload_args(bp)
+    bp.set_defaults(workload="shared_prefix")
+    bp.add_argument("--sim", action=argparse.BooleanOptionalAction, default=True,
+                    help="also simulate both runs on this machine's cost predictors")
+    bp.add_argument("--out", default="results/bench_prefix.json")
+    bp.set_defaults(func=_run_bench_prefix)
+
+
 def _run_serve(a) -> None:
     from servewise.server.run import main
 
@@ -497,7 +530,7 @@ def _run_cluster(a) -> None:
                      token_axis=a.token_axis, predictors=preds, **kw)
     eng = sim.engines[0]
     notes: dict = {}
-    items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size, notes)
+    items, arrivals = _workload(a, eng.tokenizer, eng.model_config.vocab_size, notes, eng.model_config.max_model_len)
     bar = _bar(len(items), "simulated requests")
     res = sim.run(items, arrivals, progress=bar.update if bar else None)
     if bar:
@@ -601,7 +634,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_generate(sub)
     bsub = _add_bench(sub)
-    for add in (_add_bench_throughput, _add_bench_serve, _add_bench_fidelity, _add_bench_cluster):
+    for add in (_add_bench_throughput, _add_bench_serve, _add_bench_fidelity, _add_bench_cluster, _add_bench_prefix):
         add(bsub)
     for add in (_add_profile, _add_fit_predictors, _add_simulate, _add_cluster, _add_serve, _add_experiment):
         add(sub)

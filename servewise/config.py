@@ -19,6 +19,9 @@ class CacheConfig:
     device_memory_gb: float = option(1.0, "device pool size when --num-device-blocks is not given")
     host_memory_gb: float = option(1.0, "host pool size when --num-host-blocks is not given")
     watermark: float = option(0.01, "share of device blocks kept free when admitting new requests")
+    enable_prefix_caching: bool = option(False, "reuse the KV of full blocks that start a new request's tokens "
+                                                "(named by a chained hash of their tokens), keeping freed blocks "
+                                                "cached until their room is needed")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

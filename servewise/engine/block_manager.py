@@ -2,16 +2,38 @@
 
 It never touches tensors. Swaps return plans (lists of (src, dst) block-id pairs) that a runner
 executes, so the same object serves the real engine and the simulator.
+
+With prefix caching (a `prefix_key`), every full device block whose KV has been computed is named by
+a chained hash: the hash of its tokens and of the block before it, rooted in the key (model, dtype)
+and the block size, so equal names mean equal KV in any instance. Blocks carry reference counts; a
+new request takes the longest run of cached blocks that starts its tokens and shares them. A block
+nobody references keeps its KV and its name until it is needed: blank free blocks are taken first,
+then the least recently released cached block (its name is dropped then).
 """
 from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter, OrderedDict
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def root_hash(prefix_key: str, block_size: int) -> bytes:
+    """The hash a request's first block chains from: deterministic across processes and machines."""
+    return hashlib.blake2b(f"servewise-prefix-v1|{prefix_key}|{block_size}".encode(), digest_size=16).digest()
+
+
+def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """The name of a full block: its tokens and its parent's name."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
 class BlockManager:
-    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int, watermark: float = 0.0):
+    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int, watermark: float = 0.0,
+                 prefix_key: str | None = None):
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
@@ -21,11 +43,22 @@ class BlockManager:
         self.free_host: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self.device_tables: dict[str, list[int]] = {}
         self.host_tables: dict[str, list[int]] = {}
+        # prefix caching (off without a prefix_key)
+        self.caching = prefix_key is not None
+        self.root = root_hash(prefix_key, block_size) if self.caching else b""
+        self.refs = [0] * num_device_blocks if self.caching else []  # tables holding each device block
+        self.cached: dict[bytes, int] = {}  # block name -> device block holding that KV
+        self.name_of: dict[int, bytes] = {}  # the reverse
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # named, unreferenced: least recently freed first
+        self.registered: dict[str, int] = {}  # request -> leading blocks of its table already named
+        self.admitted_tokens = 0  # tokens of the requests admitted (again, after a recompute), since start
+        self.hit_tokens = 0  # of those, the tokens whose KV came from cached blocks
 
     # --- queries -----------------------------------------------------------------------------
     @property
     def num_free_device(self) -> int:
-        return len(self.free_device)
+        """Blocks a request can take: blank ones and cached ones nobody references."""
+        return len(self.free_device) + len(self.evictable)
 
     @property
     def num_free_host(self) -> int:
@@ -34,23 +67,104 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Room for a new request of num_tokens, keeping the admission watermark free."""
-        return self.blocks_needed(num_tokens) <= self.num_free_device - self.watermark_blocks
+    def can_allocate(self, num_tokens: int, hits: list[int] = ()) -> bool:
+        """Room for a new request of num_tokens, keeping the admission watermark free; `hits` (from
+        match) are cached blocks it would share (those nobody holds now count as taken)."""
+        return self._need(num_tokens, hits) <= self.num_free_device - self.watermark_blocks
+
+    def _need(self, num_tokens: int, hits: list[int]) -> int:
+        """Free blocks a new request takes: its new ones, and the cached ones it shares that nobody holds."""
+        return self.blocks_needed(num_tokens) - len(hits) + sum(self.refs[b] == 0 for b in hits)
 
     def new_blocks_for(self, req_id: str, num_tokens: int) -> int:
         """Blocks req_id must gain so that its table covers num_tokens."""
         return max(0, self.blocks_needed(num_tokens) - len(self.device_tables[req_id]))
 
+    # --- prefix caching ----------------------------------------------------------------------
+    def block_name(self, req, i: int) -> bytes:
+        """The chained hash of req's block i (its tokens i*bs .. (i+1)*bs must exist); names are kept on
+        the request, computed once."""
+        names, bs = req.block_hashes, self.block_size
+        if i < len(names):
+            return names[i]
+        p = req.prompt_token_ids
+        tokens = p if (i + 1) * bs <= len(p) else p + req.output_token_ids
+        for j in range(len(names), i + 1):
+            names.append(chain_hash(names[j - 1] if j else self.root, tokens[j * bs:(j + 1) * bs]))
+        return names[i]
+
+    def match(self, req) -> list[int]:
+        """The cached blocks that hold the longest prefix of req's tokens, leaving at least its last
+        token to compute (a step must compute something to sample from); [] without caching."""
+        hits = []
+        if self.caching:
+            cached = self.cached
+            for i in range((req.num_tokens - 1) // self.block_size):
+                b = cached.get(self.block_name(req, i))
+                if b is None:
+                    break
+                hits.append(b)
+        return hits
+
+    def register(self, req) -> None:
+        """Name the full blocks of req's table whose KV is computed (num_computed_tokens), once each. A
+        block whose name another block already holds stays unnamed (the first copy serves)."""
+        full = req.num_computed_tokens // self.block_size
+        done = self.registered.get(req.request_id, 0)
+        if full <= done:
+            return
+        table = self.device_tables[req.request_id]
+        for i in range(done, full):
+            name, b = self.block_name(req, i), table[i]
+            if name not in self.cached and b not in self.name_of:
+                self.cached[name], self.name_of[b] = b, name
+        self.registered[req.request_id] = full
+
+    def _take(self) -> int:
+        """A block for a table: a blank one, else the least recently freed cached one (its name goes)."""
+        if self.free_device:
+            b = self.free_device.pop()
+        elif self.evictable:
+            b, _ = self.evictable.popitem(last=False)
+            del self.cached[self.name_of.pop(b)]
+        else:
+            raise RuntimeError("no free device block")
+        if self.caching:
+            self.refs[b] = 1
+        return b
+
+    def _release(self, table: list[int]) -> None:
+        """Drop a table's references, last block first: a named block nobody holds stays cached, and the
+        tail of a sequence is evicted before its head."""
+        if not self.caching:
+            self.free_device.extend(reversed(table))
+            return
+        refs = self.refs
+        for b in reversed(table):
+            refs[b] -= 1
+            if refs[b] == 0:
+                if b in self.name_of:
+                    self.evictable[b] = None
+                else:
+                    self.free_device.append(b)
+
     # --- device pool -------------------------------------------------------------------------
-    def allocate(self, req_id: str, num_tokens: int) -> list[int]:
+    def allocate(self, req_id: str, num_tokens: int, hits: list[int] = ()) -> list[int]:
+        """A table covering num_tokens for a new request: the shared cached blocks `hits` (from match),
+        then new ones."""
         if req_id in self.device_tables or req_id in self.host_tables:
             raise ValueError(f"request {req_id} already holds blocks")
-        n = self.blocks_needed(num_tokens)
-        if n > self.num_free_device:
+        if (n := self._need(num_tokens, hits)) > self.num_free_device:
             raise RuntimeError(f"allocate {n} blocks with {self.num_free_device} free")
-        table = [self.free_device.pop() for _ in range(n)]
+        table = list(hits)
+        for b in hits:
+            if self.refs[b] == 0:
+                del self.evictable[b]
+            self.refs[b] += 1
+        table.extend(self._take() for _ in range(self.blocks_needed(num_tokens) - len(hits)))
         self.device_tables[req_id] = table
+        if self.caching:
+            self.registered[req_id] = len(hits)
         return table
 
     def append_slots(self, req_id: str, num_tokens: int) -> None:
@@ -60,11 +174,12 @@ class BlockManager:
         if n > self.num_free_device:
             raise RuntimeError(f"append {n} blocks with {self.num_free_device} free")
         for _ in range(n):
-            table.append(self.free_device.pop())
+            table.append(self._take())
 
     def free(self, req_id: str) -> None:
         """Return every block req_id holds, on device and host (no-op if it holds none)."""
-        self.free_device.extend(reversed(self.device_tables.pop(req_id, [])))
+        self._release(self.device_tables.pop(req_id, []))
+        self.registered.pop(req_id, None)
         self.free_host.extend(reversed(self.host_tables.pop(req_id, [])))
 
     # --- swapping ----------------------------------------------------------------------------
@@ -79,7 +194,8 @@ class BlockManager:
             raise RuntimeError(f"swap out {len(dev)} blocks with {self.num_free_host} host blocks free")
         host = [self.free_host.pop() for _ in dev]
         self.host_tables[req_id] = host
-        self.free_device.extend(reversed(dev))
+        self._release(dev)
+        self.registered.pop(req_id, None)
         return list(zip(dev, host))
 
     def can_swap_in(self, req_id: str, extra_tokens_to: int | None = None) -> bool:
@@ -95,20 +211,30 @@ class BlockManager:
         if len(host) > self.num_free_device:
             self.host_tables[req_id] = host
             raise RuntimeError(f"swap in {len(host)} blocks with {self.num_free_device} free")
-        dev = [self.free_device.pop() for _ in host]
+        dev = [self._take() for _ in host]
         self.device_tables[req_id] = dev
+        if self.caching:
+            self.registered[req_id] = 0  # fresh blocks: named again as the request's computed blocks are
         self.free_host.extend(reversed(host))
         return list(zip(host, dev))
 
     # --- invariants --------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Every block is either free or owned by exactly one table, in each pool."""
+        """Every block is free or owned, in each pool: by exactly one table, or with prefix caching by as
+        many tables as its reference count says (a cached block nobody holds is free, and named)."""
         for pool, free, tables, total in (
-            ("device", self.free_device, self.device_tables, self.num_device_blocks),
+            ("device", self.free_device + list(self.evictable), self.device_tables, self.num_device_blocks),
             ("host", self.free_host, self.host_tables, self.num_host_blocks),
         ):
             owned = [b for t in tables.values() for b in t]
+            if self.caching and pool == "device":
+                counts = Counter(owned)
+                assert all(self.refs[b] == counts[b] for b in range(total)), "device: a reference count is wrong"
+                owned = list(counts)
             everything = owned + free
             assert len(everything) == total, f"{pool}: {len(everything)} blocks accounted for, {total} exist"
             assert set(everything) == set(range(total)), f"{pool}: a block is owned twice or lost"
         assert not set(self.device_tables) & set(self.host_tables), "a request is on device and host at once"
+        assert all(self.cached[n] == b for b, n in self.name_of.items()) and len(self.cached) == len(self.name_of), \
+            "device: block names and cached blocks disagree"
+        assert all(b in self.name_of for b in self.evictable), "device: an unnamed block is kept as cached"

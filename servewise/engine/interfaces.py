@@ -165,6 +165,9 @@ class EngineStats:
     committed_blocks: int = 0  # device blocks its requests would hold at their longest (prompt + max_tokens),
     # and the blocks of requests handed off until their KV has gone
     inflight_tokens: int = 0  # prompt tokens the step under way computes (0 between steps)
+    admitted_tokens: int = 0  # tokens of the requests admitted to compute (again after a recompute), since start
+    prefix_hit_tokens: int = 0  # of those, the tokens whose KV cached blocks supplied (prefix caching)
+    cached_blocks: int = 0  # device blocks that hold named KV nobody references (prefix caching; counted free)
 
     @property
     def pending_tokens(self) -> int:

@@ -127,7 +127,8 @@ class LLMEngine:
                            PoolStats(bm.num_device_blocks, bm.num_free_device),
                            PoolStats(bm.num_host_blocks, bm.num_free_host), dict(s.preemption_counts), queued,
                            len(s.incoming) + len(s.receiving), self.committed_blocks,
-                           self._inflight[1] if self.clock.now() < self._inflight[0] else 0)
+                           self._inflight[1] if self.clock.now() < self._inflight[0] else 0,
+                           bm.admitted_tokens, bm.hit_tokens, len(bm.evictable))
 
     # --- cluster hand-off (see scheduler): prefill here, decode elsewhere, or the other way round ----
     def release(self, request_id: str) -> None:

@@ -46,6 +46,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the request's blocks
     in_runner: bool = False  # the runner holds this request's state (sent once as NewRequestData)
     handoff: bool = False  # leave the engine after the prefill (a cluster's prompt instance), KV kept
+    block_hashes: list = field(default_factory=list)  # chained names of its first full blocks (prefix caching)
+    cached_tokens: int = 0  # prompt tokens whose KV a prefix-cache hit supplied, at its last admission
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -245,15 +245,22 @@ class Scheduler:
             return float("-inf")
         return sum(self.ordering.priority(r, now) for r in group) / len(group)
 
-    def _admit(self, now: float) -> bool:
+    def _admit(self, now: float, hits: list[int] | None = None) -> bool:
         """Take the first waiting request off the queue with blocks for all its tokens, if they fit
-        (keeping the admission watermark); the caller puts it in the running queue."""
+        (keeping the admission watermark), sharing the cached blocks `hits` of its prefix (prefix
+        caching; looked up here when not given); the caller puts it in the running queue."""
         req = self.waiting[0]
-        if not self.bm.can_allocate(req.num_tokens):
+        bm = self.bm
+        if hits is None:
+            hits = bm.match(req)
+        if not bm.can_allocate(req.num_tokens, hits):
             return False
-        self.bm.allocate(req.request_id, req.num_tokens)
+        bm.allocate(req.request_id, req.num_tokens, hits)
         self.waiting.pop(0)
         self.queued_tokens -= req.num_tokens - req.num_computed_tokens
+        req.num_computed_tokens = req.cached_tokens = len(hits) * bm.block_size
+        bm.hit_tokens += req.cached_tokens
+        bm.admitted_tokens += req.num_tokens
         req.status = Status.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
@@ -266,11 +273,12 @@ class Scheduler:
         limit = self.config.max_num_seqs - len(self.running) if limit is None else limit
         while self.waiting and len(batch) < limit:
             req = self.waiting[0]
-            n = req.num_tokens
+            hits = self.bm.match(req)
+            n = req.num_tokens - len(hits) * self.bm.block_size
             # the first prefill of a step may exceed the token budget, so long prompts still run
             if batch and tokens + n > self.config.max_num_batched_tokens:
                 break
-            if not self._admit(now):
+            if not self._admit(now, hits):
                 break
             batch.append(req)
             tokens += n
@@ -411,8 +419,11 @@ class Scheduler:
             raise RuntimeError(f"{len(tokens)} results for {len(self._batch)} scheduled rows")
         finished = []
         self.handed_off = handed = []
+        caching = self.bm.caching
         for req, tok, n, lp in zip(self._batch, tokens, out.num_scheduled_tokens, logprobs or repeat(None)):
             req.num_computed_tokens += n
+            if caching:
+                self.bm.register(req)
             if tok is None:
                 continue
             req.append_token(tok, now, lp)

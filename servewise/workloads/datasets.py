@@ -22,6 +22,7 @@ class WorkloadRequest:
     prompt: str | list[int] | None = None  # text or token ids; None: lengths only
     arrival: float | None = None  # seconds from the start of the source trace
     prefix_hashes: list | None = None  # per prompt block, where the trace has them (prefix caching)
+    text: str | None = None  # the prompt as text, where ids were made from one (what a text client sends)
 
 
 def _open(path: str):

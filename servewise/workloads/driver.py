@@ -21,6 +21,13 @@ def params_for(item: WorkloadRequest) -> SamplingParams:
     return SamplingParams(max_tokens=item.output_len, temperature=0.0, ignore_eos=True)
 
 
+def placeholder_prompt(i: int, n: int) -> list[int]:
+    """n token ids for an item known by its length only: zeros after item i's own first token(s), so
+    that no two items share a prefix block (prefix caching would count false hits)."""
+    head = [1 + i % 1000, 1 + i // 1000][: n]
+    return head + [0] * (n - len(head))
+
+
 class _Feed:
     """Items in arrival order; `admit(now)` adds every item due by then to the engine `route(item)`
     names (an index into `engines`)."""
@@ -43,7 +50,7 @@ class _Feed:
         while self.k < len(self.order) and self.t0 + self.arrivals[self.order[self.k]] <= now:
             i = self.order[self.k]
             item = self.items[i]
-            prompt = item.prompt if isinstance(item.prompt, list) else [0] * item.prompt_len
+            prompt = item.prompt if isinstance(item.prompt, list) else placeholder_prompt(i, item.prompt_len)
             j = self.route(item)
             try:
                 self.reqs[i] = self.engines[j].add_request(prompt, params_for(item), arrival_time=self.t0 + self.arrivals[i])
