@@ -7,6 +7,7 @@ before the engine exists.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -17,6 +18,7 @@ from servewise.engine.interfaces import CostModel
 from servewise.engine.llm_engine import LLMEngine
 from servewise.engine.scheduler import Scheduler
 from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
+from servewise.policies.kv_fetch import AlwaysFetch, FetchOrRecompute
 from servewise.predictors.perf import PROFILE, make_perf
 from servewise.runners.sim_runner import SimRunner
 
@@ -51,7 +53,29 @@ def assemble(config: EngineConfig, mc, tokenizer, runner, cost_model: CostModel 
     preemption = PREEMPTION_POLICIES[config.scheduler.preemption]
     preemption = preemption(cost_model) if preemption.needs_costs else preemption()
     scheduler = Scheduler(config.scheduler, bm, ORDERING_POLICIES[config.scheduler.policy](), preemption)
+    if (store := getattr(runner, "store", None)) is not None:  # a global KV store: look up, fetch, write through
+        bm.store = store
+        scheduler.fetch_policy = (FetchOrRecompute(cost_model, store.read_s, cc.block_size)
+                                  if cc.kv_store_fetch == "cost" else AlwaysFetch())
     return LLMEngine(config, mc, tokenizer, bm, scheduler, runner, clock, owns_clock)
+
+
+def needs_cost_model(config: EngineConfig) -> bool:
+    """Cost-aware preemption, or a KV store whose fetches are decided on cost."""
+    return needs_costs(config) or (config.cache.kv_store is not None and config.cache.kv_store_fetch == "cost")
+
+
+def kv_store_for(cc, mc, dtype: torch.dtype):
+    """The global KV store an engine's cache config names, its read costs probed on this machine."""
+    from servewise.cluster.kv_store import KVStore
+
+    store = KVStore(cc.kv_store, (mc.num_layers, 2, cc.block_size, mc.num_kv_heads, mc.head_dim), dtype,
+                    int(cc.kv_store_gb * 2**30), cc.kv_store_disk, int(cc.kv_store_disk_gb * 2**30))
+    store.read_s = store.probe()
+    log.info("servewise: KV store %s%s; one block read: %s", cc.kv_store,
+             f" (disk tier {cc.kv_store_disk})" if cc.kv_store_disk else "",
+             ", ".join(f"{t} {v[0] * 1e6:.0f} us" for t, v in store.read_s.items()))
+    return store
 
 
 def build_engine(config: EngineConfig | None = None, clock=None, **kwargs) -> LLMEngine:
@@ -68,18 +92,21 @@ def build_engine(config: EngineConfig | None = None, clock=None, **kwargs) -> LL
     cc = config.cache
     n_dev, n_host = cc.resolve(mc.kv_bytes_per_token * cc.block_size)
     runner = TorchRunner(model, mc, n_dev, n_host, cc.block_size, device)
+    if cc.kv_store is not None:
+        runner.store = kv_store_for(cc, mc, runner.device_cache.dtype)
     cost_model = None
-    if needs_costs(config):
+    if needs_cost_model(config):
         from servewise.predictors.auto import profiled_perf
 
         cost_model = profiled_perf(config.model, mc, device, cc.block_size, config.predictors)
-        log.info("servewise: cost model for %s preemption: %s", config.scheduler.preemption, cost_model.label)
+        log.info("servewise: cost model for %s: %s", f"{config.scheduler.preemption} preemption"
+                 if needs_costs(config) else "KV store fetches", cost_model.label)
     return assemble(config, mc, tokenizer, runner, cost_model, clock or WallClock())
 
 
 def build_sim_engine(model: str = "tiny-llama", hardware: str = PROFILE, predictors=None,
                      efficiency: dict | None = None, perf: CostModel | None = None, clock=None,
-                     owns_clock: bool = True, tp: int = 1, perf_table=None, **engine_kw) -> LLMEngine:
+                     owns_clock: bool = True, tp: int = 1, perf_table=None, sim_store=None, **engine_kw) -> LLMEngine:
     """An engine whose runner is simulated on a virtual clock: `perf` given, or made for `hardware`
     (PROFILE: this machine from fitted predictors; with `perf_table`, Splitwise's measured GPU runs;
     else a roofline GPU by name), over `tp` GPUs with tensor parallelism. Without an explicit
@@ -97,5 +124,36 @@ def build_sim_engine(model: str = "tiny-llama", hardware: str = PROFILE, predict
         perf = make_perf(hardware, mc, cc.block_size, predictors, efficiency, tp, perf_table, model)
     if cc.num_device_blocks is None and hasattr(perf, "device_blocks"):
         cc.num_device_blocks = perf.device_blocks()
-    runner = SimRunner(perf, cc.resolve(mc.kv_bytes_per_token * cc.block_size))
+    runner = SimRunner(perf, cc.resolve(mc.kv_bytes_per_token * cc.block_size), mc.num_layers)
+    if cc.kv_store is not None:
+        runner.store = sim_store or sim_store_for(cc, mc, perf, hardware == PROFILE)
     return assemble(config, mc, tokenizer, runner, perf, clock or VirtualClock(), owns_clock)
+
+
+def sim_store_for(cc, mc, perf, this_machine: bool):
+    """A simulated KV store with the capacities a cache config names. Its read costs: on this machine,
+    a real store's, probed in a scratch directory; elsewhere a host-to-device block copy (memory tier)
+    and 2 GB/s plus 100 us (disk tier)."""
+    import shutil
+    import tempfile
+
+    from servewise.cluster.kv_store import SimStore
+
+    block_bytes = mc.kv_bytes_per_token * cc.block_size
+    if this_machine:
+        from servewise.cluster.kv_store import KVStore
+
+        scratch = tempfile.mkdtemp(prefix="servewise-probe-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        disk = tempfile.mkdtemp(prefix="servewise-probe-") if cc.kv_store_disk else None
+        try:
+            read_s = KVStore(scratch, (mc.num_layers, 2, cc.block_size, mc.num_kv_heads, mc.head_dim),
+                             getattr(torch, mc.dtype), 1 << 30, disk, 1 << 30).probe()
+        finally:
+            for d in (scratch, disk):
+                if d:
+                    shutil.rmtree(d, ignore_errors=True)
+    else:
+        mem = perf.copy(1, to_host=False)
+        read_s = {"memory": (mem, 0.0), "disk": (mem + block_bytes / 2e9, 100e-6)}
+    return SimStore(int(cc.kv_store_gb * 2**30) // block_bytes,
+                    int(cc.kv_store_disk_gb * 2**30) // block_bytes if cc.kv_store_disk else 0, read_s=read_s)

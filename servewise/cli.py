@@ -425,6 +425,10 @@ def _add_bench_prefix(bsub) -> None:
     bp.set_defaults(workload="shared_prefix")
     bp.add_argument("--sim", action=argparse.BooleanOptionalAction, default=True,
                     help="also simulate both runs on this machine's cost predictors")
+    bp.add_argument("--save-text", default=None, metavar="PATH",
+                    help="only write the workload's prompts as text (its texts, or its token ids decoded by a model's "
+                         "word-level tokenizer) in a JSONL for vLLM's bench client (--dataset-name custom "
+                         "--disable-shuffle --skip-chat-template), in arrival order")
     bp.add_argument("--out", default="results/bench_prefix.json")
     bp.set_defaults(func=_run_bench_prefix)
 

@@ -22,6 +22,15 @@ class CacheConfig:
     enable_prefix_caching: bool = option(False, "reuse the KV of full blocks that start a new request's tokens "
                                                 "(named by a chained hash of their tokens), keeping freed blocks "
                                                 "cached until their room is needed")
+    kv_store: str | None = option(None, "directory of a global KV store's memory tier (best under /dev/shm), shared "
+                                        "by every engine that names it: named blocks are written to it and a new "
+                                        "request's stored prefix is fetched from it (needs --enable-prefix-caching)")
+    kv_store_gb: float = option(1.0, "capacity of the KV store's memory tier")
+    kv_store_disk: str | None = option(None, "directory of the KV store's disk tier (the memory tier's oldest "
+                                             "entries move there)")
+    kv_store_disk_gb: float = option(8.0, "capacity of the KV store's disk tier")
+    kv_store_fetch: str = option("cost", "fetch a stored prefix when reading it is predicted cheaper than computing "
+                                         "it (cost), or whenever it is there (always)", ("cost", "always"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -32,6 +41,10 @@ class CacheConfig:
                 raise ValueError(f"{name} must be >= {least}, got {v}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.kv_store is not None and not self.enable_prefix_caching:
+            raise ValueError("a KV store holds named prefix blocks: it needs enable_prefix_caching")
+        if self.kv_store_gb <= 0 or self.kv_store_disk_gb <= 0:
+            raise ValueError("KV store tiers need a capacity above 0 GB")
 
     def resolve(self, bytes_per_block: int) -> tuple[int, int]:
         """(device blocks, host blocks) from explicit counts or memory budgets."""

@@ -22,6 +22,7 @@ from servewise.predictors.auto import ensure_predictors
 from servewise.predictors.fit import Predictors
 from servewise.simulator import simulate
 from servewise.workloads.driver import run_workload
+from servewise.workloads.prefix import save_text_workload
 
 ROWS = (("mean_ttft_ms", "mean TTFT (ms)"), ("p99_ttft_ms", "p99 TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"),
         ("mean_e2el_ms", "mean E2E (ms)"), ("duration_s", "makespan (s)"),
@@ -115,7 +116,10 @@ def main(a) -> None:
     mc, tok = load_model_config(a.model)
     max_len = min(mc.max_model_len, kw.get("max_model_len") or mc.max_model_len)
     items, arrivals = _workload(a, tok, mc.vocab_size, max_len=max_len)
-    say = lambda m: print(m, file=sys.stderr, flush=True)
+    if a.save_text:
+        print(f"wrote {save_text_workload(items, a.save_text, tok)} prompts to {a.save_text}")
+        return
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     say(f"{len(items)} {a.workload} requests, mean prompt {sum(i.prompt_len for i in items) / len(items):.0f} tokens, "
         f"mean output {sum(i.output_len for i in items) / len(items):.0f}, over {arrivals[-1]:.1f} s; torch threads "
         f"{torch.get_num_threads()}; CPU {cpu_flags()}")

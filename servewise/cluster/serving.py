@@ -477,7 +477,9 @@ class ClusterClient(StreamingClient):
                            PoolStats(total(lambda s: s.device_blocks.total), total(lambda s: s.device_blocks.free)),
                            PoolStats(total(lambda s: s.host_blocks.total), total(lambda s: s.host_blocks.free)),
                            pre, total(lambda s: s.queued_tokens), total(lambda s: s.incoming),
-                           total(lambda s: s.committed_blocks), total(lambda s: s.inflight_tokens))
+                           total(lambda s: s.committed_blocks), total(lambda s: s.inflight_tokens),
+                           total(lambda s: s.admitted_tokens), total(lambda s: s.prefix_hit_tokens),
+                           total(lambda s: s.cached_blocks))
 
     def fault(self, i: int, name: str) -> None:
         """Inject a failure into instance i (tests): see instance.FAULTS."""

@@ -128,8 +128,17 @@ class ClusterSim:
                                      token_axis=token_axis)
         cal = calibration or {}
         perf_of = lambda m, role: Calibrated(perfs[m], **cal[role]) if role in cal else perfs[m]  # noqa: E731
-        self.engines = [build_sim_engine(model, perf=perf_of(m, role), clock=self.clock, owns_clock=False, **engine_kw)
-                        for m, role in specs]
+        store = None
+        if engine_kw.get("kv_store"):  # one simulated global KV store that every instance reads and writes
+            from servewise.builder import sim_store_for
+            from servewise.config import EngineConfig
+
+            m0 = specs[0][0]
+            store = sim_store_for(EngineConfig.from_kwargs(model=model, **engine_kw).cache, mc, perfs[m0],
+                                  get_machine(m0).gpu == "profile")
+        self.store = store
+        self.engines = [build_sim_engine(model, perf=perf_of(m, role), clock=self.clock, owns_clock=False,
+                                         sim_store=store, **engine_kw) for m, role in specs]
         self.network = Network([LinkModel(link_gbps or get_machine(m).nic_gbps, link_latency_s) for m, _ in specs])
         self.perf_labels = sorted({e.runner.perf.label for e in self.engines})
         if design.split:

@@ -51,8 +51,11 @@ class BlockManager:
         self.name_of: dict[int, bytes] = {}  # the reverse
         self.evictable: OrderedDict[int, None] = OrderedDict()  # named, unreferenced: least recently freed first
         self.registered: dict[str, int] = {}  # request -> leading blocks of its table already named
+        self.store = None  # a global KV store (cluster.kv_store): blocks past the device hits may come from it
+        self.new_named: list[tuple[int, bytes]] = []  # blocks named since the engine last wrote them to the store
         self.admitted_tokens = 0  # tokens of the requests admitted (again, after a recompute), since start
         self.hit_tokens = 0  # of those, the tokens whose KV came from cached blocks
+        self.store_hit_tokens = 0  # and the tokens whose KV was fetched from the store
 
     # --- queries -----------------------------------------------------------------------------
     @property
@@ -106,6 +109,17 @@ class BlockManager:
                 hits.append(b)
         return hits
 
+    def match_store(self, req, start: int) -> list[bytes]:
+        """Names of req's blocks from block `start` on that the store holds, in a row (the last token
+        is always computed, as in match)."""
+        names = []
+        for i in range(start, (req.num_tokens - 1) // self.block_size):
+            name = self.block_name(req, i)
+            if name not in self.store:
+                break
+            names.append(name)
+        return names
+
     def register(self, req) -> None:
         """Name the full blocks of req's table whose KV is computed (num_computed_tokens), once each. A
         block whose name another block already holds stays unnamed (the first copy serves)."""
@@ -118,6 +132,8 @@ class BlockManager:
             name, b = self.block_name(req, i), table[i]
             if name not in self.cached and b not in self.name_of:
                 self.cached[name], self.name_of[b] = b, name
+                if self.store is not None:
+                    self.new_named.append((b, name))
         self.registered[req.request_id] = full
 
     def _take(self) -> int:

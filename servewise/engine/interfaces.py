@@ -29,10 +29,12 @@ def preemption_counts() -> dict[str, int]:
 
 
 class Pool(str, enum.Enum):
-    """Where KV blocks live. Later: another instance's pool, a global store."""
+    """Where KV blocks live. A move to or from the STORE (a global KV store shared by engines) pairs
+    device blocks with block names (bytes) instead of block ids."""
 
     DEVICE = "device"
     HOST = "host"
+    STORE = "store"
 
 
 @dataclass(slots=True)
@@ -92,16 +94,17 @@ class SchedulerOutput:
 
 
 def standalone_batch(token_lists: list[list[int]], block_tables: list[list[int]], decode: bool,
-                     params: SamplingParams) -> SchedulerOutput:
+                     params: SamplingParams, prior: list[int] | None = None) -> SchedulerOutput:
     """A self-contained step for measuring a runner outside an engine (profiles, reference batches):
     every row is sent anew (replacing any earlier row of the same id), so it can be executed again and
     again. Decode rows compute their last token over the others' (assumed present) KV; prefill rows
-    compute all of theirs."""
+    compute all of theirs but their first prior[i] (whose KV is assumed present, as after a prefix
+    cache hit)."""
     out = SchedulerOutput(not decode)
     for i, (toks, table) in enumerate(zip(token_lists, block_tables)):
         rid = f"standalone-{i}"
         prompt, output = (toks[:-1], toks[-1:]) if decode else (toks, [])
-        n = 1 if decode else len(toks)
+        n = 1 if decode else len(toks) - (prior[i] if prior else 0)
         out.new_requests.append(NewRequestData(rid, prompt, output, params, list(table), len(toks) - n))
         out.finished_ids.append(rid)
         out.scheduled.append(rid)
@@ -117,6 +120,8 @@ class StepResult:
     tokens: list[int | None]  # per scheduled row: the sampled token, None where the row sampled none
     elapsed: float  # seconds
     logprobs: list | None = None  # per batch row: sampler.Logprobs, or None where not asked for
+    failed: set[str] = field(default_factory=set)  # rows whose KV fetched from the store was missing or
+    # corrupt: their results are void and they are computed again
 
 
 class Runner(Protocol):
@@ -168,6 +173,7 @@ class EngineStats:
     admitted_tokens: int = 0  # tokens of the requests admitted to compute (again after a recompute), since start
     prefix_hit_tokens: int = 0  # of those, the tokens whose KV cached blocks supplied (prefix caching)
     cached_blocks: int = 0  # device blocks that hold named KV nobody references (prefix caching; counted free)
+    store_hit_tokens: int = 0  # admitted tokens whose KV was fetched from the global KV store
 
     @property
     def pending_tokens(self) -> int:

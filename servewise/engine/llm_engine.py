@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from servewise.config import EngineConfig, ModelConfig
 from servewise.engine.block_manager import BlockManager, blocks_for
-from servewise.engine.interfaces import EngineStats, Pool, PoolStats, Runner, StepStats
+from servewise.engine.interfaces import EngineStats, KVMove, Pool, PoolStats, Runner, StepStats
 from servewise.engine.request import Request
 from servewise.engine.scheduler import Scheduler
 from servewise.sampling_params import SamplingParams
@@ -128,7 +128,7 @@ class LLMEngine:
                            PoolStats(bm.num_host_blocks, bm.num_free_host), dict(s.preemption_counts), queued,
                            len(s.incoming) + len(s.receiving), self.committed_blocks,
                            self._inflight[1] if self.clock.now() < self._inflight[0] else 0,
-                           bm.admitted_tokens, bm.hit_tokens, len(bm.evictable))
+                           bm.admitted_tokens, bm.hit_tokens, len(bm.evictable), bm.store_hit_tokens)
 
     # --- cluster hand-off (see scheduler): prefill here, decode elsewhere, or the other way round ----
     def release(self, request_id: str) -> None:
@@ -189,7 +189,11 @@ class LLMEngine:
             stats.elapsed += result.elapsed
             stats.end = self.clock.end_of(start, stats.elapsed)
             self._inflight = (stats.end, sum(n for n in out.num_scheduled_tokens if n > 1))
-            finished = self.scheduler.postprocess(out, result.tokens, stats.end, result.logprobs)
+            finished = self.scheduler.postprocess(out, result.tokens, stats.end, result.logprobs, result.failed)
+            if self.block_manager.new_named:  # write-through: blocks named this step go to the KV store
+                pairs, self.block_manager.new_named = self.block_manager.new_named, []
+                stats.elapsed += self.runner.move_blocks(KVMove(Pool.DEVICE, Pool.STORE, pairs))
+                stats.end = self.clock.end_of(start, stats.elapsed)
             stats.finished = [r.request_id for r in finished]
             for rid in stats.finished:
                 self._untrack(rid)

@@ -61,6 +61,8 @@ class Scheduler:
         self.receiving: dict[str, Request] = {}  # handed to us: blocks reserved, KV on the way
         self.handed_off: list[Request] = []  # by the last postprocess
         self._arrived: list[Request] = []  # received requests the runner has not seen yet
+        self.fetch_policy = None  # with a KV store: how much of a stored prefix to fetch (policies.kv_fetch)
+        self._fetches: list[tuple[bytes, int]] = []  # (name, device block) to fill from the store this step
 
     def _enqueue(self, queue: list[Request], req: Request, now: float) -> None:
         """Append, or insert in order when the ordering is static (those queues are kept sorted)."""
@@ -178,6 +180,9 @@ class Scheduler:
         requests the runner has not seen), or its table's new blocks, or its whole new table (after a
         swap-in, or when admitted again after a recompute)."""
         tables, known = self.bm.device_tables, self._known_blocks
+        if self._fetches:
+            _move(out, Pool.STORE, Pool.DEVICE, self._fetches)
+            self._fetches = []
         if counts is None:
             counts = [r.num_tokens - r.num_computed_tokens for r in batch]
         out.scheduled = [r.request_id for r in batch]
@@ -250,16 +255,23 @@ class Scheduler:
         (keeping the admission watermark), sharing the cached blocks `hits` of its prefix (prefix
         caching; looked up here when not given); the caller puts it in the running queue."""
         req = self.waiting[0]
-        bm = self.bm
+        bm, bs = self.bm, self.bm.block_size
         if hits is None:
             hits = bm.match(req)
         if not bm.can_allocate(req.num_tokens, hits):
             return False
-        bm.allocate(req.request_id, req.num_tokens, hits)
+        fetch = []
+        if self.fetch_policy is not None and (names := bm.match_store(req, len(hits))):
+            rest = req.num_tokens - (len(hits) + len(names)) * bs
+            fetch = names[:self.fetch_policy.choose([bm.store.tier(n) for n in names], rest)]
+        table = bm.allocate(req.request_id, req.num_tokens, hits)
+        if fetch:  # blank blocks after the hits, filled from the store before their layers are needed
+            self._fetches.extend(zip(fetch, table[len(hits):len(hits) + len(fetch)]))
         self.waiting.pop(0)
         self.queued_tokens -= req.num_tokens - req.num_computed_tokens
-        req.num_computed_tokens = req.cached_tokens = len(hits) * bm.block_size
-        bm.hit_tokens += req.cached_tokens
+        req.num_computed_tokens = req.cached_tokens = (len(hits) + len(fetch)) * bs
+        bm.hit_tokens += len(hits) * bs
+        bm.store_hit_tokens += len(fetch) * bs
         bm.admitted_tokens += req.num_tokens
         req.status = Status.RUNNING
         if req.first_scheduled_time is None:
@@ -412,15 +424,21 @@ class Scheduler:
 
     # --- after the step ----------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, tokens: list[int | None], now: float,
-                    logprobs: list | None = None) -> list[Request]:
+                    logprobs: list | None = None, failed: set[str] = frozenset()) -> list[Request]:
         """Count the computed tokens, append sampled tokens (and their log-probabilities, where asked
-        for); retire finished requests and free their blocks."""
+        for); retire finished requests and free their blocks. `failed` rows (their KV from the store
+        was missing or corrupt) go back to the front of the waiting queue, their KV dropped."""
         if len(tokens) != len(self._batch):
             raise RuntimeError(f"{len(tokens)} results for {len(self._batch)} scheduled rows")
         finished = []
         self.handed_off = handed = []
         caching = self.bm.caching
+        retried = []
         for req, tok, n, lp in zip(self._batch, tokens, out.num_scheduled_tokens, logprobs or repeat(None)):
+            if failed and req.request_id in failed:
+                self._compute_again(req)
+                retried.append(req)
+                continue
             req.num_computed_tokens += n
             if caching:
                 self.bm.register(req)
@@ -437,7 +455,19 @@ class Scheduler:
                 self.held[req.request_id] = req
                 self._drop_from_runner(req)
                 handed.append(req)
-        if finished or handed:
-            done = set(map(id, finished + handed))
+        if finished or handed or retried:
+            done = set(map(id, finished + handed + retried))
             self.running = [r for r in self.running if id(r) not in done]
         return finished
+
+    def _compute_again(self, req: Request) -> None:
+        """Drop a request's KV (its fetched blocks are not named, its shared ones stay cached) and put it
+        first in the waiting queue, to be computed from its tokens."""
+        self.bm.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        self.queued_tokens += req.num_tokens
+        if req.in_runner:
+            self._known_blocks[req.request_id] = -1
+            self._changed[req.request_id] = req
+        self.waiting.insert(0, req)

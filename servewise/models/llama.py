@@ -70,6 +70,7 @@ class LlamaLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     after_layer = None  # called with each layer's index once its KV is in the cache
+    before_layer = None  # called with each layer's index before it runs (KV still arriving may be awaited)
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
@@ -83,6 +84,8 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            if self.before_layer is not None:  # KV fetched layer by layer: wait for this layer's
+                self.before_layer(i)
             x = layer(x, positions, cache, meta, self.rotary)
             if self.after_layer is not None:  # a layer's KV is written: a cluster hand-off may send it now
                 self.after_layer(i)

@@ -57,6 +57,7 @@ class OPTLayer(nn.Module):
 
 class OPTForCausalLM(nn.Module):
     after_layer = None  # called with each layer's index once its KV is in the cache
+    before_layer = None  # called with each layer's index before it runs (KV still arriving may be awaited)
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
@@ -75,6 +76,8 @@ class OPTForCausalLM(nn.Module):
             x = F.linear(x, self.project_in)
         x = x + F.embedding(positions + POSITION_OFFSET, self.embed_positions)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            if self.before_layer is not None:
+                self.before_layer(i)
             x = layer(x, cache, meta)
             if self.after_layer is not None:
                 self.after_layer(i)

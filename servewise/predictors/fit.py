@@ -17,6 +17,9 @@ class Predictors:
     swap: dict[tuple[int, int], SwapCostModel]  # per (layers, hidden) size
     meta: dict = field(default_factory=dict)  # the profile's provenance: arch, dtype, threads, hardware...
     report: dict = field(default_factory=dict)  # MAPE tables and the swap validation
+    # per (layers, hidden) size: seconds a prompt chunk's step gains per (new token, earlier token) pair of
+    # attention to KV already present (a cached prefix, an earlier chunk); none in version 1 profiles
+    context: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def save(self, path: str) -> None:
         with open(path, "wb") as f:
@@ -42,15 +45,17 @@ class Predictors:
             raise ValueError(f"the profile has no block copies for size {layers}x{hidden} (it has {have}); "
                              f"profile with --sizes including it")
         return RequestCosts(self.step_time.bind(layers, hidden), self.swap[(layers, hidden)], kv_bytes_per_token,
-                            block_size)
+                            block_size, getattr(self, "context", {}).get((layers, hidden)))
 
 
 class RequestCosts:
     """Per-request preemption costs for one model: what AdaptiveLLM's decision compares."""
 
-    def __init__(self, step: BoundStepTime, swap: SwapCostModel, kv_bytes_per_token: int, block_size: int):
+    def __init__(self, step: BoundStepTime, swap: SwapCostModel, kv_bytes_per_token: int, block_size: int,
+                 context_s_per_pair: float | None = None):
         self.step, self.swap_model = step, swap
         self.kv_bytes_per_token, self.block_size = kv_bytes_per_token, block_size
+        self.context_s_per_pair = context_s_per_pair
 
     def recompute(self, num_tokens: int) -> float:
         """Predicted prefill time of the prompt plus the tokens generated so far."""
@@ -62,6 +67,22 @@ class RequestCosts:
     def swap(self, num_tokens: int) -> float:
         """Predicted swap-out plus swap-in time of the request's KV blocks."""
         return self.swap_model.swap_cost(self.kv_bytes(num_tokens))
+
+
+def fit_context(rows: list[dict]) -> tuple[dict[tuple[int, int], float], dict[str, float]]:
+    """Per size, the least-squares slope (through the origin) of the time a chunk's earlier context
+    adds against its (new x prior) attention pairs; and the MAPE of the with-context times it
+    predicts from the measured times without, per size."""
+    slopes, errors = {}, {}
+    for size in sorted({(r["layers"], r["hidden"]) for r in rows}):
+        mine = [r for r in rows if (r["layers"], r["hidden"]) == size]
+        x = [r["batch"] * r["new"] * r["prior"] for r in mine]
+        d = [r["time"] - r["time_without"] for r in mine]
+        a = max(0.0, sum(xi * di for xi, di in zip(x, d)) / sum(xi * xi for xi in x))
+        slopes[size] = a
+        errors[f"{size[0]}x{size[1]}"] = 100 * sum(abs(r["time_without"] + a * xi - r["time"]) / r["time"]
+                                                   for r, xi in zip(mine, x)) / len(mine)
+    return slopes, errors
 
 
 def fit_predictors(profile: dict, names=None, degrees=range(1, 6), test_size: float = 0.2, seed: int = 0,
@@ -83,7 +104,9 @@ def fit_predictors(profile: dict, names=None, degrees=range(1, 6), test_size: fl
               "swap_links": {f"{a}x{b}": {"out": vars(m.out), "in": vars(m.in_)} for (a, b), m in swap.items()},
               "swap_validation_mape": {k: v for k, v in per_size.items() if v},
               "swap_validation_copies": len(validation)}
-    return Predictors(step, swap, meta, report)
+    context, report["context_mape"] = fit_context(profile.get("context") or [])
+    report["context_s_per_pair"] = {f"{a}x{b}": v for (a, b), v in context.items()}
+    return Predictors(step, swap, meta, report, context)
 
 
 def format_report(p: Predictors) -> str:
@@ -109,6 +132,9 @@ def format_report(p: Predictors) -> str:
         lines.append(f"{size:<8}{links['out']['bytes_per_s'] / 1e9:>9.2f}{links['out']['fixed_s'] * 1e6:>9.1f}us"
                      f"{links['in']['bytes_per_s'] / 1e9:>9.2f}{links['in']['fixed_s'] * 1e6:>8.1f}us"
                      f"{cell('out'):>10}{cell('in'):>9}{cell('swap'):>8}")
+    for size, a in r.get("context_s_per_pair", {}).items():
+        lines.append(f"prompt chunk over earlier context, {size}: {a * 1e9:.2f} ns per (new, earlier) token pair; "
+                     f"MAPE {r['context_mape'][size]:.2f}% on the measured chunks")
     m = p.meta
     lines.append(f"profile: {m.get('arch')} {m.get('dtype')} on {m.get('hardware')}, {m.get('threads')} threads, "
                  f"sizes {', '.join(str(x['layers']) + 'x' + str(x['hidden']) for x in m.get('models') or [])}")

@@ -20,6 +20,11 @@ class ProfiledPerf:
     def decode(self, ctx_lens: list[int]) -> float:
         return self.costs.step.decode(ctx_lens)
 
+    def prior_context(self, pairs: int) -> float:
+        """What prompt chunks' attention to KV already present adds: (new, earlier) token pairs times the
+        profiled cost of one (0 with a profile from before that was measured)."""
+        return pairs * (self.costs.context_s_per_pair or 0.0)
+
     def copy(self, num_blocks: int, to_host: bool) -> float:
         link = self.costs.swap_model.out if to_host else self.costs.swap_model.in_
         return link.time(num_blocks * self.block_bytes)
@@ -41,6 +46,9 @@ class Calibrated:
 
     def decode(self, ctx_lens: list[int]) -> float:
         return self.base.decode(ctx_lens) * self.decode_scale + self.step_overhead_s
+
+    def prior_context(self, pairs: int) -> float:
+        return self.base.prior_context(pairs) * self.prefill_scale if hasattr(self.base, "prior_context") else 0.0
 
     def copy(self, num_blocks: int, to_host: bool) -> float:
         return self.base.copy(num_blocks, to_host)

@@ -21,7 +21,7 @@ from servewise.engine.block_manager import BlockManager
 from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, standalone_batch
 from servewise.sampling_params import SamplingParams
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: prompt chunks over earlier context ("context"); version 1 profiles still load
 DEFAULT_SIZES = ((2, 128), (4, 256), (6, 384), (8, 512))  # (layers, hidden size)
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -97,14 +97,23 @@ class _Bench:
             tables.append(bm.allocate(f"p{i}", n))
         return standalone_batch(token_lists, tables, decode, _GREEDY)
 
-    def step_times(self, points: list[tuple[int, int]], decode: bool, reps: int, progress=None) -> list[float]:
+    def _chunks(self, batch: int, new: int, prior: int) -> SchedulerOutput:
+        """A prefill batch of `new` tokens per request over `prior` tokens of KV already present."""
+        bm = BlockManager(self.num_device_blocks, self.num_host_blocks, self.block_size)
+        token_lists = [[self.rng.randrange(10, self.cfg.vocab_size) for _ in range(prior + new)] for _ in range(batch)]
+        tables = [bm.allocate(f"p{i}", prior + new) for i in range(batch)]
+        return standalone_batch(token_lists, tables, False, _GREEDY, [prior] * batch)
+
+    def step_times(self, points: list[tuple[int, int]], decode: bool, reps: int, progress=None,
+                   setups: list[SchedulerOutput] | None = None) -> list[float]:
         """Median over `reps` rounds; each round times every point once in a shuffled order, so a burst
-        of background load spreads over many points instead of skewing one."""
-        setups = [self._requests(b, length, decode) for b, length in points]
+        of background load spreads over many points instead of skewing one. `setups`: the batches
+        themselves, instead of ones made from the points."""
+        setups = setups or [self._requests(b, length, decode) for b, length in points]
         for out in setups:
             self.runner.execute(out)  # warm-up
-        samples: list[list[float]] = [[] for _ in points]
-        order = list(range(len(points)))
+        samples: list[list[float]] = [[] for _ in setups]
+        order = list(range(len(setups)))
         for k in range(reps):
             self.rng.shuffle(order)
             for i in order:
@@ -128,8 +137,8 @@ class _Bench:
 def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", device: str = "cpu",
             block_size: int = 16, prefill_points: int = 64, decode_points: int = 96, max_batch: int = 128,
             max_prefill_len: int = 512, max_decode_ctx: int = 1024, max_prefill_tokens: int = 2048, max_decode_tokens: int = 16384,
-            max_copy_blocks: int = 256, validation_requests: int = 40, reps: int = 7, seed: int = 0,
-            progress: Callable[[str], None] | None = None) -> dict:
+            max_copy_blocks: int = 256, validation_requests: int = 40, context_points: int = 16, reps: int = 7,
+            seed: int = 0, progress: Callable[[str], None] | None = None) -> dict:
     """Profile every (layers, hidden) size of base_config's architecture; returns the profile dict.
 
     Lengths stay within the model's max_position_embeddings: prefill batches spread their prompts up
@@ -144,7 +153,8 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
     n_host = max_copy_blocks
     result = {"version": PROFILE_VERSION, "arch": None, "dtype": dtype, "device": device,
               "threads": torch.get_num_threads(), "hardware": hardware_tag(), "block_size": block_size,
-              "models": [], "prefill": [], "decode": [], "copy": [], "copy_validation": []}
+              "models": [], "prefill": [], "decode": [], "context": [], "copy": [], "copy_validation": []}
+    context_pts = context_points_for(context_points, max_prefill_tokens, max_decode_ctx, seed + 2)
     copy_sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if n <= max_copy_blocks]
     for layers, hidden in sizes:
         cfg = ModelConfig.from_hf(scaled_config(base_config, layers, hidden), dtype=dtype)
@@ -159,6 +169,13 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
             tick = (lambda k, n, kind=kind: progress(f"{layers}x{hidden} {kind}: round {k}/{n}")) if progress else None
             times = bench.step_times(pts, kind == "decode", reps, tick)
             result[kind].extend({**key, "batch": b, "length": length, "time": t} for (b, length), t in zip(pts, times))
+        # the same prompt chunks with and without earlier context: what attending to a cached prefix costs
+        setups = [bench._chunks(b, n, p) for b, n, p in context_pts] + [bench._chunks(b, n, 0) for b, n, _ in context_pts]
+        tick = (lambda k, n: progress(f"{layers}x{hidden} context: round {k}/{n}")) if progress else None
+        times = bench.step_times([], False, reps, tick, setups)
+        k = len(context_pts)
+        result["context"].extend({**key, "batch": b, "new": n, "prior": p, "time": t, "time_without": t0}
+                                 for (b, n, p), t, t0 in zip(context_pts, times[:k], times[k:]))
         block_bytes = cfg.kv_bytes_per_token * block_size
         sweep_lens = [n * block_size for n in copy_sizes]
         result["copy"].extend(_swap_requests(bench, key, block_bytes, sweep_lens, reps, seed, real_kv=False))
@@ -170,6 +187,17 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
             progress(f"{layers}x{hidden}: copies done")
         del bench
     return result
+
+
+def context_points_for(n: int, max_tokens: int, max_ctx: int, seed: int) -> list[tuple[int, int, int]]:
+    """n (batch, new tokens, prior tokens) triples, log-uniform, within the token budget and the context."""
+    rng = random.Random(seed)
+    pts: set[tuple[int, int, int]] = set()
+    while len(pts) < n:
+        b, new = _log_uniform_int(rng, 1, 8), _log_uniform_int(rng, 8, 256)
+        if b * new <= max_tokens and new + 16 < max_ctx:
+            pts.add((b, new, _log_uniform_int(rng, 16, max_ctx - new)))
+    return sorted(pts)
 
 
 def _swap_requests(bench: _Bench, key: dict, block_bytes: int, lengths: list[int], reps: int, seed: int,
@@ -214,7 +242,7 @@ def save_profile(prof: dict, path: str) -> None:
 def load_profile(path: str) -> dict:
     with open(path) as f:
         prof = json.load(f)
-    if prof.get("version") != PROFILE_VERSION:
+    if prof.get("version") not in (1, PROFILE_VERSION):
         raise ValueError(f"{path}: profile version {prof.get('version')!r}, expected {PROFILE_VERSION}; re-run the profiler")
     return prof
 

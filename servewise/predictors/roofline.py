@@ -125,12 +125,16 @@ class RooflinePerf:
         return self._time(flops, nbytes, b)
 
     def mixed(self, chunks: list[int], ctx_lens: list[int]) -> float:
-        """Prompt chunks (their earlier context left out) and decodes in one pass over the weights."""
+        """Prompt chunks (their earlier context: prior_context) and decodes in one pass over the weights."""
         tokens, b = sum(chunks), len(ctx_lens)
         flops = (2 * self.c.num_layers * self.layer_params * (tokens + b) + self._attn * (
             sum(n * (n + 1) // 2 for n in chunks) + sum(ctx_lens)) + 2 * self.lm_head * (len(chunks) + b))
         nbytes = self.weight_bytes + (tokens + sum(ctx_lens)) * self.c.kv_bytes_per_token
         return self._time(flops, nbytes, tokens + b)
+
+    def prior_context(self, pairs: int) -> float:
+        """The attention flops of prompt chunks against KV already present, (new, earlier) token pairs."""
+        return self._attn * pairs / self.flops_per_s
 
     def copy(self, num_blocks: int, to_host: bool) -> float:
         nbytes = num_blocks * self.block_size * self.c.kv_bytes_per_token

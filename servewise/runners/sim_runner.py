@@ -13,14 +13,29 @@ SIM_TOKEN = 0  # the placeholder every simulated step emits
 
 
 class SimRunner:
-    """capacity: (device blocks, host blocks) of the simulated pools."""
+    """capacity: (device blocks, host blocks) of the simulated pools; layers: the model's (fetches from a
+    KV store overlap the step layer by layer)."""
 
-    def __init__(self, perf: CostModel, capacity: tuple[int, int]):
-        self.perf, self.capacity = perf, capacity
+    def __init__(self, perf: CostModel, capacity: tuple[int, int], layers: int = 1):
+        self.perf, self.capacity, self.layers = perf, capacity, layers
         self.steps = 0
+        self._prior = getattr(perf, "prior_context", None)
+        self.store = None  # a simulated KV store (cluster.kv_store.SimStore)
+        self._fetch_s = 0.0  # the step's reads from the store, overlapped with its layers
 
     def move_blocks(self, move: KVMove) -> float:
-        return self.perf.copy(len(move.pairs), move.dst == Pool.HOST) if move.pairs else 0.0
+        if not move.pairs:
+            return 0.0
+        if move.src is Pool.STORE:  # (name, block): read layer by layer while the step computes
+            tiers = [self.store.read(name) or "memory" for name, _ in move.pairs]
+            read_s = self.store.read_s
+            self._fetch_s += max(read_s[t][1] for t in set(tiers)) + sum(read_s[t][0] for t in tiers)
+            return 0.0
+        if move.dst is Pool.STORE:  # (block, name): write-through
+            for _, name in move.pairs:
+                self.store.put(name)
+            return len(move.pairs) * self.store.read_s["memory"][0]
+        return self.perf.copy(len(move.pairs), move.dst == Pool.HOST)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         if not out.scheduled:
@@ -36,9 +51,14 @@ class SimRunner:
             chunks = [n for n in counts if n > 1]
             if hasattr(self.perf, "mixed"):
                 elapsed = self.perf.mixed(chunks, decodes)
-            else:  # its chunks as a prefill plus its decodes: an approximation that ignores the chunks'
-                # earlier context and counts the weights' pass twice
+            else:  # its chunks as a prefill plus its decodes: an approximation that counts the weights'
+                # pass twice
                 elapsed = self.perf.prefill(chunks) + (self.perf.decode(decodes) if decodes else 0.0)
+            if self._prior is not None:  # chunks attending to KV already there (a cached prefix, earlier chunks)
+                elapsed += self._prior(sum(n * (c - n) for n, c in zip(counts, ctx) if n > 1))
+        if self._fetch_s:  # layer l computes once its KV is read: the longer of the two, plus one layer of the other
+            f, self._fetch_s = self._fetch_s, 0.0
+            elapsed = max(elapsed, f) + min(elapsed, f) / self.layers
         if out.partial:
             return StepResult([None if rid in out.partial else SIM_TOKEN for rid in out.scheduled], elapsed)
         return StepResult([SIM_TOKEN] * len(ctx), elapsed)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -36,6 +37,9 @@ class TorchRunner:
         self.paths = "; ".join((describe_linears(model.linears()) if hasattr(model, "linears") else "linear layers: F.linear",
                                 kernels.status() if self.device.type == "cpu" else "decode attention: PyTorch gather + SDPA"))
         log.info("servewise: %s", self.paths)
+        self.store = None  # a global KV store (cluster.kv_store.KVStore) for moves to and from Pool.STORE
+        self.layerwise_fetch = True  # fetched KV arrives layer by layer while the step computes
+        self._fetch: _Fetch | None = None  # the step's fetch from the store
 
     def share_device_cache(self, path: str) -> None:
         """Keep the device KV cache in a shared file that other processes can map (cluster hand-offs)."""
@@ -62,6 +66,18 @@ class TorchRunner:
         if not move.pairs:
             return 0.0
         t0 = time.perf_counter()
+        if move.dst is Pool.STORE:  # (block, name): write-through of newly named blocks
+            for b, name in move.pairs:
+                self.store.put(name, self.device_cache[:, :, b])
+            return time.perf_counter() - t0
+        if move.src is Pool.STORE:  # (name, block): read while the step computes, or now
+            self._fetch = _Fetch(self.store, move.pairs, self.device_cache)
+            if self.layerwise_fetch:
+                self._fetch.start()
+                self.model.before_layer = self._fetch.wait
+            else:
+                self._fetch.run()
+            return time.perf_counter() - t0
         pools = {Pool.DEVICE: self.device_cache, Pool.HOST: self.host_cache}
         src_pool, dst_pool = pools[move.src], pools[move.dst]
         block_bytes = self.device_cache[:, :, 0].numel() * self.device_cache.element_size()
@@ -97,6 +113,13 @@ class TorchRunner:
         self.current = out  # for a model's after_layer hook
         ids, positions, meta, last, sampling = self._prepare(out, rows)
         hidden = self.model(ids, positions, self.kv_caches, meta)
+        failed = set()
+        if self._fetch is not None:  # rows whose fetched KV did not come whole: void, computed again
+            bad = self._fetch.finish()
+            self.model.before_layer, self._fetch = None, None
+            if bad:
+                failed = {rid for rid, seq in zip(out.scheduled, rows) if bad & set(seq.block_ids)}
+                sampling = [i for i in sampling if out.scheduled[i] not in failed]
         if last is not None:
             hidden = hidden[last]
         tokens: list[int | None] = [None] * len(rows)
@@ -106,12 +129,14 @@ class TorchRunner:
             if sampled.logprobs is not None:
                 logprobs = [None] * len(rows)
             for j, i in enumerate(sampling):
+                if failed and out.scheduled[i] in failed:
+                    continue
                 tokens[i] = sampled.tokens[j]
                 rows[i].output_token_ids.append(sampled.tokens[j])
                 if logprobs is not None:
                     logprobs[i] = sampled.logprobs[j]
         self._sync()
-        return StepResult(tokens, time.perf_counter() - t0, logprobs)
+        return StepResult(tokens, time.perf_counter() - t0, logprobs, failed)
 
     def _slots(self, seq: SeqState, start: int, end: int) -> torch.Tensor:
         bs = self.bs
@@ -158,6 +183,60 @@ class TorchRunner:
         ids = torch.tensor([s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in rows],
                            device=dev)
         return ids, pos, meta
+
+
+class _Fetch:
+    """KV blocks read from the store into device blocks, layer by layer, in a thread of its own (or
+    at once with run()); a layer's copies are checked against the entry's CRC. Blocks whose entry is
+    missing or fails a check end up in the set finish() returns (the store drops a corrupt entry)."""
+
+    def __init__(self, store, pairs: list[tuple[bytes, int]], cache: torch.Tensor):
+        self.store, self.pairs, self.cache = store, pairs, cache
+        self.ready = [threading.Event() for _ in range(cache.shape[0])]
+        self.failed: set[int] = set()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="servewise-kv-fetch", daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        entries = []
+        try:
+            for name, b in self.pairs:
+                e = self.store.open(name)
+                if e is None:
+                    self.failed.add(b)
+                else:
+                    entries.append((e, b))
+            for layer, ready in enumerate(self.ready):
+                for e, b in entries:
+                    if b in self.failed:
+                        continue
+                    kv = e.layer(layer)
+                    if kv is None:
+                        self.failed.add(b)
+                        self.store.drop(e.name)
+                        self.store.stats["corrupt"] += 1
+                    else:
+                        self.cache[layer, :, b].copy_(kv)
+                ready.set()
+        except BaseException:
+            self.failed.update(b for _, b in self.pairs)
+            log.exception("servewise: reading KV from the store failed; the requests compute it instead")
+        finally:
+            for e, _ in entries:
+                e.close()
+            for ready in self.ready:
+                ready.set()
+
+    def wait(self, layer: int) -> None:
+        self.ready[layer].wait()
+
+    def finish(self) -> set[int]:
+        if self.thread is not None:
+            self.thread.join()
+        return self.failed
 
 
 class SeqState:

@@ -34,6 +34,14 @@ class _EngineState:
         for kind, n in st.preemptions.items():
             pre.add_metric([kind], n)
         yield pre
+        prefix = CounterMetricFamily("servewise_prefix_cache_tokens", "Tokens of the requests admitted to compute "
+                                     "(admitted) and of those, the tokens whose KV cached prefix blocks supplied (hit)",
+                                     labels=["kind"])
+        prefix.add_metric(["admitted"], st.admitted_tokens)
+        prefix.add_metric(["hit"], st.prefix_hit_tokens)
+        yield prefix
+        yield GaugeMetricFamily("servewise_prefix_cached_blocks", "Device blocks holding cached prefix KV that no "
+                                "request holds (counted free)", value=st.cached_blocks)
         if (handoffs := getattr(self.engine, "handoffs", None)) is not None:  # a cluster
             ho = CounterMetricFamily("servewise_kv_handoffs", "KV hand-offs between instances by outcome "
                                      "(committed; recomputed: bad checksum; expired: lease ran out; lost: "

@@ -49,6 +49,12 @@ def _sharegpt_rows(path: str) -> list[dict]:
     return [r for r in rows if isinstance(r["human"], str) and isinstance(r["gpt"], str) and r["human"] and r["gpt"]]
 
 
+def _cut(tokenizer, text: str, n: int) -> str:
+    """text cut to its first n tokens."""
+    ids = tokenizer.encode(text, add_special=False)
+    return text if len(ids) <= n else tokenizer.decode(ids[:n])
+
+
 def multi_turn(num_conversations: int, vocab: int, *, tokenizer=None, data: str | None = None, max_turns: int = 6,
                user_len: int = 64, reply_len: int = 128, system_len: int = 0, rate: float = 1.0, think_s: float = 5.0,
                max_len: int = 2048, max_output_len: int | None = None,
@@ -57,8 +63,9 @@ def multi_turn(num_conversations: int, vocab: int, *, tokenizer=None, data: str 
     exponential think time (mean think_s) after the one before. Returns the turns ordered by arrival
     and their arrival times. A conversation ends at max_turns, or before a turn whose prompt and
     reply would pass max_len tokens. With `data` (ShareGPT pairs, a path) messages and replies are its
-    texts, joined into a transcript that `tokenizer` encodes (the item's prompt is then text and ids
-    agree); the number of turns is half a recorded conversation's, capped at max_turns."""
+    texts cut to user_len and reply_len tokens, joined into a transcript that `tokenizer` encodes (the
+    item's text and ids then agree); the number of turns is half a recorded conversation's, capped at
+    max_turns. Without, user_len and reply_len are the means of log-normal lengths."""
     if min(num_conversations, max_turns, user_len, reply_len) < 1 or system_len < 0:
         raise ValueError("multi_turn needs num_conversations, max_turns, user_len and reply_len >= 1, system_len >= 0")
     if rate <= 0 or think_s < 0:
@@ -85,9 +92,10 @@ def multi_turn(num_conversations: int, vocab: int, *, tokenizer=None, data: str 
                 text = None
             else:
                 pair = rng.choice(rows)
-                text = f"{history}User: {pair['human'].strip()}\nAssistant:"
+                user, reply = (_cut(tokenizer, pair[k].strip(), n) for k, n in (("human", user_len), ("gpt", reply_len)))
+                text = f"{history}User: {user}\nAssistant:"
                 ids = tokenizer.encode(text)
-                reply = " " + pair["gpt"].strip() + "\n"
+                reply = f" {reply}\n"
                 prompt, prompt_len = ids, len(ids)
                 out_len = len(tokenizer.encode(reply, add_special=False))
             if max_output_len is not None:
@@ -104,15 +112,26 @@ def multi_turn(num_conversations: int, vocab: int, *, tokenizer=None, data: str 
     return items, [it.arrival for it in items]
 
 
-def save_text_workload(items: list[WorkloadRequest], path: str) -> int:
+def save_text_workload(items: list[WorkloadRequest], path: str, tokenizer=None) -> int:
     """Write the items as a JSONL of {"prompt": text, "output_tokens": n} in arrival order (the form
     vLLM's `bench serve --dataset-name custom` reads; run it with --disable-shuffle and
-    --skip-chat-template to keep order and prompts). Returns the rows written."""
-    if any(it.text is None for it in items):
-        raise ValueError("only a workload built from texts (--data) can be written as text prompts")
+    --skip-chat-template to keep order and prompts). Items made from token ids are decoded with
+    `tokenizer`, which must give the same ids back (a word-level tokenizer does; a byte tokenizer
+    does not for random ids). Returns the rows written."""
+    texts = []
+    for i, it in enumerate(items):
+        text = it.text
+        if text is None:
+            if tokenizer is None or not isinstance(it.prompt, list):
+                raise ValueError("a workload of token ids needs the model's tokenizer to be written as text")
+            text = tokenizer.decode(it.prompt)
+            if tokenizer.encode(text, add_special=False) != it.prompt:
+                raise ValueError(f"request #{i}: this model's tokenizer does not give its token ids back from text; "
+                                 f"use a workload from texts (--data) or a model with a word-level tokenizer")
+        texts.append(text)
     with open(path, "w", encoding="utf-8") as f:
-        for it in items:
-            f.write(json.dumps({"prompt": it.text, "output_tokens": it.output_len}) + "\n")
+        for it, text in zip(items, texts):
+            f.write(json.dumps({"prompt": text, "output_tokens": it.output_len}) + "\n")
     return len(items)
 
 
