@@ -479,7 +479,7 @@ class ClusterClient(StreamingClient):
                            pre, total(lambda s: s.queued_tokens), total(lambda s: s.incoming),
                            total(lambda s: s.committed_blocks), total(lambda s: s.inflight_tokens),
                            total(lambda s: s.admitted_tokens), total(lambda s: s.prefix_hit_tokens),
-                           total(lambda s: s.cached_blocks))
+                           total(lambda s: s.cached_blocks), total(lambda s: s.store_hit_tokens))
 
     def fault(self, i: int, name: str) -> None:
         """Inject a failure into instance i (tests): see instance.FAULTS."""

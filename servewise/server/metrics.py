@@ -35,10 +35,11 @@ class _EngineState:
             pre.add_metric([kind], n)
         yield pre
         prefix = CounterMetricFamily("servewise_prefix_cache_tokens", "Tokens of the requests admitted to compute "
-                                     "(admitted) and of those, the tokens whose KV cached prefix blocks supplied (hit)",
-                                     labels=["kind"])
+                                     "(admitted) and of those, the tokens whose KV cached prefix blocks supplied (hit) "
+                                     "or the global KV store did (store)", labels=["kind"])
         prefix.add_metric(["admitted"], st.admitted_tokens)
         prefix.add_metric(["hit"], st.prefix_hit_tokens)
+        prefix.add_metric(["store"], st.store_hit_tokens)
         yield prefix
         yield GaugeMetricFamily("servewise_prefix_cached_blocks", "Device blocks holding cached prefix KV that no "
                                 "request holds (counted free)", value=st.cached_blocks)

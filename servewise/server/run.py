@@ -1,6 +1,7 @@
 """`servewise serve`: start the engine (its own process by default), wrap it in the HTTP app, run uvicorn."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -78,6 +79,12 @@ def main(a, engine_kwargs: dict) -> None:
         f"({st.device_blocks.total} device / {st.host_blocks.total} host KV blocks, policy {a.policy}, preemption "
         f"{a.preemption}, {where}"
         f"{', API key required' if a.api_key else ''})")
+    @contextlib.asynccontextmanager
+    async def lifespan(_):  # stop the engine while the server shuts down: after a SIGTERM uvicorn re-raises
+        yield               # the signal once it is done, and the process dies before any `finally` here
+        engine.shutdown()   # (instances, their shared files and any KV store leases would be left behind)
+
+    app.router.lifespan_context = lifespan
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     finally:
