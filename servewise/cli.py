@@ -425,6 +425,10 @@ def _add_bench_prefix(bsub) -> None:
     bp.set_defaults(workload="shared_prefix")
     bp.add_argument("--sim", action=argparse.BooleanOptionalAction, default=True,
                     help="also simulate both runs on this machine's cost predictors")
+    bp.add_argument("--instances", type=_at_least(0), default=0,
+                    help="N > 0: N real whole-request instances (processes with --threads torch threads each) behind "
+                         "--router, caching off, on, and on with one global KV store, against the cluster simulator")
+    bp.add_argument("--router", default="round_robin", choices=["round_robin", "jsq", "jsq_tokens"])
     bp.add_argument("--save-text", default=None, metavar="PATH",
                     help="only write the workload's prompts as text (its texts, or its token ids decoded by a model's "
                          "word-level tokenizer) in a JSONL for vLLM's bench client (--dataset-name custom "

@@ -291,3 +291,40 @@ def test_bench_cluster_runs_real_and_simulated_side_by_side(tmp_path):
     for row in r["rows"].values():
         assert row["real"] > 0 and row["sim"] > 0 and row["calibrated"] > 0
     assert set(r["calibration"]) == {"prompt", "token"} and r["sim"]["transfers"] == 6
+
+
+def test_a_sigterm_stops_the_server_and_its_instances_and_removes_their_files():
+    """uvicorn re-raises a SIGTERM once it has shut down; the instances must be stopped before that."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    before = set(os.listdir(shm)) if shm else set()
+    proc = subprocess.Popen([sys.executable, "-m", "servewise.cli", "serve", "--model", "tiny-llama", "--port", str(port),
+                             "--instances", "2", "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        made = (set(os.listdir(shm)) - before) if shm else set()
+        assert not shm or made  # the cluster's shared-memory directory
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        assert len(children) >= 2  # the two instances (and multiprocessing's resource tracker)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        assert not (made & set(os.listdir(shm) if shm else ()))
+        for pid in children:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

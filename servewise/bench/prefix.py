@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -85,6 +86,102 @@ def compare(model: str, items, arrivals, engine_kw: dict, sim: bool = True, pred
     return runs
 
 
+def _stats_summary(records, st, before=None) -> dict:
+    m = compute(records)
+    b = before or {}
+    m["admitted_tokens"] = st.admitted_tokens - b.get("admitted", 0)
+    m["hit_tokens"] = st.prefix_hit_tokens - b.get("hit", 0)
+    m["store_hit_tokens"] = st.store_hit_tokens - b.get("store", 0)
+    m["prefill_tokens"] = m["admitted_tokens"] - m["hit_tokens"] - m["store_hit_tokens"]
+    done = m["hit_tokens"] + m["store_hit_tokens"]
+    m["hit_rate_pct"] = 100 * done / m["admitted_tokens"] if m["admitted_tokens"] else 0.0
+    return m
+
+
+def run_real_cluster(model: str, items, arrivals, engine_kw: dict, instances: int, router: str, threads: int) -> dict:
+    """The workload through `instances` real whole-request instances (processes) behind `router`."""
+    import asyncio
+
+    from servewise.bench.cluster import _drive
+    from servewise.cluster.serving import ClusterClient
+
+    client = ClusterClient(dict(engine_kw, model=model), ["mixed"] * instances, threads=threads, router=router,
+                           max_waiting=len(items) + 1)
+    client.start()
+    try:
+        asyncio.run(_drive(client, [type(items[0])(16, 4, [5] * 16)] * instances, [0.0] * instances))  # warm-up
+        time.sleep(0.5)  # the instances' reports of it
+        st = client.stats()
+        before = {"admitted": st.admitted_tokens, "hit": st.prefix_hit_tokens, "store": st.store_hit_tokens}
+        t0 = time.perf_counter()
+        records = asyncio.run(_drive(client, items, arrivals))
+        wall = time.perf_counter() - t0
+        time.sleep(0.5)
+        m = _stats_summary(records, client.stats(), before)
+    finally:
+        client.shutdown()
+    m["wall_s"] = wall
+    return m
+
+
+def run_sim_cluster(model: str, items, arrivals, engine_kw: dict, instances: int, router: str, predictors) -> dict:
+    from servewise.cluster.sim import ClusterSim, Design
+
+    kw = {k: v for k, v in engine_kw.items() if k not in ("device", "load_format", "dtype")}
+    sim = ClusterSim(model, Design(mixed={"this-cpu": instances}), router=router, predictors=predictors,
+                     dtype="float32", **kw)
+    res = sim.run(items, arrivals)
+    st = [e.stats() for e in sim.engines]
+    total = SimpleNamespace(**{k: sum(getattr(s, k) for s in st)  # the instances' counters, summed
+                               for k in ("admitted_tokens", "prefix_hit_tokens", "store_hit_tokens")})
+    m = _stats_summary([RequestRecord.from_request(r) for r in res.requests if r is not None], total)
+    m["sim_wall_s"] = res.wall_s
+    return m
+
+
+def compare_cluster(model: str, items, arrivals, engine_kw: dict, instances: int, router: str, threads: int,
+                    sim: bool = True, predictors=None, say=print) -> dict:
+    """Caching off, on (each instance its own cache), and on with one global KV store for all, on real
+    instances and in the cluster simulator."""
+    import shutil
+    import tempfile
+
+    runs = {}
+    for mode in ("off", "on", "store"):
+        kw = dict(engine_kw, enable_prefix_caching=mode != "off")
+        store_dir = None
+        if mode == "store":
+            store_dir = tempfile.mkdtemp(prefix="servewise-kvstore-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            kw["kv_store"] = store_dir
+        try:
+            say(f"{instances} real instances ({router}), prefix caching {mode} ...")
+            runs[f"real_{mode}"] = run_real_cluster(model, items, arrivals, kw, instances, router, threads)
+        finally:
+            if store_dir:
+                shutil.rmtree(store_dir, ignore_errors=True)
+        if sim:
+            say(f"cluster simulator, prefix caching {mode} ...")
+            runs[f"sim_{mode}"] = run_sim_cluster(model, items, arrivals, kw, instances, router, predictors)
+    return runs
+
+
+def format_cluster(runs: dict) -> str:
+    sim = "sim_off" in runs
+    head = f"{'metric':<24}" + "".join(f"{'real ' + m:>12}" for m in ("off", "on", "store"))
+    if sim:
+        head += "".join(f"{'sim err ' + m:>15}" for m in ("off", "on", "store"))
+    lines = [head]
+    for key, label in ROWS:
+        line = f"{label:<24}" + "".join(f"{runs['real_' + m][key]:>12.1f}" for m in ("off", "on", "store"))
+        if sim:
+            line += "".join(f"{_error(runs['sim_' + m][key], runs['real_' + m][key]):>15}" for m in ("off", "on", "store"))
+        lines.append(line)
+    r = runs["real_store"]
+    lines.append(f"with the store, {r['hit_tokens']} prompt tokens hit an instance's own cache and {r['store_hit_tokens']} "
+                 f"came from the store")
+    return "\n".join(lines)
+
+
 def _error(sim: float, real: float) -> str:
     return f"{(sim - real) / real * 100:+.1f}%" if real else "-"
 
@@ -123,10 +220,20 @@ def main(a) -> None:
     say(f"{len(items)} {a.workload} requests, mean prompt {sum(i.prompt_len for i in items) / len(items):.0f} tokens, "
         f"mean output {sum(i.output_len for i in items) / len(items):.0f}, over {arrivals[-1]:.1f} s; torch threads "
         f"{torch.get_num_threads()}; CPU {cpu_flags()}")
-    runs = compare(a.model, items, arrivals, kw, a.sim, a.predictors, say)
-    print(format_compare(runs))
+    if a.instances:
+        preds = None
+        if a.sim:
+            mc_, _ = load_model_config(a.model)
+            preds = ensure_predictors(a.model, mc_, "cpu", kw.get("block_size", 16), a.predictors, say)
+        runs = compare_cluster(a.model, items, arrivals, kw, a.instances, a.router, torch.get_num_threads(), a.sim,
+                               preds, say)
+        print(format_cluster(runs))
+    else:
+        runs = compare(a.model, items, arrivals, kw, a.sim, a.predictors, say)
+        print(format_compare(runs))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"model": a.model, "workload": a.workload, "num_requests": len(items), "threads": torch.get_num_threads(),
-                   "cpu": cpu_flags(), "engine": kw, "runs": runs}, f, indent=1)
+                   "instances": a.instances, "router": a.router, "cpu": cpu_flags(), "engine": kw, "runs": runs}, f,
+                  indent=1)
     print(f"saved {a.out}")
