@@ -38,6 +38,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefix blocks no request holds (for measurements that start cold);
+        returns how many there were."""
+        return self.engine.block_manager.reset_prefix_cache()
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. Outputs keep the prompts' order.

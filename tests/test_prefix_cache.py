@@ -110,6 +110,17 @@ def test_a_hit_on_a_cached_unreferenced_block_counts_against_the_free_pool():
     bm.check_invariants()
 
 
+def test_reset_forgets_only_unreferenced_cached_blocks():
+    bm = BlockManager(8, 0, BS, prefix_key="m")
+    computed(bm, request("a", list(range(1, 10))))
+    computed(bm, request("b", list(range(20, 29))))
+    bm.free("a")
+    assert bm.reset_prefix_cache() == 2
+    assert bm.match(request("x", list(range(1, 12)))) == [] and len(bm.match(request("y", list(range(20, 31))))) == 2
+    assert bm.num_free_device == 5
+    bm.check_invariants()
+
+
 class CachingMachine(RuleBasedStateMachine):
     """Random requests over a tiny alphabet (so prefixes repeat), computed, grown, swapped and freed:
     reference counts, names and free lists stay consistent, and a hit's blocks hold the KV of the

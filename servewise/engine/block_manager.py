@@ -136,6 +136,15 @@ class BlockManager:
                     self.new_named.append((b, name))
         self.registered[req.request_id] = full
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached blocks nobody holds (they become blank); returns how many there were."""
+        n = len(self.evictable)
+        for b in self.evictable:
+            del self.cached[self.name_of.pop(b)]
+            self.free_device.append(b)
+        self.evictable.clear()
+        return n
+
     def _take(self) -> int:
         """A block for a table: a blank one, else the least recently freed cached one (its name goes)."""
         if self.free_device:
