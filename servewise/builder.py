@@ -49,7 +49,7 @@ def assemble(config: EngineConfig, mc, tokenizer, runner, cost_model: CostModel 
     n_dev, n_host = runner.capacity
     cc = config.cache
     bm = BlockManager(n_dev, n_host, cc.block_size, cc.watermark,
-                      prefix_key=f"{config.model}|{mc.dtype}" if cc.enable_prefix_caching else None)
+                      prefix_key=weights_key(config, mc) if cc.enable_prefix_caching else None)
     preemption = PREEMPTION_POLICIES[config.scheduler.preemption]
     preemption = preemption(cost_model) if preemption.needs_costs else preemption()
     scheduler = Scheduler(config.scheduler, bm, ORDERING_POLICIES[config.scheduler.policy](), preemption)
@@ -58,6 +58,21 @@ def assemble(config: EngineConfig, mc, tokenizer, runner, cost_model: CostModel 
         scheduler.fetch_policy = (FetchOrRecompute(cost_model, store.read_s, cc.block_size)
                                   if cc.kv_store_fetch == "cost" else AlwaysFetch())
     return LLMEngine(config, mc, tokenizer, bm, scheduler, runner, clock, owns_clock)
+
+
+def weights_key(config: EngineConfig, mc) -> str:
+    """What a block's KV depends on besides its tokens, for the root of block names: the model, its
+    dtype, and its weights: the seed of random ones, or the checkpoint files' names, sizes and times."""
+    parts = [os.path.abspath(config.model) if os.path.isdir(config.model) else config.model, mc.dtype,
+             config.load_format]
+    if config.load_format == "dummy" or not os.path.isdir(config.model):
+        parts.append(f"seed={config.seed}")
+    else:
+        for name in sorted(os.listdir(config.model)):
+            if name.endswith((".safetensors", ".bin", ".json")):
+                st = os.stat(os.path.join(config.model, name))
+                parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+    return "|".join(parts)
 
 
 def needs_cost_model(config: EngineConfig) -> bool:

@@ -69,11 +69,12 @@ def test_tiers_keep_the_most_recently_used_and_demote_then_drop(tmp_path):
         s.put(n, block(i))
     assert s.stats["dropped"] > 0 and s.usage()["disk"] <= 0.9 * s.capacity["disk"]
     assert s.tier(names[1]) is None  # the oldest went for good
-    # a disk entry read comes back to the memory tier
+    # a disk entry read whole comes back to the memory tier (and leaves the disk tier)
     on_disk = next(n for n in names if s.tier(n) == "disk")
     e = s.open(on_disk)
-    assert torch.equal(e.layer(0), block(names.index(on_disk))[0]) and s.tier(on_disk) == "memory"
+    assert all(torch.equal(e.layer(i), block(names.index(on_disk))[i]) for i in range(2))
     e.close()
+    assert s.tier(on_disk) == "memory" and not os.path.exists(entry_file(s.dirs["disk"], on_disk))
 
 
 def test_a_leased_entry_is_not_evicted_until_its_lease_ends(tmp_path):
@@ -147,7 +148,7 @@ def run(eng, ps):
 def test_a_second_engine_fetches_what_the_first_stored(tmp_path, reference, layerwise):
     first = engine(tmp_path)
     assert run(first, prompts()[:1]) == reference[:1]
-    assert first.stats().store_hit_tokens == 0 and len(os.listdir(tmp_path / "store")) > 3
+    assert first.stats().store_hit_tokens == 0 and len([f for f in os.listdir(tmp_path / "store") if f.endswith(".kv")]) > 3
     second = engine(tmp_path)  # its own device pool, empty: the prefix comes from the store
     second.runner.layerwise_fetch = layerwise
     assert run(second, prompts()[1:]) == reference[1:]
@@ -195,3 +196,55 @@ def test_simulated_engines_share_a_simulated_store():
     simulate(b, items[1:], [0.1 * i for i in range(9)])
     assert b.stats().store_hit_tokens == 128 * 1 and shared.stats["hits"] == 8
     assert b.stats().prefix_hit_tokens == 128 * 8
+
+
+def test_a_failed_fetch_voids_only_its_own_row(tmp_path):
+    """Two requests fetch different prefixes in one step; one entry is gone: the other request's tokens
+    are its own (rows and sampled tokens stay aligned), and the failed one is computed again."""
+    rng = random.Random(9)
+    systems = [[rng.randrange(10, 1000) for _ in range(40)] for _ in range(2)]
+    ps = [s + [rng.randrange(10, 1000) for _ in range(5)] for s in systems for _ in range(2)]
+    want = [o.token_ids for o in LLM("tiny-llama", device="cpu").generate(ps, GREEDY)]
+    first = engine(tmp_path)
+    run(first, [ps[0], ps[2]])  # both system prompts into the store
+    gone = first.block_manager.block_name(Request("x", ps[1], GREEDY, 0.0), 1)
+    second = engine(tmp_path)
+    real_open = second.runner.store.open
+    second.runner.store.open = lambda name: None if name == gone else real_open(name)
+    assert run(second, [ps[1], ps[3]]) == [want[1], want[3]]
+    st = second.stats()
+    assert st.store_hit_tokens >= 2 * 32  # both were admitted with fetches; one of them failed
+
+
+def test_a_store_that_cannot_write_logs_and_goes_on(tmp_path, monkeypatch, caplog):
+    s = store(tmp_path)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(s, "_write", full)
+    assert not s.put(b"a" * 16, block(0)) and not s.put(b"b" * 16, block(1))
+    assert s.stats["put_errors"] == 2 and b"a" * 16 not in s
+    assert sum("cannot write" in r.message for r in caplog.records) == 1
+
+
+def test_writers_in_other_processes_count_toward_the_capacity(tmp_path):
+    a = store(tmp_path, blocks=10, high=0.95, low=0.8)
+    b = store(tmp_path, blocks=10, high=0.95, low=0.8)  # another engine's view of the same directory
+    for i in range(8):
+        a.put(bytes([i]) * 16, block(i))
+    time.sleep(1.1)  # b counts the tier again at its next write
+    for i in range(8, 12):
+        b.put(bytes([i]) * 16, block(i))
+    assert b.usage()["memory"] <= 0.95 * b.capacity["memory"] and b.stats["dropped"] > 0
+
+
+def test_a_simulated_block_is_readable_once_its_step_has_ended():
+    from servewise.engine.clock import VirtualClock
+
+    clock = VirtualClock()
+    s = SimStore(100, clock=clock)
+    s.put(b"a" * 16, delay=0.5)
+    assert b"a" * 16 not in s and not s.put(b"a" * 16)
+    clock.wait_until(0.5)
+    assert s.tier(b"a" * 16) == "memory" and s.read(b"a" * 16) == "memory"

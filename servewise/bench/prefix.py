@@ -48,7 +48,8 @@ def run_real(model: str, items, arrivals, engine_kw: dict, progress=None) -> tup
     eng.add_request([5] * 16, None)  # warm-up outside the measured run
     while eng.has_unfinished():
         eng.step()
-    eng.block_manager.admitted_tokens = eng.block_manager.hit_tokens = 0
+    bm = eng.block_manager
+    bm.admitted_tokens = bm.hit_tokens = bm.store_hit_tokens = 0
     t0 = time.perf_counter()
     reqs, rejected = run_workload(eng, items, arrivals, progress)
     if rejected:

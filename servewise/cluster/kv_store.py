@@ -20,6 +20,7 @@ unlinked), so eviction can never hand a reader half an entry.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import shutil
 import struct
@@ -34,10 +35,18 @@ MAGIC = b"SWKV1\0\0\0"
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _HEADER = struct.Struct("<8sIIIIII")  # magic, dtype code, layers, block size, kv heads, head dim, reserved
 TIERS = ("memory", "disk")
+log = logging.getLogger("servewise")
 
 
 def entry_file(directory: str, name: bytes) -> str:
     return os.path.join(directory, name.hex() + ".kv")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _pid_alive(pid: int) -> bool:
@@ -51,30 +60,50 @@ def _pid_alive(pid: int) -> bool:
 
 
 class Entry:
-    """An opened, leased entry: per-layer [2, block size, kv heads, head dim] views and their checks."""
+    """An opened, leased entry, read layer by layer: layer(i) reads layer i's K and V ([2, block size,
+    kv heads, head dim]) and checks it. The file stays open until close(), so what is read is the
+    entry as opened even if it is evicted (unlinked) meanwhile."""
 
-    def __init__(self, store: KVStore, name: bytes, path: str, lease: str):
-        self.store, self.name, self.lease = store, name, lease
-        with open(path, "rb") as f:
-            raw = bytearray(f.read())  # one read: the bytes are ours even if the entry is evicted now
-        head = _HEADER.unpack_from(raw)
-        if head[0] != MAGIC or head[1] != DTYPES[store.dtype] or head[2:6] != store.shape[:1] + store.shape[2:]:
-            raise ValueError("not an entry of this store's shape")
-        layers = head[2]
-        off = _HEADER.size
-        self.crcs = struct.unpack_from(f"<{layers}I", raw, off)
-        off += 4 * layers
-        data = np.frombuffer(raw, np.uint8, offset=off)
-        if data.size != store.block_bytes:
-            raise ValueError(f"entry holds {data.size} bytes, {store.block_bytes} expected")
-        self.data = torch.from_numpy(data).view(store.dtype).view(store.shape)
+    def __init__(self, store: KVStore, name: bytes, path: str, lease: str, tier: str = "memory"):
+        self.store, self.name, self.lease, self.tier = store, name, lease, tier
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            layers = store.shape[0]
+            head = os.pread(self.fd, _HEADER.size + 4 * layers, 0)
+            if len(head) < _HEADER.size + 4 * layers or os.fstat(self.fd).st_size != store.file_bytes:
+                raise ValueError("truncated entry")
+            h = _HEADER.unpack_from(head)
+            if h[0] != MAGIC or h[1] != DTYPES[store.dtype] or h[2:6] != store.shape[:1] + store.shape[2:]:
+                raise ValueError("not an entry of this store's shape")
+            self.crcs = struct.unpack_from(f"<{layers}I", head, _HEADER.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.layer_bytes = store.block_bytes // layers
+        self.offset = _HEADER.size + 4 * layers
+        self.read: list[torch.Tensor | None] = [None] * layers
 
     def layer(self, i: int) -> torch.Tensor | None:
-        """Layer i's K and V, or None when its checksum fails."""
-        t = self.data[i]
-        return t if crc(t) == self.crcs[i] else None
+        """Layer i's K and V, or None when they cannot be read or fail their checksum."""
+        try:
+            raw = bytearray(os.pread(self.fd, self.layer_bytes, self.offset + i * self.layer_bytes))
+        except OSError:
+            return None
+        if len(raw) != self.layer_bytes:
+            return None
+        t = torch.frombuffer(raw, dtype=torch.uint8).view(self.store.dtype).view(self.store.shape[1:])
+        if crc(t) != self.crcs[i]:
+            return None
+        self.read[i] = t
+        return t
 
     def close(self) -> None:
+        """Release the lease; an entry read whole from the disk tier goes back to the memory tier."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            if self.tier == "disk" and all(t is not None for t in self.read):
+                self.store._promote(self.name, torch.stack(self.read), self.crcs)
         if self.lease:
             try:
                 os.unlink(self.lease)
@@ -109,8 +138,9 @@ class KVStore:
                 os.makedirs(d, exist_ok=True)
         self._written = dict.fromkeys(TIERS, 0)  # bytes this process added since it last counted a tier
         self._used = {t: self._scan(t)[1] for t in TIERS}
+        self._scanned_at = dict.fromkeys(TIERS, time.monotonic())
         self._nonce = itertools.count()
-        self.stats = {"puts": 0, "hits": 0, "misses": 0, "corrupt": 0, "demoted": 0, "dropped": 0}
+        self.stats = {"puts": 0, "hits": 0, "misses": 0, "corrupt": 0, "demoted": 0, "dropped": 0, "put_errors": 0}
 
     # --- lookups -------------------------------------------------------------------------------
     def tier(self, name: bytes) -> str | None:
@@ -124,43 +154,64 @@ class KVStore:
 
     # --- writing -------------------------------------------------------------------------------
     def put(self, name: bytes, kv: torch.Tensor) -> bool:
-        """Store one block's KV under its name (no-op when present); False when it was there."""
+        """Store one block's KV under its name; False when it was there already or could not be written
+        (a full or unwritable directory is logged and counted, never raised: the store is a cache)."""
         if name in self:
             return False
         kv = kv.detach().to("cpu").contiguous()
         if tuple(kv.shape) != self.shape or kv.dtype != self.dtype:
             raise ValueError(f"a block of shape {tuple(kv.shape)} {kv.dtype}; this store holds {self.shape} {self.dtype}")
-        self._write(self.dirs["memory"], name, kv, [crc(kv[i]) for i in range(self.shape[0])])
+        try:
+            self._write(self.dirs["memory"], name, kv, [crc(kv[i]) for i in range(self.shape[0])])
+        except OSError as e:
+            self.stats["put_errors"] += 1
+            if self.stats["put_errors"] == 1:
+                log.warning("servewise: the KV store cannot write to %s (%s); blocks are not stored meanwhile",
+                            self.dirs["memory"], e)
+            return False
         self.stats["puts"] += 1
-        self._written["memory"] += self.file_bytes
-        if self._used["memory"] + self._written["memory"] > self.high * self.capacity["memory"]:
-            self.evict("memory")
+        self._added("memory")
         return True
+
+    def _added(self, tier: str) -> None:
+        """Count an entry this process added; evict past the high watermark. Other processes write too:
+        the tier is counted again at least once a second."""
+        self._written[tier] += self.file_bytes
+        if time.monotonic() - self._scanned_at[tier] > 1.0:
+            self._used[tier], self._written[tier] = self._scan(tier)[1], 0
+            self._scanned_at[tier] = time.monotonic()
+        if self._used[tier] + self._written[tier] > self.high * self.capacity[tier]:
+            self.evict(tier)
 
     # --- reading -------------------------------------------------------------------------------
     def open(self, name: bytes) -> Entry | None:
-        """The entry, leased until closed, or None when it is missing or unreadable (then it is dropped)."""
+        """The entry, leased until closed, or None when it is missing or unreadable (a malformed one is
+        dropped)."""
         for t in TIERS:
             if not self.dirs[t]:
                 continue
             path = entry_file(self.dirs[t], name)
-            lease = self._lease(name)
             try:
-                entry = Entry(self, name, path, lease)
+                lease = self._lease(name)
+            except OSError:
+                return None
+            try:
+                entry = Entry(self, name, path, lease, t)
             except FileNotFoundError:
-                os.unlink(lease)
+                _unlink(lease)
                 continue
             except (ValueError, struct.error):
-                os.unlink(lease)
+                _unlink(lease)
                 self.drop(name)
                 self.stats["corrupt"] += 1
                 return None
+            except OSError:
+                _unlink(lease)
+                return None
             try:
                 os.utime(path)  # recently used
-            except FileNotFoundError:
+            except OSError:
                 pass
-            if t == "disk":  # back to the memory tier: it is in use again
-                self._promote(name, entry)
             self.stats["hits"] += 1
             return entry
         self.stats["misses"] += 1
@@ -186,9 +237,14 @@ class KVStore:
         os.replace(tmp, path)
         return path
 
-    def _promote(self, name: bytes, entry: Entry) -> None:
-        self._write(self.dirs["memory"], name, entry.data, entry.crcs)
-        self._written["memory"] += self.file_bytes
+    def _promote(self, name: bytes, kv: torch.Tensor, crcs) -> None:
+        """A disk entry read again moves back to the memory tier."""
+        try:
+            self._write(self.dirs["memory"], name, kv, crcs)
+        except OSError:
+            return
+        _unlink(entry_file(self.dirs["disk"], name))
+        self._added("memory")
 
     def probe(self, n: int = 16) -> dict[str, tuple[float, float]]:
         """Per tier: (seconds to open, read and check one block, 0 fixed), the median of n reads of
@@ -204,8 +260,9 @@ class KVStore:
                 name = os.urandom(16)
                 path = self._write(self.dirs[t], name, kv, crcs)
                 t0 = time.perf_counter()
-                e = Entry(self, name, path, "")
+                e = Entry(self, name, path, "", "memory")  # (no promotion)
                 all(e.layer(i) is not None for i in range(self.shape[0]))
+                e.close()
                 times.append(time.perf_counter() - t0)
                 os.unlink(path)
             out[t] = (sorted(times)[n // 2], 0.0)
@@ -213,15 +270,20 @@ class KVStore:
 
     # --- leases --------------------------------------------------------------------------------
     def _lease(self, name: bytes) -> str:
+        """A lease file, NAME.PID.N holding its expiry time (written aside, then renamed into place)."""
         path = os.path.join(self.lease_dir, f"{name.hex()}.{os.getpid()}.{next(self._nonce)}")
-        with open(path, "w") as f:
+        fd, tmp = tempfile.mkstemp(dir=self.lease_dir, prefix=".new-")
+        with os.fdopen(fd, "w") as f:
             f.write(repr(time.time() + self.lease_s))
+        os.replace(tmp, path)
         return path
 
     def leased(self) -> set[str]:
         """Names (hex) with a live lease; dead ones (their process gone, or past their expiry) are removed."""
         live, now = set(), time.time()
         for e in os.scandir(self.lease_dir):
+            if e.name.startswith("."):  # being written
+                continue
             hexname, _, rest = e.name.partition(".")
             pid = int(rest.partition(".")[0] or 0)
             try:
@@ -264,7 +326,7 @@ class KVStore:
         """Bring a tier down to its low watermark, least recently used first, passing over leased
         entries: memory entries move to the disk tier (when there is one), disk entries are dropped."""
         rows, used = self._scan(tier)
-        self._written[tier] = 0
+        self._written[tier], self._scanned_at[tier] = 0, time.monotonic()
         goal = self.low * self.capacity[tier]
         if used > self.high * self.capacity[tier]:
             busy = self.leased()
@@ -274,9 +336,7 @@ class KVStore:
                 if hexname in busy:
                     continue
                 if tier == "memory" and self.dirs["disk"]:
-                    try:
-                        shutil.move(path, os.path.join(self.dirs["disk"], hexname + ".kv"))
-                    except FileNotFoundError:
+                    if not self._demote(path, hexname):
                         continue
                     self.stats["demoted"] += 1
                     self._written["disk"] += self.file_bytes
@@ -292,6 +352,25 @@ class KVStore:
                 self._used["disk"] + self._written["disk"] > self.high * self.capacity["disk"]:
             self.evict("disk")
 
+    def _demote(self, path: str, hexname: str) -> bool:
+        """Move a memory entry to the disk tier: copied under a temporary name, renamed into place, then
+        removed from memory (a reader never sees a partial file, on one filesystem or two)."""
+        d, tmp = self.dirs["disk"], ""
+        try:
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".put-")
+            os.close(fd)
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, os.path.join(d, hexname + ".kv"))
+        except FileNotFoundError:
+            _unlink(tmp)
+            return False
+        except OSError:
+            _unlink(tmp)
+            _unlink(path)  # no room below: the entry goes
+            return True
+        _unlink(path)
+        return True
+
     def usage(self) -> dict[str, int]:
         """Bytes held per tier (counted now)."""
         return {t: self._scan(t)[1] for t in TIERS}
@@ -299,31 +378,33 @@ class KVStore:
 
 class SimStore:
     """The store's bookkeeping for the simulator: which names each tier holds, least recently used
-    first, under the same capacities and watermarks (in blocks). Shared by simulated instances."""
+    first, under the same capacities and watermarks (in blocks). Shared by simulated instances: with a
+    `clock`, an entry is visible from the end of the step that wrote it (put's `delay`) on."""
 
     def __init__(self, memory_blocks: int, disk_blocks: int = 0, high: float = 0.95, low: float = 0.8,
-                 read_s: dict[str, tuple[float, float]] | None = None):
+                 read_s: dict[str, tuple[float, float]] | None = None, clock=None):
         from collections import OrderedDict
 
         self.read_s = read_s or {"memory": (0.0, 0.0), "disk": (0.0, 0.0)}  # per tier: (s per block, fixed s)
         self.capacity = {"memory": memory_blocks, "disk": disk_blocks}
-        self.high, self.low = high, low
-        self.tiers: dict[str, OrderedDict] = {t: OrderedDict() for t in TIERS}
-        self.stats = {"puts": 0, "hits": 0, "misses": 0, "corrupt": 0, "demoted": 0, "dropped": 0}
+        self.high, self.low, self.clock = high, low, clock
+        self.tiers: dict[str, OrderedDict] = {t: OrderedDict() for t in TIERS}  # name -> time it is readable
+        self.stats = {"puts": 0, "hits": 0, "misses": 0, "corrupt": 0, "demoted": 0, "dropped": 0, "put_errors": 0}
 
     def tier(self, name: bytes) -> str | None:
         for t in TIERS:
-            if name in self.tiers[t]:
-                return t
+            ready = self.tiers[t].get(name)
+            if ready is not None:
+                return t if self.clock is None or ready <= self.clock.now() else None
         return None
 
     def __contains__(self, name: bytes) -> bool:
         return self.tier(name) is not None
 
-    def put(self, name: bytes, kv=None) -> bool:
-        if name in self:
+    def put(self, name: bytes, kv=None, delay: float = 0.0) -> bool:
+        if any(name in self.tiers[t] for t in TIERS):
             return False
-        self.tiers["memory"][name] = None
+        self.tiers["memory"][name] = (self.clock.now() if self.clock is not None else 0.0) + delay
         self.stats["puts"] += 1
         self._evict("memory")
         return True
@@ -335,8 +416,7 @@ class SimStore:
             self.stats["misses"] += 1
             return None
         self.stats["hits"] += 1
-        del self.tiers[t][name]
-        self.tiers["memory"][name] = None
+        self.tiers["memory"][name] = self.tiers[t].pop(name)
         if t == "disk":
             self._evict("memory")
         return t
@@ -346,9 +426,9 @@ class SimStore:
         if len(entries) <= self.high * cap:
             return
         while entries and len(entries) > self.low * cap:
-            name, _ = entries.popitem(last=False)
+            name, ready = entries.popitem(last=False)
             if tier == "memory" and self.capacity["disk"]:
-                self.tiers["disk"][name] = None
+                self.tiers["disk"][name] = ready
                 self.stats["demoted"] += 1
             else:
                 self.stats["dropped"] += 1

@@ -27,7 +27,7 @@ from servewise.engine.clock import VirtualClock
 from servewise.engine.request import Request
 from servewise.predictors.perf import Calibrated, make_perf
 from servewise.workloads.datasets import WorkloadRequest
-from servewise.workloads.driver import params_for
+from servewise.workloads.driver import params_for, placeholder_prompt
 
 ROLES = ("prompt", "token", "mixed")
 _STEP, _TRANSFER = 1, 0  # event kinds
@@ -136,6 +136,7 @@ class ClusterSim:
             m0 = specs[0][0]
             store = sim_store_for(EngineConfig.from_kwargs(model=model, **engine_kw).cache, mc, perfs[m0],
                                   get_machine(m0).gpu == "profile")
+            store.clock = self.clock  # a block is readable from the end of the step that computed it
         self.store = store
         self.engines = [build_sim_engine(model, perf=perf_of(m, role), clock=self.clock, owns_clock=False,
                                          sim_store=store, **engine_kw) for m, role in specs]
@@ -205,7 +206,7 @@ class ClusterSim:
                 if loads is None:
                     loads = [e.stats() for e in engines]
                 i = (self.pools.prompt if self.pools else self.router)(item.prompt_len, loads)
-                prompt = item.prompt if isinstance(item.prompt, list) else [0] * item.prompt_len
+                prompt = item.prompt if isinstance(item.prompt, list) else placeholder_prompt(idx, item.prompt_len)
                 try:
                     req = engines[i].add_request(prompt, params_for(item), request_id=str(idx),
                                                  arrival_time=arrivals[idx])

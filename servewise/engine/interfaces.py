@@ -89,8 +89,8 @@ class SchedulerOutput:
     preempted: list[tuple[str, Preemption]] = field(default_factory=list)  # SWAP or RECOMPUTE
     partial: set[str] = field(default_factory=set)
 
-    def moved_blocks(self, dst: Pool) -> int:
-        return sum(len(m.pairs) for m in self.kv_moves if m.dst == dst)
+    def moved_blocks(self, dst: Pool, src: Pool | None = None) -> int:
+        return sum(len(m.pairs) for m in self.kv_moves if m.dst == dst and src in (None, m.src))
 
 
 def standalone_batch(token_lists: list[list[int]], block_tables: list[list[int]], decode: bool,

@@ -182,7 +182,8 @@ class LLMEngine:
                           scheduled=out.scheduled, preempted=out.preempted, schedule_s=schedule_s,
                           num_running=len(self.scheduler.running))
         if moves:
-            stats.swapped_out_blocks, stats.swapped_in_blocks = out.moved_blocks(Pool.HOST), out.moved_blocks(Pool.DEVICE)
+            stats.swapped_out_blocks = out.moved_blocks(Pool.HOST)
+            stats.swapped_in_blocks = out.moved_blocks(Pool.DEVICE, Pool.HOST)
         if out.scheduled:
             result = self.runner.execute(out)
             stats.execute_s = result.elapsed

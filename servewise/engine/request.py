@@ -48,6 +48,7 @@ class Request:
     handoff: bool = False  # leave the engine after the prefill (a cluster's prompt instance), KV kept
     block_hashes: list = field(default_factory=list)  # chained names of its first full blocks (prefix caching)
     cached_tokens: int = 0  # prompt tokens whose KV a prefix-cache hit supplied, at its last admission
+    store_failed: bool = False  # a fetch from the KV store failed for it: it computes its KV from now on
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -261,7 +261,9 @@ class Scheduler:
         if not bm.can_allocate(req.num_tokens, hits):
             return False
         fetch = []
-        if self.fetch_policy is not None and (names := bm.match_store(req, len(hits))):
+        # (a request handed off publishes its KV layer by layer during its step: none of it may turn out void)
+        if self.fetch_policy is not None and not (req.handoff or req.store_failed) and \
+                (names := bm.match_store(req, len(hits))):
             rest = req.num_tokens - (len(hits) + len(names)) * bs
             fetch = names[:self.fetch_policy.choose([bm.store.tier(n) for n in names], rest)]
         table = bm.allocate(req.request_id, req.num_tokens, hits)
@@ -436,7 +438,7 @@ class Scheduler:
         retried = []
         for req, tok, n, lp in zip(self._batch, tokens, out.num_scheduled_tokens, logprobs or repeat(None)):
             if failed and req.request_id in failed:
-                self._compute_again(req)
+                self._compute_again(req, now)
                 retried.append(req)
                 continue
             req.num_computed_tokens += n
@@ -460,14 +462,15 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in done]
         return finished
 
-    def _compute_again(self, req: Request) -> None:
-        """Drop a request's KV (its fetched blocks are not named, its shared ones stay cached) and put it
-        first in the waiting queue, to be computed from its tokens."""
+    def _compute_again(self, req: Request, now: float) -> None:
+        """Drop a request's KV (its fetched blocks are not named, its shared ones stay cached) and queue it
+        again, to be computed from its tokens without the store (whatever failed may fail again)."""
         self.bm.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
+        req.store_failed = True
         self.queued_tokens += req.num_tokens
         if req.in_runner:
             self._known_blocks[req.request_id] = -1
             self._changed[req.request_id] = req
-        self.waiting.insert(0, req)
+        self._enqueue(self.waiting, req, now)

@@ -193,6 +193,8 @@ def context_points_for(n: int, max_tokens: int, max_ctx: int, seed: int) -> list
     """n (batch, new tokens, prior tokens) triples, log-uniform, within the token budget and the context."""
     rng = random.Random(seed)
     pts: set[tuple[int, int, int]] = set()
+    if max_ctx < 40:  # no room for a chunk over earlier context
+        return []
     while len(pts) < n:
         b, new = _log_uniform_int(rng, 1, 8), _log_uniform_int(rng, 8, 256)
         if b * new <= max_tokens and new + 16 < max_ctx:

@@ -22,6 +22,7 @@ class SimRunner:
         self._prior = getattr(perf, "prior_context", None)
         self.store = None  # a simulated KV store (cluster.kv_store.SimStore)
         self._fetch_s = 0.0  # the step's reads from the store, overlapped with its layers
+        self._last = 0.0  # the last batch's time
 
     def move_blocks(self, move: KVMove) -> float:
         if not move.pairs:
@@ -31,10 +32,11 @@ class SimRunner:
             read_s = self.store.read_s
             self._fetch_s += max(read_s[t][1] for t in set(tiers)) + sum(read_s[t][0] for t in tiers)
             return 0.0
-        if move.dst is Pool.STORE:  # (block, name): write-through
+        if move.dst is Pool.STORE:  # (block, name): write-through, readable once this step has ended
+            write_s = len(move.pairs) * self.store.read_s["memory"][0]  # (a write priced as a read)
             for _, name in move.pairs:
-                self.store.put(name)
-            return len(move.pairs) * self.store.read_s["memory"][0]
+                self.store.put(name, delay=self._last + write_s)
+            return write_s
         return self.perf.copy(len(move.pairs), move.dst == Pool.HOST)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -59,6 +61,7 @@ class SimRunner:
         if self._fetch_s:  # layer l computes once its KV is read: the longer of the two, plus one layer of the other
             f, self._fetch_s = self._fetch_s, 0.0
             elapsed = max(elapsed, f) + min(elapsed, f) / self.layers
+        self._last = elapsed
         if out.partial:
             return StepResult([None if rid in out.partial else SIM_TOKEN for rid in out.scheduled], elapsed)
         return StepResult([SIM_TOKEN] * len(ctx), elapsed)

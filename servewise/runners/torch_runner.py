@@ -119,7 +119,6 @@ class TorchRunner:
             self.model.before_layer, self._fetch = None, None
             if bad:
                 failed = {rid for rid, seq in zip(out.scheduled, rows) if bad & set(seq.block_ids)}
-                sampling = [i for i in sampling if out.scheduled[i] not in failed]
         if last is not None:
             hidden = hidden[last]
         tokens: list[int | None] = [None] * len(rows)

@@ -92,6 +92,7 @@ def build_workload(source: str, tokenizer, vocab_size: int, *, data: str | None 
             truncated += 1
             if isinstance(it.prompt, list):
                 it.prompt = it.prompt[:max_prompt_len]
+                it.text = None  # no longer the prompt's text
         if isinstance(it.prompt, str):
             it.prompt = tokenizer.encode(it.prompt)[: it.prompt_len]
             it.prompt_len = len(it.prompt)
