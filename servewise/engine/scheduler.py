@@ -429,7 +429,7 @@ class Scheduler:
                     logprobs: list | None = None, failed: set[str] = frozenset()) -> list[Request]:
         """Count the computed tokens, append sampled tokens (and their log-probabilities, where asked
         for); retire finished requests and free their blocks. `failed` rows (their KV from the store
-        was missing or corrupt) go back to the front of the waiting queue, their KV dropped."""
+        was missing or corrupt) are waiting again, their KV dropped, to be computed in full."""
         if len(tokens) != len(self._batch):
             raise RuntimeError(f"{len(tokens)} results for {len(self._batch)} scheduled rows")
         finished = []
