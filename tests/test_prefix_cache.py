@@ -316,3 +316,32 @@ def test_trace_hashes_become_shared_token_blocks():
     c = tokens_from_hashes([7, 8], 40, 16, 32000)
     assert len(a) == 40 and a[:32] == b[:32] and a[32:] != b[32:]
     assert c[:32] == a[:32] and c[32:] != a[32:]  # a block past the list is the request's own
+
+
+def test_attention_over_cached_context_matches_dense_attention():
+    """Rows continuing earlier KV, grouped by their new-token count (equal and unequal earlier lengths),
+    against plain causal attention over each row's whole sequence."""
+    import torch
+    import torch.nn.functional as F
+
+    from servewise.models.attention import AttentionMetadata, paged_attention
+
+    torch.manual_seed(0)
+    H, KVH, D, bs = 4, 2, 16, 4
+    rows = [(5, 7), (5, 7), (5, 12), (3, 0), (1, 9), (5, 1)]  # (new, earlier)
+    width = max(-(-(n + p) // bs) for n, p in rows)
+    tables = torch.arange(len(rows) * width).view(len(rows), width)
+    cache = torch.zeros(2, len(rows) * width * bs, KVH, D)
+    qs, ks, vs, slots, full = [], [], [], [], []
+    for r, (n, p) in enumerate(rows):
+        k, v, qq = torch.randn(n + p, KVH, D), torch.randn(n + p, KVH, D), torch.randn(n + p, H, D)
+        pos = torch.arange(n + p)
+        slot = tables[r][pos // bs] * bs + pos % bs
+        cache[0][slot[:p]], cache[1][slot[:p]] = k[:p], v[:p]  # the cached part
+        qs.append(qq[p:]), ks.append(k[p:]), vs.append(v[p:]), slots.append(slot[p:])
+        ref = F.scaled_dot_product_attention(qq.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                             enable_gqa=True)
+        full.append(ref.transpose(0, 1)[p:].reshape(n, H * D))
+    meta = AttentionMetadata(True, torch.cat(slots), [n for n, _ in rows], bs, tables, prior_lens=[p for _, p in rows])
+    out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta)
+    assert torch.allclose(out, torch.cat(full), atol=1e-5)

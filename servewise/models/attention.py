@@ -86,7 +86,8 @@ def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> to
 def _continued(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """Rows of n new tokens after p tokens already cached (chunked prefill, reused KV, decodes in a
     mixed step): each row's queries attend to its first p + n cached keys, causally. Single-token rows
-    go through the decode path together; longer rows read their blocks one row at a time."""
+    go through the decode path together; longer rows with the same n go through one attention call
+    (their blocks gathered, keys padded to the longest row and masked)."""
     T, H, D = q.shape
     KVH, bs = cache.shape[2], meta.block_size
     blocks = cache.view(2, -1, bs * KVH * D)
@@ -105,15 +106,24 @@ def _continued(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) ->
             sub.mask = decode_mask(bt, ctx, bs, q.dtype)
         out[tok] = _decode(q[tok], cache, sub)
     done = set(single)
-    for i, (n, p) in enumerate(zip(meta.seq_lens, meta.prior_lens)):
-        if i in done:
-            continue
-        L = p + n
-        table = meta.block_tables[i, : -(-L // bs)]
-        kc = blocks[0].index_select(0, table).view(-1, KVH, D)[:L].transpose(0, 1)  # [KVH, L, D]
-        vc = blocks[1].index_select(0, table).view(-1, KVH, D)[:L].transpose(0, 1)
-        visible = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=p)
-        sl = slice(starts[i], starts[i + 1])
-        o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), kc, vc, attn_mask=visible, enable_gqa=H != KVH)
-        out[sl] = o.transpose(0, 1).reshape(n, H * D)
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(meta.seq_lens):
+        if i not in done:
+            groups.setdefault(n, []).append(i)
+    for n, rows in groups.items():
+        prior = [meta.prior_lens[i] for i in rows]
+        L, G = max(prior) + n, len(rows)
+        nb = -(-L // bs)
+        table = meta.block_tables[rows, :nb].reshape(-1)  # (padded with block 0: masked out below)
+        kc = blocks[0].index_select(0, table).view(G, nb * bs, KVH, D)[:, :L].transpose(1, 2)  # [G, KVH, L, D]
+        vc = blocks[1].index_select(0, table).view(G, nb * bs, KVH, D)[:, :L].transpose(1, 2)
+        if len(set(prior)) == 1:
+            visible = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=prior[0])
+        else:  # query t of a row with p earlier tokens sees keys 0 .. p + t
+            last = torch.tensor(prior, device=q.device).view(G, 1, 1) + torch.arange(n, device=q.device).view(1, n, 1)
+            visible = (torch.arange(L, device=q.device).view(1, 1, L) <= last).unsqueeze(1)
+        idx = torch.cat([torch.arange(starts[i], starts[i + 1], device=q.device) for i in rows])
+        qs = q.index_select(0, idx).view(G, n, H, D).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=visible, enable_gqa=H != KVH)
+        out[idx] = o.transpose(1, 2).reshape(G * n, H * D)
     return out
