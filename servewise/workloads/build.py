@@ -40,6 +40,8 @@ def build_workload(source: str, tokenizer, vocab_size: int, *, data: str | None 
         raise ValueError(f"prefix-sharing options apply to shared_prefix and multi_turn only, not {source!r}")
     trace_options = dict(trace_options or {})
     hash_block = trace_options.pop("hash_block", 512)
+    if hash_block < 1:
+        raise ValueError(f"hash_block (tokens per prefix block hash) must be >= 1, got {hash_block}")
     po = prefix_options or {}
     if source == "shared_prefix":
         items = shared_prefix(num_requests or 100, vocab_size, po.get("num_prefixes", 4), po.get("prefix_len", 512),
