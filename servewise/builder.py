@@ -55,7 +55,7 @@ def assemble(config: EngineConfig, mc, tokenizer, runner, cost_model: CostModel 
     scheduler = Scheduler(config.scheduler, bm, ORDERING_POLICIES[config.scheduler.policy](), preemption)
     if (store := getattr(runner, "store", None)) is not None:  # a global KV store: look up, fetch, write through
         bm.store = store
-        scheduler.fetch_policy = (FetchOrRecompute(cost_model, store.read_s, cc.block_size)
+        scheduler.fetch_policy = (FetchOrRecompute(cost_model, store.read_time, cc.block_size)
                                   if cc.kv_store_fetch == "cost" else AlwaysFetch())
     return LLMEngine(config, mc, tokenizer, bm, scheduler, runner, clock, owns_clock)
 

@@ -112,10 +112,12 @@ def test_fetch_or_recompute_follows_the_predicted_costs():
         def prefill(self, lens):
             return 1e-3 * sum(lens)
 
-    fast = FetchOrRecompute(Cost(), {"memory": (1e-5, 0.0), "disk": (5e-3, 1e-3)}, 16)
+    fast = SimStore(10, read_s={"memory": (1e-5, 0.0), "disk": (5e-3, 1e-3)})
+    assert fast.read_time(["memory", "disk", "disk"]) == pytest.approx(1e-5 + 2 * 5e-3 + 1e-3)
+    fast = FetchOrRecompute(Cost(), fast.read_time, 16)
     assert fast.choose(["memory"] * 4, 10) == 4  # 40 us to read vs 64 ms to compute
     assert fast.choose(["disk"] * 4, 10) == 4  # 21 ms vs 64 ms
-    slow = FetchOrRecompute(Cost(), {"memory": (1e-1, 0.0)}, 16)
+    slow = FetchOrRecompute(Cost(), SimStore(10, read_s={"memory": (1e-1, 0.0)}).read_time, 16)
     assert slow.choose(["memory"] * 4, 10) == 0
 
 

@@ -31,63 +31,9 @@ ROWS = (("mean_ttft_ms", "mean TTFT (ms)"), ("p99_ttft_ms", "p99 TTFT (ms)"), ("
         ("hit_rate_pct", "prefix hit rate (%)"))
 
 
-def _summary(engine, reqs, wall: float | None = None) -> dict:
-    m = compute([RequestRecord.from_request(r) for r in reqs])
-    st = engine.stats()
-    m["admitted_tokens"], m["hit_tokens"] = st.admitted_tokens, st.prefix_hit_tokens
-    m["prefill_tokens"] = st.admitted_tokens - st.prefix_hit_tokens
-    m["hit_rate_pct"] = 100 * st.prefix_hit_tokens / st.admitted_tokens if st.admitted_tokens else 0.0
-    if wall is not None:
-        m["wall_s"] = wall
-    return m
-
-
-def run_real(model: str, items, arrivals, engine_kw: dict, progress=None) -> tuple[dict, list[list[int]]]:
-    """Metrics of one real run and every request's output tokens (greedy: equal with and without caching)."""
-    eng = build_engine(model=model, **engine_kw)
-    eng.add_request([5] * 16, None)  # warm-up outside the measured run
-    while eng.has_unfinished():
-        eng.step()
-    bm = eng.block_manager
-    bm.admitted_tokens = bm.hit_tokens = bm.store_hit_tokens = 0
-    t0 = time.perf_counter()
-    reqs, rejected = run_workload(eng, items, arrivals, progress)
-    if rejected:
-        raise ValueError(f"{len(rejected)} requests rejected, e.g. #{rejected[0][0]}: {rejected[0][1]}")
-    return _summary(eng, reqs, time.perf_counter() - t0), [r.output_token_ids for r in reqs]
-
-
-def run_sim(model: str, items, arrivals, engine_kw: dict, predictors=None) -> dict:
-    """predictors: fitted ones, a path to them, or None (this machine's, profiled on first use)."""
-    if not isinstance(predictors, Predictors):
-        mc, _ = load_model_config(model)
-        predictors = ensure_predictors(model, mc, "cpu", engine_kw.get("block_size", 16), predictors)
-    kw = {k: v for k, v in engine_kw.items() if k not in ("device", "load_format", "dtype")}  # float32 on this CPU
-    eng = build_sim_engine(model, "profile", predictors, **kw)
-    res = simulate(eng, items, arrivals)
-    m = _summary(eng, res.requests)
-    m["sim_wall_s"], m["perf"] = res.wall_s, res.perf_label
-    return m
-
-
-def compare(model: str, items, arrivals, engine_kw: dict, sim: bool = True, predictors=None, say=print) -> dict:
-    if sim and not isinstance(predictors, Predictors):
-        mc, _ = load_model_config(model)
-        predictors = ensure_predictors(model, mc, "cpu", engine_kw.get("block_size", 16), predictors, say)
-    runs, outputs = {}, {}
-    for caching in (False, True):
-        key = "on" if caching else "off"
-        kw = dict(engine_kw, enable_prefix_caching=caching)
-        say(f"real engine, prefix caching {key} ...")
-        runs[f"real_{key}"], outputs[key] = run_real(model, items, arrivals, kw)
-        if sim:
-            say(f"simulator, prefix caching {key} ...")
-            runs[f"sim_{key}"] = run_sim(model, items, arrivals, kw, predictors)
-    runs["same_outputs"] = outputs["off"] == outputs["on"]
-    return runs
-
-
-def _stats_summary(records, st, before=None) -> dict:
+def _summary(records, st, before: dict | None = None) -> dict:
+    """Metrics of a run's records, with the prompt tokens computed and the hit rate from engine stats
+    `st` (less the counters `before` it, if given)."""
     m = compute(records)
     b = before or {}
     m["admitted_tokens"] = st.admitted_tokens - b.get("admitted", 0)
@@ -97,6 +43,55 @@ def _stats_summary(records, st, before=None) -> dict:
     done = m["hit_tokens"] + m["store_hit_tokens"]
     m["hit_rate_pct"] = 100 * done / m["admitted_tokens"] if m["admitted_tokens"] else 0.0
     return m
+
+
+def _counters(st) -> dict:
+    return {"admitted": st.admitted_tokens, "hit": st.prefix_hit_tokens, "store": st.store_hit_tokens}
+
+
+def _sim_kw(engine_kw: dict) -> dict:
+    """The engine options a simulated engine takes (float32 on this CPU, as the profile)."""
+    return {k: v for k, v in engine_kw.items() if k not in ("device", "load_format", "dtype")}
+
+
+def run_real(model: str, items, arrivals, engine_kw: dict, progress=None) -> tuple[dict, list[list[int]]]:
+    """Metrics of one real run and every request's output tokens (greedy: equal with and without caching)."""
+    eng = build_engine(model=model, **engine_kw)
+    eng.add_request([5] * 16, None)  # warm-up outside the measured run
+    while eng.has_unfinished():
+        eng.step()
+    before = _counters(eng.stats())
+    t0 = time.perf_counter()
+    reqs, rejected = run_workload(eng, items, arrivals, progress)
+    wall = time.perf_counter() - t0
+    if rejected:
+        raise ValueError(f"{len(rejected)} requests rejected, e.g. #{rejected[0][0]}: {rejected[0][1]}")
+    m = _summary([RequestRecord.from_request(r) for r in reqs], eng.stats(), before)
+    m["wall_s"] = wall
+    return m, [r.output_token_ids for r in reqs]
+
+
+def run_sim(model: str, items, arrivals, engine_kw: dict, predictors: Predictors) -> dict:
+    eng = build_sim_engine(model, "profile", predictors, **_sim_kw(engine_kw))
+    res = simulate(eng, items, arrivals)
+    m = _summary([RequestRecord.from_request(r) for r in res.requests], eng.stats())
+    m["sim_wall_s"], m["perf"] = res.wall_s, res.perf_label
+    return m
+
+
+def compare(model: str, items, arrivals, engine_kw: dict, predictors: Predictors | None, say=print) -> dict:
+    """Caching off and on, on the real engine and (with predictors) in the simulator."""
+    runs, outputs = {}, {}
+    for caching in (False, True):
+        key = "on" if caching else "off"
+        kw = dict(engine_kw, enable_prefix_caching=caching)
+        say(f"real engine, prefix caching {key} ...")
+        runs[f"real_{key}"], outputs[key] = run_real(model, items, arrivals, kw)
+        if predictors is not None:
+            say(f"simulator, prefix caching {key} ...")
+            runs[f"sim_{key}"] = run_sim(model, items, arrivals, kw, predictors)
+    runs["same_outputs"] = outputs["off"] == outputs["on"]
+    return runs
 
 
 def run_real_cluster(model: str, items, arrivals, engine_kw: dict, instances: int, router: str, threads: int) -> dict:
@@ -112,13 +107,12 @@ def run_real_cluster(model: str, items, arrivals, engine_kw: dict, instances: in
     try:
         asyncio.run(_drive(client, [type(items[0])(16, 4, [5] * 16)] * instances, [0.0] * instances))  # warm-up
         time.sleep(0.5)  # the instances' reports of it
-        st = client.stats()
-        before = {"admitted": st.admitted_tokens, "hit": st.prefix_hit_tokens, "store": st.store_hit_tokens}
+        before = _counters(client.stats())
         t0 = time.perf_counter()
         records = asyncio.run(_drive(client, items, arrivals))
         wall = time.perf_counter() - t0
         time.sleep(0.5)
-        m = _stats_summary(records, client.stats(), before)
+        m = _summary(records, client.stats(), before)
     finally:
         client.shutdown()
     m["wall_s"] = wall
@@ -128,20 +122,19 @@ def run_real_cluster(model: str, items, arrivals, engine_kw: dict, instances: in
 def run_sim_cluster(model: str, items, arrivals, engine_kw: dict, instances: int, router: str, predictors) -> dict:
     from servewise.cluster.sim import ClusterSim, Design
 
-    kw = {k: v for k, v in engine_kw.items() if k not in ("device", "load_format", "dtype")}
     sim = ClusterSim(model, Design(mixed={"this-cpu": instances}), router=router, predictors=predictors,
-                     dtype="float32", **kw)
+                     dtype="float32", **_sim_kw(engine_kw))
     res = sim.run(items, arrivals)
     st = [e.stats() for e in sim.engines]
     total = SimpleNamespace(**{k: sum(getattr(s, k) for s in st)  # the instances' counters, summed
                                for k in ("admitted_tokens", "prefix_hit_tokens", "store_hit_tokens")})
-    m = _stats_summary([RequestRecord.from_request(r) for r in res.requests if r is not None], total)
+    m = _summary([RequestRecord.from_request(r) for r in res.requests if r is not None], total)
     m["sim_wall_s"] = res.wall_s
     return m
 
 
 def compare_cluster(model: str, items, arrivals, engine_kw: dict, instances: int, router: str, threads: int,
-                    sim: bool = True, predictors=None, say=print) -> dict:
+                    predictors: Predictors | None, say=print) -> dict:
     """Caching off, on (each instance its own cache), and on with one global KV store for all, on real
     instances and in the cluster simulator."""
     import shutil
@@ -160,7 +153,7 @@ def compare_cluster(model: str, items, arrivals, engine_kw: dict, instances: int
         finally:
             if store_dir:
                 shutil.rmtree(store_dir, ignore_errors=True)
-        if sim:
+        if predictors is not None:
             say(f"cluster simulator, prefix caching {mode} ...")
             runs[f"sim_{mode}"] = run_sim_cluster(model, items, arrivals, kw, instances, router, predictors)
     return runs
@@ -221,16 +214,13 @@ def main(a) -> None:
     say(f"{len(items)} {a.workload} requests, mean prompt {sum(i.prompt_len for i in items) / len(items):.0f} tokens, "
         f"mean output {sum(i.output_len for i in items) / len(items):.0f}, over {arrivals[-1]:.1f} s; torch threads "
         f"{torch.get_num_threads()}; CPU {cpu_flags()}")
+    # the simulator's predictors: this machine's at this thread count (profiled on first use), or a file
+    preds = ensure_predictors(a.model, mc, "cpu", kw.get("block_size", 16), a.predictors, say) if a.sim else None
     if a.instances:
-        preds = None
-        if a.sim:
-            mc_, _ = load_model_config(a.model)
-            preds = ensure_predictors(a.model, mc_, "cpu", kw.get("block_size", 16), a.predictors, say)
-        runs = compare_cluster(a.model, items, arrivals, kw, a.instances, a.router, torch.get_num_threads(), a.sim,
-                               preds, say)
+        runs = compare_cluster(a.model, items, arrivals, kw, a.instances, a.router, torch.get_num_threads(), preds, say)
         print(format_cluster(runs))
     else:
-        runs = compare(a.model, items, arrivals, kw, a.sim, a.predictors, say)
+        runs = compare(a.model, items, arrivals, kw, preds, say)
         print(format_compare(runs))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:

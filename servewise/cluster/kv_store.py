@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import shutil
 import struct
 import tempfile
 import time
-import zlib
+from collections import OrderedDict
 
-import numpy as np
 import torch
+
+from servewise.cluster.handoff import crc
 
 MAGIC = b"SWKV1\0\0\0"
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -112,11 +114,18 @@ class Entry:
             self.lease = ""
 
 
-def crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
+class ReadCosts:
+    """What reading from a store costs: per tier, (seconds per block, fixed seconds per read), measured
+    (KVStore.probe) or given (SimStore)."""
+
+    read_s: dict[str, tuple[float, float]] = {t: (0.0, 0.0) for t in TIERS}
+
+    def read_time(self, tiers: list[str]) -> float:
+        """Seconds to read blocks from the given tiers: the slowest tier's fixed cost, plus each block's."""
+        return max((self.read_s[t][1] for t in set(tiers)), default=0.0) + sum(self.read_s[t][0] for t in tiers)
 
 
-class KVStore:
+class KVStore(ReadCosts):
     """shape: one block's KV, [layers, 2, block size, kv heads, head dim]; capacities in bytes."""
 
     def __init__(self, memory_dir: str, shape: tuple[int, ...], dtype: torch.dtype, memory_bytes: int,
@@ -127,7 +136,7 @@ class KVStore:
         if memory_bytes <= 0 or (disk_dir is not None and disk_bytes <= 0):
             raise ValueError("each tier needs a capacity above 0 bytes")
         self.shape, self.dtype = tuple(shape), dtype
-        self.block_bytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+        self.block_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         self.file_bytes = _HEADER.size + 4 * shape[0] + self.block_bytes
         self.dirs = {"memory": memory_dir, "disk": disk_dir}
         self.capacity = {"memory": memory_bytes, "disk": disk_bytes if disk_dir else 0}
@@ -202,8 +211,7 @@ class KVStore:
                 continue
             except (ValueError, struct.error):
                 _unlink(lease)
-                self.drop(name)
-                self.stats["corrupt"] += 1
+                self.reject(name)
                 return None
             except OSError:
                 _unlink(lease)
@@ -217,8 +225,13 @@ class KVStore:
         self.stats["misses"] += 1
         return None
 
+    def reject(self, name: bytes) -> None:
+        """A reader found the entry malformed or failing a checksum: drop it, count it."""
+        self.drop(name)
+        self.stats["corrupt"] += 1
+
     def drop(self, name: bytes) -> None:
-        """Remove an entry from every tier (a reader found it corrupt)."""
+        """Remove an entry from every tier."""
         for t in TIERS:
             if self.dirs[t]:
                 try:
@@ -376,16 +389,15 @@ class KVStore:
         return {t: self._scan(t)[1] for t in TIERS}
 
 
-class SimStore:
+class SimStore(ReadCosts):
     """The store's bookkeeping for the simulator: which names each tier holds, least recently used
     first, under the same capacities and watermarks (in blocks). Shared by simulated instances: with a
     `clock`, an entry is visible from the end of the step that wrote it (put's `delay`) on."""
 
     def __init__(self, memory_blocks: int, disk_blocks: int = 0, high: float = 0.95, low: float = 0.8,
                  read_s: dict[str, tuple[float, float]] | None = None, clock=None):
-        from collections import OrderedDict
-
-        self.read_s = read_s or {"memory": (0.0, 0.0), "disk": (0.0, 0.0)}  # per tier: (s per block, fixed s)
+        if read_s is not None:
+            self.read_s = read_s
         self.capacity = {"memory": memory_blocks, "disk": disk_blocks}
         self.high, self.low, self.clock = high, low, clock
         self.tiers: dict[str, OrderedDict] = {t: OrderedDict() for t in TIERS}  # name -> time it is readable

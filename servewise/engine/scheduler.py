@@ -117,13 +117,10 @@ class Scheduler:
     def kv_failed(self, request_id: str, now: float) -> None:
         """The KV of a received request will not come (or came wrong): free the blocks reserved for it,
         if any, and compute it here from its tokens (prompt and any output), as a recompute."""
-        if (req := self.receiving.pop(request_id, None)) is not None:
-            self.bm.free(request_id)
-        else:
+        if (req := self.receiving.pop(request_id, None)) is None:
             req = next(r for r in self.incoming if r.request_id == request_id)
             self.incoming.remove(req)
-        req.num_computed_tokens = 0
-        self.add(req, now)
+        self._requeue(req, now)
 
     def kv_arrived(self, request_id: str, now: float) -> None:
         """The KV of a reserved request is in its blocks: it decodes from the next step on."""
@@ -394,14 +391,7 @@ class Scheduler:
             req.status = Status.SWAPPED
             self._enqueue(self.swapped, req, now)
         else:
-            self.bm.free(req.request_id)
-            req.status = Status.WAITING
-            req.num_computed_tokens = 0  # the runner keeps its copy (tokens, seeded generator); KV is gone
-            self.queued_tokens += req.num_tokens
-            if req.in_runner:
-                self._known_blocks[req.request_id] = -1  # it gets a new table when admitted again
-                self._changed[req.request_id] = req
-            self._enqueue(self.waiting, req, now)
+            self._requeue(req, now)
         out.preempted.append((req.request_id, Preemption.SWAP if mode is Preemption.SWAP else Preemption.RECOMPUTE))
 
     def _swap_in(self, running: list[Request], now: float, out: SchedulerOutput, limit: int | None) -> list[Request]:
@@ -437,8 +427,9 @@ class Scheduler:
         caching = self.bm.caching
         retried = []
         for req, tok, n, lp in zip(self._batch, tokens, out.num_scheduled_tokens, logprobs or repeat(None)):
-            if failed and req.request_id in failed:
-                self._compute_again(req, now)
+            if failed and req.request_id in failed:  # its fetched blocks were not named; shared ones stay cached
+                req.store_failed = True  # computed without the store from now on: what failed may fail again
+                self._requeue(req, now)
                 retried.append(req)
                 continue
             req.num_computed_tokens += n
@@ -462,15 +453,13 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in done]
         return finished
 
-    def _compute_again(self, req: Request, now: float) -> None:
-        """Drop a request's KV (its fetched blocks are not named, its shared ones stay cached) and queue it
-        again, to be computed from its tokens without the store (whatever failed may fail again)."""
+    def _requeue(self, req: Request, now: float) -> None:
+        """Drop a request's KV (free its blocks, if any) and queue it to be computed in full from its
+        tokens. The runner keeps its copy of the request (tokens, seeded generator) and gets a new table
+        when it is admitted again."""
         self.bm.free(req.request_id)
         req.num_computed_tokens = 0
-        req.status = Status.WAITING
-        req.store_failed = True
-        self.queued_tokens += req.num_tokens
         if req.in_runner:
             self._known_blocks[req.request_id] = -1
             self._changed[req.request_id] = req
-        self._enqueue(self.waiting, req, now)
+        self.add(req, now)

@@ -12,23 +12,19 @@ from __future__ import annotations
 
 
 class FetchOrRecompute:
-    """read_s: per tier, (seconds per block, fixed seconds per fetch)."""
+    """read_time: seconds to read blocks from a list of tiers (the store's read_time)."""
 
     name = "cost"
 
-    def __init__(self, cost_model, read_s: dict[str, tuple[float, float]], block_size: int):
-        self.cost, self.read_s, self.block_size = cost_model, read_s, block_size
-
-    def fetch_time(self, tiers: list[str]) -> float:
-        fixed = max((self.read_s[t][1] for t in set(tiers)), default=0.0)
-        return fixed + sum(self.read_s[t][0] for t in tiers)
+    def __init__(self, cost_model, read_time, block_size: int):
+        self.cost, self.read_time, self.block_size = cost_model, read_time, block_size
 
     def choose(self, tiers: list[str], rest: int) -> int:
         """How many of the stored blocks (their tiers, in order) to fetch: all or none. `rest`: tokens
         computed anyway after them."""
         stored = len(tiers) * self.block_size
         compute = self.cost.prefill([stored + rest]) - self.cost.prefill([max(1, rest)])
-        return len(tiers) if self.fetch_time(tiers) < compute else 0
+        return len(tiers) if self.read_time(tiers) < compute else 0
 
 
 class AlwaysFetch:
@@ -38,6 +34,3 @@ class AlwaysFetch:
 
     def choose(self, tiers: list[str], rest: int) -> int:
         return len(tiers)
-
-
-FETCH_POLICIES = {"cost": FetchOrRecompute, "always": AlwaysFetch}

@@ -28,9 +28,7 @@ class SimRunner:
         if not move.pairs:
             return 0.0
         if move.src is Pool.STORE:  # (name, block): read layer by layer while the step computes
-            tiers = [self.store.read(name) or "memory" for name, _ in move.pairs]
-            read_s = self.store.read_s
-            self._fetch_s += max(read_s[t][1] for t in set(tiers)) + sum(read_s[t][0] for t in tiers)
+            self._fetch_s += self.store.read_time([self.store.read(name) or "memory" for name, _ in move.pairs])
             return 0.0
         if move.dst is Pool.STORE:  # (block, name): write-through, readable once this step has ended
             write_s = len(move.pairs) * self.store.read_s["memory"][0]  # (a write priced as a read)

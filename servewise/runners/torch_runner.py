@@ -215,8 +215,7 @@ class _Fetch:
                     kv = e.layer(layer)
                     if kv is None:
                         self.failed.add(b)
-                        self.store.drop(e.name)
-                        self.store.stats["corrupt"] += 1
+                        self.store.reject(e.name)
                     else:
                         self.cache[layer, :, b].copy_(kv)
                 ready.set()

@@ -5,7 +5,7 @@ import random
 
 from servewise.workloads.arrivals import arrival_times
 from servewise.workloads.datasets import LOADERS, WorkloadRequest
-from servewise.workloads.prefix import multi_turn, shared_prefix, tokens_from_hashes
+from servewise.workloads.prefix import multi_turn, random_ids, shared_prefix, tokens_from_hashes
 from servewise.workloads.presets import PRESETS, preset_workload
 
 GENERATED = ("synthetic", "shared_prefix", "multi_turn", *PRESETS)  # made here, not read from a file
@@ -60,8 +60,7 @@ def build_workload(source: str, tokenizer, vocab_size: int, *, data: str | None 
     elif source == "synthetic":
         rng = random.Random(seed)
         n = num_requests or 100
-        items = [WorkloadRequest(input_len, output_len, [rng.randrange(10, vocab_size) for _ in range(input_len)])
-                 for _ in range(n)]
+        items = [WorkloadRequest(input_len, output_len, random_ids(rng, input_len, vocab_size)) for _ in range(n)]
     elif source in PRESETS:
         items = preset_workload(source, num_requests or 100, tokenizer, vocab_size, seed, data, max_output_len)
     else:

@@ -14,19 +14,19 @@
 from __future__ import annotations
 
 import json
-import math
 import random
 
 from servewise.workloads.datasets import WorkloadRequest, records
+from servewise.workloads.presets import lognormal
 
 
-def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """n random token ids, clear of the lowest ids (special tokens)."""
     return [rng.randrange(10, vocab) for _ in range(n)]
 
 
-def _lognormal_int(rng: random.Random, mean: float, cv: float = 0.5, least: int = 1) -> int:
-    s2 = math.log(1 + cv * cv)
-    return max(least, round(rng.lognormvariate(math.log(mean) - s2 / 2, math.sqrt(s2))))
+def _length(rng: random.Random, mean: float) -> int:
+    return max(1, round(lognormal(rng, mean, 0.5)))
 
 
 def shared_prefix(n: int, vocab: int, num_prefixes: int = 4, prefix_len: int = 512, suffix_len: int = 64,
@@ -36,10 +36,10 @@ def shared_prefix(n: int, vocab: int, num_prefixes: int = 4, prefix_len: int = 5
     if min(n, num_prefixes, prefix_len, output_len) < 1 or suffix_len < 0:
         raise ValueError("shared_prefix needs n, num_prefixes, prefix_len and output_len >= 1, suffix_len >= 0")
     rng = random.Random(seed)
-    prefixes = [_ids(rng, prefix_len, vocab) for _ in range(num_prefixes)]
+    prefixes = [random_ids(rng, prefix_len, vocab) for _ in range(num_prefixes)]
     items = []
     for i in range(n):
-        prompt = prefixes[i % num_prefixes] + _ids(rng, suffix_len, vocab)
+        prompt = prefixes[i % num_prefixes] + random_ids(rng, suffix_len, vocab)
         items.append(WorkloadRequest(len(prompt), output_len, prompt))
     return items
 
@@ -74,7 +74,7 @@ def multi_turn(num_conversations: int, vocab: int, *, tokenizer=None, data: str 
         raise ValueError("a multi-turn workload from texts needs the model's tokenizer")
     rng = random.Random(seed)
     rows = _sharegpt_rows(data) if data is not None else None
-    system = _ids(rng, system_len, vocab) if rows is None else "You are a helpful assistant.\n" * max(1, system_len // 7)
+    system = random_ids(rng, system_len, vocab) if rows is None else "You are a helpful assistant.\n" * max(1, system_len // 7)
     turns: list[tuple[float, WorkloadRequest]] = []
     start = 0.0
     for _ in range(num_conversations):
@@ -86,7 +86,7 @@ def multi_turn(num_conversations: int, vocab: int, *, tokenizer=None, data: str 
             history, n_turns = system if system_len else "", min(max_turns, max(1, rng.choice(rows).get("num_turns", 2) // 2))
         for k in range(n_turns):
             if rows is None:
-                user, reply = _ids(rng, _lognormal_int(rng, user_len), vocab), _ids(rng, _lognormal_int(rng, reply_len), vocab)
+                user, reply = random_ids(rng, _length(rng, user_len), vocab), random_ids(rng, _length(rng, reply_len), vocab)
                 prompt = history + user
                 prompt_len, out_len = len(prompt), len(reply)
                 text = None
@@ -142,5 +142,5 @@ def tokens_from_hashes(hashes: list, prompt_len: int, block: int, vocab: int) ->
     for i in range(-(-prompt_len // block)):
         key = repr(hashes[i]) if i < len(hashes) else f"{hashes!r}/{i}"
         rng = random.Random(key)
-        out.extend(_ids(rng, min(block, prompt_len - len(out)), vocab))
+        out.extend(random_ids(rng, min(block, prompt_len - len(out)), vocab))
     return out

@@ -43,7 +43,7 @@ PRESETS = {
 }
 
 
-def _lognormal(rng: random.Random, mean: float, cv: float) -> float:
+def lognormal(rng: random.Random, mean: float, cv: float) -> float:
     s2 = math.log(1 + cv * cv)
     return rng.lognormvariate(math.log(mean) - s2 / 2, math.sqrt(s2))
 
@@ -62,7 +62,7 @@ def preset_workload(name: str, n: int, tokenizer, vocab_size: int, seed: int = 0
         raise ValueError(f"number of requests must be >= 1, got {n}")
     p = PRESETS[name]
     rng = random.Random(f"{name}:{seed}")
-    targets = [min(p.max_in, max(2, round(_lognormal(rng, p.mean_in, p.cv_in)))) for _ in range(n)]
+    targets = [min(p.max_in, max(2, round(lognormal(rng, p.mean_in, p.cv_in)))) for _ in range(n)]
     rows = None
     if data_dir is not None:
         path = os.path.join(data_dir, SHAREGPT_FILE if p.source == "sharegpt" else ARXIV_FILE)
@@ -73,7 +73,7 @@ def preset_workload(name: str, n: int, tokenizer, vocab_size: int, seed: int = 0
     for target in targets:
         if rows is None:
             prompt = [rng.randrange(10, vocab_size) for _ in range(target)]
-            n_out = max(1, round(_lognormal(rng, p.mean_out, p.cv_out)))
+            n_out = max(1, round(lognormal(rng, p.mean_out, p.cv_out)))
         else:
             row = rows[rng.randrange(len(rows))]
             text_key = "human" if p.source == "sharegpt" else "SynthesizedBody"
