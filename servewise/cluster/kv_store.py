@@ -32,6 +32,7 @@ from collections import OrderedDict
 import torch
 
 from servewise.cluster.handoff import crc
+from servewise.cluster.transport import discard
 
 MAGIC = b"SWKV1\0\0\0"
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -45,6 +46,7 @@ def entry_file(directory: str, name: bytes) -> str:
 
 
 def _unlink(path: str) -> None:
+    """Remove a file on an error path: whatever else failed, this must not raise."""
     try:
         os.unlink(path)
     except OSError:
@@ -107,10 +109,7 @@ class Entry:
             if self.tier == "disk" and all(t is not None for t in self.read):
                 self.store._promote(self.name, torch.stack(self.read), self.crcs)
         if self.lease:
-            try:
-                os.unlink(self.lease)
-            except FileNotFoundError:
-                pass
+            discard(self.lease)
             self.lease = ""
 
 
@@ -234,10 +233,7 @@ class KVStore(ReadCosts):
         """Remove an entry from every tier."""
         for t in TIERS:
             if self.dirs[t]:
-                try:
-                    os.unlink(entry_file(self.dirs[t], name))
-                except FileNotFoundError:
-                    pass
+                discard(entry_file(self.dirs[t], name))
 
     def _write(self, directory: str, name: bytes, kv: torch.Tensor, crcs) -> str:
         """Write an entry under a temporary name, then rename it into place (readers see all or nothing)."""
@@ -307,10 +303,7 @@ class KVStore(ReadCosts):
             if expiry > now and _pid_alive(pid):
                 live.add(hexname)
             else:
-                try:
-                    os.unlink(e.path)
-                except FileNotFoundError:
-                    pass
+                discard(e.path)
         return live
 
     # --- capacity ------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from servewise.cluster.handoff import ENDED, HandoffBook
 from servewise.cluster.instance import instance_main
 from servewise.cluster.routers import SplitwisePools, jsq, make_router
-from servewise.cluster.transport import make_dir, remove_dir
+from servewise.cluster.transport import discard, make_dir, remove_dir
 from servewise.engine.block_manager import blocks_for
 from servewise.engine.interfaces import EngineStats, PoolStats
 from servewise.server.client import StreamingClient
@@ -310,10 +310,7 @@ class ClusterClient(StreamingClient):
             else:
                 self.book.abort(mv.tid, reason)
         if mv.path is not None:
-            try:
-                os.unlink(mv.path)
-            except FileNotFoundError:
-                pass
+            discard(mv.path)
 
     # --- what instances report ---------------------------------------------------------------
     def _on_out(self, m: Member, outputs: list, stats: EngineStats, events: list) -> None:
@@ -399,10 +396,7 @@ class ClusterClient(StreamingClient):
         with self._co:
             m.up = False
             if m.cache_file is not None:  # its memory goes once no reader maps it
-                try:
-                    os.unlink(m.cache_file)
-                except FileNotFoundError:
-                    pass
+                discard(m.cache_file)
                 for x in self.members:
                     if x is not m:
                         self._tell(x.index, ("peer_gone",))

@@ -36,6 +36,14 @@ def remove_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def discard(path: str) -> None:
+    """Remove a file that may be gone already."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def map_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
     """A tensor backed by a shared file (created, zeroed, when `create`)."""
     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -112,10 +120,7 @@ class ShmLink:
     def forget(self, rid: str) -> None:
         """The transfer has ended: drop its record (the coordinator may have removed it already)."""
         if (rec := self.records.pop(rid, None)) is not None:
-            try:
-                os.unlink(rec.path)
-            except FileNotFoundError:
-                pass
+            discard(rec.path)
 
     def receive(self, inc, table: list[int], n_blocks: int) -> None:
         """Copy the layers ready so far into the request's blocks; their CRCs on the copy go to
