@@ -18,6 +18,7 @@ from servewise.engine.interfaces import CostModel
 from servewise.engine.llm_engine import LLMEngine
 from servewise.engine.scheduler import Scheduler
 from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
+from servewise.policies.batching import BATCHERS, SLOODBS, Magnus, Vanilla
 from servewise.policies.kv_fetch import AlwaysFetch, FetchOrRecompute
 from servewise.predictors.perf import PROFILE, make_perf
 from servewise.runners.sim_runner import SimRunner
@@ -53,11 +54,24 @@ def assemble(config: EngineConfig, mc, tokenizer, runner, cost_model: CostModel 
     preemption = PREEMPTION_POLICIES[config.scheduler.preemption]
     preemption = preemption(cost_model) if preemption.needs_costs else preemption()
     scheduler = Scheduler(config.scheduler, bm, ORDERING_POLICIES[config.scheduler.policy](), preemption)
+    if config.scheduler.batching != "continuous":
+        scheduler.batcher = make_batcher(config.scheduler, (n_dev - bm.watermark_blocks) * cc.block_size)
     if (store := getattr(runner, "store", None)) is not None:  # a global KV store: look up, fetch, write through
         bm.store = store
         scheduler.fetch_policy = (FetchOrRecompute(cost_model, store.read_time, cc.block_size)
                                   if cc.kv_store_fetch == "cost" else AlwaysFetch())
     return LLMEngine(config, mc, tokenizer, bm, scheduler, runner, clock, owns_clock)
+
+
+def make_batcher(sc, memory_cap: int):
+    """The request-level batch assembler a scheduler config names; memory_cap: KV tokens a batch may hold."""
+    kind = BATCHERS[sc.batching]
+    if kind is SLOODBS:
+        w1, w2 = sc.weights()
+        return SLOODBS(memory_cap, sc.max_num_seqs, w1=w1, w2=w2, threshold=sc.slo_threshold)
+    if kind is Magnus:
+        return Magnus(memory_cap, sc.max_num_seqs, sc.batch_order, sc.wma_threshold)
+    return Vanilla(memory_cap, sc.max_num_seqs, sc.batch_order, sc.batch_size)
 
 
 def weights_key(config: EngineConfig, mc) -> str:

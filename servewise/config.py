@@ -66,11 +66,44 @@ class SchedulerConfig:
     chunked_prefill: bool = option(False, "mix decodes and prompt chunks in one step under the token budget, "
                                           "decodes first, instead of alternating prefill and decode steps")
 
+    reserve: str = option("none", "blocks a request must find free at admission besides its prompt's: none (vLLM), "
+                                  "its max_tokens' (conservative continuous batching) or its predicted output's",
+                          ("none", "max", "predicted"))
+    batching: str = option("continuous", "continuous (iteration-level), or request-level batches that run until their "
+                                         "last request ends, assembled by vanilla (FCFS, --batch-size), magnus (WMA "
+                                         "under a KV memory cap) or slo-odbs (UELLM)",
+                           ("continuous", "vanilla", "magnus", "slo-odbs"))
+    batch_size: int = option(8, "requests per batch of --batching vanilla")
+    batch_order: str = option("fcfs", "which queued batch runs next with --batching vanilla or magnus: the oldest "
+                                      "(fcfs) or the highest response ratio (hrrn, with a KNN batch-time estimator)",
+                              ("fcfs", "hrrn"))
+    wma_threshold: float = option(50_000.0, "--batching magnus: a request joins a batch only if the batch's wasted "
+                                            "memory access (token reads) stays below this")
+    slo_weights: str = option("0.5,0.5", "--batching slo-odbs: w1,w2, the weights of the SLO and output-length terms "
+                                         "(0,w2: SLO-DBS; w1,0: ODBS)")
+    slo_threshold: float = option(2_000.0, "--batching slo-odbs: a request joins a batch while the weighted objective "
+                                           "stays at or below this")
+
     def __post_init__(self) -> None:
+        if self.batching != "continuous" and self.chunked_prefill:
+            raise ValueError("request-level batching (--batching) does not combine with chunked prefill")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        self.weights()
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+    def weights(self) -> tuple[float, float]:
+        """slo_weights as (w1, w2)."""
+        try:
+            w = tuple(float(x) for x in self.slo_weights.split(","))
+        except ValueError:
+            w = ()
+        if len(w) != 2 or min(w) < 0 or max(w) == 0:
+            raise ValueError(f"slo_weights must be two non-negative numbers w1,w2, not both 0, got {self.slo_weights!r}")
+        return w
 
 
 @dataclass

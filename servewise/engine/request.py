@@ -49,6 +49,8 @@ class Request:
     block_hashes: list = field(default_factory=list)  # chained names of its first full blocks (prefix caching)
     cached_tokens: int = 0  # prompt tokens whose KV a prefix-cache hit supplied, at its last admission
     store_failed: bool = False  # a fetch from the KV store failed for it: it computes its KV from now on
+    predicted_len: int | None = None  # its output length as predicted on arrival (length-aware scheduling)
+    deadline: float | None = None  # when it should be finished, on the engine's clock (its SLO)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,6 +68,14 @@ class Request:
     def max_tokens(self) -> int:
         """Output tokens this request may produce, capped by the model's maximum length."""
         return min(self.params.max_tokens, self.max_total_tokens - self.num_prompt_tokens)
+
+    @property
+    def predicted_left(self) -> int:
+        """Output tokens it is still expected to produce: its predicted length (its max_tokens when it has
+        none) less what it has produced, at least 1 and at most what max_tokens allows."""
+        done = len(self.output_token_ids)
+        guess = self.predicted_len if self.predicted_len is not None else self.max_tokens
+        return min(max(1, self.max_tokens - done), max(1, guess - done))
 
     @property
     def finished(self) -> bool:

@@ -7,6 +7,12 @@ ordering with `group_admission` (AdaptiveLLM's Algorithm 2), the scheduler first
 running batch's next tokens, then builds the group of swapped requests that fit and the group of
 waiting requests that fit, and admits the group with the higher mean priority, never both.
 
+With a batch assembler (`batcher`, policies.batching), batching is request-level: the assembler
+queues arriving requests in batches, one batch runs at a time (its prompts, then its decodes, nothing
+joining) until its last request ends, and a batch whose KV does not fit is split in halves that queue
+again. With `reserve`, admission keeps free the blocks that running requests will grow into (up to
+their max_tokens, or their predicted output) and asks the same of the new request.
+
 In a cluster, a request may be prefilled here and decoded elsewhere: flagged `handoff`, it leaves
 the running queue once prefilled and its blocks stay held until `release`. The receiving side
 queues it (`receive`), reserves blocks for it when they fit (`reserve_incoming`), and decodes it
@@ -63,6 +69,8 @@ class Scheduler:
         self._arrived: list[Request] = []  # received requests the runner has not seen yet
         self.fetch_policy = None  # with a KV store: how much of a stored prefix to fetch (policies.kv_fetch)
         self._fetches: list[tuple[bytes, int]] = []  # (name, device block) to fill from the store this step
+        self.batcher = None  # request-level batching: policies.batching assembler (set by the builder)
+        self._current = None  # the batch running (request-level batching)
 
     def _enqueue(self, queue: list[Request], req: Request, now: float) -> None:
         """Append, or insert in order when the ordering is static (those queues are kept sorted)."""
@@ -78,7 +86,10 @@ class Scheduler:
     def add(self, req: Request, now: float = 0.0) -> None:
         req.status = Status.WAITING
         self.queued_tokens += req.num_tokens - req.num_computed_tokens
-        self._enqueue(self.waiting, req, now)
+        if self.batcher is not None:
+            self.batcher.add(req, now)
+        else:
+            self._enqueue(self.waiting, req, now)
 
     # --- cluster hand-off --------------------------------------------------------------------
     def release(self, request_id: str) -> Request:
@@ -127,12 +138,17 @@ class Scheduler:
         self._decode_next(self.receiving.pop(request_id), now)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or (self.batcher is not None and len(self.batcher)))
 
     def abort(self, request_id: str, now: float, reason: str = "abort") -> Request | None:
         if (req := self.receiving.pop(request_id, None)) is not None:  # blocks reserved, KV on the way
             self.bm.free(request_id)
             req.status, req.finish_reason, req.finish_time = Status.ABORTED, reason, now
+            return req
+        if self.batcher is not None and (req := self.batcher.remove(request_id)) is not None:
+            self.queued_tokens -= req.num_tokens - req.num_computed_tokens
+            req.status, req.finish_reason, req.finish_time = Status.ABORTED, reason, now
+            self._drop_from_runner(req)
             return req
         for queue in (self.waiting, self.running, self.swapped, self.incoming):
             for i, req in enumerate(queue):
@@ -149,7 +165,9 @@ class Scheduler:
 
     # --- scheduling --------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
-        if self.group_admission:
+        if self.batcher is not None:
+            out = self._schedule_batch(now)
+        elif self.group_admission:
             out = self._schedule_by_groups(now)
         elif self.config.chunked_prefill:
             out = self._schedule_chunked(now)
@@ -209,6 +227,50 @@ class Scheduler:
         self._batch = batch
         return out
 
+    def _schedule_batch(self, now: float, retry: bool = True) -> SchedulerOutput:
+        """Request-level batching: the running batch's prompts (prefill steps under the token budget), then
+        its decodes; when every request in it has ended, the assembler's next batch. A batch whose prompts
+        or next tokens do not fit in the free blocks is split (its KV dropped) and queued again."""
+        if not self.running and not self.waiting:
+            if self._current is not None:
+                self.batcher.batch_done(self._current, max(r.finish_time or now for r in self._current.requests))
+            self._current = batch = self.batcher.next(now)
+            if batch is None:
+                return SchedulerOutput(False)
+            batch.start = now
+            for req in batch.requests:
+                self.waiting.append(req)
+        if self.waiting:
+            out = self._schedule_prefill(now)
+            if out.scheduled:
+                return out
+        tables, bs = self.bm.device_tables, self.bm.block_size
+        growth = sum(r.num_tokens > len(tables[r.request_id]) * bs for r in self.running)
+        if not self.waiting and growth <= self.bm.num_free_device:
+            return self._schedule_decode(now)
+        out = SchedulerOutput(False)
+        self._split(now, out)
+        if retry:
+            nxt = self._schedule_batch(now, retry=False)
+            nxt.preempted[:0] = out.preempted
+            return nxt
+        return out
+
+    def _split(self, now: float, out: SchedulerOutput) -> None:
+        """The running batch ran out of blocks: its unfinished requests lose their KV (a recompute
+        preemption each) and queue again in front as two halves (Magnus's OOM recovery)."""
+        reqs = self.running + self.waiting
+        for req in self.running:
+            for counts in (req.preemptions, self.preemption_counts):
+                counts[Preemption.RECOMPUTE.value] += 1
+            out.preempted.append((req.request_id, Preemption.RECOMPUTE))
+            self._drop_kv(req)
+            self.queued_tokens += req.num_tokens
+        for req in reqs:
+            req.status = Status.WAITING
+        self.running, self.waiting, self._current = [], [], None
+        self.batcher.requeue(reqs, now)
+
     def _schedule_by_groups(self, now: float) -> SchedulerOutput:
         self._sorted(self.running, now)
         tables, bs = self.bm.device_tables, self.bm.block_size
@@ -247,16 +309,23 @@ class Scheduler:
             return float("-inf")
         return sum(self.ordering.priority(r, now) for r in group) / len(group)
 
-    def _admit(self, now: float, hits: list[int] | None = None) -> bool:
+    def _admit(self, now: float, hits: list[int] | None = None, admitted: list[Request] = ()) -> bool:
         """Take the first waiting request off the queue with blocks for all its tokens, if they fit
         (keeping the admission watermark), sharing the cached blocks `hits` of its prefix (prefix
-        caching; looked up here when not given); the caller puts it in the running queue."""
+        caching; looked up here when not given); the caller puts it in the running queue (`admitted`:
+        those admitted in this step and not there yet)."""
         req = self.waiting[0]
         bm, bs = self.bm, self.bm.block_size
         if hits is None:
             hits = bm.match(req)
         if not bm.can_allocate(req.num_tokens, hits):
             return False
+        if self.config.reserve != "none":  # room for what it and the running requests are expected to grow to
+            tables = bm.device_tables
+            grow = sum(max(0, bm.blocks_needed(self._expected(r)) - len(tables[r.request_id]))
+                       for r in (*self.running, *admitted))
+            if bm.blocks_needed(self._expected(req)) - len(hits) + grow > bm.num_free_device - bm.watermark_blocks:
+                return False
         fetch = []
         # (a request handed off publishes its KV layer by layer during its step: none of it may turn out void)
         if self.fetch_policy is not None and not (req.handoff or req.store_failed) and \
@@ -277,6 +346,12 @@ class Scheduler:
             req.first_scheduled_time = now
         return True
 
+    def _expected(self, req: Request) -> int:
+        """Tokens a request is expected to reach, for the `reserve` option: its max_tokens or its predicted
+        output length."""
+        left = req.max_tokens - len(req.output_token_ids) if self.config.reserve == "max" else req.predicted_left
+        return req.num_tokens + left
+
     def _schedule_prefill(self, now: float, limit: int | None = None) -> SchedulerOutput:
         self._sorted(self.waiting, now)
         batch: list[Request] = []
@@ -289,7 +364,7 @@ class Scheduler:
             # the first prefill of a step may exceed the token budget, so long prompts still run
             if batch and tokens + n > self.config.max_num_batched_tokens:
                 break
-            if not self._admit(now, hits):
+            if not self._admit(now, hits, batch):
                 break
             batch.append(req)
             tokens += n
@@ -455,11 +530,15 @@ class Scheduler:
 
     def _requeue(self, req: Request, now: float) -> None:
         """Drop a request's KV (free its blocks, if any) and queue it to be computed in full from its
-        tokens. The runner keeps its copy of the request (tokens, seeded generator) and gets a new table
-        when it is admitted again."""
+        tokens."""
+        self._drop_kv(req)
+        self.add(req, now)
+
+    def _drop_kv(self, req: Request) -> None:
+        """Free a request's blocks, if any; it will be computed in full from its tokens. The runner keeps
+        its copy of the request (tokens, seeded generator) and gets a new table when it is admitted again."""
         self.bm.free(req.request_id)
         req.num_computed_tokens = 0
         if req.in_runner:
             self._known_blocks[req.request_id] = -1
             self._changed[req.request_id] = req
-        self.add(req, now)

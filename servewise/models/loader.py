@@ -50,6 +50,7 @@ def _opt(hidden, layers, heads):
 CONFIG_ONLY_MODELS: dict[str, dict] = {
     "opt-13b": _opt(5120, 40, 40),
     "opt-30b": _opt(7168, 48, 56),
+    "llama-7b": _llama(4096, 32, 32, 11008),  # the size of Magnus's ChatGLM-6B
     "llama-13b": _llama(5120, 40, 40, 13824),
     "llama-30b": _llama(6656, 60, 52, 17920),  # "Llama-32.5B" in AdaptiveLLM
     "llama-2-13b": _llama(5120, 40, 40, 13824, max_len=4096),

@@ -43,4 +43,17 @@ class Fair:
         return (-self.priority(req, now), req.seq_no)
 
 
-ORDERING_POLICIES: dict[str, type] = {"fcfs": FCFS, "fair": Fair}
+class ShortestPredictedFirst:
+    """The request with the fewest predicted output tokens left runs first (FCFS without a prediction:
+    its max_tokens stand in); the one with the most left is preempted first."""
+
+    name = "spf"
+    static = False
+    group_admission = False
+
+    def key(self, req: Request, now: float) -> tuple:
+        guess = req.predicted_len if req.predicted_len is not None else req.max_tokens
+        return (max(0, guess - len(req.output_token_ids)), req.arrival_time, req.seq_no)
+
+
+ORDERING_POLICIES: dict[str, type] = {"fcfs": FCFS, "fair": Fair, "spf": ShortestPredictedFirst}

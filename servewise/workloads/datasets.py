@@ -23,6 +23,8 @@ class WorkloadRequest:
     arrival: float | None = None  # seconds from the start of the source trace
     prefix_hashes: list | None = None  # per prompt block, where the trace has them (prefix caching)
     text: str | None = None  # the prompt as text, where ids were made from one (what a text client sends)
+    predicted_len: int | None = None  # its output length as predicted before it runs (length-aware scheduling)
+    slo: float | None = None  # seconds after its arrival by which it should be finished
 
 
 def _open(path: str):

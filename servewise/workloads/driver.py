@@ -53,7 +53,11 @@ class _Feed:
             prompt = item.prompt if isinstance(item.prompt, list) else placeholder_prompt(i, item.prompt_len)
             j = self.route(item)
             try:
-                self.reqs[i] = self.engines[j].add_request(prompt, params_for(item), arrival_time=self.t0 + self.arrivals[i])
+                eng, t = self.engines[j], self.t0 + self.arrivals[i]
+                req = eng.make_request(prompt, params_for(item), arrival_time=t)
+                req.predicted_len = item.predicted_len
+                req.deadline = t + item.slo if item.slo is not None else None
+                self.reqs[i] = eng.enqueue(req)
                 self.placed[i] = j
             except ValueError as e:
                 self.rejected.append((i, str(e)))

@@ -1,0 +1,275 @@
+"""Request-level batching: batches formed while requests queue, each run until its last request ends.
+
+In this mode (the scheduler's `batching` option) the engine runs one batch at a time, as static
+batching does: a request that ends early keeps its place (nothing joins the batch), and the next
+batch starts when the whole batch is done. Unlike padded static batching, a paged engine computes
+nothing for rows that ended; what the mode keeps is the batch as the unit of admission and order.
+
+Assemblers (`add` places an arriving request; `next` hands the engine its next batch):
+- `vanilla`: first come, first served, a fixed batch size (the baseline of Magnus).
+- `magnus`: Magnus's WMA-based adaptive assembly under a KV memory cap; batches run first come first
+  served or by highest response ratio next (HRRN, with a KNN batch-time estimator).
+- `slo-odbs`: UELLM's Algorithm 3-1, run over the queue whenever the engine is free; its first batch
+  (the most urgent SLOs) runs. Its variants: ODBS (w2 = 0) and SLO-DBS (w1 = 0).
+A batch whose KV turns out not to fit (its predicted lengths were short) is split in halves that queue
+again in front (Magnus's OOM recovery); no request is dropped.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from servewise.engine.request import Request
+
+BATCH_ORDERS = ("fcfs", "hrrn")
+
+
+@dataclass(eq=False)
+class Batch:
+    requests: list[Request]
+    created: float  # when its first request queued
+    start: float | None = None  # when it started running
+    L: int = 0  # longest input (prompt and any output so far: a requeued request recomputes them)
+    G: int = 0  # longest predicted output still to come
+
+    def __post_init__(self):
+        self.update()
+
+    def update(self) -> None:
+        self.L = max((r.num_tokens for r in self.requests), default=0)
+        self.G = max((r.predicted_left for r in self.requests), default=0)
+
+    def memory(self) -> int:
+        """KV tokens the batch holds padded, as static batching does: batch size x (L + G)."""
+        return len(self.requests) * (self.L + self.G)
+
+
+def wma(lengths: list[int], outputs: list[int]) -> float:
+    """Magnus's wasted memory access of a batch of requests with input `lengths` and output lengths
+    `outputs` (predicted ones when assembling): the largest over its requests p of
+    G(p) * (L(B) - L(p))  +  sum over g = G(p) .. G(B) of (g + L(B)),
+    the reads of padding while p generates and of everything while it waits for the batch to end. (The
+    sum's range follows the paper as written: from G(p), so a request waits at least one step.)"""
+    L, G = max(lengths), max(outputs)
+    worst = 0.0
+    for lp, gp in zip(lengths, outputs):
+        n = G - gp + 1
+        worst = max(worst, gp * (L - lp) + n * L + (gp + G) * n / 2)
+    return worst
+
+
+class BatchTimeEstimator:
+    """Magnus's KNN regression of a batch's run time on (batch size, longest input, longest predicted
+    output). Until it has `k` samples it guesses the longest output times the seconds per output token
+    seen so far (0.01 s before any batch ended)."""
+
+    def __init__(self, k: int = 5, refit_period: float = 120.0, abs_tol: float = 2.0, rel_tol: float = 0.2):
+        from sklearn.neighbors import KNeighborsRegressor
+
+        from servewise.predictors.output_length import Refitting
+
+        self.k = k
+        self.model = Refitting(KNeighborsRegressor(n_neighbors=k, weights="distance"), np.zeros((0, 3)), [],
+                               refit_period, abs_tol, rel_tol)
+        self.samples: list[tuple[tuple[int, int, int], float]] = []
+        self.sec_per_token = 0.01
+
+    @staticmethod
+    def features(batch: Batch) -> tuple[int, int, int]:
+        return (len(batch.requests), batch.L, batch.G)
+
+    def estimate(self, batch: Batch) -> float:
+        if self.model.fitted:
+            return max(1e-6, float(self.model.predict([self.features(batch)])[0]))
+        return max(1e-6, batch.G * self.sec_per_token)
+
+    def observe(self, x: tuple[int, int, int], outputs: int, seconds: float, now: float) -> None:
+        """A batch ended: `outputs` was its longest actual output. Magnus re-estimates a finished batch with
+        its actual lengths; the first k batches fit the model, later ones refit it when it erred."""
+        self.samples.append((x, seconds))
+        self.sec_per_token = sum(s for _, s in self.samples) / max(1, sum(f[2] for f, _ in self.samples))
+        actual = (x[0], x[1], outputs)
+        if not self.model.fitted:
+            if len(self.samples) >= self.k:
+                self.model.model.fit(np.array([f for f, _ in self.samples], float), [s for _, s in self.samples])
+                self.model.X = [list(f) for f, _ in self.samples]
+                self.model.y = [s for _, s in self.samples]
+            return
+        self.model.observe(actual, float(self.model.predict([actual])[0]), seconds)
+        self.model.maybe_refit(now)
+
+
+class Assembler:
+    """What the scheduler needs of a batch assembler; `queued` holds the batches in queue order."""
+
+    def __init__(self, memory_cap: int, max_batch: int, order: str = "fcfs"):
+        if order not in BATCH_ORDERS:
+            raise ValueError(f"unknown batch order {order!r}; choose from {', '.join(BATCH_ORDERS)}")
+        self.memory_cap, self.max_batch, self.order = memory_cap, max_batch, order
+        self.queued: list[Batch] = []
+        self.estimator = BatchTimeEstimator() if order == "hrrn" else None
+        self.splits = 0  # OOM splits
+
+    def __len__(self) -> int:
+        return sum(len(b.requests) for b in self.queued)
+
+    def add(self, req: Request, now: float) -> None:
+        raise NotImplementedError
+
+    def remove(self, request_id: str) -> Request | None:
+        for b in self.queued:
+            for r in b.requests:
+                if r.request_id == request_id:
+                    b.requests.remove(r)
+                    if b.requests:
+                        b.update()
+                    else:
+                        self.queued.remove(b)
+                    return r
+        return None
+
+    def next(self, now: float) -> Batch | None:
+        """The batch to run now: the oldest, or with HRRN the highest (waiting + estimated run time) /
+        estimated run time; it leaves the queue."""
+        if not self.queued:
+            return None
+        i = 0
+        if self.estimator is not None:
+            ratios = [(now - b.created + (t := self.estimator.estimate(b))) / t for b in self.queued]
+            i = int(np.argmax(ratios))
+        return self.queued.pop(i)
+
+    def requeue(self, requests: list[Request], now: float) -> None:
+        """A batch ran out of memory: its unfinished requests queue again in front, split in halves."""
+        self.splits += 1
+        half = (len(requests) + 1) // 2
+        parts = [p for p in (requests[:half], requests[half:]) if p]
+        created = min(r.arrival_time for r in requests)
+        self.queued[:0] = [Batch(p, created) for p in parts]
+
+    def batch_done(self, batch: Batch, end: float) -> None:
+        if self.estimator is not None and batch.start is not None:
+            outputs = max(len(r.output_token_ids) for r in batch.requests)
+            x = (len(batch.requests), batch.L, batch.G)
+            self.estimator.observe(x, outputs, end - batch.start, end)
+
+
+class Vanilla(Assembler):
+    """First come, first served batches of a fixed size (static batching as Triton or TF Serving run it)."""
+
+    name = "vanilla"
+
+    def __init__(self, memory_cap: int, max_batch: int, order: str = "fcfs", batch_size: int = 8):
+        super().__init__(memory_cap, max_batch, order)
+        self.batch_size = min(batch_size, max_batch)
+
+    def add(self, req: Request, now: float) -> None:
+        if self.queued and len(self.queued[-1].requests) < self.batch_size:
+            self.queued[-1].requests.append(req)
+            self.queued[-1].update()
+        else:
+            self.queued.append(Batch([req], now))
+
+
+class Magnus(Assembler):
+    """Magnus's adaptive batch assembler: an arriving request joins the queued batch whose WMA after
+    adding it is smallest, if that is below the threshold and the batch's padded KV (batch size x
+    (longest input + longest predicted output)) stays under the memory cap; else it opens a batch."""
+
+    name = "magnus"
+
+    def __init__(self, memory_cap: int, max_batch: int, order: str = "hrrn", threshold: float = 50_000.0):
+        super().__init__(memory_cap, max_batch, order)
+        self.threshold = threshold
+
+    def cost(self, batch: Batch, req: Request) -> float:
+        """WMA of `batch` with `req` in it; infinite when that would break the memory cap or the batch size."""
+        rs = batch.requests + [req]
+        L = max(batch.L, req.num_tokens)
+        G = max(batch.G, req.predicted_left)
+        if len(rs) > self.max_batch or len(rs) * (L + G) > self.memory_cap:
+            return math.inf
+        return wma([r.num_tokens for r in rs], [r.predicted_left for r in rs])
+
+    def add(self, req: Request, now: float) -> None:
+        best, where = math.inf, None
+        for b in self.queued:
+            c = self.cost(b, req)
+            if c < best:
+                best, where = c, b
+        if where is not None and best < self.threshold:
+            where.requests.append(req)
+            where.update()
+        else:
+            self.queued.append(Batch([req], now))
+
+
+class SLOODBS(Assembler):
+    """UELLM's SLO-ODBS (thesis Algorithm 3-1), online: whenever the engine is free, sort the queue by SLO
+    (time left to each request's deadline), then walk it greedily: a request joins the current batch
+    while w1 * T_l + w2 * T_o <= threshold, with
+        T_l = (SLO(q) + L_CM) * (|batch| + 1) * l1,   T_o = (O(q) - O_CM) * (|batch| + 1) * l2,
+    L_CM and O_CM the batch's largest SLO and predicted output (the algorithm's line 6; the thesis's
+    formula 3-4 writes O(q) + O_CM instead). The first batch built runs. Beyond the thesis, a batch also
+    respects the KV memory cap and the batch size limit, which the thesis leaves to "adjust the batch
+    size by CM". Requests without a deadline sort last (an SLO of `no_slo` seconds)."""
+
+    name = "slo-odbs"
+
+    def __init__(self, memory_cap: int, max_batch: int, order: str = "fcfs", w1: float = 0.5, w2: float = 0.5,
+                 threshold: float = 2_000.0, l1: float = 1.0, l2: float = 1.0, no_slo: float = 1e6):
+        super().__init__(memory_cap, max_batch, "fcfs")  # the batches' order is the SLOs'
+        self.w1, self.w2, self.threshold, self.l1, self.l2, self.no_slo = w1, w2, threshold, l1, l2, no_slo
+        self.pool: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self.pool) + super().__len__()
+
+    def add(self, req: Request, now: float) -> None:
+        self.pool.append(req)
+
+    def remove(self, request_id: str) -> Request | None:
+        for r in self.pool:
+            if r.request_id == request_id:
+                self.pool.remove(r)
+                return r
+        return super().remove(request_id)
+
+    def slo(self, req: Request, now: float) -> float:
+        return max(0.0, req.deadline - now) if req.deadline is not None else self.no_slo
+
+    def build(self, requests: list[Request], now: float) -> list[list[Request]]:
+        """Algorithm 3-1 over `requests`: the batches in order."""
+        batches, cur = [], []
+        l_cm = o_cm = 0.0
+        tokens = 0
+        for q in sorted(requests, key=lambda r: (self.slo(r, now), r.seq_no)):
+            s, o = self.slo(q, now), q.predicted_left
+            t_l = (s + l_cm) * (len(cur) + 1) * self.l1
+            t_o = (o - o_cm) * (len(cur) + 1) * self.l2
+            tokens = max(tokens, q.num_tokens + o)  # longest input + output so far, for the memory cap
+            fits = len(cur) < self.max_batch and (len(cur) + 1) * tokens <= self.memory_cap
+            if not cur or (fits and self.w1 * t_l + self.w2 * t_o <= self.threshold):
+                cur.append(q)
+                l_cm, o_cm = max(l_cm, s), max(o_cm, o)
+            else:
+                batches.append(cur)
+                cur, l_cm, o_cm, tokens = [q], s, o, q.num_tokens + o
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def next(self, now: float) -> Batch | None:
+        if self.queued:  # halves of a batch that ran out of memory go first
+            return self.queued.pop(0)
+        if not self.pool:
+            return None
+        first = self.build(self.pool, now)[0]
+        chosen = set(map(id, first))
+        self.pool = [r for r in self.pool if id(r) not in chosen]
+        return Batch(first, min(r.arrival_time for r in first))
+
+
+BATCHERS = {"vanilla": Vanilla, "magnus": Magnus, "slo-odbs": SLOODBS}

