@@ -136,6 +136,14 @@ def test_shortest_predicted_first_orders_by_predicted_tokens_left():
     assert sorted([b, a], key=lambda r: key(r, 2.0))[0] is a  # 1 left each: the earlier arrival
 
 
+def test_hrrn_ordering_weighs_waiting_against_tokens_left():
+    key = ORDERING_POLICIES["hrrn"]().key
+    a, b = req(0, 10, t=0.0, predicted=100), req(1, 10, t=8.0, predicted=5)
+    assert sorted([a, b], key=lambda r: key(r, 10.0))[0] is b  # 2 s / 5 tokens beats 10 s / 100
+    c = req(2, 10, t=95.0, predicted=10)
+    assert sorted([c, a], key=lambda r: key(r, 100.0))[0] is a  # 100 s / 100 beats 5 s / 10
+
+
 def test_magnus_feature_compression_on_a_known_vector():
     # groups of 4: (1 + 2 + 3 + 4) / 2 and (5 + 6 + 7 + 8) / 2
     assert compress(np.arange(1, 9), 2).tolist() == [5.0, 13.0]

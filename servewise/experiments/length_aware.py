@@ -133,6 +133,7 @@ SYSTEMS = {
     "ccb": ({"reserve": "max"}, None),  # conservative continuous batching: max_tokens reserved at admission
     "continuous": ({}, None),  # servewise's continuous batching
     "cb-spf": ({"policy": "spf", "reserve": "predicted"}, "magnus"),
+    "cb-hrrn": ({"policy": "hrrn", "reserve": "predicted"}, "magnus"),
     "magnus-fcfs": ({"batching": "magnus", "batch_order": "fcfs"}, "magnus"),  # Magnus without HRRN
     "magnus": ({"batching": "magnus", "batch_order": "hrrn"}, "magnus"),
     "magnus-oracle": ({"batching": "magnus", "batch_order": "hrrn"}, "oracle"),
@@ -142,7 +143,7 @@ SYSTEMS = {
     "slo-dbs": ({"batching": "slo-odbs", "slo_weights": "0,1"}, "buckets"),  # w1 = 0 (the thesis's naming)
     "odbs": ({"batching": "slo-odbs", "slo_weights": "1,0"}, "buckets"),  # w2 = 0
 }
-EXPERIMENTS = {"magnus": ("vanilla", "ccb", "continuous", "cb-spf", "magnus-fcfs", "magnus", "magnus-oracle",
+EXPERIMENTS = {"magnus": ("vanilla", "ccb", "continuous", "cb-spf", "cb-hrrn", "magnus-fcfs", "magnus", "magnus-oracle",
                           "magnus-wma5e4"),
                "uellm": ("vanilla", "s3", "continuous", "slo-odbs", "slo-dbs", "odbs")}
 

@@ -56,4 +56,18 @@ class ShortestPredictedFirst:
         return (max(0, guess - len(req.output_token_ids)), req.arrival_time, req.seq_no)
 
 
-ORDERING_POLICIES: dict[str, type] = {"fcfs": FCFS, "fair": Fair, "spf": ShortestPredictedFirst}
+class HighestResponseRatio:
+    """Highest response ratio next, per request: (waiting + service) / service, with the service time
+    the predicted output tokens left. Since the ratio is 1 + waiting / service, ordering by waiting /
+    tokens left gives the same order whatever a token costs. Lowest ratio preempted first."""
+
+    name = "hrrn"
+    static = False
+    group_admission = False
+
+    def key(self, req: Request, now: float) -> tuple:
+        return (-(now - req.arrival_time) / req.predicted_left, req.arrival_time, req.seq_no)
+
+
+ORDERING_POLICIES: dict[str, type] = {"fcfs": FCFS, "fair": Fair, "spf": ShortestPredictedFirst,
+                                      "hrrn": HighestResponseRatio}
