@@ -17,7 +17,8 @@ def test_every_engine_option_is_a_flag_with_its_choices(capsys):
     text = capsys.readouterr().out
     for f in _config_fields():
         assert "--" + f.name.replace("_", "-") in text
-    assert "{fcfs,fair}" in text and "{recompute,swap,adaptive}" in text
+    assert "{fcfs,fair,spf,hrrn}" in text and "{recompute,swap,adaptive}" in text
+    assert "{continuous,vanilla,magnus,slo-odbs}" in text
     with pytest.raises(SystemExit):
         main(["generate", "--policy", "nonesuch"])
     assert "invalid choice" in capsys.readouterr().err

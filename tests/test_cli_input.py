@@ -57,7 +57,10 @@ def write(tmp_path, name, text):
     (lambda d: ["--rate", "5"], "rate 5 applies to poisson or gamma arrivals only"),
     (lambda d: ["--num-device-blocks", "0"], "num_device_blocks must be >= 1, got 0"),
     (lambda d: ["--num-device-blocks", "-3"], "num_device_blocks must be >= 1, got -3"),
-    (lambda d: ["--model", "llama-7b"], "not a configuration for simulation (opt-13b"),
+    (lambda d: ["--model", "llama-65b"], "not a configuration for simulation (opt-13b"),
+    (lambda d: ["--batching", "magnus", "--chunked-prefill"], "request-level batching (--batching) does not combine"),
+    (lambda d: ["--batching", "slo-odbs", "--slo-weights", "0,0"], "slo_weights must be two non-negative numbers"),
+    (lambda d: ["--batch-size", "0"], "batch_size must be >= 1, got 0"),
     (lambda d: ["--model", "llama-2-70b"], "tensor parallelism over 4 GPUs would leave room for KV (--tp 4)"),
 ])
 def test_each_bad_input_gets_one_clear_line_and_status_2(case, message, tmp_path, capsys):
