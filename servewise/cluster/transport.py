@@ -225,9 +225,14 @@ class GlooLink:
         for rid, items in list(self.outbox.items()):
             if items[0][0] not in self.groups:
                 continue
-            group, other = self.groups[items[0][0]]
-            works = [group.send([buf], other, tag * self.layers + layer) for _, tag, layer, buf in items]
+            peer = items[0][0]
+            group, other = self.groups[peer]
             del self.outbox[rid]
+            try:
+                works = [group.send([buf], other, tag * self.layers + layer) for _, tag, layer, buf in items]
+            except RuntimeError:  # the peer closed the group (it died): this transfer ends by its lease
+                self._drop(peer, group)
+                continue
             self._wait(works, lambda k, err=None, keep=items: None)  # keeps the buffers until sent
 
     def waiting(self) -> bool:
@@ -258,7 +263,13 @@ class GlooLink:
                     st["error"] = f"the KV did not arrive: {err}"
                 else:
                     st["arrived"] = k + 1
-            self._wait([group.recv([b], other, tag * self.layers + k) for k, b in enumerate(st["bufs"])], done)
+            try:
+                works = [group.recv([b], other, tag * self.layers + k) for k, b in enumerate(st["bufs"])]
+            except RuntimeError as e:  # the peer closed the group (it died): the transfer fails
+                self._drop(peer, group)
+                st["error"] = f"the KV did not arrive: {str(e).splitlines()[0][:200]}"
+                raise ValueError(st["error"]) from None
+            self._wait(works, done)
         st = inc.state
         dst = table[:n_blocks]
         while inc.copied < st["arrived"]:
@@ -268,6 +279,11 @@ class GlooLink:
             inc.copied += 1
         if st["error"] is not None and inc.copied < self.layers:
             raise ValueError(st["error"])
+
+    def _drop(self, peer: int, group) -> None:
+        """Forget a pair group whose peer has gone, unless a new one has replaced it meanwhile."""
+        if self.groups.get(peer, (None,))[0] is group:
+            del self.groups[peer]
 
     def peer_gone(self) -> None:
         """Nothing to do: a restarted peer comes back through `connect`."""
