@@ -58,7 +58,7 @@ def test_batch_time_estimator_learns_from_ended_batches():
         for r in b.requests:
             r.output_token_ids = [1] * 20
         v.batch_done(b, 2.0)
-    assert est.model.fitted
+    assert est.fitted and est.model.fitted
     assert est.estimate(Batch([req(90, 10, predicted=20), req(91, 10, predicted=20)], 0.0)) == pytest.approx(2.0)
 
 

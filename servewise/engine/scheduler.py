@@ -238,15 +238,12 @@ class Scheduler:
             if batch is None:
                 return SchedulerOutput(False)
             batch.start = now
-            for req in batch.requests:
-                self.waiting.append(req)
+            self.waiting.extend(batch.requests)
         if self.waiting:
             out = self._schedule_prefill(now)
             if out.scheduled:
                 return out
-        tables, bs = self.bm.device_tables, self.bm.block_size
-        growth = sum(r.num_tokens > len(tables[r.request_id]) * bs for r in self.running)
-        if not self.waiting and growth <= self.bm.num_free_device:
+        if not self.waiting and self._decode_growth() <= self.bm.num_free_device:
             return self._schedule_decode(now)
         out = SchedulerOutput(False)
         self._split(now, out)
@@ -255,6 +252,11 @@ class Scheduler:
             nxt.preempted[:0] = out.preempted
             return nxt
         return out
+
+    def _decode_growth(self) -> int:
+        """Blocks the running requests need for their next tokens (one each that has filled its last)."""
+        tables, bs = self.bm.device_tables, self.bm.block_size
+        return sum(r.num_tokens > len(tables[r.request_id]) * bs for r in self.running)
 
     def _split(self, now: float, out: SchedulerOutput) -> None:
         """The running batch ran out of blocks: its unfinished requests lose their KV (a recompute
@@ -273,9 +275,7 @@ class Scheduler:
 
     def _schedule_by_groups(self, now: float) -> SchedulerOutput:
         self._sorted(self.running, now)
-        tables, bs = self.bm.device_tables, self.bm.block_size
-        growth = sum(r.num_tokens > len(tables[r.request_id]) * bs for r in self.running)
-        room = self.bm.num_free_device - growth
+        room = self.bm.num_free_device - self._decode_growth()
         if room < 0:  # the next decode step does not fit: preempt (Algorithm 1), admit nothing
             return self._schedule_decode(now)
         slots = self.config.max_num_seqs - len(self.running)

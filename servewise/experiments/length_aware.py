@@ -14,7 +14,6 @@ length (capped), and each request carrying its predicted length (and, for UELLM,
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
@@ -23,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from servewise.metrics import RequestRecord, compute
+from servewise.metrics import RequestRecord, compute, save_json
 from servewise.predictors.output_length import (PREDICTORS, Embedder, Refitting, accuracy, features, instruction_of,
                                                 length_tokenizer, make_predictor, time_per_prediction)
 from servewise.workloads.arrivals import arrival_times
@@ -32,7 +31,6 @@ from servewise.workloads.datasets import WorkloadRequest, records
 
 @dataclass
 class LengthData:
-    texts: list[str]
     prompts: list[list[int]]  # WordPiece ids of the human turn
     X: np.ndarray  # Magnus's features
     y: np.ndarray  # true output lengths
@@ -60,7 +58,7 @@ def load_length_data(path: str, n: int, cache_dir: str | None = None, progress: 
     user = emb.encode(texts, progress=progress)
     instr = emb.encode([instruction_of(t) for t in texts], progress=progress)
     embed_ms = (time.perf_counter() - t0) / n * 1e3
-    return LengthData(texts, prompts, features(user, instr, [len(p) for p in prompts]), np.asarray(outs, float), embed_ms)
+    return LengthData(prompts, features(user, instr, [len(p) for p in prompts]), np.asarray(outs, float), embed_ms)
 
 
 def split(n: int, test_share: float) -> int:
@@ -74,28 +72,27 @@ def evaluate(data: LengthData, n_train: int, seed: int = 0, period_requests: int
     """Each predictor trained on the first n_train pairs, scored on the rest; then Magnus with and without
     continual learning over the held-out pairs as a stream (a refit every `period_requests` requests)."""
     Xtr, ytr, Xte, yte = data.X[:n_train], data.y[:n_train], data.X[n_train:], data.y[n_train:]
-    rows = {}
+    rows, models = {}, {}
     for name in PREDICTORS:
-        model = make_predictor(name, seed)
+        models[name] = model = make_predictor(name, seed)
         t0 = time.perf_counter()
         model.fit(Xtr, ytr)
         fit_s = time.perf_counter() - t0
         rows[name] = {**accuracy(model.predict(Xte), yte), "fit_s": fit_s,
                       "predict_ms": time_per_prediction(model, Xte)}
     # continual learning: the stream in periods; errors of each period are scored before its refit
-    stream = {}
-    for label, learn in (("static", False), ("continual", True)):
-        r = Refitting(make_predictor("magnus", seed), Xtr, ytr, period=1.0, abs_tol=10, rel_tol=0.1)
-        maes = []
-        for k in range(0, len(yte), period_requests):
-            X, y = Xte[k:k + period_requests], yte[k:k + period_requests]
-            p = r.predict(X)
-            maes.append(float(np.mean(np.abs(p - y))))
-            if learn:
-                for x, a, b in zip(X, p, y):
-                    r.observe(x, a, b)
-                r.maybe_refit(float(k // period_requests + 1))
-        stream[label] = {"mae_per_period": maes, "refits": r.refits, "added": r.added}
+    periods = [slice(k, k + period_requests) for k in range(0, len(yte), period_requests)]
+    static = [float(np.mean(np.abs(models["magnus"].predict(Xte[p]) - yte[p]))) for p in periods]
+    r = Refitting(make_predictor("magnus", seed), Xtr, ytr, period=1.0, abs_tol=10, rel_tol=0.1)
+    maes = []
+    for i, p in enumerate(periods, start=1):
+        guess = r.predict(Xte[p])
+        maes.append(float(np.mean(np.abs(guess - yte[p]))))
+        for x, a, b in zip(Xte[p], guess, yte[p]):
+            r.observe(x, a, b)
+        r.maybe_refit(float(i))
+    stream = {"static": {"mae_per_period": static, "refits": 0, "added": 0},
+              "continual": {"mae_per_period": maes, "refits": r.refits, "added": r.added}}
     return {"train": n_train, "test": len(yte), "mean_output": float(np.mean(data.y)), "embed_ms": data.embed_ms,
             "predictors": rows, "stream": stream, "period_requests": period_requests}
 
@@ -116,14 +113,8 @@ def predict_lengths_main(a) -> None:
     for label in ("static", "continual"):
         print(f"  {label:<10} " + " ".join(f"{m:.0f}" for m in st[label]["mae_per_period"])
               + (f"   ({st[label]['refits']} refits, {st[label]['added']} samples added)" if label == "continual" else ""))
-    _save(a.out, res)
-
-
-def _save(path: str, obj) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-    print(f"saved {path}")
+    save_json(res, a.out)
+    print(f"saved {a.out}")
 
 
 # --- the scheduling experiments ---------------------------------------------------------------------
@@ -311,6 +302,8 @@ def main(a) -> None:
     print(text)
     with open(os.path.join(a.out_dir, f"{a.experiment}.txt"), "w") as f:
         f.write(text + "\n")
-    _save(os.path.join(a.out_dir, f"{a.experiment}.json"), res)
+    path = os.path.join(a.out_dir, f"{a.experiment}.json")
+    save_json(res, path)
+    print(f"saved {path}")
     for p in plot(res, a.out_dir):
         print(f"figure: {p}")

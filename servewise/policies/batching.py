@@ -69,15 +69,19 @@ class BatchTimeEstimator:
         self.k = k
         self.model = Refitting(KNeighborsRegressor(n_neighbors=k, weights="distance"), np.zeros((0, 3)), [],
                                refit_period, abs_tol, rel_tol)
-        self.samples: list[tuple[tuple[int, int, int], float]] = []
+        self.seconds = self.tokens = 0.0  # over every ended batch: run time, longest outputs
         self.sec_per_token = 0.01
 
     @staticmethod
     def features(batch: Batch) -> tuple[int, int, int]:
         return (len(batch.requests), batch.L, batch.G)
 
+    @property
+    def fitted(self) -> bool:
+        return len(self.model.y) >= self.k
+
     def estimate(self, batch: Batch) -> float:
-        if self.model.fitted:
+        if self.fitted:
             return max(1e-6, float(self.model.predict([self.features(batch)])[0]))
         return max(1e-6, batch.G * self.sec_per_token)
 
@@ -85,13 +89,15 @@ class BatchTimeEstimator:
         """A batch ended after `seconds`; x: its size, longest input and longest actual output. As Magnus
         does, the batch is estimated again with its actual lengths: the first k batches fit the model,
         later ones join its training set when that estimate erred (continual learning)."""
-        self.samples.append((x, seconds))
-        self.sec_per_token = sum(s for _, s in self.samples) / max(1, sum(f[2] for f, _ in self.samples))
-        if not self.model.fitted:
-            if len(self.samples) >= self.k:
-                self.model.X = [list(f) for f, _ in self.samples]
-                self.model.y = [s for _, s in self.samples]
-                self.model.model.fit(np.array(self.model.X, float), self.model.y)
+        self.seconds += seconds
+        self.tokens += x[2]
+        self.sec_per_token = self.seconds / max(1.0, self.tokens)
+        m = self.model
+        if len(m.X) < self.k:  # its first k batches are its training set, fitted once all are in
+            m.X.append(list(map(float, x)))
+            m.y.append(seconds)
+            if len(m.X) == self.k:
+                m.model.fit(np.array(m.X), m.y)
             return
         self.model.observe(x, float(self.model.predict([x])[0]), seconds)
         self.model.maybe_refit(now)
