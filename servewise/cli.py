@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
@@ -402,12 +403,16 @@ def _add_bench_fidelity(bsub) -> None:
     fi.add_argument("--num-requests", type=int, default=300)
     fi.add_argument("--max-prompt-len", type=int, default=256)
     fi.add_argument("--max-output-len", type=int, default=128)
-    fi.add_argument("--rate", type=float, default=8.0, help="poisson arrival rate, requests/s")
+    fi.add_argument("--rate", type=_float_at_least(0, strict=True), nargs="+", default=[8.0],
+                    help="poisson arrival rates, requests/s: one below the engine's capacity shows the step-time "
+                         "error alone, one above it how queueing amplifies it")
     fi.add_argument("--num-device-blocks", type=int, default=96, help="small enough to force preemptions")
     fi.add_argument("--num-host-blocks", type=int, default=256)
     fi.add_argument("--max-num-seqs", type=int, default=256)
     fi.add_argument("--preemption", nargs="+", default=["recompute", "swap"])
     fi.add_argument("--seed", type=int, default=0)
+    fi.add_argument("--repeat", type=_at_least(1), default=1, help="runs of everything, spread over time")
+    fi.add_argument("--interval", type=_float_at_least(0), default=0.0, help="seconds to wait between repeats")
     fi.add_argument("--threads", type=int, default=0, help="ignored: the profile's thread count is used")
     fi.add_argument("--out", default="results/bench_fidelity.json")
     fi.set_defaults(func=_run_bench_fidelity)
@@ -500,6 +505,19 @@ def _at_least(least: int, most: int | None = None):
         if v < least or (most is not None and v > most):
             raise argparse.ArgumentTypeError(f"must be >= {least}" + (f" and <= {most}" if most is not None else "")
                                              + f", got {v}")
+        return v
+    return parse
+
+
+def _float_at_least(least: float, strict: bool = False):
+    """An argparse type: a number >= least (> least when strict)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(v) or v < least or (strict and v == least):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {least:g}, got {text}")
         return v
     return parse
 

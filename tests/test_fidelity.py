@@ -8,7 +8,9 @@ import pytest
 from servewise.builder import build_engine, build_sim_engine
 from servewise.metrics import RequestRecord, compute
 from servewise.models.loader import hf_config
+from servewise.predictors import drift
 from servewise.predictors.fit import fit_predictors
+from servewise.predictors.perf import Calibrated, make_perf
 from servewise.predictors.profiler import profile
 from servewise.simulator import simulate
 from servewise.workloads.build import build_workload
@@ -28,18 +30,35 @@ def test_simulator_tracks_the_real_engine(predictors, preemption):
     kw = dict(num_device_blocks=24, num_host_blocks=64, preemption=preemption)
     # the profile above ran on the CPU (profile's default device): so must the engine it predicts
     real = build_engine(model="tiny-llama", device="cpu", **kw)
+    # the machine's speed now against the profile's, on fixed batches that are not the run's
+    perf = make_perf("profile", real.model_config, 16, predictors)
+    d = drift.measure(real, perf)
     items, arrivals = build_workload("chatbot", real.tokenizer, 32000, num_requests=40, max_output_len=48,
                                      arrival="poisson", rate=40.0, seed=1)
     reqs, rejected = run_workload(real, items, arrivals)
     m_real = compute([RequestRecord.from_request(r) for r in reqs])
-    res = simulate(build_sim_engine("tiny-llama", "profile", predictors, **kw), items, arrivals)
+    res = simulate(build_sim_engine("tiny-llama", perf=Calibrated(perf, d.prefill_scale, d.decode_scale), **kw),
+                   items, arrivals)
     m_sim = compute([RequestRecord.from_request(r) for r in res.requests])
     assert not rejected and m_real["completed"] == m_sim["completed"] == 40
     kind = "swap" if preemption == "swap" else "recompute"
     assert m_real["preemptions"][kind] > 0 and m_sim["preemptions"][kind] > 0
-    # the makespan within 30%; the mean E2E within 50%: a step-time error of 20% between the profile and
-    # the run (this machine's drift, issue "Simulator fidelity on fresh machines") grows 1.5-3x in the
-    # queueing at this load; 30% failed once in a fresh-clone CI run (+31%). A broken cost model, a missed
-    # copy or a clock bug is off by far more.
+    # the makespan within 30%; the mean E2E within 50%: the queueing at this load grows a step-time error
+    # 1.5-3x. Without the drift correction a fresh-clone CI run missed by +30% (simulated 2.35 s against
+    # 1.81 s: the profile, taken minutes earlier, saw a slower machine). A broken cost model, a missed copy
+    # or a clock bug is off by far more.
     assert m_sim["duration_s"] == pytest.approx(m_real["duration_s"], rel=0.3)
     assert m_sim["mean_e2el_ms"] == pytest.approx(m_real["mean_e2el_ms"], rel=0.5)
+
+
+def test_reference_batches_fit_the_pool_and_need_an_idle_engine():
+    for blocks in (4, 24, 1000):
+        for kind, rows, n, out in drift.reference_batches(blocks, 16, 32000):
+            used = {b for r in out.new_requests for b in r.block_ids}
+            assert len(used) <= blocks and max(used) < blocks and rows == len(out.scheduled)
+    assert {k for k, *_ in drift.reference_batches(24, 16, 32000)} == {"prefill", "decode"}
+    engine = build_engine(model="tiny-llama", device="cpu", num_device_blocks=24, num_host_blocks=8)
+    engine.add_request([5] * 40, None)
+    engine.step()  # its prompt now holds blocks
+    with pytest.raises(RuntimeError, match="idle"):
+        drift.measure(engine, None)

@@ -15,10 +15,9 @@ import time
 import torch
 
 from servewise.builder import build_engine, build_sim_engine
-from servewise.engine.llm_engine import LLMEngine
-from servewise.engine.interfaces import standalone_batch
 from servewise.metrics import RequestRecord, compute
-from servewise.sampling_params import SamplingParams
+from servewise.predictors import drift
+from servewise.predictors.perf import PROFILE, Calibrated, make_perf
 from servewise.simulator import simulate
 from servewise.workloads.driver import run_workload
 
@@ -27,12 +26,15 @@ COMPARED = (("duration_s", "makespan (s)"), ("mean_e2el_ms", "mean E2E (ms)"), (
 
 
 def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None) -> dict:
+    """The workload through the real engine, then through the simulator twice: on the profiled predictors
+    as they are, and corrected by the machine's drift (predictors.drift) measured right before the run."""
     real = build_engine(model=model, **engine_kw)
     # warm-up outside the measured run
     real.add_request([5] * 16, None)
     while real.has_unfinished():
         real.step()
-    before = reference_step(real)
+    perf = make_perf(PROFILE, real.model_config, real.block_manager.block_size, predictors)
+    before = drift.measure(real, perf)
     steps = []  # (is_prefill, token counts, measured seconds) of every real step that ran a batch
 
     def logged(st):
@@ -42,12 +44,19 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     t0 = time.perf_counter()
     reqs, rejected = run_workload(real, items, arrivals, progress, on_step=logged)
     wall = time.perf_counter() - t0
-    drift = {"before_ms": before * 1e3, "after_ms": reference_step(real) * 1e3}
-    drift["change_pct"] = (drift["after_ms"] - drift["before_ms"]) / drift["before_ms"] * 100
+    after = drift.measure(real, perf)
     m_real = compute([RequestRecord.from_request(r) for r in reqs])
-    sim = build_sim_engine(model, "profile", predictors, **engine_kw)
-    res = simulate(sim, items, arrivals)
-    m_sim = compute([RequestRecord.from_request(r) for r in res.requests])
+    out = {"real": m_real, "rejected": len(rejected), "drift_before": before.as_dict(), "drift_after": after.as_dict()}
+    corrected = Calibrated(perf, before.prefill_scale, before.decode_scale)
+    for name, p in (("profiled", perf), ("drift_corrected", corrected)):
+        res = simulate(build_sim_engine(model, perf=p, **engine_kw), items, arrivals)
+        m_sim = compute([RequestRecord.from_request(r) for r in res.requests])
+        out[name] = {"rows": compare_rows(m_real, m_sim), "sim": m_sim, "sim_wall_s": res.wall_s,
+                     "steps": step_check(steps, p, wall)}
+    return out
+
+
+def compare_rows(m_real: dict, m_sim: dict) -> dict:
     rows = {}
     for key, label in COMPARED:
         a, b = m_real[key], m_sim[key]
@@ -55,19 +64,7 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     for k in m_real["preemptions"]:
         rows[f"preemptions: {k}"] = {"real": m_real["preemptions"][k], "sim": m_sim["preemptions"][k],
                                      "error_pct": None}
-    return {"rows": rows, "real": m_real, "sim": m_sim, "sim_wall_s": res.wall_s, "rejected": len(rejected),
-            "steps": step_check(steps, sim.runner.perf, wall), "reference_step": drift}
-
-
-def reference_step(engine: LLMEngine, batch: int = 8, context: int = 128, reps: int = 21) -> float:
-    """Median time of one fixed decode batch on the engine's idle runner. Taken before and after a run,
-    it shows how far this machine's speed moved meanwhile, which no performance model can know."""
-    bm = engine.block_manager
-    blocks = bm.blocks_needed(context)
-    batch = max(1, min(batch, bm.num_device_blocks // blocks))
-    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]  # the pool is idle: any blocks
-    out = standalone_batch([[7] * context] * batch, tables, True, SamplingParams(max_tokens=1, temperature=0.0))
-    return statistics.median(engine.runner.execute(out).elapsed for _ in range(reps))
+    return rows
 
 
 def step_check(steps, perf, wall: float) -> dict:
@@ -106,6 +103,39 @@ def format_rows(title: str, rows: dict) -> str:
     return "\n".join(lines)
 
 
+SUMMARISED = (("makespan", lambda r: r["rows"]["makespan (s)"]["error_pct"]),
+              ("mean E2E", lambda r: r["rows"]["mean E2E (ms)"]["error_pct"]),
+              ("mean TTFT", lambda r: r["rows"]["mean TTFT (ms)"]["error_pct"]),
+              ("same-batch prefill", lambda r: r["steps"]["prefill"]["error_pct"]),
+              ("same-batch decode", lambda r: r["steps"]["decode"]["error_pct"]))
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Per model (profiled, drift_corrected) and error: mean, min, max and the largest miss over the runs."""
+    out = {}
+    for name in ("profiled", "drift_corrected"):
+        out[name] = {}
+        for label, get in SUMMARISED:
+            v = [get(r[name]) for r in runs if get(r[name]) is not None]
+            if v:
+                out[name][label] = {"mean": statistics.mean(v), "min": min(v), "max": max(v),
+                                    "worst_abs": max(map(abs, v)), "runs": len(v)}
+    return out
+
+
+def format_summary(title: str, summary: dict, runs: list[dict]) -> str:
+    drifts = ", ".join(f"x{r['drift_before']['decode_scale']:.2f}" for r in runs)
+    lines = [title, f"decode drift before each run (measured / profiled): {drifts}",
+             f"{'error over ' + str(len(runs)) + ' runs':<26}{'profiled: mean [min, max]':>30}{'drift-corrected':>30}"]
+    for label, _ in SUMMARISED:
+        cells = []
+        for name in ("profiled", "drift_corrected"):
+            c = summary[name].get(label)
+            cells.append(f"{c['mean']:+.1f}% [{c['min']:+.1f}, {c['max']:+.1f}]" if c else "-")
+        lines.append(f"{label:<26}{cells[0]:>30}{cells[1]:>30}")
+    return "\n".join(lines)
+
+
 def main(a) -> None:
     from servewise.models.loader import load_model_config
     from servewise.predictors.fit import Predictors
@@ -117,26 +147,39 @@ def main(a) -> None:
         torch.set_num_threads(threads)
     print(f"torch threads: {torch.get_num_threads()} (the profile's); predictors: {a.predictors}", file=sys.stderr)
     mc, tok = load_model_config(a.model)
-    items, arrivals = build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
-                                     max_output_len=a.max_output_len, max_prompt_len=a.max_prompt_len,
-                                     arrival="poisson", rate=a.rate, seed=a.seed)
-    print(f"workload: {len(items)} {a.workload} requests, mean prompt {sum(i.prompt_len for i in items) / len(items):.0f}"
-          f" tokens, mean output {sum(i.output_len for i in items) / len(items):.0f}, poisson {a.rate} req/s",
-          file=sys.stderr)
-    results = {}
-    for mode in a.preemption:
-        kw = dict(num_device_blocks=a.num_device_blocks, num_host_blocks=a.num_host_blocks, preemption=mode,
-                  max_num_seqs=a.max_num_seqs)
-        r = run_pair(a.model, items, arrivals, preds, kw)
-        results[mode] = r
-        print(format_rows(f"\n[{mode}] {a.num_device_blocks} device / {a.num_host_blocks} host blocks "
-                          f"(simulation took {r['sim_wall_s']:.2f} s)", r["rows"]))
-        print(format_steps(r["steps"]))
-        d = r["reference_step"]
-        print(f"reference decode batch on the real runner, before / after the run: {d['before_ms']:.2f} / "
-              f"{d['after_ms']:.2f} ms ({d['change_pct']:+.1f}%: the machine's own drift)")
+    results = {}  # "rate/mode" -> list of runs
+    for rep in range(a.repeat):
+        if rep:
+            print(f"\nwaiting {a.interval:.0f} s before run {rep + 1}/{a.repeat}", file=sys.stderr)
+            time.sleep(a.interval)
+        for rate in a.rate:
+            items, arrivals = build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
+                                             max_output_len=a.max_output_len, max_prompt_len=a.max_prompt_len,
+                                             arrival="poisson", rate=rate, seed=a.seed)
+            print(f"workload: {len(items)} {a.workload} requests, mean prompt "
+                  f"{sum(i.prompt_len for i in items) / len(items):.0f} tokens, mean output "
+                  f"{sum(i.output_len for i in items) / len(items):.0f}, poisson {rate} req/s", file=sys.stderr)
+            for mode in a.preemption:
+                kw = dict(num_device_blocks=a.num_device_blocks, num_host_blocks=a.num_host_blocks, preemption=mode,
+                          max_num_seqs=a.max_num_seqs)
+                r = run_pair(a.model, items, arrivals, preds, kw)
+                r["started"] = time.strftime("%H:%M:%S")
+                results.setdefault(f"{rate:g}/{mode}", []).append(r)
+                head = f"\n[run {rep + 1}/{a.repeat}, {rate:g} req/s, {mode}] {a.num_device_blocks} device / " \
+                       f"{a.num_host_blocks} host blocks"
+                for name in ("profiled", "drift_corrected"):
+                    print(format_rows(f"{head}; simulated on the {name.replace('_', '-')} predictors", r[name]["rows"]))
+                    print(format_steps(r[name]["steps"]))
+                b, e = r["drift_before"], r["drift_after"]
+                print(f"drift, before / after the run: prefill x{b['prefill_scale']:.3f} / x{e['prefill_scale']:.3f}, "
+                      f"decode x{b['decode_scale']:.3f} / x{e['decode_scale']:.3f} (measured / profiled, reference batches)")
+    summaries = {key: summarise(runs) for key, runs in results.items()}
+    if a.repeat > 1:
+        for key, runs in results.items():
+            print("\n" + format_summary(f"[{key}] over {len(runs)} runs", summaries[key], runs))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"model": a.model, "workload": a.workload, "num_requests": len(items), "rate": a.rate,
-                   "threads": torch.get_num_threads(), "predictors": preds.meta, "results": results}, f, indent=1)
+        json.dump({"model": a.model, "workload": a.workload, "num_requests": a.num_requests, "rates": a.rate,
+                   "repeat": a.repeat, "interval_s": a.interval, "threads": torch.get_num_threads(),
+                   "predictors": preds.meta, "results": results, "summary": summaries}, f, indent=1)
     print(f"saved {a.out}")
