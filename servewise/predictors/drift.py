@@ -51,7 +51,7 @@ def reference_batches(num_device_blocks: int, block_size: int, vocab: int):
     return out
 
 
-def measure(engine, perf, reps: int = 9) -> Drift:
+def measure(engine, perf, reps: int = 25) -> Drift:
     """Time the reference batches on `engine`'s idle real runner (median of `reps`, rounds interleaved)
     and set them against `perf`'s predictions."""
     bm = engine.block_manager
