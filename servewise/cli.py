@@ -490,6 +490,8 @@ def _run_experiment(a) -> None:
         from servewise.experiments.splitwise import main
     elif a.experiment in ("magnus", "uellm"):
         from servewise.experiments.length_aware import main
+    elif a.experiment == "uellm-placement":
+        from servewise.experiments.placement import main
     else:
         from servewise.experiments.adaptivellm import main
     main(a)
@@ -674,6 +676,19 @@ def _add_experiment(sub) -> None:
         lx.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
         lx.add_argument("--out-dir", default="results/length_aware")
         lx.set_defaults(func=_run_experiment)
+    up = exsub.add_parser("uellm-placement", help="UELLM's HELR layer placement on mixed A100 / V100 / RTX 3090 sets "
+                                                 "against even and greedy placements (analytical roofline)")
+    up.add_argument("--models", default=None, help="comma-separated (default llama-13b,llama-30b)")
+    up.add_argument("--sets", default=None, help="comma-separated device sets (default all; see the module)")
+    up.add_argument("--workload", default="alpaca", help="a preset or loader (see `simulate --help`)")
+    up.add_argument("--data", default=None, help="the workload's file or directory (default: synthetic texts)")
+    up.add_argument("--num-requests", type=_at_least(1), default=300)
+    up.add_argument("--max-output-len", type=_at_least(1), default=512)
+    up.add_argument("--rates", default="1,4,16", help="comma-separated poisson request rates")
+    up.add_argument("--seed", type=int, default=0)
+    up.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    up.add_argument("--out-dir", default="results/placement")
+    up.set_defaults(func=_run_experiment)
 
 
 def _length_data_args(p) -> None:

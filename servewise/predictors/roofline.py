@@ -105,8 +105,18 @@ class RooflinePerf:
             perf.label += ", " + ", ".join(f"{k} efficiency {v}" for k, v in kw.items())
         return perf
 
-    def _time(self, flops: float, nbytes: float, tokens: int) -> float:
-        t = max(flops / self.flops_per_s, nbytes / self.bytes_per_s) + self.eff.step_overhead_s
+    def span(self, layers: int, tokens: int, pairs: int, kv_tokens: int, heads: int) -> float:
+        """Seconds of `layers` of the model's layers over `tokens` new tokens, with `pairs` (query, key)
+        attention pairs and `kv_tokens` tokens of KV read or written, plus `heads` rows through the LM
+        head (0: a pipeline stage without it); no per-step overhead, no all-reduce."""
+        c, frac = self.c, layers / self.c.num_layers
+        flops = 2 * layers * self.layer_params * tokens + self._attn * frac * pairs + 2 * self.lm_head * heads
+        nbytes = (layers * self.layer_params + (self.lm_head if heads else 0)) * self.itemsize \
+            + kv_tokens * c.kv_bytes_per_token * frac
+        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+
+    def _time(self, span_s: float, tokens: int) -> float:
+        t = span_s + self.eff.step_overhead_s
         if self.tp > 1:
             t += self.ar_fixed_s + tokens * self.c.hidden_size * self.itemsize * self.ar_s_per_byte
         return t
@@ -114,23 +124,18 @@ class RooflinePerf:
     def prefill(self, lens: list[int]) -> float:
         tokens = sum(lens)
         pairs = sum(n * (n + 1) // 2 for n in lens)  # causal attention
-        flops = 2 * self.c.num_layers * self.layer_params * tokens + self._attn * pairs + 2 * self.lm_head * len(lens)
-        nbytes = self.weight_bytes + tokens * self.c.kv_bytes_per_token
-        return self._time(flops, nbytes, tokens)
+        return self._time(self.span(self.c.num_layers, tokens, pairs, tokens, len(lens)), tokens)
 
     def decode(self, ctx_lens: list[int]) -> float:
         b, ctx = len(ctx_lens), sum(ctx_lens)
-        flops = 2 * (self.c.num_layers * self.layer_params + self.lm_head) * b + self._attn * ctx
-        nbytes = self.weight_bytes + ctx * self.c.kv_bytes_per_token
-        return self._time(flops, nbytes, b)
+        return self._time(self.span(self.c.num_layers, b, ctx, ctx, b), b)
 
     def mixed(self, chunks: list[int], ctx_lens: list[int]) -> float:
         """Prompt chunks (their earlier context: prior_context) and decodes in one pass over the weights."""
         tokens, b = sum(chunks), len(ctx_lens)
-        flops = (2 * self.c.num_layers * self.layer_params * (tokens + b) + self._attn * (
-            sum(n * (n + 1) // 2 for n in chunks) + sum(ctx_lens)) + 2 * self.lm_head * (len(chunks) + b))
-        nbytes = self.weight_bytes + (tokens + sum(ctx_lens)) * self.c.kv_bytes_per_token
-        return self._time(flops, nbytes, tokens + b)
+        pairs = sum(n * (n + 1) // 2 for n in chunks) + sum(ctx_lens)
+        return self._time(self.span(self.c.num_layers, tokens + b, pairs, tokens + sum(ctx_lens), len(chunks) + b),
+                          tokens + b)
 
     def prior_context(self, pairs: int) -> float:
         """The attention flops of prompt chunks against KV already present, (new, earlier) token pairs."""

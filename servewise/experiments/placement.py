@@ -1,0 +1,164 @@
+"""UELLM's HELR layer placement (the thesis, chapter 3), reproduced in simulation.
+
+Each device set is placed by the exact DP (HELR, LR, HE: cluster.placement) and by the baselines
+(even, greedy); the analytical per-pass latency of every placement is printed, and the workload runs
+through the simulated engine on each feasible placement (cluster.placement.PipelinePerf) at every
+request rate.
+
+Assumptions (none of these is in the thesis, which gives no values):
+- links: the thesis's testbed topology (its Table 3-1): devices 0-1 and 2-3 share a PCIe switch
+  (PIX: 20 GB/s, 5 us), the others cross the host bridge (NODE: 10 GB/s, 15 us);
+- a power cap scales a GPU's compute peak in proportion (RTX 3090 at 350 / 300 / 250 / 150 W,
+  the thesis's own set: 100%, 86%, 71%, 43% of the peak); memory bandwidth stays;
+- the DP prices a decode pass of 8 rows over 1,024 tokens of context each and reserves KV for
+  8 x 2,048 tokens on every stage's layers (the thesis's T).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from servewise.cluster.placement import MODES, Device, PipelinePerf, Planner, Topology, Workload
+from servewise.metrics import RequestRecord, compute, save_json
+
+PIX, NODE = (20.0, 5e-6), (10.0, 15e-6)
+SETS = {
+    "a100-v100-2x3090": [Device("a100-80g"), Device("v100-32g"), Device("rtx3090"), Device("rtx3090")],
+    "2xv100-2x3090": [Device("v100-32g"), Device("v100-32g"), Device("rtx3090"), Device("rtx3090")],
+    "4x3090-capped": [Device("rtx3090", round(w / 350, 3), f"RTX 3090 {w} W")
+                                        for w in (350, 300, 250, 150)],
+}
+MODELS = ("llama-13b", "llama-30b")
+
+
+def thesis_topology(devices: list[Device]) -> Topology:
+    n = len(devices)
+    link = lambda i, j: PIX if i // 2 == j // 2 else NODE  # noqa: E731
+    return Topology(devices, [[link(i, j)[0] for j in range(n)] for i in range(n)],
+                    [[link(i, j)[1] for j in range(n)] for i in range(n)])
+
+
+def run(model: str, set_name: str, items, arrivals_by_rate: dict, progress=None) -> dict:
+    from servewise.builder import build_sim_engine
+    from servewise.models.loader import load_model_config
+    from servewise.simulator import simulate
+
+    mc, _ = load_model_config(model, "float16")
+    topo = thesis_topology(SETS[set_name])
+    planner = Planner(mc, topo, Workload())
+    out = {"model": model, "set": set_name, "devices": [d.label for d in topo.devices], "placements": []}
+    for mode in MODES:
+        t0 = time.perf_counter()
+        p = planner.place(mode)
+        row = p.as_dict(topo)
+        row["solve_s"] = time.perf_counter() - t0
+        row["runs"] = []
+        if p.feasible:
+            perf = PipelinePerf(planner, p)
+            row["kv_blocks"] = perf.device_blocks()
+            for rate, arrivals in arrivals_by_rate.items():
+                eng = build_sim_engine(model, perf=perf, dtype="float16", max_num_seqs=256)
+                res = simulate(eng, items, arrivals)
+                m = compute([RequestRecord.from_request(r) for r in res.requests])
+                row["runs"].append({"rate": rate, "output_throughput": m["output_throughput"],
+                                    "request_throughput": m["request_throughput"], "mean_e2e_s": m["mean_e2el_ms"] / 1e3,
+                                    "mean_tpot_ms": m["mean_tpot_ms"], "mean_ttft_ms": m["mean_ttft_ms"],
+                                    "completed": m["completed"]})
+                if progress:
+                    progress()
+        out["placements"].append(row)
+    return out
+
+
+def report(res: dict) -> str:
+    rates = res["rates"]
+    lines = [f"UELLM placement (HELR): analytical roofline, {res['num_requests']} {res['workload']} requests per run",
+             f"{'set':<18}{'model':<11}{'mode':<8}{'GPUs':>5}{'pass ms':>9}{'KV blocks':>10}  "
+             + "".join(f"{'tok/s @' + format(r, 'g'):>12}{'E2E s':>8}" for r in rates) + "  stages"]
+    for case in res["cases"]:
+        for p in case["placements"]:
+            chain = " > ".join(f"{s['label']}:{s['layers']}" for s in p["stages"])
+            if not p["feasible"]:
+                lines.append(f"{case['set']:<18}{case['model']:<11}{p['mode']:<8}{'-':>5}{'-':>9}{'-':>10}  "
+                             + " " * 20 * len(rates) + f"  infeasible: {p['why']}")
+                continue
+            cells = "".join(f"{r['output_throughput']:>12.0f}{r['mean_e2e_s']:>8.1f}" for r in p["runs"])
+            lines.append(f"{case['set']:<18}{case['model']:<11}{p['mode']:<8}{p['devices_used']:>5}"
+                         f"{p['latency_ms']:>9.2f}{p['kv_blocks']:>10}  {cells}  {chain}")
+    return "\n".join(lines)
+
+
+def plot(res: dict, out_dir: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = res["cases"]
+    fig, axes = plt.subplots(2, len(cases), figsize=(3.2 * len(cases), 6), squeeze=False)
+    for c, case in enumerate(cases):
+        ps = case["placements"]
+        ax = axes[0][c]
+        lat = [p["latency_ms"] if p["feasible"] else 0 for p in ps]
+        ax.bar([p["mode"] for p in ps], lat, color=["C0" if p["feasible"] else "lightgrey" for p in ps])
+        for x, p in enumerate(ps):
+            ax.text(x, lat[x], f"{p['devices_used']} GPU" if p["feasible"] else "n/a", ha="center", va="bottom",
+                    fontsize=6)
+        ax.set_title(f"{case['model']}\n{case['set']}", fontsize=7)
+        ax.set_ylabel("ms per decode pass (8 rows)", fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax = axes[1][c]
+        for p in ps:
+            if p["feasible"]:
+                ax.plot([r["rate"] for r in p["runs"]], [r["output_throughput"] for r in p["runs"]], marker="o",
+                        label=p["mode"])
+        ax.set_xlabel("request rate (req/s)", fontsize=7)
+        ax.set_ylabel("output tokens/s (simulated)", fontsize=7)
+        ax.tick_params(labelsize=6)
+        if ax.lines:
+            ax.legend(fontsize=6)
+    fig.suptitle("HELR placement against even and greedy: analytical roofline, thesis topology", fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "uellm_placement.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(a) -> None:
+    from tqdm import tqdm
+
+    from servewise.models.loader import load_model_config
+    from servewise.workloads.build import build_workload
+
+    sets = a.sets.split(",") if a.sets else list(SETS)
+    models = a.models.split(",") if a.models else list(MODELS)
+    for s in sets:
+        if s not in SETS:
+            raise SystemExit(f"unknown device set {s!r}; choose from {', '.join(SETS)}")
+    rates = [float(r) for r in a.rates.split(",")]
+    res = {"experiment": "uellm-placement", "workload": a.workload, "num_requests": a.num_requests, "rates": rates,
+           "assumptions": __doc__.split("Assumptions")[1].strip(), "cases": []}
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(sets) * len(models) * len(MODES) * len(rates), desc="simulations", unit="run",
+               disable=not sys.stderr.isatty())
+    for model in models:
+        mc, tok = load_model_config(model, "float16")
+        items, _ = build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
+                                  max_output_len=a.max_output_len, seed=a.seed)
+        arrivals = {r: build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
+                                      max_output_len=a.max_output_len, arrival="poisson", rate=r, seed=a.seed)[1]
+                    for r in rates}
+        for s in sets:
+            res["cases"].append(run(model, s, items, arrivals, bar.update))
+    bar.close()
+    res["wall_s"] = time.perf_counter() - t0
+    os.makedirs(a.out_dir, exist_ok=True)
+    text = report(res)
+    print(text)
+    with open(os.path.join(a.out_dir, "uellm_placement.txt"), "w") as f:
+        f.write(text + "\n")
+    path = os.path.join(a.out_dir, "uellm_placement.json")
+    save_json(res, path)
+    print(f"saved {path}\nfigure: {plot(res, a.out_dir)}")
