@@ -492,6 +492,8 @@ def _run_experiment(a) -> None:
         from servewise.experiments.length_aware import main
     elif a.experiment == "uellm-placement":
         from servewise.experiments.placement import main
+    elif a.experiment == "banaserve":
+        from servewise.experiments.banaserve import main
     else:
         from servewise.experiments.adaptivellm import main
     main(a)
@@ -689,6 +691,25 @@ def _add_experiment(sub) -> None:
     up.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     up.add_argument("--out-dir", default="results/placement")
     up.set_defaults(func=_run_experiment)
+    bs = exsub.add_parser("banaserve", help="BanaServe's load-aware dispatch over a global KV store against cache-aware "
+                                            "and round-robin dispatch (simulated A100 instances); migration: not yet")
+    bs.add_argument("--model", default="llama-13b")
+    bs.add_argument("--instances", type=_at_least(2), default=4)
+    bs.add_argument("--systems", default=None, help="comma-separated subset (default all; see the module)")
+    bs.add_argument("--num-requests", type=_at_least(1), default=1000)
+    bs.add_argument("--prefixes", type=_at_least(1), default=256, help="distinct system prompts (more than one "
+                    "instance's KV pool holds, fewer than all of them together)")
+    bs.add_argument("--prefix-len", type=_at_least(1), default=1536)
+    bs.add_argument("--suffix-len", type=_at_least(0), default=64)
+    bs.add_argument("--output-len", type=_at_least(1), default=128)
+    bs.add_argument("--zipf", type=_float_at_least(0), default=1.0, help="popularity exponent of the system prompts")
+    bs.add_argument("--store-gb", type=_float_at_least(0, strict=True), default=256.0,
+                    help="the global KV store's host-memory tier")
+    bs.add_argument("--rates", default="2,4,8,12", help="comma-separated poisson request rates")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    bs.add_argument("--out-dir", default="results/banaserve")
+    bs.set_defaults(func=_run_experiment)
 
 
 def _length_data_args(p) -> None:

@@ -27,6 +27,9 @@ MACHINES = {
     "dgx-a100": Machine("DGX-A100", "a100-80g", 8, 2.21, 24.8, 6500, 8 * 25),
     "dgx-h100": Machine("DGX-H100", "h100-80g", 8, 4.76, 44.0, 10200, 8 * 50),
     "dgx-h100-pcap": Machine("DGX-H100, power-capped", "h100-80g-pcap", 8, 4.76, 0.7 * 44.0, 7140, 8 * 50),
+    # one GPU of a DGX-A100 as an instance of its own (one engine per GPU, BanaServe's and vLLM's set-up):
+    # an eighth of the machine's cost and power, one 200 Gb/s link
+    "a100": Machine("A100-80G", "a100-80g", 1, 2.21 / 8, 24.8 / 8, 6500 / 8, 25),
     # an instance on this machine's CPU, with its profiled step times (ClusterSim's `predictors`) and
     # KV hand-offs through shared memory (ClusterSim's link_gbps / link_latency_s, measured by
     # `servewise bench cluster`); no cost or power model

@@ -6,6 +6,10 @@ and real instances. Ties go to the lowest index.
 - jsq: join the shortest queue, counted in requests (running + waiting + swapped).
 - jsq_tokens: join the shortest queue counted in prompt tokens still to prefill, queued or in the
   step under way (a long prompt weighs what it costs), then in requests.
+- load_aware: BanaServe's dispatch (the thesis, Algorithm 4-2): the least utilised instance, compute
+  plus memory (`utilisation`), unless even it is past a threshold, then the shortest queue.
+- cache_aware: the cache-locality baseline BanaServe argues against: the instance holding the longest
+  cached prefix of the prompt, unless its queue is too long (`CacheAware`).
 - SplitwisePools: Splitwise's cluster-level scheduler over prompt and token pools (below).
 """
 from __future__ import annotations
@@ -30,6 +34,54 @@ def jsq(prompt_len: int, loads: list[EngineStats]) -> int:
 def jsq_tokens(prompt_len: int, loads: list[EngineStats]) -> int:
     return min(range(len(loads)), key=lambda i: (loads[i].pending_tokens,
                                                  loads[i].running + loads[i].waiting + loads[i].swapped))
+
+
+def utilisation(s: EngineStats, token_budget: int = 2048) -> float:
+    """BanaServe's load measure (the thesis's formula 4-33), compute plus memory, each in [0, 1], from a
+    snapshot: compute is the work queued for the next step against one step's token budget (prompt tokens
+    to prefill plus a token per running request), memory the device blocks in use."""
+    compute = min(1.0, (s.pending_tokens + s.running) / token_budget)
+    total = s.device_blocks.total
+    return compute + ((total - s.device_blocks.free) / total if total else 0.0)
+
+
+def queue(s: EngineStats) -> int:
+    return s.running + s.waiting + s.swapped
+
+
+class LoadAware:
+    """Algorithm 4-2: the instance with the lowest (utilisation, queue) takes the request while its
+    utilisation is below `threshold` (in [0, 2]); past it, the shortest queue does. The snapshots are
+    refreshed after every request routed (the algorithm's EstimateLoad)."""
+
+    def __init__(self, threshold: float = 1.5, token_budget: int = 2048):
+        self.threshold, self.token_budget = threshold, token_budget
+
+    def __call__(self, prompt_len: int, loads: list[EngineStats]) -> int:
+        u = [utilisation(s, self.token_budget) for s in loads]
+        i = min(range(len(loads)), key=lambda j: (u[j], queue(loads[j])))
+        return i if u[i] < self.threshold else min(range(len(loads)), key=lambda j: queue(loads[j]))
+
+
+class CacheAware:
+    """Cache-locality routing, as prefix-aware routers do it (SGLang's router, and the one of the
+    thesis's Figure 4-2a): when some instance holds at least `threshold` of the prompt's blocks, the one
+    holding the most takes it, unless its queue is more than `balance` requests longer than the
+    shortest (then the shortest queue does); otherwise the shortest queue. `hits[i]`: the prompt's
+    leading blocks cached on instance i (the caller probes them: needs_prefix)."""
+
+    needs_prefix = True
+
+    def __init__(self, threshold: float = 0.5, balance: int = 32):
+        self.threshold, self.balance = threshold, balance
+
+    def __call__(self, prompt_len: int, loads: list[EngineStats], hits: list[int], blocks: int) -> int:
+        shortest = min(range(len(loads)), key=lambda j: queue(loads[j]))
+        best = max(range(len(loads)), key=lambda j: (hits[j], -queue(loads[j])))
+        if blocks and hits[best] >= self.threshold * blocks and \
+                queue(loads[best]) - queue(loads[shortest]) <= self.balance:
+            return best
+        return shortest
 
 
 class SplitwisePools:
@@ -87,7 +139,8 @@ class SplitwisePools:
         self.pool[i] = self.home[i]
 
 
-ROUTERS = {"round_robin": RoundRobin, "jsq": lambda: jsq, "jsq_tokens": lambda: jsq_tokens}
+ROUTERS = {"round_robin": RoundRobin, "jsq": lambda: jsq, "jsq_tokens": lambda: jsq_tokens, "load_aware": LoadAware,
+           "cache_aware": CacheAware}
 
 
 def make_router(name: str):

@@ -105,6 +105,9 @@ class ClusterClient(StreamingClient):
         self.split = "prompt" in roles
         self.pools = SplitwisePools(roles) if self.split else None
         self.router = None if self.split else make_router(router)
+        if getattr(self.router, "needs_prefix", False):
+            raise ValueError(f"router {router!r} reads every instance's prefix cache: the simulated cluster has it, "
+                             "real instances do not report theirs")
         self.book = HandoffBook(lease_s)
         self.members = [Member(i, r, gen=i) for i, r in enumerate(roles)]
         self._next_gen = len(roles)

@@ -23,6 +23,7 @@ from servewise.builder import build_sim_engine
 from servewise.cluster.links import MODES, LinkModel, Network
 from servewise.cluster.machines import get_machine
 from servewise.cluster.routers import SplitwisePools, make_router
+from servewise.engine.block_manager import prefix_names
 from servewise.engine.clock import VirtualClock
 from servewise.engine.request import Request
 from servewise.predictors.perf import Calibrated, make_perf
@@ -148,6 +149,21 @@ class ClusterSim:
         else:
             self.pools, self.router = None, make_router(router)
 
+    def _prefix_hits(self, prompt: list[int]) -> tuple[list[int], int]:
+        """The prompt's leading full blocks cached on each instance (as its scheduler would match them:
+        the last token always computed), and its full blocks."""
+        bm0 = self.engines[0].block_manager
+        if not bm0.caching:
+            raise ValueError("a cache-aware router needs prefix caching (prefix_key)")
+        names = prefix_names(prompt[:-1], bm0.root, bm0.block_size)
+        hits = []
+        for e in self.engines:
+            cached, n = e.block_manager.cached, 0
+            while n < len(names) and names[n] in cached:
+                n += 1
+            hits.append(n)
+        return hits, len(names)
+
     def run(self, items: list[WorkloadRequest], arrivals: list[float], progress=None) -> ClusterResult:
         """Run the workload to the end (arrival times in seconds from the start). The garbage collector
         is kept mostly out of the way meanwhile, as in simulator.simulate."""
@@ -205,8 +221,13 @@ class ClusterSim:
                 item = items[idx]
                 if loads is None:
                     loads = [e.stats() for e in engines]
-                i = (self.pools.prompt if self.pools else self.router)(item.prompt_len, loads)
                 prompt = item.prompt if isinstance(item.prompt, list) else placeholder_prompt(idx, item.prompt_len)
+                if self.pools:
+                    i = self.pools.prompt(item.prompt_len, loads)
+                elif getattr(self.router, "needs_prefix", False):
+                    i = self.router(item.prompt_len, loads, *self._prefix_hits(prompt))
+                else:
+                    i = self.router(item.prompt_len, loads)
                 try:
                     req = engines[i].add_request(prompt, params_for(item), request_id=str(idx),
                                                  arrival_time=arrivals[idx])

@@ -31,6 +31,15 @@ def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+def prefix_names(tokens: list[int], root: bytes, block_size: int) -> list[bytes]:
+    """The chained names of tokens' full blocks (what a request of these tokens would name them)."""
+    names, parent = [], root
+    for j in range(len(tokens) // block_size):
+        parent = chain_hash(parent, tokens[j * block_size:(j + 1) * block_size])
+        names.append(parent)
+    return names
+
+
 class BlockManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int, watermark: float = 0.0,
                  prefix_key: str | None = None):

@@ -30,16 +30,19 @@ def _length(rng: random.Random, mean: float) -> int:
 
 
 def shared_prefix(n: int, vocab: int, num_prefixes: int = 4, prefix_len: int = 512, suffix_len: int = 64,
-                  output_len: int = 64, seed: int = 0) -> list[WorkloadRequest]:
-    """n requests: one of `num_prefixes` random system prompts of prefix_len tokens (in turn), then
-    suffix_len random tokens of its own."""
-    if min(n, num_prefixes, prefix_len, output_len) < 1 or suffix_len < 0:
-        raise ValueError("shared_prefix needs n, num_prefixes, prefix_len and output_len >= 1, suffix_len >= 0")
+                  output_len: int = 64, seed: int = 0, zipf: float = 0.0) -> list[WorkloadRequest]:
+    """n requests: one of `num_prefixes` random system prompts of prefix_len tokens (in turn, or with
+    zipf > 0 drawn with popularity 1 / rank^zipf), then suffix_len random tokens of its own."""
+    if min(n, num_prefixes, prefix_len, output_len) < 1 or suffix_len < 0 or zipf < 0:
+        raise ValueError("shared_prefix needs n, num_prefixes, prefix_len and output_len >= 1, suffix_len >= 0, "
+                         "zipf >= 0")
     rng = random.Random(seed)
     prefixes = [random_ids(rng, prefix_len, vocab) for _ in range(num_prefixes)]
+    weights = [1 / (k + 1) ** zipf for k in range(num_prefixes)]
     items = []
     for i in range(n):
-        prompt = prefixes[i % num_prefixes] + random_ids(rng, suffix_len, vocab)
+        k = rng.choices(range(num_prefixes), weights)[0] if zipf else i % num_prefixes
+        prompt = prefixes[k] + random_ids(rng, suffix_len, vocab)
         items.append(WorkloadRequest(len(prompt), output_len, prompt))
     return items
 

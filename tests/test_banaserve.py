@@ -1,0 +1,82 @@
+"""BanaServe's dispatch: the utilisation measure, Algorithm 4-2 and the cache-aware baseline, on crafted
+snapshots and in the cluster simulator."""
+from collections import Counter
+
+import pytest
+
+from servewise.cluster.routers import CacheAware, LoadAware, make_router, utilisation
+from servewise.cluster.sim import ClusterSim, Design
+from servewise.engine.interfaces import EngineStats, PoolStats
+from servewise.workloads.arrivals import arrival_times
+from servewise.workloads.prefix import shared_prefix
+
+
+def snap(running=0, waiting=0, queued=0, used=0, total=100) -> EngineStats:
+    return EngineStats(running, waiting, 0, PoolStats(total, total - used), PoolStats(0, 0), {}, queued_tokens=queued)
+
+
+def test_utilisation_is_compute_plus_memory():
+    assert utilisation(snap(), 2048) == 0.0
+    assert utilisation(snap(running=48, queued=976, used=25), 2048) == pytest.approx(0.5 + 0.25)
+    assert utilisation(snap(running=10, queued=9000, used=100), 2048) == pytest.approx(2.0)  # both capped at 1
+
+
+def test_load_aware_takes_the_least_utilised_then_the_shortest_queue():
+    route = LoadAware(threshold=1.5, token_budget=1000)
+    loads = [snap(running=4, queued=500, used=50), snap(running=30, used=10), snap(running=2, queued=900, used=90)]
+    assert route(100, loads) == 1  # 0.03 + 0.1 against 0.504 + 0.5 and 0.902 + 0.9
+    busy = [snap(running=5, waiting=9, queued=2000, used=80), snap(running=3, waiting=1, queued=1500, used=95),
+            snap(running=9, waiting=0, queued=1000, used=60)]  # all past 1.5: the shortest queue
+    assert all(utilisation(s, 1000) >= 1.5 for s in busy) and route(100, busy) == 1
+    # ties in utilisation go to the shorter queue
+    assert route(1, [snap(running=8, used=10), snap(running=2, waiting=6, used=10), snap(waiting=1, used=10)]) in (1, 2)
+
+
+def test_cache_aware_follows_the_prefix_until_its_queue_is_too_long():
+    route = CacheAware(threshold=0.5, balance=4)
+    loads = [snap(running=3), snap(running=1), snap(running=6)]
+    assert route(512, loads, [0, 2, 30], 32) == 1  # 30 of 32 blocks cached on 2, but its queue is 5 longer
+    route = CacheAware(threshold=0.5, balance=8)
+    assert route(512, loads, [0, 2, 30], 32) == 2
+    assert route(512, loads, [10, 2, 12], 32) == 1  # nobody holds half: the shortest queue
+    assert route(512, loads, [0, 0, 0], 0) == 1  # a prompt shorter than a block
+    assert getattr(make_router("cache_aware"), "needs_prefix", False)
+
+
+def _prefix_of(items, prefixes: int, prefix_len: int) -> list[int]:
+    heads = {tuple(it.prompt[:prefix_len]): k for k, it in enumerate(items[:prefixes])}
+    return [heads[tuple(it.prompt[:prefix_len])] for it in items]
+
+
+def test_in_the_simulator_cache_aware_keeps_prefixes_together_and_the_store_serves_everyone():
+    items = shared_prefix(96, 32000, num_prefixes=4, prefix_len=512, suffix_len=16, output_len=16, seed=3)
+    arrivals = arrival_times(len(items), "poisson", 4.0, seed=3)
+    prefix = _prefix_of(items, 4, 512)
+    runs = {}
+    for name, router, store in (("cache", "cache_aware", False), ("load", "load_aware", False),
+                                ("store", "load_aware", True)):
+        kw = dict(enable_prefix_caching=True)
+        if store:
+            kw.update(kv_store="simulated", kv_store_gb=64.0)
+        sim = ClusterSim("llama-13b", Design(mixed={"a100": 4}), router=router, **kw)
+        res = sim.run(items, arrivals)
+        assert not res.rejected and all(r.finished for r in res.requests)
+        runs[name] = (res, [e.stats() for e in sim.engines])
+    res, _ = runs["cache"]
+    for k in range(4):  # after its first request, a prefix's requests stay where it is cached
+        where = Counter(res.placed[i][0] for i in range(len(items)) if prefix[i] == k)
+        assert where.most_common(1)[0][1] >= 0.9 * sum(where.values())
+    hits = {name: sum(s.prefix_hit_tokens + s.store_hit_tokens for s in st) for name, (_, st) in runs.items()}
+    assert hits["cache"] > hits["load"]  # locality pays in hits ...
+    assert sum(s.store_hit_tokens for s in runs["store"][1]) > 0 and hits["store"] > hits["load"]  # ... so does a store
+    spread = {name: max(Counter(p[0] for p in r.placed).values()) for name, (r, _) in runs.items()}
+    assert spread["load"] <= spread["cache"]
+
+
+def test_zipf_prefixes_are_popular_in_rank_order():
+    items = shared_prefix(2000, 1000, num_prefixes=8, prefix_len=16, suffix_len=1, output_len=1, seed=0, zipf=1.0)
+    heads = Counter(tuple(it.prompt[:16]) for it in items)
+    counts = sorted(heads.values(), reverse=True)
+    assert len(heads) == 8 and counts[0] > 2.5 * counts[-1]
+    with pytest.raises(ValueError, match="zipf"):
+        shared_prefix(10, 1000, zipf=-1.0)
