@@ -48,7 +48,7 @@ def run_one(model: str, system: str, instances: int, items, arrivals, store_gb: 
     computed = [s.admitted_tokens - s.prefix_hit_tokens - s.store_hit_tokens for s in st]  # prompt tokens prefilled
     return {"system": system, "completed": m["completed"], "request_throughput": m["request_throughput"],
             "mean_ttft_ms": m["mean_ttft_ms"], "p99_ttft_ms": m["p99_ttft_ms"], "mean_e2e_s": m["mean_e2el_ms"] / 1e3,
-            "p99_e2e_s": m["p99_e2el_ms"] / 1e3, "routed": routed, "busy_share": busy,
+            "p99_e2e_s": m["p99_e2el_ms"] / 1e3, "mean_tpot_ms": m["mean_tpot_ms"], "routed": routed, "busy_share": busy,
             "routed_skew": max(routed) / statistics.mean(routed) if any(routed) else 0.0,
             "busy_spread": max(busy) - min(busy), "prefilled_tokens": computed,
             "prefill_skew": max(computed) / statistics.mean(computed) if any(computed) else 0.0,
@@ -60,11 +60,11 @@ def run_one(model: str, system: str, instances: int, items, arrivals, store_gb: 
 def report(res: dict) -> str:
     lines = [f"BanaServe dispatch: {res['instances']} x A100 ({res['model']}, analytical roofline), {res['num_requests']} "
              f"requests, {res['prefixes']} system prompts of {res['prefix_len']} tokens, Zipf {res['zipf']}",
-             f"{'rate':>5} {'system':<18}{'req/s':>7}{'TTFT ms':>9}{'p99 TTFT':>9}{'E2E s':>7}{'hits':>7}{'store':>7}"
+             f"{'rate':>5} {'system':<18}{'req/s':>7}{'TTFT ms':>9}{'p99 TTFT':>9}{'TPOT ms':>8}{'E2E s':>7}{'hits':>7}{'store':>7}"
              f"{'skew':>6}{'prefill skew':>13}  requests per instance"]
     for r in res["runs"]:
         lines.append(f"{r['rate']:>5g} {r['system']:<18}{r['request_throughput']:>7.2f}{r['mean_ttft_ms']:>9.0f}"
-                     f"{r['p99_ttft_ms']:>9.0f}{r['mean_e2e_s']:>7.2f}{r['local_hit_rate']:>7.1%}{r['store_hit_rate']:>7.1%}"
+                     f"{r['p99_ttft_ms']:>9.0f}{r['mean_tpot_ms']:>8.1f}{r['mean_e2e_s']:>7.2f}{r['local_hit_rate']:>7.1%}{r['store_hit_rate']:>7.1%}"
                      f"{r['routed_skew']:>6.2f}{r['prefill_skew']:>13.2f}  {r['routed']}")
     return "\n".join(lines)
 

@@ -95,7 +95,7 @@ def plot(res: dict, out_dir: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = res["cases"]
+    cases = [c for c in res["cases"] if any(p["feasible"] for p in c["placements"])]  # (the table lists the rest)
     fig, axes = plt.subplots(2, len(cases), figsize=(3.2 * len(cases), 6), squeeze=False)
     for c, case in enumerate(cases):
         ps = case["placements"]
