@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from servewise.cluster.routers import CacheAware, LoadAware, make_router, utilisation
+from servewise.cluster.routers import CacheAware, LoadAware, StaticSplit, make_router, utilisation
 from servewise.cluster.sim import ClusterSim, Design
 from servewise.engine.interfaces import EngineStats, PoolStats
 from servewise.workloads.arrivals import arrival_times
@@ -80,3 +80,29 @@ def test_zipf_prefixes_are_popular_in_rank_order():
     assert len(heads) == 8 and counts[0] > 2.5 * counts[-1]
     with pytest.raises(ValueError, match="zipf"):
         shared_prefix(10, 1000, zipf=-1.0)
+
+
+def test_static_split_keeps_roles_and_its_router_sees_prompt_instances_only():
+    split = StaticSplit(["prompt", "prompt", "token", "token"], "jsq")
+    loads = [snap(running=5), snap(running=1), snap(running=0), snap(running=0)]
+    assert split.prompt(100, loads) == 1  # the shortest queue among the prompt instances, not the idle token ones
+    loads[2].committed_blocks, loads[3].committed_blocks = 40, 10
+    assert split.token(8, loads, 1) == 3
+    cache = StaticSplit(["prompt", "prompt", "token"], "cache_aware")
+    assert cache.needs_prefix and cache.prompt(512, [snap(), snap(), snap()], [2, 30, 32], 32) == 1
+    with pytest.raises(ValueError, match="prompt and token"):
+        StaticSplit(["prompt", "mixed"], "jsq")
+
+
+def test_a_block_another_instance_wrote_to_the_store_is_not_written_again():
+    items = shared_prefix(16, 32000, num_prefixes=3, prefix_len=256, suffix_len=16, output_len=8, seed=1)
+    arrivals = [float(i) for i in range(len(items))]  # one a second: every write is visible before the next request
+    sim = ClusterSim("llama-13b", Design(mixed={"a100": 2}), router="round_robin", enable_prefix_caching=True,
+                     kv_store="simulated", kv_store_gb=64.0, kv_store_fetch="always")
+    tries = []
+    put = sim.store.put
+    sim.store.put = lambda name, kv=None, delay=0.0: tries.append(put(name, kv, delay)) or tries[-1]
+    res = sim.run(items, arrivals)
+    assert not res.rejected
+    assert sum(e.stats().store_hit_tokens for e in sim.engines) > 0  # the second instance read prefixes ...
+    assert tries and all(tries)  # ... and wrote none of them back

@@ -11,6 +11,7 @@ and real instances. Ties go to the lowest index.
 - cache_aware: the cache-locality baseline BanaServe argues against: the instance holding the longest
   cached prefix of the prompt, unless its queue is too long (`CacheAware`).
 - SplitwisePools: Splitwise's cluster-level scheduler over prompt and token pools (below).
+- StaticSplit: a fixed prompt / token split (DistServe-like), any of the above over its prompt side.
 """
 from __future__ import annotations
 
@@ -137,6 +138,34 @@ class SplitwisePools:
 
     def idle(self, i: int) -> None:
         self.pool[i] = self.home[i]
+
+
+class StaticSplit:
+    """A fixed prompt / token split, as DistServe disaggregates (no instance ever changes role): a prompt
+    goes to the prompt instance `router` (a ROUTERS name) picks among the prompt instances alone; its
+    decode to the token instance with the fewest committed blocks, which queues it until it has room."""
+
+    def __init__(self, roles: list[str], router: str = "jsq_tokens"):
+        self.prompts = [i for i, r in enumerate(roles) if r == "prompt"]
+        self.tokens = [i for i, r in enumerate(roles) if r == "token"]
+        if not self.prompts or not self.tokens or len(self.prompts) + len(self.tokens) != len(roles):
+            raise ValueError(f"a static split needs prompt and token instances only, got roles {sorted(set(roles))}")
+        self.router = make_router(router)
+        self.needs_prefix = getattr(self.router, "needs_prefix", False)
+        self.borrowed = 0  # (never: for ClusterResult, as SplitwisePools counts its borrowings)
+
+    def prompt(self, prompt_len: int, loads: list[EngineStats], hits: list[int] | None = None,
+               blocks: int = 0) -> int:
+        sub = [loads[i] for i in self.prompts]
+        if self.needs_prefix:
+            return self.prompts[self.router(prompt_len, sub, [hits[i] for i in self.prompts], blocks)]
+        return self.prompts[self.router(prompt_len, sub)]
+
+    def token(self, need_blocks: int, loads: list[EngineStats], prompt_instance: int) -> int:
+        return min(self.tokens, key=lambda j: loads[j].committed_blocks)
+
+    def idle(self, i: int) -> None:
+        pass
 
 
 ROUTERS = {"round_robin": RoundRobin, "jsq": lambda: jsq, "jsq_tokens": lambda: jsq_tokens, "load_aware": LoadAware,

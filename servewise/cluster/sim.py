@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from servewise.builder import build_sim_engine
 from servewise.cluster.links import MODES, LinkModel, Network
 from servewise.cluster.machines import get_machine
-from servewise.cluster.routers import SplitwisePools, make_router
+from servewise.cluster.routers import SplitwisePools, StaticSplit, make_router
 from servewise.engine.block_manager import prefix_names
 from servewise.engine.clock import VirtualClock
 from servewise.engine.request import Request
@@ -97,13 +97,15 @@ class ClusterSim:
     for every GPU machine's times (token_axis: see predictors.measured), else the analytical roofline;
     `this-cpu` machines take `predictors` (profiled on this machine). transfer: serialized or
     layerwise, over links of the machines' bandwidth unless `link_gbps` is given. calibration: per
-    role, predictors.perf.Calibrated's corrections (measured on real instances).
+    role, predictors.perf.Calibrated's corrections (measured on real instances). split_router: a
+    split design as a fixed split (routers.StaticSplit, prompts by this router) instead of Splitwise's
+    pools.
     Engine options (max_num_batched_tokens, chunked_prefill, ...) apply to every instance."""
 
     def __init__(self, model: str, design: Design, router: str = "jsq_tokens", perf_table=None,
                  transfer: str = "layerwise", link_latency_s: float = 10e-6, max_pending_tokens: int = 8192,
                  token_axis: str = "batch", predictors=None, link_gbps: float | None = None,
-                 calibration: dict[str, dict] | None = None, **engine_kw):
+                 calibration: dict[str, dict] | None = None, split_router: str | None = None, **engine_kw):
         if transfer not in MODES:
             raise ValueError(f"unknown transfer mode {transfer!r}; choose from {', '.join(MODES)}")
         from servewise.models.loader import load_model_config
@@ -144,7 +146,8 @@ class ClusterSim:
         self.network = Network([LinkModel(link_gbps or get_machine(m).nic_gbps, link_latency_s) for m, _ in specs])
         self.perf_labels = sorted({e.runner.perf.label for e in self.engines})
         if design.split:
-            self.pools = SplitwisePools(self.roles, max_pending_tokens)
+            self.pools = SplitwisePools(self.roles, max_pending_tokens) if split_router is None else \
+                StaticSplit(self.roles, split_router)
             self.router = None
         else:
             self.pools, self.router = None, make_router(router)
@@ -222,7 +225,9 @@ class ClusterSim:
                 if loads is None:
                     loads = [e.stats() for e in engines]
                 prompt = item.prompt if isinstance(item.prompt, list) else placeholder_prompt(idx, item.prompt_len)
-                if self.pools:
+                if self.pools and getattr(self.pools, "needs_prefix", False):
+                    i = self.pools.prompt(item.prompt_len, loads, *self._prefix_hits(prompt))
+                elif self.pools:
                     i = self.pools.prompt(item.prompt_len, loads)
                 elif getattr(self.router, "needs_prefix", False):
                     i = self.router(item.prompt_len, loads, *self._prefix_hits(prompt))

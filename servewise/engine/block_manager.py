@@ -141,7 +141,7 @@ class BlockManager:
             name, b = self.block_name(req, i), table[i]
             if name not in self.cached and b not in self.name_of:
                 self.cached[name], self.name_of[b] = b, name
-                if self.store is not None:
+                if self.store is not None and name not in self.store:  # (another instance may have written it)
                     self.new_named.append((b, name))
         self.registered[req.request_id] = full
 

@@ -10,7 +10,13 @@ requests with prefix caching:
 - round-robin: one engine per GPU in turn, as a vLLM deployment behind a plain balancer;
 - cache-aware: the longest cached prefix wins (routers.CacheAware), local caches only;
 - load-aware: Algorithm 4-2 (routers.LoadAware), local caches only;
-- load-aware+store: Algorithm 4-2 over a global KV store in host memory (BanaServe's dispatch).
+- load-aware+store: Algorithm 4-2 over a global KV store in host memory (BanaServe's dispatch);
+- pd-*: the same instances split in half, prompt and token instances, the KV handed off layer by
+  layer: pd-distserve a fixed split (prompts to the fewest pending tokens), pd-splitwise Splitwise's
+  pools (instances lent across under load), pd-cache-aware and pd-load-aware the fixed split with
+  those prompt dispatchers. No P/D system has the store: a request handed off never fetches from
+  it here (the hand-off publishes its KV layer by layer during the prompt's step, and a fetch that
+  fails would void it), so a store would only be written.
 
 The workload: requests that start with one of `prefixes` system prompts whose popularity follows a
 Zipf law (a few hot ones), then a question of their own. Layer- and head-level migration and the
@@ -25,27 +31,39 @@ import time
 
 from servewise.metrics import RequestRecord, compute, save_json
 
-SYSTEMS = {"round-robin": ("round_robin", False), "cache-aware": ("cache_aware", False),
-           "load-aware": ("load_aware", False), "load-aware+store": ("load_aware", True)}
+# name: (instances' roles, router of the prompts, global KV store)
+SYSTEMS = {"round-robin": ("mixed", "round_robin", False), "cache-aware": ("mixed", "cache_aware", False),
+           "load-aware": ("mixed", "load_aware", False), "load-aware+store": ("mixed", "load_aware", True),
+           "pd-distserve": ("split", "jsq_tokens", False), "pd-splitwise": ("pools", None, False),
+           "pd-cache-aware": ("split", "cache_aware", False), "pd-load-aware": ("split", "load_aware", False)}
 
 
 def run_one(model: str, system: str, instances: int, items, arrivals, store_gb: float) -> dict:
     from servewise.cluster.sim import ClusterSim, Design
 
-    router, store = SYSTEMS[system]
+    roles, router, store = SYSTEMS[system]
     kw = dict(enable_prefix_caching=True)
     if store:
         kw.update(kv_store="simulated", kv_store_gb=store_gb)
-    sim = ClusterSim(model, Design(mixed={"a100": instances}), router=router, **kw)
+    if roles == "mixed":
+        sim = ClusterSim(model, Design(mixed={"a100": instances}), router=router, **kw)
+    else:  # half the instances prefill, the rest decode
+        design = Design(prompt={"a100": instances // 2}, token={"a100": instances - instances // 2})
+        sim = ClusterSim(model, design, split_router=router, **kw)
     res = sim.run(items, arrivals)
     if res.rejected:
         raise ValueError(f"{len(res.rejected)} of {len(items)} requests rejected, e.g. {res.rejected[0][1]}")
     m = compute([RequestRecord.from_request(r) for r in res.requests if r is not None])
     st = [e.stats() for e in sim.engines]
     routed = [sum(1 for p in res.placed if p and p[0] == i) for i in range(instances)]
+    if roles != "mixed":  # skew among the prompt instances
+        routed = routed[:instances // 2]
+        st_p = st[:instances // 2]
+    else:
+        st_p = st
     busy = [b / res.makespan for b in res.busy_s]
     admitted = sum(s.admitted_tokens for s in st)
-    computed = [s.admitted_tokens - s.prefix_hit_tokens - s.store_hit_tokens for s in st]  # prompt tokens prefilled
+    computed = [s.admitted_tokens - s.prefix_hit_tokens - s.store_hit_tokens for s in st_p]  # prompt tokens prefilled
     return {"system": system, "completed": m["completed"], "request_throughput": m["request_throughput"],
             "mean_ttft_ms": m["mean_ttft_ms"], "p99_ttft_ms": m["p99_ttft_ms"], "mean_e2e_s": m["mean_e2el_ms"] / 1e3,
             "p99_e2e_s": m["p99_e2el_ms"] / 1e3, "mean_tpot_ms": m["mean_tpot_ms"], "routed": routed, "busy_share": busy,
