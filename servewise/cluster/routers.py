@@ -28,13 +28,17 @@ class RoundRobin:
         return i
 
 
+def queue(s: EngineStats) -> int:
+    """Requests an instance holds: running, waiting and swapped out."""
+    return s.running + s.waiting + s.swapped
+
+
 def jsq(prompt_len: int, loads: list[EngineStats]) -> int:
-    return min(range(len(loads)), key=lambda i: loads[i].running + loads[i].waiting + loads[i].swapped)
+    return min(range(len(loads)), key=lambda i: queue(loads[i]))
 
 
 def jsq_tokens(prompt_len: int, loads: list[EngineStats]) -> int:
-    return min(range(len(loads)), key=lambda i: (loads[i].pending_tokens,
-                                                 loads[i].running + loads[i].waiting + loads[i].swapped))
+    return min(range(len(loads)), key=lambda i: (loads[i].pending_tokens, queue(loads[i])))
 
 
 def utilisation(s: EngineStats, token_budget: int = 2048) -> float:
@@ -44,10 +48,6 @@ def utilisation(s: EngineStats, token_budget: int = 2048) -> float:
     compute = min(1.0, (s.pending_tokens + s.running) / token_budget)
     total = s.device_blocks.total
     return compute + ((total - s.device_blocks.free) / total if total else 0.0)
-
-
-def queue(s: EngineStats) -> int:
-    return s.running + s.waiting + s.swapped
 
 
 class LoadAware:
@@ -61,7 +61,7 @@ class LoadAware:
     def __call__(self, prompt_len: int, loads: list[EngineStats]) -> int:
         u = [utilisation(s, self.token_budget) for s in loads]
         i = min(range(len(loads)), key=lambda j: (u[j], queue(loads[j])))
-        return i if u[i] < self.threshold else min(range(len(loads)), key=lambda j: queue(loads[j]))
+        return i if u[i] < self.threshold else jsq(prompt_len, loads)
 
 
 class CacheAware:
@@ -77,7 +77,7 @@ class CacheAware:
         self.threshold, self.balance = threshold, balance
 
     def __call__(self, prompt_len: int, loads: list[EngineStats], hits: list[int], blocks: int) -> int:
-        shortest = min(range(len(loads)), key=lambda j: queue(loads[j]))
+        shortest = jsq(prompt_len, loads)
         best = max(range(len(loads)), key=lambda j: (hits[j], -queue(loads[j])))
         if blocks and hits[best] >= self.threshold * blocks and \
                 queue(loads[best]) - queue(loads[shortest]) <= self.balance:

@@ -225,14 +225,11 @@ class ClusterSim:
                 if loads is None:
                     loads = [e.stats() for e in engines]
                 prompt = item.prompt if isinstance(item.prompt, list) else placeholder_prompt(idx, item.prompt_len)
-                if self.pools and getattr(self.pools, "needs_prefix", False):
-                    i = self.pools.prompt(item.prompt_len, loads, *self._prefix_hits(prompt))
-                elif self.pools:
-                    i = self.pools.prompt(item.prompt_len, loads)
-                elif getattr(self.router, "needs_prefix", False):
-                    i = self.router(item.prompt_len, loads, *self._prefix_hits(prompt))
+                route = self.pools.prompt if self.pools else self.router
+                if getattr(self.pools or self.router, "needs_prefix", False):  # it reads the instances' caches
+                    i = route(item.prompt_len, loads, *self._prefix_hits(prompt))
                 else:
-                    i = self.router(item.prompt_len, loads)
+                    i = route(item.prompt_len, loads)
                 try:
                     req = engines[i].add_request(prompt, params_for(item), request_id=str(idx),
                                                  arrival_time=arrivals[idx])
