@@ -526,6 +526,15 @@ def _float_at_least(least: float, strict: bool = False):
     return parse
 
 
+def _rates(text: str) -> list[float]:
+    """'1,4,16' -> [1.0, 4.0, 16.0]: request rates, each > 0."""
+    parse = _float_at_least(0, strict=True)
+    rates = [parse(t.strip()) for t in text.split(",") if t.strip()]
+    if not rates:
+        raise argparse.ArgumentTypeError("expected comma-separated request rates, e.g. 1,4,16")
+    return rates
+
+
 def _machines(text: str) -> dict[str, int]:
     """'dgx-a100:27' or 'dgx-h100:25,dgx-a100:5' -> {machine: count}."""
     from servewise.cluster.machines import MACHINES
@@ -669,7 +678,7 @@ def _add_experiment(sub) -> None:
                                                                            "workload's requests follow them)")
         lx.add_argument("--full", action="store_true", help="more rates and requests")
         lx.add_argument("--backends", default=None, help="comma-separated: sim, real (default both)")
-        lx.add_argument("--rates", default=None, help="comma-separated request rates (default per backend)")
+        lx.add_argument("--rates", type=_rates, default=None, help="comma-separated request rates (default per backend)")
         lx.add_argument("--num-requests", type=_at_least(1), default=None,
                         help="requests per run (quick: 300 simulated, 60 real; full: 1,000 and 120)")
         lx.add_argument("--systems", default=None, help="comma-separated subset of the experiment's systems")
@@ -686,7 +695,7 @@ def _add_experiment(sub) -> None:
     up.add_argument("--data", default=None, help="the workload's file or directory (default: synthetic texts)")
     up.add_argument("--num-requests", type=_at_least(1), default=300)
     up.add_argument("--max-output-len", type=_at_least(1), default=512)
-    up.add_argument("--rates", default="1,4,16", help="comma-separated poisson request rates")
+    up.add_argument("--rates", type=_rates, default="1,4,16", help="comma-separated poisson request rates")
     up.add_argument("--seed", type=int, default=0)
     up.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     up.add_argument("--out-dir", default="results/placement")
@@ -705,7 +714,7 @@ def _add_experiment(sub) -> None:
     bs.add_argument("--zipf", type=_float_at_least(0), default=1.0, help="popularity exponent of the system prompts")
     bs.add_argument("--store-gb", type=_float_at_least(0, strict=True), default=256.0,
                     help="the global KV store's host-memory tier")
-    bs.add_argument("--rates", default="2,4,8,12", help="comma-separated poisson request rates")
+    bs.add_argument("--rates", type=_rates, default="2,4,8,12", help="comma-separated poisson request rates")
     bs.add_argument("--seed", type=int, default=0)
     bs.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     bs.add_argument("--out-dir", default="results/banaserve")

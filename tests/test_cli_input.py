@@ -170,3 +170,25 @@ def test_fuzzed_command_lines_run_or_fail_clearly(tmp_path, capsys, pairs):
         n = int(([v for f, v in pairs if f == "--num-requests"] or ["4"])[-1])
         m = json.loads(out.read_text())
         assert code == 0 and m["completed"] + m["failed"] + m["rejected"] == n
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["experiment", "banaserve", "--rates", "2,abc"], "expected a number, got 'abc'"),
+    (["experiment", "banaserve", "--rates", "0"], "must be > 0, got 0"),
+    (["experiment", "banaserve", "--instances", "1"], "must be >= 2, got 1"),
+    (["experiment", "banaserve", "--systems", "vllm"], "unknown system 'vllm'"),
+    (["experiment", "uellm-placement", "--sets", "8xh100"], "unknown device set '8xh100'"),
+    (["experiment", "uellm-placement", "--models", "llama-65b"], "not a configuration for simulation"),
+    (["bench", "fidelity", "--repeat", "0"], "must be >= 1, got 0"),
+    (["bench", "fidelity", "--rate", "3", "-1"], "must be > 0, got -1"),
+    (["bench", "fidelity", "--interval", "nan"], "must be >= 0, got nan"),
+])
+def test_bad_options_of_the_cluster_experiments_and_fidelity_bench(argv, message, tmp_path, capsys):
+    try:
+        main([*argv, "--out-dir" if argv[0] == "experiment" else "--out", str(tmp_path / "out")])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -226,7 +226,7 @@ def run_experiment(kind: str, a) -> dict:
     for b in backends:
         be = plan[b]
         if a.rates:
-            be = replace(be, rates=tuple(float(x) for x in a.rates.split(",")))
+            be = replace(be, rates=tuple(a.rates))
         items = workload(data, a.train, be.num_requests, be, predicted, a.seed)
         for rate in be.rates:
             for system in systems:

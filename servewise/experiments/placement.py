@@ -136,8 +136,8 @@ def main(a) -> None:
     models = a.models.split(",") if a.models else list(MODELS)
     for s in sets:
         if s not in SETS:
-            raise SystemExit(f"unknown device set {s!r}; choose from {', '.join(SETS)}")
-    rates = [float(r) for r in a.rates.split(",")]
+            raise ValueError(f"unknown device set {s!r}; choose from {', '.join(SETS)}")
+    rates = a.rates
     res = {"experiment": "uellm-placement", "workload": a.workload, "num_requests": a.num_requests, "rates": rates,
            "assumptions": __doc__.split("Assumptions")[1].strip(), "cases": []}
     t0 = time.perf_counter()

@@ -55,6 +55,7 @@ CONFIG_ONLY_MODELS: dict[str, dict] = {
     "llama-30b": _llama(6656, 60, 52, 17920),  # "Llama-32.5B" in AdaptiveLLM
     "llama-2-13b": _llama(5120, 40, 40, 13824, max_len=4096),
     "llama-2-70b": _llama(8192, 80, 64, 28672, kv_heads=8, max_len=4096),
+    "llama-3-8b": _llama(4096, 32, 32, 14336, kv_heads=8, vocab=128256, max_len=8192),  # BanaServe's GQA example
     # BLOOM positions are ALiBi biases, with no learned table: its config's seq_length (2048) is the
     # training length, not a limit. Splitwise measured it on prompts up to 8192 tokens; 16384 admits
     # every request of the Azure traces (longest prompt 14,050 tokens).
