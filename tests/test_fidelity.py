@@ -59,3 +59,28 @@ def test_reference_batches_fit_the_pool_and_need_an_idle_engine():
     engine.step()  # its prompt now holds blocks
     with pytest.raises(RuntimeError, match="idle"):
         drift.measure(engine, None)
+
+
+def test_bench_fidelity_repeats_and_summarises_both_simulations(predictors, tmp_path):
+    import json
+
+    from servewise.cli import main
+
+    path, out = str(tmp_path / "p.pkl"), tmp_path / "fid.json"
+    predictors.save(path)
+    main(["bench", "fidelity", "--predictors", path, "--workload", "chatbot", "--num-requests", "12",
+          "--max-output-len", "8", "--rate", "20", "--preemption", "swap", "--num-device-blocks", "24",
+          "--repeat", "2", "--out", str(out)])
+    res = json.loads(out.read_text())
+    runs = res["results"]["20/swap"]
+    assert res["repeat"] == 2 and len(runs) == 2
+    for r in runs:
+        assert r["real"]["completed"] == 12 and r["drift_before"]["decode_scale"] > 0
+        for name in ("profiled", "drift_corrected"):
+            assert r[name]["sim"]["completed"] == 12 and r[name]["steps"]["decode"]["steps"] > 0
+    # the corrected simulation is the profiled one with its steps scaled: its same-batch prediction moves by the drift
+    d = runs[0]["drift_before"]["decode_scale"]
+    prof, corr = runs[0]["profiled"]["steps"]["decode"], runs[0]["drift_corrected"]["steps"]["decode"]
+    assert corr["predicted_s"] == pytest.approx(prof["predicted_s"] * d, rel=1e-9)
+    for name in ("profiled", "drift_corrected"):
+        assert res["summary"]["20/swap"][name]["makespan"]["runs"] == 2

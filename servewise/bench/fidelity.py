@@ -163,7 +163,7 @@ def main(a) -> None:
                 kw = dict(num_device_blocks=a.num_device_blocks, num_host_blocks=a.num_host_blocks, preemption=mode,
                           max_num_seqs=a.max_num_seqs)
                 r = run_pair(a.model, items, arrivals, preds, kw)
-                r["started"] = time.strftime("%H:%M:%S")
+                r["ended"] = time.strftime("%H:%M:%S")
                 results.setdefault(f"{rate:g}/{mode}", []).append(r)
                 head = f"\n[run {rep + 1}/{a.repeat}, {rate:g} req/s, {mode}] {a.num_device_blocks} device / " \
                        f"{a.num_host_blocks} host blocks"
