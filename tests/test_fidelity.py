@@ -5,11 +5,13 @@ the simulator drifting grossly from the engine (a broken cost model, a missed co
 """
 import pytest
 
+from servewise.bench.fidelity import step_check
 from servewise.builder import build_engine, build_sim_engine
 from servewise.metrics import RequestRecord, compute
 from servewise.models.loader import hf_config
 from servewise.predictors import drift
 from servewise.predictors.fit import fit_predictors
+from servewise.predictors.perf import Calibrated, make_perf
 from servewise.predictors.profiler import profile
 from servewise.simulator import simulate
 from servewise.workloads.build import build_workload
@@ -26,26 +28,38 @@ def predictors():
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_simulator_tracks_the_real_engine(predictors, preemption):
+    """Two checks, apart. The cost model: the profiled prediction for the very batches the engine ran
+    within a factor of 2 of their measured time (a broken cost model is off by far more). The simulator's
+    machinery (scheduler, clock, copies, preemptions): simulated on the profile scaled by the run's own
+    measured step speed, its makespan and mean E2E track the engine's. Comparing the raw simulation with
+    the run is the benchmark's job (`bench fidelity`): on this machine kind the engine's steps land
+    20-40% off a profile taken a minute earlier (issue "Simulator fidelity on fresh machines"), and
+    fresh-clone CI runs of that comparison failed at +31% makespan and at +75% mean E2E."""
     kw = dict(num_device_blocks=24, num_host_blocks=64, preemption=preemption)
     # the profile above ran on the CPU (profile's default device): so must the engine it predicts
     real = build_engine(model="tiny-llama", device="cpu", **kw)
     items, arrivals = build_workload("chatbot", real.tokenizer, 32000, num_requests=40, max_output_len=48,
                                      arrival="poisson", rate=40.0, seed=1)
-    reqs, rejected = run_workload(real, items, arrivals)
+    steps = []
+    reqs, rejected = run_workload(real, items, arrivals, on_step=lambda st: st.scheduled and steps.append(
+        (st.is_prefill, st.batch_tokens, st.execute_s)))
     m_real = compute([RequestRecord.from_request(r) for r in reqs])
-    res = simulate(build_sim_engine("tiny-llama", "profile", predictors, **kw), items, arrivals)
+    perf = make_perf("profile", real.model_config, 16, predictors)
+    check = step_check(steps, perf, m_real["duration_s"])
+    for kind in ("prefill", "decode"):
+        c = check[kind]
+        assert c["steps"] > 0 and 0.5 < c["measured_s"] / c["predicted_s"] < 2.0, (kind, c)
+    scaled = Calibrated(perf, *(check[k]["measured_s"] / check[k]["predicted_s"] for k in ("prefill", "decode")))
+    res = simulate(build_sim_engine("tiny-llama", perf=scaled, **kw), items, arrivals)
     m_sim = compute([RequestRecord.from_request(r) for r in res.requests])
     assert not rejected and m_real["completed"] == m_sim["completed"] == 40
     kind = "swap" if preemption == "swap" else "recompute"
     assert m_real["preemptions"][kind] > 0 and m_sim["preemptions"][kind] > 0
-    # the makespan within 40%; the mean E2E within 60%: the queueing at this load grows a step-time error
-    # 1.5-3x, and the engine's steps run up to 20-30% off this quick profile's (issue "Simulator fidelity
-    # on fresh machines"; fresh-clone CI runs missed a 30% bound twice: +31%, then 2.35 s simulated against
-    # 1.81 s real). Correcting by reference batches timed just before the run (predictors.drift) did not
-    # help: of 4 runs here it improved one makespan error (-3.0% to +0.5%) and worsened one (+1.2% to
-    # +13.5%). A broken cost model, a missed copy or a clock bug is off by far more.
-    assert m_sim["duration_s"] == pytest.approx(m_real["duration_s"], rel=0.4)
-    assert m_sim["mean_e2el_ms"] == pytest.approx(m_real["mean_e2el_ms"], rel=0.6)
+    # what is left: the engine's work outside the runner, step-to-step variation, and the decisions that
+    # timing changes (which request is preempted when). In 6 runs here: makespan within 3.0%, mean E2E
+    # within 10.7%; a missed copy or a clock bug is off by far more
+    assert m_sim["duration_s"] == pytest.approx(m_real["duration_s"], rel=0.15)
+    assert m_sim["mean_e2el_ms"] == pytest.approx(m_real["mean_e2el_ms"], rel=0.3)
 
 
 def test_reference_batches_fit_the_pool_and_need_an_idle_engine():
