@@ -147,15 +147,15 @@ def main(a) -> None:
         torch.set_num_threads(threads)
     print(f"torch threads: {torch.get_num_threads()} (the profile's); predictors: {a.predictors}", file=sys.stderr)
     mc, tok = load_model_config(a.model)
+    workloads = {rate: build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
+                                      max_output_len=a.max_output_len, max_prompt_len=a.max_prompt_len,
+                                      arrival="poisson", rate=rate, seed=a.seed) for rate in a.rate}
     results = {}  # "rate/mode" -> list of runs
     for rep in range(a.repeat):
         if rep:
             print(f"\nwaiting {a.interval:.0f} s before run {rep + 1}/{a.repeat}", file=sys.stderr)
             time.sleep(a.interval)
-        for rate in a.rate:
-            items, arrivals = build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
-                                             max_output_len=a.max_output_len, max_prompt_len=a.max_prompt_len,
-                                             arrival="poisson", rate=rate, seed=a.seed)
+        for rate, (items, arrivals) in workloads.items():
             print(f"workload: {len(items)} {a.workload} requests, mean prompt "
                   f"{sum(i.prompt_len for i in items) / len(items):.0f} tokens, mean output "
                   f"{sum(i.output_len for i in items) / len(items):.0f}, poisson {rate} req/s", file=sys.stderr)

@@ -1,1 +1,20 @@
 """Reproductions of the source papers' experiments."""
+from __future__ import annotations
+
+import os
+
+from servewise.metrics import save_json
+
+
+def publish(res: dict, text: str, out_dir: str, name: str, plot) -> None:
+    """Print an experiment's report and keep it under out_dir: name.txt (the report), name.json (res) and
+    the figures plot(res, out_dir) draws (it returns their paths)."""
+    os.makedirs(out_dir, exist_ok=True)
+    print(text)
+    with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
+        f.write(text + "\n")
+    path = os.path.join(out_dir, f"{name}.json")
+    save_json(res, path)
+    print(f"saved {path}")
+    for p in plot(res, out_dir):
+        print(f"figure: {p}")

@@ -29,7 +29,8 @@ import statistics
 import sys
 import time
 
-from servewise.metrics import RequestRecord, compute, save_json
+from servewise.experiments import publish
+from servewise.metrics import RequestRecord, compute
 
 # name: (instances' roles, router of the prompts, global KV store)
 SYSTEMS = {"round-robin": ("mixed", "round_robin", False), "cache-aware": ("mixed", "cache_aware", False),
@@ -55,12 +56,9 @@ def run_one(model: str, system: str, instances: int, items, arrivals, store_gb: 
         raise ValueError(f"{len(res.rejected)} of {len(items)} requests rejected, e.g. {res.rejected[0][1]}")
     m = compute([RequestRecord.from_request(r) for r in res.requests if r is not None])
     st = [e.stats() for e in sim.engines]
-    routed = [sum(1 for p in res.placed if p and p[0] == i) for i in range(instances)]
-    if roles != "mixed":  # skew among the prompt instances
-        routed = routed[:instances // 2]
-        st_p = st[:instances // 2]
-    else:
-        st_p = st
+    prompt_side = instances if roles == "mixed" else instances // 2  # (split: skew among the prompt instances)
+    routed = [sum(1 for p in res.placed if p and p[0] == i) for i in range(prompt_side)]
+    st_p = st[:prompt_side]
     busy = [b / res.makespan for b in res.busy_s]
     admitted = sum(s.admitted_tokens for s in st)
     computed = [s.admitted_tokens - s.prefix_hit_tokens - s.store_hit_tokens for s in st_p]  # prompt tokens prefilled
@@ -191,13 +189,4 @@ def main(a) -> None:
     bar.close()
     res["overlap"] = [overlap(m) for m in dict.fromkeys((a.model, "llama-3-8b"))]
     res["wall_s"] = time.perf_counter() - t0
-    os.makedirs(a.out_dir, exist_ok=True)
-    text = report(res)
-    print(text)
-    with open(os.path.join(a.out_dir, "banaserve_dispatch.txt"), "w") as f:
-        f.write(text + "\n")
-    path = os.path.join(a.out_dir, "banaserve_dispatch.json")
-    save_json(res, path)
-    print(f"saved {path}")
-    for p in plot(res, a.out_dir):
-        print(f"figure: {p}")
+    publish(res, report(res), a.out_dir, "banaserve_dispatch", plot)

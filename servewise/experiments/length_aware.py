@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from servewise.experiments import publish
 from servewise.metrics import RequestRecord, compute, save_json
 from servewise.predictors.output_length import (PREDICTORS, Embedder, Refitting, accuracy, features, instruction_of,
                                                 length_tokenizer, make_predictor, time_per_prediction)
@@ -297,13 +298,4 @@ def main(a) -> None:
     res = run_experiment(a.experiment, a)
     res["wall_s"] = time.perf_counter() - t0
     res["threads"] = torch.get_num_threads()
-    os.makedirs(a.out_dir, exist_ok=True)
-    text = report(res)
-    print(text)
-    with open(os.path.join(a.out_dir, f"{a.experiment}.txt"), "w") as f:
-        f.write(text + "\n")
-    path = os.path.join(a.out_dir, f"{a.experiment}.json")
-    save_json(res, path)
-    print(f"saved {path}")
-    for p in plot(res, a.out_dir):
-        print(f"figure: {p}")
+    publish(res, report(res), a.out_dir, a.experiment, plot)

@@ -20,7 +20,8 @@ import sys
 import time
 
 from servewise.cluster.placement import MODES, Device, PipelinePerf, Planner, Topology, Workload
-from servewise.metrics import RequestRecord, compute, save_json
+from servewise.experiments import publish
+from servewise.metrics import RequestRecord, compute
 
 PIX, NODE = (20.0, 5e-6), (10.0, 15e-6)
 SETS = {
@@ -89,7 +90,7 @@ def report(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict, out_dir: str) -> str:
+def plot(res: dict, out_dir: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,13 +124,14 @@ def plot(res: dict, out_dir: str) -> str:
     path = os.path.join(out_dir, "uellm_placement.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path
+    return [path]
 
 
 def main(a) -> None:
     from tqdm import tqdm
 
     from servewise.models.loader import load_model_config
+    from servewise.workloads.arrivals import arrival_times
     from servewise.workloads.build import build_workload
 
     sets = a.sets.split(",") if a.sets else list(SETS)
@@ -147,18 +149,9 @@ def main(a) -> None:
         mc, tok = load_model_config(model, "float16")
         items, _ = build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
                                   max_output_len=a.max_output_len, seed=a.seed)
-        arrivals = {r: build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
-                                      max_output_len=a.max_output_len, arrival="poisson", rate=r, seed=a.seed)[1]
-                    for r in rates}
+        arrivals = {r: arrival_times(len(items), "poisson", r, seed=a.seed) for r in rates}
         for s in sets:
             res["cases"].append(run(model, s, items, arrivals, bar.update))
     bar.close()
     res["wall_s"] = time.perf_counter() - t0
-    os.makedirs(a.out_dir, exist_ok=True)
-    text = report(res)
-    print(text)
-    with open(os.path.join(a.out_dir, "uellm_placement.txt"), "w") as f:
-        f.write(text + "\n")
-    path = os.path.join(a.out_dir, "uellm_placement.json")
-    save_json(res, path)
-    print(f"saved {path}\nfigure: {plot(res, a.out_dir)}")
+    publish(res, report(res), a.out_dir, "uellm_placement", plot)
