@@ -98,9 +98,26 @@ class RooflinePerf:
         self.ar_fixed_s = 2 * c.num_layers * self.eff.allreduce_s if tp > 1 else 0.0
         self.label = f"analytical roofline ({self.hw.name}{f' x{tp} TP' if tp > 1 else ''})"
         self._attn = 4 * c.num_layers * c.num_heads * c.head_dim  # QK^T and PV flops per (query, key) pair
+        self.swap = None  # a gpu_swap.SwapModel for host <-> device copies (with_swap); None: the link model below
+
+    def with_swap(self, model) -> RooflinePerf:
+        """This model with host <-> device copies priced by a GPU swap model (predictors.gpu_swap: a name or
+        a SwapModel)."""
+        from servewise.predictors.gpu_swap import get_swap_model
+
+        perf = RooflinePerf(self.c, self.hw, self.block_size, self.eff, self.tp)
+        perf.swap = get_swap_model(model)
+        perf.label = f"{self.label}, swaps: {perf.swap.name}"
+        return perf
+
+    @property
+    def copy_overlaps(self) -> bool:
+        """Whether a copy's transfer overlaps the step's compute (the runner then asks copy_parts)."""
+        return self.swap is not None and self.swap.overlap
 
     def with_efficiency(self, **kw) -> RooflinePerf:
         perf = RooflinePerf(self.c, self.hw, self.block_size, replace(self.eff, **kw), self.tp)
+        perf.swap = self.swap
         if kw:
             perf.label += ", " + ", ".join(f"{k} efficiency {v}" for k, v in kw.items())
         return perf
@@ -142,9 +159,16 @@ class RooflinePerf:
         return self._attn * pairs / self.flops_per_s
 
     def copy(self, num_blocks: int, to_host: bool) -> float:
+        return sum(self.copy_parts(num_blocks, to_host))
+
+    def copy_parts(self, num_blocks: int, to_host: bool) -> tuple[float, float]:
+        """(host seconds, transfer seconds) of copying num_blocks blocks (every GPU its share)."""
         nbytes = num_blocks * self.block_size * self.c.kv_bytes_per_token
+        if self.swap is not None:
+            host, transfer = self.swap.parts(num_blocks, self.c.num_layers, nbytes)
+            return host, transfer / self.tp
         calls = 2 * self.c.num_layers * num_blocks
-        return self.eff.copy_fixed_s + calls * self.eff.copy_call_s + nbytes / self.link_bytes_per_s
+        return self.eff.copy_fixed_s + calls * self.eff.copy_call_s, nbytes / self.link_bytes_per_s
 
     def device_blocks(self, memory_utilization: float = 0.9, activation_reserve_gb: float = 2.0) -> int:
         """KV blocks that fit beside the weights in the GPU's memory (vLLM's gpu_memory_utilization)."""

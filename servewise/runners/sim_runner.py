@@ -1,7 +1,8 @@
 """Predicted execution: the runner interface with no weights, on a virtual clock.
 
 A scheduled batch takes the time a performance model predicts; a swap plan takes the predicted
-copy time. Every request produces one placeholder token per step and finishes when it reaches
+copy time, or, when the model's copies overlap the compute (predictors.gpu_swap, vLLM 0.2.x), its
+host time, its transfer running beside the next step's layers. Every request produces one placeholder token per step and finishes when it reaches
 its target output length (its max_tokens, with ignore_eos), so the scheduler, block manager and
 policies run exactly as they do against the real model.
 """
@@ -22,6 +23,7 @@ class SimRunner:
         self._prior = getattr(perf, "prior_context", None)
         self.store = None  # a simulated KV store (cluster.kv_store.SimStore)
         self._fetch_s = 0.0  # the step's reads from the store, overlapped with its layers
+        self._overlap_s = 0.0  # host <-> device transfers overlapped with the next step's layers
         self._last = 0.0  # the last batch's time
 
     def move_blocks(self, move: KVMove) -> float:
@@ -35,6 +37,10 @@ class SimRunner:
             for _, name in move.pairs:
                 self.store.put(name, delay=self._last + write_s)
             return write_s
+        if getattr(self.perf, "copy_overlaps", False):  # the transfer overlaps the next step, layer by layer
+            host, transfer = self.perf.copy_parts(len(move.pairs), move.dst == Pool.HOST)
+            self._overlap_s += transfer
+            return host
         return self.perf.copy(len(move.pairs), move.dst == Pool.HOST)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -56,9 +62,10 @@ class SimRunner:
                 elapsed = self.perf.prefill(chunks) + (self.perf.decode(decodes) if decodes else 0.0)
             if self._prior is not None:  # chunks attending to KV already there (a cached prefix, earlier chunks)
                 elapsed += self._prior(sum(n * (c - n) for n, c in zip(counts, ctx) if n > 1))
-        if self._fetch_s:  # layer l computes once its KV is read: the longer of the two, plus one layer of the other
-            f, self._fetch_s = self._fetch_s, 0.0
-            elapsed = max(elapsed, f) + min(elapsed, f) / self.layers
+        for f in (self._fetch_s, self._overlap_s):  # layer l computes once its KV is in: the longer of the
+            if f:  # two, plus one layer of the other
+                elapsed = max(elapsed, f) + min(elapsed, f) / self.layers
+        self._fetch_s = self._overlap_s = 0.0
         self._last = elapsed
         if out.partial:
             return StepResult([None if rid in out.partial else SIM_TOKEN for rid in out.scheduled], elapsed)
