@@ -66,6 +66,13 @@ class SchedulerConfig:
     chunked_prefill: bool = option(False, "mix decodes and prompt chunks in one step under the token budget, "
                                           "decodes first, instead of alternating prefill and decode steps")
 
+    v0_rules: bool = option(False, "vLLM 0.2.5's block checks (the version AdaptiveLLM was built on): every running "
+                                   "request needs a free block to decode, a swap-in keeps a spare block and the "
+                                   "watermark, and a prompt batch counts padded tokens (at most 256 of padding)")
+    admit_min_batch: int = option(1, "with group admission (--policy fair): a prefill group smaller than this waits "
+                                     "(the running batch decodes meanwhile) until more blocks free up or "
+                                     "--admit-max-wait passes; 1: admit whatever fits at once (the paper's Algorithm 2)")
+    admit_max_wait: float = option(0.5, "seconds a prefill group smaller than --admit-min-batch may be held back")
     reserve: str = option("none", "blocks a request must find free at admission besides its prompt's: none (vLLM), "
                                   "its max_tokens' (conservative continuous batching) or its predicted output's",
                           ("none", "max", "predicted"))
@@ -90,6 +97,9 @@ class SchedulerConfig:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         self.weights()
+        if self.admit_min_batch < 1 or self.admit_max_wait < 0:
+            raise ValueError(f"admit_min_batch must be >= 1 and admit_max_wait >= 0, got {self.admit_min_batch} and "
+                             f"{self.admit_max_wait}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -232,12 +232,14 @@ class BlockManager:
         self.registered.pop(req_id, None)
         return list(zip(dev, host))
 
-    def can_swap_in(self, req_id: str, extra_tokens_to: int | None = None) -> bool:
-        """Room to bring req_id back (and, if given, grow it to cover extra_tokens_to tokens)."""
+    def can_swap_in(self, req_id: str, extra_tokens_to: int | None = None, spare: int = 0) -> bool:
+        """Room to bring req_id back (and, if given, grow it to cover extra_tokens_to tokens), leaving
+        `spare` blocks free."""
+        return self.swap_in_need(req_id, extra_tokens_to) + spare <= self.num_free_device
+
+    def swap_in_need(self, req_id: str, extra_tokens_to: int | None = None) -> int:
         n = len(self.host_tables[req_id])
-        if extra_tokens_to is not None:
-            n = max(n, self.blocks_needed(extra_tokens_to))
-        return n <= self.num_free_device
+        return n if extra_tokens_to is None else max(n, self.blocks_needed(extra_tokens_to))
 
     def swap_in(self, req_id: str) -> list[tuple[int, int]]:
         """Move req_id's blocks back to the device pool; returns (host, device) copy pairs."""

@@ -54,6 +54,10 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.static = getattr(ordering, "static", False)
         self.group_admission = getattr(ordering, "group_admission", False)
+        # vLLM 0.2.5's checks (config.v0_rules): a swap-in leaves one block for the request's next token and
+        # the watermark free (vllm/core/block_manager.py, BlockSpaceManager.can_swap_in)
+        self.v0 = config.v0_rules
+        self._swap_spare = 1 + block_manager.watermark_blocks if self.v0 else 0
         if config.chunked_prefill and self.group_admission:
             raise ValueError(f"chunked prefill does not combine with the {config.policy!r} policy's group admission yet")
         self.preemption_counts = preemption_counts()  # since start, for monitoring
@@ -71,6 +75,7 @@ class Scheduler:
         self._fetches: list[tuple[bytes, int]] = []  # (name, device block) to fill from the store this step
         self.batcher = None  # request-level batching: policies.batching assembler (set by the builder)
         self._current = None  # the batch running (request-level batching)
+        self._held_since = None  # when a small prefill group was first held back (admit_min_batch)
 
     def _enqueue(self, queue: list[Request], req: Request, now: float) -> None:
         """Append, or insert in order when the ordering is static (those queues are kept sorted)."""
@@ -281,28 +286,56 @@ class Scheduler:
         slots = self.config.max_num_seqs - len(self.running)
         self._sorted(self.swapped, now)
         hosts = self.bm.host_tables
-        swap_group = self._fitting(self.swapped, room, slots,
+        swap_group = self._fitting(self.swapped, room - self._swap_spare, slots,
                                    lambda r: max(len(hosts[r.request_id]), self.bm.blocks_needed(r.num_tokens)))
         self._sorted(self.waiting, now)
         prefill_group = self._fitting(self.waiting, room - self.bm.watermark_blocks, slots,
-                                      lambda r: self.bm.blocks_needed(r.num_tokens), self.config.max_num_batched_tokens)
-        if prefill_group and self._mean_priority(prefill_group, now) > self._mean_priority(swap_group, now):
-            return self._schedule_prefill(now, limit=len(prefill_group))
+                                      lambda r: self.bm.blocks_needed(r.num_tokens), self._joins)
+        wins = prefill_group and self._mean_priority(prefill_group, now) > self._mean_priority(swap_group, now)
+        if not (wins and self._hold_back(prefill_group, slots, now)):
+            self._held_since = None
+            if wins:
+                return self._schedule_prefill(now, limit=len(prefill_group))
         return self._schedule_decode(now, swap_in_limit=len(swap_group))
 
+    def _hold_back(self, group: list[Request], slots: int, now: float) -> bool:
+        """Coalescing (admit_min_batch): hold a small prefill group back while requests run, for at most
+        admit_max_wait seconds (from the first step it was held), so that one prefill step admits more
+        requests: a GPU prefill step reads all the weights whatever its size. A group as large as the
+        batch's free places goes at once."""
+        cfg = self.config
+        if len(group) >= min(cfg.admit_min_batch, slots) or not self.running:
+            return False
+        if self._held_since is None:
+            self._held_since = now
+        return now - self._held_since < cfg.admit_max_wait
+
     @staticmethod
-    def _fitting(queue: list[Request], blocks: int, slots: int, need, token_budget: int | None = None) -> list[Request]:
-        """The longest prefix of `queue` that fits in `blocks` free blocks, `slots` batch places and the
-        prefill token budget (the first request may exceed the budget alone, as in _schedule_prefill)."""
-        group, tokens = [], 0
+    def _fitting(queue: list[Request], blocks: int, slots: int, need, joins=None) -> list[Request]:
+        """The longest prefix of `queue` that fits in `blocks` free blocks, `slots` batch places and, with
+        `joins` (a prefill group), the prefill token budget."""
+        group, tokens, longest = [], 0, 0
         for req in queue[:slots]:
             n = need(req)
-            if n > blocks or (token_budget is not None and group and tokens + req.num_tokens > token_budget):
+            if n > blocks or (joins is not None and not joins(len(group), tokens, longest, req.num_tokens)):
                 break
             blocks -= n
             tokens += req.num_tokens
+            longest = max(longest, req.num_tokens)
             group.append(req)
         return group
+
+    def _joins(self, count: int, tokens: int, longest: int, n: int) -> bool:
+        """Whether a prompt of n tokens joins a prefill batch of `count` prompts (`tokens` in all, the
+        longest `longest`) under the token budget; the first always does, so long prompts still run.
+        With v0_rules the batch is padded to its longest prompt, with at most 256 tokens of padding
+        (vLLM 0.2.5, vllm/core/scheduler.py, Scheduler._schedule: max_num_batched_tokens, max_paddings)."""
+        if not count:
+            return True
+        if self.v0:
+            padded = (count + 1) * max(longest, n)
+            return padded <= self.config.max_num_batched_tokens and padded - tokens - n <= 256
+        return tokens + n <= self.config.max_num_batched_tokens
 
     def _mean_priority(self, group: list[Request], now: float) -> float:
         if not group:
@@ -355,19 +388,17 @@ class Scheduler:
     def _schedule_prefill(self, now: float, limit: int | None = None) -> SchedulerOutput:
         self._sorted(self.waiting, now)
         batch: list[Request] = []
-        tokens = 0
+        tokens = longest = 0
         limit = self.config.max_num_seqs - len(self.running) if limit is None else limit
         while self.waiting and len(batch) < limit:
             req = self.waiting[0]
             hits = self.bm.match(req)
             n = req.num_tokens - len(hits) * self.bm.block_size
-            # the first prefill of a step may exceed the token budget, so long prompts still run
-            if batch and tokens + n > self.config.max_num_batched_tokens:
-                break
-            if not self._admit(now, hits, batch):
+            if not self._joins(len(batch), tokens, longest, n) or not self._admit(now, hits, batch):
                 break
             batch.append(req)
             tokens += n
+            longest = max(longest, n)
         for req in batch:
             self._enqueue(self.running, req, now)
         return self._rows(SchedulerOutput(True), batch)
@@ -376,22 +407,26 @@ class Scheduler:
         out = SchedulerOutput(False)
         self._sorted(self.running, now)
         running = self.running
-        tables, bs = self.bm.device_tables, self.bm.block_size
+        tables, bs, bm = self.bm.device_tables, self.bm.block_size, self.bm
+        # v0_rules: every running request needs a free block, whether or not its last block has room
+        # (vLLM 0.2.5, vllm/core/block_manager.py, BlockSpaceManager.can_append_slot)
+        floor = int(self.v0)
         i = 0
         while i < len(running):
             req = running[i]
-            if req.num_tokens <= len(tables[req.request_id]) * bs:  # fast path: its blocks have room
+            # fast path: its blocks have room (the token decoded this step sits at position num_tokens - 1)
+            if req.num_tokens <= len(tables[req.request_id]) * bs and bm.num_free_device >= floor:
                 i += 1
                 continue
-            # the token decoded this step sits at position num_tokens - 1
-            while self.bm.new_blocks_for(req.request_id, req.num_tokens) > self.bm.num_free_device:
+            while max(bm.new_blocks_for(req.request_id, req.num_tokens), floor) > bm.num_free_device:
                 victim = running.pop()  # lowest priority
                 self._preempt(victim, now, out)
                 if victim is req:
                     break
             else:  # no break: req itself was not preempted, and now its blocks fit
-                self.bm.append_slots(req.request_id, req.num_tokens)
-                self._changed[req.request_id] = req
+                if bm.new_blocks_for(req.request_id, req.num_tokens):
+                    bm.append_slots(req.request_id, req.num_tokens)
+                    self._changed[req.request_id] = req
                 i += 1
         if not out.preempted:
             self._swap_in(running, now, out, swap_in_limit)
@@ -477,7 +512,7 @@ class Scheduler:
         while self.swapped and limit > 0 and len(running) < self.config.max_num_seqs:
             limit -= 1
             req = self.swapped[0]
-            if not self.bm.can_swap_in(req.request_id, req.num_tokens):
+            if not self.bm.can_swap_in(req.request_id, req.num_tokens, self._swap_spare):
                 break
             _move(out, Pool.HOST, Pool.DEVICE, self.bm.swap_in(req.request_id))
             self.bm.append_slots(req.request_id, req.num_tokens)
