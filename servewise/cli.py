@@ -494,6 +494,8 @@ def _run_experiment(a) -> None:
         from servewise.experiments.placement import main
     elif a.experiment == "banaserve":
         from servewise.experiments.banaserve import main
+    elif a.experiment == "adaptivellm-gap":
+        from servewise.experiments.adaptive_gap import main
     else:
         from servewise.experiments.adaptivellm import main
     main(a)
@@ -634,7 +636,7 @@ def _add_experiment(sub) -> None:
                                              "baselines, on the real engine and simulated A800 GPUs")
     ad.add_argument("--full", action="store_true",
                     help="the paper's scale: 1,000 requests per run, both tiny models, batch sweep on the real engine too")
-    ad.add_argument("--num-requests", type=int, default=None, help="requests per run (quick: 48 real, 300 simulated)")
+    ad.add_argument("--num-requests", type=int, default=None, help="requests per run (quick: 32 real, 200 simulated)")
     ad.add_argument("--real-models", default=None, help="comma-separated; '' for none (quick: tiny-llama)")
     ad.add_argument("--sim-models", default=None, help="comma-separated; '' for none (opt-13b,opt-30b,llama-13b,llama-30b)")
     ad.add_argument("--workloads", default=None, help="comma-separated presets (chatbot,alpaca,summary)")
@@ -647,6 +649,37 @@ def _add_experiment(sub) -> None:
     ad.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ad.add_argument("--out-dir", default="results/adaptivellm")
     ad.set_defaults(func=_run_experiment)
+    gap = exsub.add_parser("adaptivellm-gap", help="AdaptiveLLM's throughput gap explained: vLLM 0.2.5 baselines, a "
+                                                  "GPU swap model, swap-cost sweep, coalesced admission, arrivals")
+    gap.add_argument("--full", action="store_true",
+                     help="4 models, 3 workloads, 5 seeds of 1,000 simulated requests, 200 real (quick: opt-13b, "
+                          "chatbot and summary, 3 seeds of 300 simulated and 96 real)")
+    gap.add_argument("--sections", default=None, help="comma-separated subset of table, swapcost, crossover, coalesce, "
+                                                      "arrivals (default: all)")
+    gap.add_argument("--sim-models", default=None, help="comma-separated simulated models (the first runs the "
+                                                        "swapcost, coalesce and arrivals sections)")
+    gap.add_argument("--real-model", default=None, help="real engine model of the arrivals section ('' for none; "
+                                                        "default tiny-llama)")
+    gap.add_argument("--real-requests", type=_at_least(1), default=None,
+                     help="chatbot requests per real-engine run (quick 96, full 200)")
+    gap.add_argument("--workloads", default=None, help="comma-separated presets (chatbot,alpaca,summary)")
+    gap.add_argument("--seeds", type=_at_least(1), default=None, help="seeds per setting (quick 3, full 5)")
+    gap.add_argument("--loads", type=_rates, default=None,
+                     help="arrival rates as fractions of vllm's all-at-once capacity (quick: 0.5,1.5)")
+    gap.add_argument("--trace", default=None, help="Azure LLM inference trace CSV whose arrivals (rescaled) the "
+                                                   "arrivals section also replays")
+    gap.add_argument("--swap-model", default=None, choices=["pinned-overlap", "pinned-serial", "pageable"],
+                     help="GPU swap cost model of the simulated runs (default pinned-overlap: vLLM 0.2.x)")
+    gap.add_argument("--hardware", default=None, help="simulated GPU (default a800-80g-pcie)")
+    gap.add_argument("--num-device-blocks", type=_at_least(1), default=None, help="device pool (default 128)")
+    gap.add_argument("--num-host-blocks", type=_at_least(0), default=None, help="host pool (default 64)")
+    gap.add_argument("--max-output-len", type=_at_least(1), default=None, help="maximum output length (default 64)")
+    gap.add_argument("--data-dir", default=None,
+                     help="directory with the ShareGPT and arXiv files for real prompt texts (default: synthetic)")
+    gap.add_argument("--predictors", default=None, help="predictors for the real engine's adaptive preemption")
+    gap.add_argument("--threads", type=int, default=0, help="torch threads of the real engine (0: torch's default)")
+    gap.add_argument("--out-dir", default="results/adaptive_gap")
+    gap.set_defaults(func=_run_experiment)
     sw = exsub.add_parser("splitwise", help="Splitwise: phase-split clusters, KV transfer and provisioning, "
                                            "simulated on BLOOM-176B DGX machines")
     sw.add_argument("--data-dir", required=True,

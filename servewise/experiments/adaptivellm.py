@@ -52,6 +52,9 @@ class Settings:
     num_host_blocks: int = 64
     block_size: int = 16
     max_num_seqs: int = 256  # for the throughput runs
+    max_num_batched_tokens: int = 4096
+    v0_rules: bool = False  # vLLM 0.2.5's block checks and padded prompt budget (SchedulerConfig.v0_rules)
+    swap_model: str | None = None  # simulated swaps priced by predictors.gpu_swap (None: the roofline link model)
     data_dir: str | None = None
     predictors: str | None = None  # for adaptive preemption on the real engine; None: cached, profiled on first use
     seed: int = 0
@@ -73,6 +76,7 @@ class Run:
     max_num_seqs: int
     throughput: float = 0.0  # output tokens/s
     duration_s: float = 0.0  # first arrival to last finish (simulated time in the simulator)
+    mean_e2e_s: float = 0.0
     weighted_turnaround: float | None = None
     completed: int = 0
     rejected: int = 0
@@ -103,12 +107,21 @@ def workload(name: str, n: int, max_output_len: int, s: Settings):
 
 
 def make_engine(backend: str, model: str, system: str, max_num_seqs: int, s: Settings,
-                efficiency: dict | None = None) -> LLMEngine:
+                efficiency: dict | None = None, swap=None, **extra) -> LLMEngine:
+    """An engine for one run: `swap` (a gpu_swap model or name) overrides s.swap_model; `extra` are more
+    engine options (such as admit_min_batch)."""
     policy, preemption = SYSTEMS[system]
     kw = dict(num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks, block_size=s.block_size,
-              policy=policy, preemption=preemption, max_num_seqs=max_num_seqs)
+              policy=policy, preemption=preemption, max_num_seqs=max_num_seqs, v0_rules=s.v0_rules,
+              max_num_batched_tokens=s.max_num_batched_tokens, **extra)
     if backend == "sim":
-        return build_sim_engine(model, s.hardware, efficiency=efficiency, **kw)
+        if (swap := swap or s.swap_model) is None:
+            return build_sim_engine(model, s.hardware, efficiency=efficiency, **kw)
+        from servewise.models.loader import load_model_config
+        from servewise.predictors.perf import make_perf
+
+        perf = make_perf(s.hardware, load_model_config(model, "float16")[0], s.block_size, efficiency=efficiency)
+        return build_sim_engine(model, s.hardware, perf=perf.with_swap(swap), dtype="float16", **kw)
     eng = build_engine(model=model, predictors=s.predictors, **kw)
     eng.add_request([5] * 16)  # warm-up, outside the measured run
     while eng.has_unfinished():
@@ -117,8 +130,10 @@ def make_engine(backend: str, model: str, system: str, max_num_seqs: int, s: Set
 
 
 def run_one(kind: str, backend: str, model: str, items, wl: str, max_out: int, system: str, max_num_seqs: int,
-            s: Settings, efficiency: dict | None = None) -> Run:
-    eng = make_engine(backend, model, system, max_num_seqs, s, efficiency)
+            s: Settings, efficiency: dict | None = None, arrivals: list[float] | None = None, swap=None,
+            **extra) -> Run:
+    """One run; all requests at once unless `arrivals` are given (seconds from the start)."""
+    eng = make_engine(backend, model, system, max_num_seqs, s, efficiency, swap, **extra)
     run = Run(kind, backend, model, wl, max_out, system, max_num_seqs)
 
     def observe(st: StepStats) -> None:
@@ -132,9 +147,10 @@ def run_one(kind: str, backend: str, model: str, items, wl: str, max_out: int, s
         elif st.scheduled:
             run.decode_steps += 1
 
-    reqs, rejected = run_workload(eng, items, [0.0] * len(items), on_step=observe)
+    reqs, rejected = run_workload(eng, items, arrivals or [0.0] * len(items), on_step=observe)
     m = compute([RequestRecord.from_request(r) for r in reqs])
     run.throughput, run.duration_s = m["output_throughput"], m["duration_s"]
+    run.mean_e2e_s = (m["mean_e2el_ms"] or 0.0) / 1e3
     run.weighted_turnaround, run.completed, run.rejected = m["mean_weighted_turnaround"], m["completed"], len(rejected)
     run.preemptions = m["preemptions"]
     pre = eng.scheduler.preemption
@@ -147,8 +163,9 @@ def run_one(kind: str, backend: str, model: str, items, wl: str, max_out: int, s
 
 
 def crossover(model: str, s: Settings, link_efficiency: float | None = None,
-              tokens=(16, 64, 256, 1024, 2048)) -> list[dict]:
-    """Predicted recompute and swap costs of one request by length on the simulated GPU."""
+              tokens=(16, 64, 256, 1024, 2048), swap=None) -> list[dict]:
+    """Predicted recompute and swap costs of one request by length on the simulated GPU (swaps priced by
+    the roofline's link, or by a gpu_swap model)."""
     from servewise.models.loader import load_model_config
     from servewise.predictors.roofline import RooflinePerf
 
@@ -156,6 +173,8 @@ def crossover(model: str, s: Settings, link_efficiency: float | None = None,
     perf = RooflinePerf(mc, s.hardware, s.block_size)
     if link_efficiency is not None:
         perf = perf.with_efficiency(link=link_efficiency)
+    if swap is not None:
+        perf = perf.with_swap(swap)
     rows = []
     for n in tokens:
         blocks = -(-n // s.block_size)

@@ -1,0 +1,37 @@
+"""The AdaptiveLLM gap experiment, small and simulated: every section runs, reports, and reads right."""
+from dataclasses import replace
+
+from servewise.experiments import adaptive_gap as G
+
+
+def test_the_gap_experiment_runs_every_section_and_slower_swaps_hurt_vllm_s(tmp_path):
+    g = replace(G.QUICK, real_model=None, workloads=("chatbot",), seeds=2, num_requests_sim=120,
+                slowdowns=(1, 100), loads=(0.5, 2.0), admit_min_batch=(1, 8))
+    res = G.run_experiment(g)
+    assert {"table", "swapcost", "crossover", "coalesce", "arrivals"} <= set(res)
+    # every system ran every seed of the table
+    assert len(res["table"]) == 2 * len(G.SYSTEMS)
+    by = G._group(res["swapcost"], "slowdown", "system")
+    ratio = {k: sum(r["throughput"] for r in by[(k, "vllm")]) / sum(r["throughput"] for r in by[(k, "vllm_s")])
+             for k in (1, 100)}
+    assert ratio[100] > 2 * ratio[1]  # a swap 100 times slower makes always-swap far slower than recompute
+    need = G.slowdown_needed(res, "chatbot", ratio[100] * 0.99)
+    assert need is not None and 1 <= need <= 100
+    # coalescing: the held-back admission runs fewer, larger prefill steps
+    co = G._group(res["coalesce"], "system", "admit_min_batch")
+    steps = {k: sum(r["prefill_steps"] for r in co[(G.ADAPTIVE, k)]) for k in (1, 8)}
+    assert steps[8] < steps[1]
+    # arrivals: below capacity nothing is preempted; the rates are the loads times the capacity
+    low = [r for r in res["arrivals"] if r["load"] == 0.5]
+    assert low and all(r["rate"] == 0.5 * r["capacity"] for r in low)
+    text = G.report(res)
+    for title in ("speed-up of adaptive+fair", "swaps k times slower", "predicted recompute", "coalesced",
+                  "requests arriving over time"):
+        assert title in text
+    assert G.plot(res, str(tmp_path)) and (tmp_path / "adaptive_gap_swapcost.png").stat().st_size > 0
+
+
+def test_ci95_is_a_t_interval():
+    m, h = G.ci95([1.0, 2.0, 3.0])
+    assert m == 2.0 and abs(h - 4.303 * 1.0 / 3 ** 0.5) < 1e-3
+    assert G.ci95([5.0]) == (5.0, 0.0)
