@@ -537,6 +537,15 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _lengths(text: str) -> list[int]:
+    """'64,128' -> [64, 128]: lengths, each >= 1."""
+    parse = _at_least(1)
+    out = [parse(t.strip()) for t in text.split(",") if t.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError("expected comma-separated lengths, e.g. 64,128,256")
+    return out
+
+
 def _machines(text: str) -> dict[str, int]:
     """'dgx-a100:27' or 'dgx-h100:25,dgx-a100:5' -> {machine: count}."""
     from servewise.cluster.machines import MACHINES
@@ -639,8 +648,15 @@ def _add_experiment(sub) -> None:
     ad.add_argument("--num-requests", type=int, default=None, help="requests per run (quick: 32 real, 200 simulated)")
     ad.add_argument("--real-models", default=None, help="comma-separated; '' for none (quick: tiny-llama)")
     ad.add_argument("--sim-models", default=None, help="comma-separated; '' for none (opt-13b,opt-30b,llama-13b,llama-30b)")
-    ad.add_argument("--workloads", default=None, help="comma-separated presets (chatbot,alpaca,summary)")
+    ad.add_argument("--workloads", default=None, help="comma-separated presets (chatbot,alpaca,summary), or trace "
+                                                      "(with --trace)")
     ad.add_argument("--systems", default=None, help="comma-separated: vllm,vllm_s,adaptive+fcfs,recompute+fair,adaptive+fair")
+    ad.add_argument("--hardware", default=None, help="simulated GPU (default a800-80g-pcie)")
+    ad.add_argument("--num-device-blocks", type=_at_least(1), default=None, help="device pool (default 128)")
+    ad.add_argument("--num-host-blocks", type=_at_least(0), default=None, help="host pool (default 64)")
+    ad.add_argument("--max-output-lens", type=_lengths, default=None, help="comma-separated (default 64,128,256)")
+    ad.add_argument("--trace", default=None, help="Azure LLM inference trace CSV: the workload 'trace' samples "
+                                                  "its prompt and output lengths")
     ad.add_argument("--data-dir", default=None,
                     help="directory with the ShareGPT and arXiv files for real prompt texts (default: synthetic)")
     ad.add_argument("--predictors", default=None,
@@ -662,7 +678,8 @@ def _add_experiment(sub) -> None:
                                                         "default tiny-llama)")
     gap.add_argument("--real-requests", type=_at_least(1), default=None,
                      help="chatbot requests per real-engine run (quick 96, full 200)")
-    gap.add_argument("--workloads", default=None, help="comma-separated presets (chatbot,alpaca,summary)")
+    gap.add_argument("--workloads", default=None, help="comma-separated presets (chatbot,alpaca,summary), or trace "
+                                                       "(the --trace file's lengths)")
     gap.add_argument("--seeds", type=_at_least(1), default=None, help="seeds per setting (quick 3, full 5)")
     gap.add_argument("--loads", type=_rates, default=None,
                      help="arrival rates as fractions of vllm's all-at-once capacity (quick: 0.5,1.5)")

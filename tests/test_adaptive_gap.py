@@ -35,3 +35,19 @@ def test_ci95_is_a_t_interval():
     m, h = G.ci95([1.0, 2.0, 3.0])
     assert m == 2.0 and abs(h - 4.303 * 1.0 / 3 ** 0.5) < 1e-3
     assert G.ci95([5.0]) == (5.0, 0.0)
+
+
+def test_the_trace_workload_samples_the_traces_lengths(tmp_path):
+    import pytest
+
+    from servewise.experiments.adaptivellm import trace_workload
+
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,30,500\n2023-11-16 18:15:47.1000000,7,20\n")
+    items = trace_workload(str(path), 50, 64, seed=1)
+    assert len(items) == 50 and {(it.prompt_len, it.output_len) for it in items} == {(30, 64), (7, 20)}
+    assert all(len(it.prompt) == it.prompt_len for it in items)
+    assert [it.prompt_len for it in trace_workload(str(path), 50, 64, seed=1)] == [it.prompt_len for it in items]
+    with pytest.raises(ValueError, match="needs --trace"):
+        trace_workload(None, 5, 64, 0)

@@ -179,6 +179,8 @@ def test_fuzzed_command_lines_run_or_fail_clearly(tmp_path, capsys, pairs):
     (["experiment", "banaserve", "--systems", "vllm"], "unknown system 'vllm'"),
     (["experiment", "uellm-placement", "--sets", "8xh100"], "unknown device set '8xh100'"),
     (["experiment", "uellm-placement", "--models", "llama-65b"], "not a configuration for simulation"),
+    (["experiment", "adaptivellm", "--max-output-lens", "64,0"], "must be >= 1, got 0"),
+    (["experiment", "adaptivellm", "--num-host-blocks", "-1"], "must be >= 0, got -1"),
     (["experiment", "adaptivellm-gap", "--sections", "table,speed"], "unknown section(s) speed"),
     (["experiment", "adaptivellm-gap", "--seeds", "0"], "must be >= 1, got 0"),
     (["experiment", "adaptivellm-gap", "--loads", "0.5,-1"], "must be > 0, got -1"),

@@ -160,3 +160,50 @@ def test_coalescing_options_are_checked():
         SchedulerConfig(admit_min_batch=0)
     with pytest.raises(ValueError, match="admit_max_wait"):
         SchedulerConfig(admit_max_wait=-1)
+
+
+def test_a_recompute_victim_returns_ahead_of_later_arrivals():
+    """_preempt_by_recompute: waiting.appendleft (the FCFS order puts it first again)."""
+    s, _ = make(num_device=4, v0_rules=True)
+    a, b = req(0, 7, 0.0), req(1, 7, 1.0)
+    s.add(a), s.add(b)
+    run_step(s, s.schedule(0.0))
+    s.add(req(2, 2, 2.0))  # a later arrival, waiting (no room)
+    out = s.schedule(0.0)
+    assert out.preempted == [("1", "recompute")]
+    assert [r.request_id for r in s.waiting] == ["1", "2"]
+
+
+def test_no_swap_in_on_a_step_that_preempted_and_swap_in_stops_at_the_first_misfit():
+    """_schedule: swapped requests come back only when the step preempted nobody, in FCFS order,
+    stopping at the first that does not fit (no skipping ahead)."""
+    s, bm = make(num_device=8, num_host=16, preemption="swap", v0_rules=False)
+    reqs = [req(0, 4, 0.0), req(1, 12, 1.0), req(2, 4, 2.0)]
+    for r in reqs:
+        s.add(r)
+    run_step(s, s.schedule(0.0))  # 1 + 3 + 1 = 5 blocks (5, 13, 5 tokens)
+    for r in reqs[1:]:  # swap 1 (3 blocks) and 2 (1 block) out by hand, oldest first
+        s.running.remove(r)
+        bm.swap_out(r.request_id)
+        r.status = Status.SWAPPED
+        s.swapped.append(r)
+    bm.append_slots("0", 5 * 4)  # request 0 holds 5 blocks: 3 free, enough for 2 (2 blocks) not for 1 (4)
+    out = s.schedule(0.0)
+    assert out.moved_blocks(Pool.DEVICE) == 0 and [r.request_id for r in s.swapped] == ["1", "2"]
+    # a step that preempts brings nobody back, even when the preemption frees room for it
+    s2, bm2 = make(num_device=6, num_host=16, preemption="swap")
+    a, b, c = req(0, 4, 0.0), req(1, 8, 1.0), req(2, 4, 2.0)
+    for r in (a, b, c):
+        s2.add(r)
+    run_step(s2, s2.schedule(0.0))  # 1 + 2 + 1 blocks; 5, 9, 5 tokens: each needs one more to decode
+    s2.running.remove(c)
+    bm2.swap_out("2")
+    c.status = Status.SWAPPED
+    s2.swapped.append(c)
+    bm2.append_slots("0", 16)  # a takes every free block: b must go (2 blocks), which would fit c's 2
+    out = s2.schedule(0.0)
+    assert out.preempted == [("1", "swap")] and bm2.num_free_device >= 2
+    assert out.moved_blocks(Pool.DEVICE) == 0 and c.status is Status.SWAPPED
+    out = s2.schedule(0.0)  # no preemption now, but b (3 blocks, first by arrival) does not fit: c waits behind
+    assert not out.preempted and out.moved_blocks(Pool.DEVICE) == 0
+    assert [r.request_id for r in s2.swapped] == ["1", "2"]

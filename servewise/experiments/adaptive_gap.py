@@ -52,7 +52,7 @@ class GapSettings:
     admit_min_batch: tuple[int, ...] = (1, 4, 8)
     admit_max_wait: float = 0.2  # simulated seconds (the coalesce section)
     loads: tuple[float, ...] = (0.5, 0.9, 1.5)  # arrival rates as fractions of vllm's all-at-once capacity
-    trace: str | None = None  # Azure conv trace CSV: its arrivals, rescaled
+    trace: str | None = None  # Azure trace CSV: its arrivals, rescaled; and the workload "trace" (its lengths)
     sections: tuple[str, ...] = SECTIONS
     hardware: str = "a800-80g-pcie"
     num_device_blocks: int = 128
@@ -64,6 +64,7 @@ class GapSettings:
         """The reproduction's settings with vLLM 0.2.5's rules and the GPU swap model."""
         return Settings(hardware=self.hardware, num_device_blocks=self.num_device_blocks,
                         num_host_blocks=self.num_host_blocks, data_dir=self.data_dir, predictors=self.predictors,
+                        trace=self.trace,
                         seed=seed, v0_rules=True, swap_model=self.swap_model, max_num_batched_tokens=2048)
 
 

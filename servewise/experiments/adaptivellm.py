@@ -56,6 +56,7 @@ class Settings:
     v0_rules: bool = False  # vLLM 0.2.5's block checks and padded prompt budget (SchedulerConfig.v0_rules)
     swap_model: str | None = None  # simulated swaps priced by predictors.gpu_swap (None: the roofline link model)
     data_dir: str | None = None
+    trace: str | None = None  # an Azure LLM inference trace CSV: the workload "trace" samples its lengths
     predictors: str | None = None  # for adaptive preemption on the real engine; None: cached, profiled on first use
     seed: int = 0
 
@@ -98,12 +99,32 @@ def workload(name: str, n: int, max_output_len: int, s: Settings):
     from servewise.models.loader import load_model_config
 
     _, tok = load_model_config("tiny-llama")
-    items = preset_workload(name, n, tok, 32000, s.seed, s.data_dir, max_output_len)
+    if name == "trace":
+        items = trace_workload(s.trace, n, max_output_len, s.seed)
+    else:
+        items = preset_workload(name, n, tok, 32000, s.seed, s.data_dir, max_output_len)
     cap = (s.num_device_blocks - 2) * s.block_size - max_output_len if s.num_device_blocks else 1 << 30
     for it in items:
         if it.prompt_len > cap:
             it.prompt, it.prompt_len = it.prompt[:cap], cap
     return items
+
+
+def trace_workload(path: str | None, n: int, max_output_len: int, seed: int):
+    """n requests sampled (by seed) from an Azure trace's rows: its prompt and output lengths (outputs capped),
+    random prompt ids."""
+    import random
+
+    from servewise.workloads.datasets import WorkloadRequest, load_azure_trace
+
+    if path is None:
+        raise ValueError("the workload 'trace' needs --trace (an Azure LLM inference trace CSV)")
+    rows, rng = load_azure_trace(path), random.Random(f"trace:{seed}")
+    out = []
+    for r in (rows[rng.randrange(len(rows))] for _ in range(n)):
+        out.append(WorkloadRequest(r.prompt_len, min(r.output_len, max_output_len),
+                                   [rng.randrange(10, 32000) for _ in range(r.prompt_len)]))
+    return out
 
 
 def make_engine(backend: str, model: str, system: str, max_num_seqs: int, s: Settings,
@@ -290,10 +311,10 @@ def preemption_table(result: dict) -> list[str]:
     def cell(backend, model, wl, _, x):
         rs = [idx[k] for mo in s["max_output_lens"] if (k := (backend, model, wl, mo, x)) in idx]
         sw, rc, fb = (sum(r["preemptions"][k] for r in rs) for k in ("swap", "recompute", "swap_fallback"))
-        return f"{sw}/{rc} ({fb})"
+        return f"{sw}/{rc - fb}/{fb}"
 
-    return _system_columns(result, "preemptions by kind, summed over max output lengths: swap / recompute "
-                           "(of which host-pool-full fallbacks)", 17, cell)
+    return _system_columns(result, "preemptions by kind, summed over max output lengths: swaps / recomputes by "
+                           "choice / recomputes because the host pool was full (three separate counts)", 17, cell)
 
 
 def steps_table(result: dict) -> list[str]:
@@ -440,7 +461,12 @@ def plot(result: dict, out_dir: str) -> list[str]:
 
 
 def main(a) -> None:
-    s = replace(FULL if a.full else QUICK, seed=a.seed, data_dir=a.data_dir, predictors=a.predictors)
+    s = replace(FULL if a.full else QUICK, seed=a.seed, data_dir=a.data_dir, predictors=a.predictors, trace=a.trace)
+    for name in ("hardware", "num_device_blocks", "num_host_blocks"):
+        if (v := getattr(a, name)) is not None:
+            s = replace(s, **{name: v})
+    if a.max_output_lens is not None:
+        s = replace(s, max_output_lens=tuple(a.max_output_lens))
     if a.num_requests:
         s = replace(s, num_requests_real=a.num_requests, num_requests_sim=a.num_requests)
     for name in ("real_models", "sim_models", "workloads", "systems"):
