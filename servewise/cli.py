@@ -764,7 +764,12 @@ def _add_experiment(sub) -> None:
     bs.add_argument("--zipf", type=_float_at_least(0), default=1.0, help="popularity exponent of the system prompts")
     bs.add_argument("--store-gb", type=_float_at_least(0, strict=True), default=256.0,
                     help="the global KV store's host-memory tier")
-    bs.add_argument("--rates", type=_rates, default="2,4,8,12", help="comma-separated poisson request rates")
+    bs.add_argument("--rates", type=_rates, default="2,4,8,12",
+                    help="comma-separated request rates (Poisson, or the trace's gaps rescaled)")
+    bs.add_argument("--workload", default="shared-prefix", choices=["shared-prefix", "alpaca", "longbench", "azure-conv"],
+                    help="shared system prompts (dispatch by cache vs load), or the thesis's rate-sweep workloads: "
+                         "short (alpaca), long (longbench) prompts, or the Azure conv trace (--trace)")
+    bs.add_argument("--trace", default=None, help="Azure conv trace CSV, for --workload azure-conv")
     bs.add_argument("--seed", type=int, default=0)
     bs.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     bs.add_argument("--out-dir", default="results/banaserve")

@@ -177,6 +177,7 @@ def test_fuzzed_command_lines_run_or_fail_clearly(tmp_path, capsys, pairs):
     (["experiment", "banaserve", "--rates", "0"], "must be > 0, got 0"),
     (["experiment", "banaserve", "--instances", "1"], "must be >= 2, got 1"),
     (["experiment", "banaserve", "--systems", "vllm"], "unknown system 'vllm'"),
+    (["experiment", "banaserve", "--workload", "azure-conv"], "needs --trace"),
     (["experiment", "uellm-placement", "--sets", "8xh100"], "unknown device set '8xh100'"),
     (["experiment", "uellm-placement", "--models", "llama-65b"], "not a configuration for simulation"),
     (["experiment", "adaptivellm", "--max-output-lens", "64,0"], "must be >= 1, got 0"),

@@ -18,12 +18,17 @@ requests with prefix caching:
   it here (the hand-off publishes its KV layer by layer during the prompt's step, and a fetch that
   fails would void it), so a store would only be written.
 
-The workload: requests that start with one of `prefixes` system prompts whose popularity follows a
-Zipf law (a few hot ones), then a question of their own. Layer- and head-level migration and the
-rebalancing loop (Algorithm 4-1) are not part of this experiment yet.
+The workload (--workload): `shared-prefix`, requests that start with one of `prefixes` system prompts
+whose popularity follows a Zipf law (a few hot ones), then a question of their own; or the thesis's
+rate sweeps without shared prefixes: `alpaca` (short instructions, AdaptiveLLM's Alpaca preset
+lengths), `longbench` (long inputs, log-normal around `LONG_MEAN` tokens, cut to fit the model's
+context beside the output) and `azure-conv` (the Azure conv trace's lengths, its arrival gaps scaled
+so that their mean rate is the requested one). Layer- and head-level migration and the rebalancing
+loop (Algorithm 4-1) are not part of this experiment yet.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import sys
@@ -31,6 +36,9 @@ import time
 
 from servewise.experiments import publish
 from servewise.metrics import RequestRecord, compute
+
+WORKLOADS = ("shared-prefix", "alpaca", "longbench", "azure-conv")
+LONG_MEAN = 1500  # longbench: mean prompt tokens (LongBench's inputs run to thousands; the 2,048-token models cut them)
 
 # name: (instances' roles, router of the prompts, global KV store)
 SYSTEMS = {"round-robin": ("mixed", "round_robin", False), "cache-aware": ("mixed", "cache_aware", False),
@@ -94,9 +102,53 @@ def overlap(model: str, gpu: str = "a100-80g", prompt: int = 1000,
     return {"model": model, "gpu": gpu, "prompt": prompt, "kv_bytes_per_token_layer": kv_layer, "rows": rows}
 
 
+def workload(a, mc) -> tuple[list, list[float] | None]:
+    """(requests, the trace's arrival gaps scaled to a mean of 1 s, or None for Poisson arrivals)."""
+    import random
+
+    from servewise.workloads.prefix import random_ids, shared_prefix
+    from servewise.workloads.presets import lognormal
+
+    rng, n, out = random.Random(a.seed), a.num_requests, a.output_len
+    cap = mc.max_model_len - out
+    if a.workload == "shared-prefix":
+        return shared_prefix(n, mc.vocab_size, a.prefixes, a.prefix_len, a.suffix_len, out, seed=a.seed,
+                             zipf=a.zipf), None
+    from servewise.workloads.datasets import WorkloadRequest
+
+    if a.workload == "azure-conv":
+        import numpy as np
+
+        from servewise.workloads.datasets import load_azure_trace
+
+        if not a.trace:
+            raise ValueError("--workload azure-conv needs --trace (the Azure conv trace CSV)")
+        rows = load_azure_trace(a.trace, limit=n)
+        if len(rows) < n:
+            raise ValueError(f"{a.trace} holds {len(rows)} requests; --num-requests asks for {n}")
+        gaps = np.diff([r.arrival for r in rows], prepend=rows[0].arrival)
+        gaps = (gaps / gaps[1:].mean()).tolist() if n > 1 and gaps[1:].mean() > 0 else [0.0] * n
+        lens = [(min(r.prompt_len, cap), min(r.output_len, out)) for r in rows]
+    elif a.workload == "alpaca":
+        from servewise.workloads.presets import PRESETS
+
+        p = PRESETS["alpaca"]
+        lens = [(min(p.max_in, max(2, round(lognormal(rng, p.mean_in, p.cv_in)))),
+                 min(out, max(1, round(lognormal(rng, p.mean_out, p.cv_out))))) for _ in range(n)]
+        gaps = None
+    else:  # longbench
+        lens = [(min(cap, max(16, round(lognormal(rng, LONG_MEAN, 0.5)))), min(out, max(1, round(lognormal(rng, 64, 0.5)))))
+                for _ in range(n)]
+        gaps = None
+    return [WorkloadRequest(pl, ol, random_ids(rng, pl, mc.vocab_size)) for pl, ol in lens], gaps
+
+
 def report(res: dict) -> str:
+    what = (f"{res['prefixes']} system prompts of {res['prefix_len']} tokens, Zipf {res['zipf']}"
+            if res.get("workload", "shared-prefix") == "shared-prefix" else
+            f"workload {res['workload']}, mean prompt {res['mean_prompt']:.0f} / output {res['mean_output']:.0f} tokens")
     lines = [f"BanaServe dispatch: {res['instances']} x A100 ({res['model']}, analytical roofline), {res['num_requests']} "
-             f"requests, {res['prefixes']} system prompts of {res['prefix_len']} tokens, Zipf {res['zipf']}",
+             f"requests, {what}",
              f"{'rate':>5} {'system':<18}{'req/s':>7}{'TTFT ms':>9}{'p99 TTFT':>9}{'TPOT ms':>8}{'E2E s':>7}{'hits':>7}{'store':>7}"
              f"{'skew':>6}{'prefill skew':>13}  requests per instance"]
     for r in res["runs"]:
@@ -119,8 +171,13 @@ def plot(res: dict, out_dir: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [("mean_ttft_ms", "mean TTFT (ms)"), ("mean_e2e_s", "mean E2E (s)"), ("routed_skew", "requests: max / mean"),
-               ("prefill_skew", "prompt tokens prefilled: max / mean")]
+    wl = res.get("workload", "shared-prefix")
+    if wl == "shared-prefix":
+        metrics = [("mean_ttft_ms", "mean TTFT (ms)"), ("mean_e2e_s", "mean E2E (s)"),
+                   ("routed_skew", "requests: max / mean"), ("prefill_skew", "prompt tokens prefilled: max / mean")]
+    else:
+        metrics = [("request_throughput", "requests/s served"), ("mean_ttft_ms", "mean TTFT (ms)"),
+                   ("mean_tpot_ms", "mean TPOT (ms)"), ("mean_e2e_s", "mean E2E (s)")]
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics), 3.2))
     for ax, (key, label) in zip(axes, metrics):
         for system in SYSTEMS:
@@ -131,10 +188,14 @@ def plot(res: dict, out_dir: str) -> str:
         ax.set_ylabel(label, fontsize=8)
         ax.tick_params(labelsize=7)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"dispatch by load vs by cache locality: {res['instances']} simulated A100 instances, {res['model']}",
+    fig.suptitle(f"dispatch by load vs by cache locality: {res['instances']} simulated A100 instances, {res['model']}"
+                 if wl == "shared-prefix" else f"{wl}: {res['instances']} simulated A100 instances, {res['model']}",
                  fontsize=9)
+    if wl != "shared-prefix":
+        for ax in axes[1:]:
+            ax.set_yscale("log")
     fig.tight_layout()
-    path = os.path.join(out_dir, "banaserve_dispatch.png")
+    path = os.path.join(out_dir, "banaserve_dispatch.png" if wl == "shared-prefix" else f"banaserve_{wl}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     paths = [path]
@@ -164,7 +225,6 @@ def main(a) -> None:
 
     from servewise.models.loader import load_model_config
     from servewise.workloads.arrivals import arrival_times
-    from servewise.workloads.prefix import shared_prefix
 
     systems = a.systems.split(",") if a.systems else list(SYSTEMS)
     for s in systems:
@@ -172,21 +232,29 @@ def main(a) -> None:
             raise ValueError(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
     rates = a.rates
     mc, _ = load_model_config(a.model, "float16")
-    items = shared_prefix(a.num_requests, mc.vocab_size, a.prefixes, a.prefix_len, a.suffix_len, a.output_len,
-                          seed=a.seed, zipf=a.zipf)
+    if a.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {a.workload!r}; choose from {', '.join(WORKLOADS)}")
+    items, gaps = workload(a, mc)
     res = {"experiment": "banaserve-dispatch", "model": a.model, "instances": a.instances, "num_requests": a.num_requests,
+           "workload": a.workload, "mean_prompt": statistics.mean(it.prompt_len for it in items),
+           "mean_output": statistics.mean(it.output_len for it in items),
            "prefixes": a.prefixes, "prefix_len": a.prefix_len, "suffix_len": a.suffix_len, "output_len": a.output_len,
            "zipf": a.zipf, "store_gb": a.store_gb, "rates": rates, "runs": []}
     t0 = time.perf_counter()
     bar = tqdm(total=len(rates) * len(systems), desc="simulations", unit="run", disable=not sys.stderr.isatty())
     for rate in rates:
-        arrivals = arrival_times(len(items), "poisson", rate, seed=a.seed)
+        if gaps is None:
+            arrivals = arrival_times(len(items), "poisson", rate, seed=a.seed)
+        else:  # the trace's gaps, rescaled: mean rate `rate`
+            arrivals = list(itertools.accumulate(g / rate for g in gaps))
         for system in systems:
             r = run_one(a.model, system, a.instances, items, arrivals, a.store_gb)
             r["rate"] = rate
             res["runs"].append(r)
             bar.update()
     bar.close()
-    res["overlap"] = [overlap(m) for m in dict.fromkeys((a.model, "llama-3-8b"))]
+    if a.workload == "shared-prefix":
+        res["overlap"] = [overlap(m) for m in dict.fromkeys((a.model, "llama-3-8b"))]
     res["wall_s"] = time.perf_counter() - t0
-    publish(res, report(res), a.out_dir, "banaserve_dispatch", plot)
+    publish(res, report(res), a.out_dir, "banaserve_dispatch" if a.workload == "shared-prefix" else
+            f"banaserve_{a.workload}", plot)
