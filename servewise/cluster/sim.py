@@ -31,7 +31,7 @@ from servewise.workloads.datasets import WorkloadRequest
 from servewise.workloads.driver import params_for, placeholder_prompt
 
 ROLES = ("prompt", "token", "mixed")
-_STEP, _TRANSFER = 1, 0  # event kinds
+_STEP, _TRANSFER, _MONITOR = 1, 0, 2  # event kinds (in this order at one moment)
 
 
 @dataclass
@@ -87,6 +87,10 @@ class ClusterResult:
     transfer_wait_s: float  # sum over hand-offs of (KV arrival - prompt end)
     borrowed: int
     perf_labels: list[str]
+    # every monitoring period: (time, per instance (compute share of the period, memory share)); and the
+    # migrations made (rebalance.Move with the time)
+    loads: list[tuple[float, list[tuple[float, float]]]] = field(default_factory=list)
+    migrations: list[tuple[float, object]] = field(default_factory=list)
 
 
 class ClusterSim:
@@ -105,7 +109,8 @@ class ClusterSim:
     def __init__(self, model: str, design: Design, router: str = "jsq_tokens", perf_table=None,
                  transfer: str = "layerwise", link_latency_s: float = 10e-6, max_pending_tokens: int = 8192,
                  token_axis: str = "batch", predictors=None, link_gbps: float | None = None,
-                 calibration: dict[str, dict] | None = None, split_router: str | None = None, **engine_kw):
+                 calibration: dict[str, dict] | None = None, split_router: str | None = None, rebalance=None,
+                 monitor_s: float | None = None, **engine_kw):
         if transfer not in MODES:
             raise ValueError(f"unknown transfer mode {transfer!r}; choose from {', '.join(MODES)}")
         from servewise.models.loader import load_model_config
@@ -120,7 +125,7 @@ class ClusterSim:
         engine_kw.setdefault("max_num_seqs", 512)
         mc, _ = load_model_config(model, engine_kw["dtype"])
         self.kv_bytes_per_token, self.layers = mc.kv_bytes_per_token, mc.num_layers
-        block_size = engine_kw.get("block_size", 16)
+        block_size = self.block_size = engine_kw.get("block_size", 16)
         perfs = {}
         for m, _ in specs:
             if m not in perfs:
@@ -131,6 +136,12 @@ class ClusterSim:
                                      token_axis=token_axis)
         cal = calibration or {}
         perf_of = lambda m, role: Calibrated(perfs[m], **cal[role]) if role in cal else perfs[m]  # noqa: E731
+        if monitor_s is not None and monitor_s <= 0:
+            raise ValueError(f"monitor_s must be positive, got {monitor_s}")
+        self.monitor_s = rebalance.period_s if rebalance is not None else monitor_s
+        self.rebalancer = None
+        if self.monitor_s:  # the loads are measured through the migration-aware cost model, leases or not
+            perf_of = self._migrating(mc, perf_of, rebalance, link_gbps, link_latency_s)
         store = None
         if engine_kw.get("kv_store"):  # one simulated global KV store that every instance reads and writes
             from servewise.builder import sim_store_for
@@ -151,6 +162,45 @@ class ClusterSim:
             self.router = None
         else:
             self.pools, self.router = None, make_router(router)
+
+    def _migrating(self, mc, perf_of, cfg, link_gbps, latency_s):
+        """perf_of for instances that migrate layers and heads (each its own rebalance.MigratingPerf)."""
+        from servewise.cluster.rebalance import MigratingPerf, Rebalancer
+        from servewise.predictors.roofline import layer_params
+
+        machines = {m for m, _ in self.design.instances()}
+        gbps = link_gbps or min(get_machine(m).nic_gbps for m in machines)
+        itemsize = mc.kv_bytes_per_token // (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim)
+        block_bytes = self.block_size * mc.kv_bytes_per_token
+        if cfg is not None:
+            self.rebalancer = Rebalancer(cfg, mc.num_layers, mc.num_kv_heads, layer_params(mc) * itemsize,
+                                         block_bytes, gbps * 1e9)
+
+        def make(m, role):
+            return MigratingPerf(perf_of(m, role), self.clock, mc.num_layers, mc.num_kv_heads,
+                                 mc.num_heads // mc.num_kv_heads, mc.head_dim, mc.hidden_size, itemsize, gbps * 1e9,
+                                 latency_s)
+        return make
+
+    def _loads(self, since: list[float], window: float):
+        """The rebalancer's view of every instance: compute share of the window, blocks, leases."""
+        from servewise.cluster.rebalance import Load
+
+        out = []
+        for e, c0 in zip(self.engines, since):
+            bm, perf = e.block_manager, e.runner.perf
+            usable = bm.usable_device
+            out.append(Load(min(1.0, (perf.compute_s - c0) / window), usable - bm.num_free_device, usable,
+                            perf.attn_share, perf.layers_out, perf.heads_out))
+        return out
+
+    def _migrate(self, m) -> None:
+        src, dst = self.engines[m.src], self.engines[m.dst]
+        src.runner.perf.lease_to(dst.runner.perf, m.kind, m.amount)
+        dst.block_manager.lend(m.blocks + m.weight_blocks)
+        src.block_manager.grow(m.blocks)
+        src.runner.perf.stall(m.cost_s)
+        dst.runner.perf.stall(m.cost_s)
 
     def _prefix_hits(self, prompt: list[int]) -> tuple[list[int], int]:
         """The prompt's leading full blocks cached on each instance (as its scheduler would match them:
@@ -197,6 +247,10 @@ class ClusterSim:
         item_of: dict[str, int] = {}
         transfers, wait_s = 0, 0.0
         k = 0
+        load_log, migrations = [], []
+        if self.monitor_s:
+            since, last = [0.0] * n, 0.0
+            heapq.heappush(events, (self.monitor_s, _MONITOR, 0, None))
 
         def start_transfers(j: int, rids: list[str], now: float) -> None:
             nonlocal seq, transfers
@@ -246,6 +300,17 @@ class ClusterSim:
                 if kind == _STEP:
                     busy[payload] = False
                     dirty.add(payload)
+                elif kind == _MONITOR:
+                    snap = self._loads(since, now - last)
+                    load_log.append((now, [(x.compute, x.memory) for x in snap]))
+                    for m in self.rebalancer.plan(snap) if self.rebalancer else []:
+                        self._migrate(m)
+                        migrations.append((now, m))
+                        dirty.update((m.src, m.dst))
+                    since, last = [e.runner.perf.compute_s for e in engines], now
+                    if k < len(order) or events or any(busy) or any(e.has_unfinished() for e in engines):
+                        seq += 1
+                        heapq.heappush(events, (now + self.monitor_s, _MONITOR, seq, None))
                 else:
                     rid, i, j = payload
                     engines[i].release(rid)
@@ -293,4 +358,4 @@ class ClusterSim:
                                f"({len(prompt_of)} transfers pending): a hand-off deadlock, please report it")
         return ClusterResult(reqs, rejected, placed, steps, busy_s, clock.now(), time.perf_counter() - t0, transfers,
                              self.network.bytes_sent, wait_s, self.pools.borrowed if self.pools else 0,
-                             self.perf_labels)
+                             self.perf_labels, load_log, migrations)

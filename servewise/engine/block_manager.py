@@ -65,6 +65,7 @@ class BlockManager:
         self.admitted_tokens = 0  # tokens of the requests admitted (again, after a recompute), since start
         self.hit_tokens = 0  # of those, the tokens whose KV came from cached blocks
         self.store_hit_tokens = 0  # and the tokens whose KV was fetched from the store
+        self.lent: list[int] = []  # device blocks set aside for another instance's migrated KV or weights
 
     # --- queries -----------------------------------------------------------------------------
     @property
@@ -183,6 +184,25 @@ class BlockManager:
                     self.free_device.append(b)
 
     # --- device pool -------------------------------------------------------------------------
+    @property
+    def usable_device(self) -> int:
+        """Device blocks this instance may hold: the pool less the blocks lent out."""
+        return self.num_device_blocks - len(self.lent)
+
+    def lend(self, n: int) -> None:
+        """Set n free blocks aside (a migration's peer keeps the source's KV or the moved weights there)."""
+        if n > self.num_free_device:
+            raise RuntimeError(f"lend {n} blocks with {self.num_free_device} free")
+        self.lent.extend(self._take() for _ in range(n))
+
+    def grow(self, n: int) -> None:
+        """n more blocks: the pool of an instance whose KV per token shrank (part of it is kept elsewhere)."""
+        start = self.num_device_blocks
+        self.num_device_blocks += n
+        self.free_device[:0] = range(start + n - 1, start - 1, -1)  # used after the blocks already free
+        if self.caching:
+            self.refs.extend([0] * n)
+
     def allocate(self, req_id: str, num_tokens: int, hits: list[int] = ()) -> list[int]:
         """A table covering num_tokens for a new request: the shared cached blocks `hits` (from match),
         then new ones."""
@@ -262,7 +282,7 @@ class BlockManager:
             ("device", self.free_device + list(self.evictable), self.device_tables, self.num_device_blocks),
             ("host", self.free_host, self.host_tables, self.num_host_blocks),
         ):
-            owned = [b for t in tables.values() for b in t]
+            owned = [b for t in tables.values() for b in t] + (self.lent if pool == "device" else [])
             if self.caching and pool == "device":
                 counts = Counter(owned)
                 assert all(self.refs[b] == counts[b] for b in range(total)), "device: a reference count is wrong"

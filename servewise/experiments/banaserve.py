@@ -23,8 +23,12 @@ whose popularity follows a Zipf law (a few hot ones), then a question of their o
 rate sweeps without shared prefixes: `alpaca` (short instructions, AdaptiveLLM's Alpaca preset
 lengths), `longbench` (long inputs, log-normal around `LONG_MEAN` tokens, cut to fit the model's
 context beside the output) and `azure-conv` (the Azure conv trace's lengths, its arrival gaps scaled
-so that their mean rate is the requested one). Layer- and head-level migration and the rebalancing
-loop (Algorithm 4-1) are not part of this experiment yet.
+so that their mean rate is the requested one).
+
+banaserve: the P/D split of pd-load-aware (Algorithm 4-2 over the prompt instances) with layer- and
+head-level migration under the rebalancing loop (Algorithm 4-1; cluster.rebalance, its prices and
+settings there). Every run samples the instances' loads every MONITOR_S seconds; the report gives the
+mean gap between the most and the least loaded instance, and a figure shows the loads over time.
 """
 from __future__ import annotations
 
@@ -40,18 +44,25 @@ from servewise.metrics import RequestRecord, compute
 WORKLOADS = ("shared-prefix", "alpaca", "longbench", "azure-conv")
 LONG_MEAN = 1500  # longbench: mean prompt tokens (LongBench's inputs run to thousands; the 2,048-token models cut them)
 
-# name: (instances' roles, router of the prompts, global KV store)
-SYSTEMS = {"round-robin": ("mixed", "round_robin", False), "cache-aware": ("mixed", "cache_aware", False),
-           "load-aware": ("mixed", "load_aware", False), "load-aware+store": ("mixed", "load_aware", True),
-           "pd-distserve": ("split", "jsq_tokens", False), "pd-splitwise": ("pools", None, False),
-           "pd-cache-aware": ("split", "cache_aware", False), "pd-load-aware": ("split", "load_aware", False)}
+# name: (instances' roles, router of the prompts, global KV store, module migration)
+SYSTEMS = {"round-robin": ("mixed", "round_robin", False, False), "cache-aware": ("mixed", "cache_aware", False, False),
+           "load-aware": ("mixed", "load_aware", False, False), "load-aware+store": ("mixed", "load_aware", True, False),
+           "pd-distserve": ("split", "jsq_tokens", False, False), "pd-splitwise": ("pools", None, False, False),
+           "pd-cache-aware": ("split", "cache_aware", False, False), "pd-load-aware": ("split", "load_aware", False, False),
+           "banaserve": ("split", "load_aware", False, True)}
+MONITOR_S = 2.0  # how often every run's loads are sampled (and, for banaserve, its rebalancing period)
 
 
 def run_one(model: str, system: str, instances: int, items, arrivals, store_gb: float) -> dict:
+    from servewise.cluster.rebalance import Rebalancing
     from servewise.cluster.sim import ClusterSim, Design
 
-    roles, router, store = SYSTEMS[system]
+    roles, router, store, migrate = SYSTEMS[system]
     kw = dict(enable_prefix_caching=True)
+    if migrate:
+        kw.update(rebalance=Rebalancing(period_s=MONITOR_S))
+    else:  # the same load samples, without acting on them
+        kw.update(monitor_s=MONITOR_S)
     if store:
         kw.update(kv_store="simulated", kv_store_gb=store_gb)
     if roles == "mixed":
@@ -68,6 +79,7 @@ def run_one(model: str, system: str, instances: int, items, arrivals, store_gb: 
     routed = [sum(1 for p in res.placed if p and p[0] == i) for i in range(prompt_side)]
     st_p = st[:prompt_side]
     busy = [b / res.makespan for b in res.busy_s]
+    util = [[c + m for c, m in per] for _, per in res.loads]  # the thesis's U = compute + memory (4-28)
     admitted = sum(s.admitted_tokens for s in st)
     computed = [s.admitted_tokens - s.prefix_hit_tokens - s.store_hit_tokens for s in st_p]  # prompt tokens prefilled
     return {"system": system, "completed": m["completed"], "request_throughput": m["request_throughput"],
@@ -78,6 +90,9 @@ def run_one(model: str, system: str, instances: int, items, arrivals, store_gb: 
             "prefill_skew": max(computed) / statistics.mean(computed) if any(computed) else 0.0,
             "local_hit_rate": sum(s.prefix_hit_tokens for s in st) / admitted if admitted else 0.0,
             "store_hit_rate": sum(s.store_hit_tokens for s in st) / admitted if admitted else 0.0,
+            "util_gap": statistics.mean(gaps) if (gaps := [max(u) - min(u) for u in util]) else 0.0,
+            "loads": [[t, [[round(c, 4), round(m, 4)] for c, m in per]] for t, per in res.loads],
+            "migrations": [[t, m.kind, m.src, m.dst, m.amount, m.cost_s] for t, m in res.migrations],
             "sim_wall_s": res.wall_s}
 
 
@@ -150,11 +165,14 @@ def report(res: dict) -> str:
     lines = [f"BanaServe dispatch: {res['instances']} x A100 ({res['model']}, analytical roofline), {res['num_requests']} "
              f"requests, {what}",
              f"{'rate':>5} {'system':<18}{'req/s':>7}{'TTFT ms':>9}{'p99 TTFT':>9}{'TPOT ms':>8}{'E2E s':>7}{'hits':>7}{'store':>7}"
-             f"{'skew':>6}{'prefill skew':>13}  requests per instance"]
+             f"{'skew':>6}{'prefill skew':>13}{'U gap':>6}{'moves':>6}  requests per instance"]
     for r in res["runs"]:
         lines.append(f"{r['rate']:>5g} {r['system']:<18}{r['request_throughput']:>7.2f}{r['mean_ttft_ms']:>9.0f}"
                      f"{r['p99_ttft_ms']:>9.0f}{r['mean_tpot_ms']:>8.1f}{r['mean_e2e_s']:>7.2f}{r['local_hit_rate']:>7.1%}{r['store_hit_rate']:>7.1%}"
-                     f"{r['routed_skew']:>6.2f}{r['prefill_skew']:>13.2f}  {r['routed']}")
+                     f"{r['routed_skew']:>6.2f}{r['prefill_skew']:>13.2f}{r['util_gap']:>6.2f}{len(r['migrations']):>6}"
+                     f"  {r['routed']}")
+    lines.append(f"U gap: mean over {MONITOR_S:g} s periods of max - min over instances of U = compute + memory (the "
+                 "thesis's 4-28: FLOPs run over the roofline peak, plus KV blocks in use); moves: banaserve's migrations")
     for o in res.get("overlap", []):
         half = min(o["rows"], key=lambda x: abs(x["hit_rate"] - 0.5))
         hidden = [x["hit_rate"] for x in o["rows"] if x["fetch_ms"] <= x["compute_ms"]]
@@ -199,6 +217,28 @@ def plot(res: dict, out_dir: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     paths = [path]
+    pair = [r for r in res["runs"] if r["system"] in ("pd-load-aware", "banaserve") and r["loads"]]
+    if {r["system"] for r in pair} == {"pd-load-aware", "banaserve"}:  # the loads over time at the top rate
+        top = max(r["rate"] for r in pair)
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
+        for ax, system in zip(axes, ("pd-load-aware", "banaserve")):
+            r = next(x for x in pair if x["system"] == system and x["rate"] == top)
+            ts = [t for t, _ in r["loads"]]
+            for i in range(len(r["loads"][0][1])):
+                role = "prompt" if i < res["instances"] // 2 else "token"
+                ax.plot(ts, [per[i][0] + per[i][1] for _, per in r["loads"]], label=f"{role} instance {i}", lw=1)
+            for t, *_ in r["migrations"]:
+                ax.axvline(t, color="grey", lw=0.5, alpha=0.4)
+            ax.set_title(f"{system} at {top:g} req/s ({len(r['migrations'])} migrations, grey)", fontsize=8)
+            ax.set_xlabel("time (s)", fontsize=8)
+            ax.tick_params(labelsize=7)
+        axes[0].set_ylabel("U = compute + memory", fontsize=8)
+        axes[0].legend(fontsize=6)
+        fig.suptitle(f"{wl}: utilisation per instance without and with module migration (Algorithm 4-1)", fontsize=9)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, f"banaserve_{wl}_loads.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
     if res.get("overlap"):
         fig, axes = plt.subplots(1, len(res["overlap"]), figsize=(4.2 * len(res["overlap"]), 3.2), squeeze=False)
         for ax, o in zip(axes[0], res["overlap"]):

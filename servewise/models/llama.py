@@ -38,6 +38,8 @@ class Rotary(nn.Module):
 
 
 class LlamaLayer(nn.Module):
+    attend = None  # a migration's attention over heads split between instances (cluster.migration)
+
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
@@ -62,7 +64,7 @@ class LlamaLayer(nn.Module):
         # queries and keys rotate together: one pass over both
         q, k = rotary(positions, qk.view(-1, c.num_heads + c.num_kv_heads, c.head_dim)).split(
             [c.num_heads, c.num_kv_heads], dim=1)
-        attn = paged_attention(q, k, v.view(-1, c.num_kv_heads, c.head_dim), cache, meta)
+        attn = (self.attend or paged_attention)(q, k, v.view(-1, c.num_kv_heads, c.head_dim), cache, meta)
         x = x + self.o(attn)
         h = rms_norm(x, self.post_attention_layernorm, c.norm_eps)
         return x + self.down(F.silu(self.gate(h)).mul_(self.up(h)))

@@ -23,6 +23,8 @@ def _norm(n: int) -> nn.ParameterDict:
 
 
 class OPTLayer(nn.Module):
+    attend = None  # a migration's attention over heads split between instances (cluster.migration)
+
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
@@ -46,7 +48,7 @@ class OPTLayer(nn.Module):
         h = self._ln(x, self.self_attn_layer_norm) if pre else x
         q, k, v = self.qkv(h).chunk(3, dim=-1)
         shape = (-1, c.num_heads, c.head_dim)
-        attn = paged_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), cache, meta)
+        attn = (self.attend or paged_attention)(q.reshape(shape), k.reshape(shape), v.reshape(shape), cache, meta)
         x = x + self.out(attn)
         if not pre:
             x = self._ln(x, self.self_attn_layer_norm)

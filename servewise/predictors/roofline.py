@@ -126,11 +126,15 @@ class RooflinePerf:
         """Seconds of `layers` of the model's layers over `tokens` new tokens, with `pairs` (query, key)
         attention pairs and `kv_tokens` tokens of KV read or written, plus `heads` rows through the LM
         head (0: a pipeline stage without it); no per-step overhead, no all-reduce."""
+        return max(self.span_parts(layers, tokens, pairs, kv_tokens, heads))
+
+    def span_parts(self, layers: int, tokens: int, pairs: int, kv_tokens: int, heads: int) -> tuple[float, float]:
+        """span's (compute seconds, memory seconds): its FLOPs at the assumed peak, its bytes at the bandwidth."""
         c, frac = self.c, layers / self.c.num_layers
         flops = 2 * layers * self.layer_params * tokens + self._attn * frac * pairs + 2 * self.lm_head * heads
         nbytes = (layers * self.layer_params + (self.lm_head if heads else 0)) * self.itemsize \
             + kv_tokens * c.kv_bytes_per_token * frac
-        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+        return flops / self.flops_per_s, nbytes / self.bytes_per_s
 
     def _time(self, span_s: float, tokens: int) -> float:
         t = span_s + self.eff.step_overhead_s

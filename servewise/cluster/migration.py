@@ -1,0 +1,95 @@
+"""BanaServe's two migrations on the real model, in one process (cluster.rebalance prices them in the
+simulator).
+
+- Layer-level (`migrate_layers`): layers `first`.. move to a peer: their weights are copied there with
+  the KV they hold, and from then on the peer's copies compute them on the peer's cache. The source's
+  copy of that KV is zeroed, so a step that still read it would go wrong.
+- Attention-head-level (`migrate_heads`): the last `heads` KV heads of some layers (with their query
+  heads, under grouped-query attention) move to a peer, which keeps their KV and computes their
+  attention; the source keeps the other heads' KV, laid out afresh. Heads are independent (each has its
+  own softmax), so the two outputs concatenate per head: no normaliser crosses between them. (The
+  thesis's merge, formulas 4-4 to 4-8, is a split of the keys, which would need a log-sum-exp merge;
+  this is the head split it describes in words.)
+
+The peer here is a second set of tensors in the same process, not another process or GPU: this shows
+that a migration mid-generation leaves the outputs unchanged (tests/test_migration.py, greedy tokens
+compared one for one), not what it costs. Block moves after a migration (swaps, store fetches,
+hand-offs) still act on the source's cache only, so these functions refuse an engine with a host pool
+or a KV store.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from servewise.models.attention import paged_attention
+
+
+class PeerLayer(nn.Module):
+    """A layer run by the peer: its own copy of the weights and of the layer's KV."""
+
+    def __init__(self, layer: nn.Module, cache: torch.Tensor):
+        super().__init__()
+        self.layer = type(layer)(layer.c)  # the weights copied, then prepared as the source's were
+        own = dict(layer.named_parameters())
+        with torch.no_grad():
+            for name, p in self.layer.named_parameters():
+                p.copy_(own[name])
+        self.layer.finalize()
+        self.cache = cache.clone()
+        self._source = cache  # the argument the model passes for this layer's cache, replaced by the peer's
+
+    def forward(self, *args):
+        return self.layer(*(self.cache if a is self._source else a for a in args))
+
+
+class HeadSplit:
+    """A layer's attention over two disjoint sets of KV heads: the first `keep` here, the rest on the peer."""
+
+    def __init__(self, cache: torch.Tensor, keep: int):
+        self.keep = keep
+        self.local = cache[:, :, :keep].contiguous()  # [2, slots, keep, D]
+        self.peer = cache[:, :, keep:].contiguous()
+
+    def __call__(self, q, k, v, cache, meta):
+        g, keep = q.shape[1] // k.shape[1], self.keep
+        cut = keep * g  # query heads that read the kept KV heads
+        here = paged_attention(q[:, :cut].contiguous(), k[:, :keep].contiguous(), v[:, :keep].contiguous(),
+                               self.local, meta)
+        there = paged_attention(q[:, cut:].contiguous(), k[:, keep:].contiguous(), v[:, keep:].contiguous(),
+                                self.peer, meta)
+        return torch.cat([here, there], dim=1)  # [T, H * D], heads in order
+
+
+def _check(runner) -> None:
+    if getattr(runner, "host_cache", None) is not None and runner.host_cache.numel() or \
+            getattr(runner, "store", None) is not None:
+        raise ValueError("migration here supports engines without a host pool or KV store (their block moves "
+                         "would miss the peer's KV)")
+
+
+def migrate_layers(runner, first: int) -> int:
+    """Move layers first.. of a real runner's model to a peer; returns how many moved."""
+    _check(runner)
+    layers = runner.model.layers
+    if not 0 < first < len(layers):
+        raise ValueError(f"first must lie in 1..{len(layers) - 1} (the source keeps at least one layer)")
+    for i in range(first, len(layers)):
+        if not isinstance(layers[i], PeerLayer):
+            layers[i] = PeerLayer(layers[i], runner.kv_caches[i])
+            runner.kv_caches[i].zero_()
+    return len(layers) - first
+
+
+def migrate_heads(runner, heads: int, layer_ids=None) -> None:
+    """Move the last `heads` KV heads of the given layers (default all) of a real runner's model to a peer."""
+    _check(runner)
+    kvh = runner.kv_caches[0].shape[2]
+    if not 0 < heads < kvh:
+        raise ValueError(f"heads must lie in 1..{kvh - 1} (the model has {kvh} KV heads)")
+    for i in range(len(runner.model.layers)) if layer_ids is None else layer_ids:
+        layer = runner.model.layers[i]
+        if isinstance(layer, PeerLayer) or layer.attend is not None:
+            raise ValueError(f"layer {i} has migrated already")
+        layer.attend = HeadSplit(runner.kv_caches[i], kvh - heads)
+        runner.kv_caches[i].zero_()

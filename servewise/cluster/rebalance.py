@@ -1,0 +1,235 @@
+"""BanaServe's module migration in the cluster simulator, and its rebalancing loop (the thesis's
+Algorithm 4-1).
+
+Two kinds of migration move work from a loaded instance (the source) to a lighter one (the peer):
+
+- layer-level: `n` of the source's layers run on the peer (their weights copied there, their KV kept
+  there). The source computes the rest; the activations cross the link twice per step.
+- attention-head-level: `h` of the source's KV heads are kept on the peer, which computes their
+  attention; the queries, the new keys and values and the per-head outputs cross the link at every
+  layer (disjoint heads share no softmax: the outputs concatenate).
+
+How a lease is priced (every constant is an assumption, stated in `Rebalancing` and below):
+- the source's step loses the moved share of its time (a layer's share of the step, all layers costing
+  alike; for heads the moved heads' share of the step's attention, max(attention FLOPs, KV bytes) on
+  the roofline) and pays the link's bytes and per-message latency instead;
+- the peer runs the moved work as a second stream beside its own: the moved seconds queue on the
+  peer's GPU and delay the peer's next step by what has not run yet (the source does not wait for them:
+  a pipeline in steady state, so a migrated prefill's TTFT is understated by at most the moved share);
+- memory: the source's KV per token shrinks by the moved share, so the KV it holds at the move takes
+  fewer blocks: its pool grows by the difference, and the peer lends as many blocks out of its own
+  (and, for layers, the blocks the weights take). The loan is sized at the move: the source's later
+  growth is not mirrored on the peer (an approximation in the source's favour);
+- a migration itself copies the weights and the source's KV in use for the moved share over the link,
+  plus a synchronisation; both instances stall for that long.
+
+Algorithm 4-1 (Rebalancer): every period, the utilisation U = compute + memory (4-28) of every instance;
+the most and the least loaded; if the gap passes `delta_up` (or, once rebalancing, `delta_down`: the
+hysteresis the thesis names but never sets) a layer migration is tried first, then a head migration;
+a move is made only if its predicted benefit (the gap it closes, 4-31) per second of its cost reaches
+`rho`, and never one that would leave the source below the peer (no overshoot); a move back the way
+the last one came must clear `delta_up` afresh (noisy loads otherwise bounce work to and fro).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYERS, HEADS = "layers", "heads"
+
+
+@dataclass
+class Rebalancing:
+    """The loop's settings (the thesis gives none of these values; these are ours)."""
+
+    period_s: float = 2.0  # control period (virtual seconds)
+    delta_up: float = 0.4  # start when max U - min U exceeds this (U lies in [0, 2])
+    delta_down: float = 0.2  # then go on while the gap exceeds this
+    rho: float = 1.0  # benefit (U closed) per second of migration cost, at least
+    layer_step: int = 4  # layers per layer migration
+    head_step: int = 8  # KV heads per head migration
+    max_share: float = 0.5  # of its layers, and of its KV heads, an instance may move out
+    sync_s: float = 5e-3  # synchronisation per migration (the thesis's T_sync)
+    layers: bool = True  # which kinds are allowed
+    heads: bool = True
+
+    def __post_init__(self):
+        if not (self.period_s > 0 and 0 <= self.delta_down <= self.delta_up and self.rho >= 0 and self.layer_step >= 1
+                and self.head_step >= 1 and 0 < self.max_share <= 0.5 and self.sync_s >= 0):
+            raise ValueError(f"bad rebalancing settings: {self}")
+
+
+@dataclass
+class Load:
+    """An instance's state as the loop sees it."""
+
+    compute: float  # the FLOPs it ran in the last period over what its GPU could run (roofline peak)
+    used: int  # device blocks in use (lent blocks count as used)
+    usable: int  # device blocks it may hold
+    attn_share: float = 0.5  # of its step time, the attention's (for the head migration's estimate)
+    layers_out: int = 0  # its layers and KV heads running elsewhere now
+    heads_out: int = 0
+
+    @property
+    def memory(self) -> float:
+        return self.used / self.usable if self.usable else 1.0
+
+    @property
+    def util(self) -> float:
+        return self.compute + self.memory
+
+
+@dataclass
+class Move:
+    kind: str
+    src: int
+    dst: int
+    amount: int  # layers or KV heads
+    blocks: int  # of the peer's pool lent to the source (its grown pool)
+    weight_blocks: int  # of the peer's pool taken by the moved weights
+    cost_s: float
+    benefit: float  # predicted gap closed
+    gap: float  # the gap before
+
+
+class Rebalancer:
+    """Algorithm 4-1 on load snapshots; `plan` returns the moves of one control period."""
+
+    def __init__(self, cfg: Rebalancing, num_layers: int, num_kv_heads: int, layer_bytes: float, block_bytes: float,
+                 link_bytes_per_s: float):
+        self.cfg, self.L, self.H = cfg, num_layers, num_kv_heads
+        self.layer_bytes, self.block_bytes, self.link = layer_bytes, block_bytes, link_bytes_per_s
+        self.active = False  # hysteresis: between crossing delta_up and falling below delta_down
+        self.last: tuple[int, int] | None = None  # (source, peer) of the last move
+
+    def predict(self, kind: str, o: int, u: int, loads: list[Load]) -> Move | None:
+        """The move of one step of `kind` from o to u, with its predicted loads, or None if not possible."""
+        cfg, lo, lu = self.cfg, loads[o], loads[u]
+        total, step, out = (self.L, cfg.layer_step, lo.layers_out) if kind == LAYERS else \
+            (self.H, cfg.head_step, lo.heads_out)
+        n = min(step, int(total * cfg.max_share) - out)
+        if n <= 0:
+            return None
+        local = total - out  # of its layers or heads, those it still runs
+        share = n / local  # of what it runs now
+        moved_c = lo.compute * share * (1.0 if kind == LAYERS else lo.attn_share)
+        blocks = round(lo.used * n / (local - n))  # its KV in use, thinner per token: blocks it gains
+        weights = -(-int(n * self.layer_bytes) // int(self.block_bytes)) if kind == LAYERS else 0
+        free_u = lu.usable - lu.used
+        if blocks + weights > free_u:
+            return None
+        kv_moved = lo.used * self.block_bytes * share
+        cost = (kv_moved + (n * self.layer_bytes if kind == LAYERS else 0)) / self.link + cfg.sync_s
+        after_o = lo.compute - moved_c + lo.used / (lo.usable + blocks)
+        after_u = lu.compute + moved_c + (lu.used + blocks + weights) / lu.usable
+        gap = lo.util - lu.util
+        if after_o < after_u:  # it would overshoot: the next period would move it back
+            return None
+        return Move(kind, o, u, n, blocks, weights, cost, gap - (after_o - after_u), gap)
+
+    def plan(self, loads: list[Load]) -> list[Move]:
+        cfg = self.cfg
+        order = sorted(range(len(loads)), key=lambda i: loads[i].util)
+        u, o = order[0], order[-1]
+        gap = loads[o].util - loads[u].util
+        self.active = gap > (cfg.delta_down if self.active and self.last != (u, o) else cfg.delta_up)
+        if not self.active:  # (moving back the way the last move went must clear delta_up afresh)
+            return []
+        for kind, allowed in ((LAYERS, cfg.layers), (HEADS, cfg.heads)):  # layers first (coarse), then heads
+            if allowed and (m := self.predict(kind, o, u, loads)) is not None and m.benefit > 0 and \
+                    m.benefit / m.cost_s >= cfg.rho:
+                self.last = (o, u)
+                return [m]
+        return []
+
+
+@dataclass
+class Lease:
+    peer: MigratingPerf
+    layers: int = 0
+    heads: int = 0
+
+
+class MigratingPerf:
+    """A roofline cost model whose instance may run part of its work on peers and part of theirs."""
+
+    def __init__(self, base, clock, num_layers: int, num_kv_heads: int, q_per_kv: int, head_dim: int, hidden: int,
+                 itemsize: int, link_bytes_per_s: float, link_latency_s: float):
+        if not hasattr(base, "span"):
+            raise ValueError("migration needs the analytical roofline (per-layer and attention costs)")
+        self.base, self.clock = base, clock
+        self.L, self.H, self.g, self.D, self.hidden, self.itemsize = num_layers, num_kv_heads, q_per_kv, head_dim, \
+            hidden, itemsize
+        self.link, self.latency = link_bytes_per_s, link_latency_s
+        self.leases: list[Lease] = []
+        self.queue_until = 0.0  # the peers' work (and migrations) queued on this GPU
+        self.busy_until = 0.0
+        self.step_s = self.attn_s = 0.0  # totals, for the attention share
+        self.moved_s = self.hosted_s = 0.0  # seconds of its work run elsewhere, of others' run here
+        self.compute_s = 0.0  # the FLOPs run on this GPU (its own and its peers'), in seconds at peak
+
+    def __getattr__(self, name):  # copy, copy_parts, prior_context, label, ...
+        return getattr(self.base, name)
+
+    @property
+    def layers_out(self) -> int:
+        return sum(x.layers for x in self.leases)
+
+    @property
+    def heads_out(self) -> int:
+        return sum(x.heads for x in self.leases)
+
+    @property
+    def attn_share(self) -> float:
+        return self.attn_s / self.step_s if self.step_s else 0.5
+
+    def stall(self, seconds: float) -> None:
+        """A migration: this GPU is taken for `seconds` from now (or from when it is free)."""
+        now = self.clock.now()
+        self.queue_until = max(self.queue_until, self.busy_until, now) + seconds
+
+    def _step(self, t: float, tokens: int, pairs: int, kv_tokens: int, rows: int) -> float:
+        base, now = self.base, self.clock.now()
+        wait = max(0.0, self.queue_until - now)
+        work = t - base.eff.step_overhead_s  # the layers' share (and the LM head's, counted alike)
+        attn = min(work, base.span(self.L, 0, pairs, kv_tokens, 0))
+        flops_s = base.span_parts(self.L, tokens, pairs, kv_tokens, rows)[0]  # its compute at peak
+        self.step_s += work
+        self.attn_s += attn
+        local, hops = t, 0.0
+        for x in self.leases:  # layers first: a moved layer takes its heads with it
+            moved = work * x.layers / self.L + attn * (self.L - self.layers_out) / self.L * x.heads / self.H
+            local -= moved
+            if x.layers:  # activations out and back
+                hops += 2 * (tokens * self.hidden * self.itemsize / self.link + self.latency)
+            if x.heads:  # per layer still here: queries and new K, V out, outputs back
+                per = tokens * x.heads * self.D * (2 * self.g + 2) * self.itemsize
+                hops += (self.L - self.layers_out) * (per / self.link + 2 * self.latency)
+            peer = x.peer
+            peer.queue_until = max(peer.queue_until, peer.busy_until, now) + moved
+            peer.hosted_s += moved
+            peer.compute_s += flops_s * moved / work
+            self.moved_s += moved
+        self.compute_s += flops_s * (local - (t - work)) / work
+        step = wait + local + hops
+        self.busy_until = now + step
+        return step
+
+    def prefill(self, lens: list[int]) -> float:
+        tokens = sum(lens)
+        return self._step(self.base.prefill(lens), tokens, sum(n * (n + 1) // 2 for n in lens), tokens, len(lens))
+
+    def decode(self, ctx_lens: list[int]) -> float:
+        ctx, b = sum(ctx_lens), len(ctx_lens)
+        return self._step(self.base.decode(ctx_lens), b, ctx, ctx, b)
+
+    def mixed(self, chunks: list[int], ctx_lens: list[int]) -> float:
+        tokens, ctx, b = sum(chunks), sum(ctx_lens), len(ctx_lens)
+        pairs = sum(n * (n + 1) // 2 for n in chunks) + ctx
+        return self._step(self.base.mixed(chunks, ctx_lens), tokens + b, pairs, tokens + ctx, len(chunks) + b)
+
+    def lease_to(self, peer: MigratingPerf, kind: str, amount: int) -> None:
+        lease = next((x for x in self.leases if x.peer is peer), None)
+        if lease is None:
+            lease = Lease(peer)
+            self.leases.append(lease)
+        setattr(lease, kind, getattr(lease, kind) + amount)

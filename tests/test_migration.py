@@ -1,0 +1,192 @@
+"""BanaServe's migrations: the real mechanics keep greedy outputs identical; the rebalancing loop
+(Algorithm 4-1) on crafted loads; the simulated cluster with it."""
+import pytest
+
+from servewise.cluster.rebalance import HEADS, LAYERS, Load, Rebalancer, Rebalancing
+
+
+# --- the real mechanics -----------------------------------------------------------------------
+def _generate(model, migrate=None, after_steps=3, late=True):
+    """Greedy outputs of three prompts (and, with `late`, a fourth added after the migration)."""
+    from servewise.builder import build_engine
+    from servewise.sampling_params import SamplingParams
+
+    eng = build_engine(model=model, num_device_blocks=64, num_host_blocks=0, block_size=4)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    reqs = [eng.add_request([7 + 3 * i + j for j in range(9 + 5 * i)], greedy) for i in range(3)]
+    for _ in range(after_steps):
+        eng.step()
+    if migrate is not None:
+        migrate(eng.runner)
+    if late:
+        reqs.append(eng.add_request([11 + j for j in range(13)], greedy))
+    while eng.has_unfinished():
+        eng.step()
+    return [r.output_token_ids for r in reqs], eng
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-opt"])
+def test_layer_and_head_migration_keep_greedy_outputs(model):
+    from servewise.cluster.migration import PeerLayer, migrate_heads, migrate_layers
+
+    ref, _ = _generate(model)
+    layers, eng = _generate(model, lambda r: migrate_layers(r, 2))
+    assert layers == ref
+    assert all(isinstance(x, PeerLayer) for x in eng.runner.model.layers[2:])
+    assert all(not c.any() for c in eng.runner.kv_caches[2:])  # the source's copy is unused (zeroed)
+    heads, eng = _generate(model, lambda r: migrate_heads(r, 1))
+    assert heads == ref
+    assert all(not c.any() for c in eng.runner.kv_caches)
+
+    def both(r):
+        migrate_heads(r, 1, layer_ids=[0, 1])
+        migrate_layers(r, 2)
+    assert _generate(model, both)[0] == ref
+
+
+def test_migration_reads_the_peers_kv():
+    """Wiping the peer's copy right after the move changes the outputs: the peer's KV is what is read."""
+    from servewise.cluster.migration import migrate_heads, migrate_layers
+
+    ref, _ = _generate("tiny-llama", late=False)
+
+    def wipe_layers(r):
+        migrate_layers(r, 2)
+        r.model.layers[3].cache.zero_()
+
+    def wipe_heads(r):
+        migrate_heads(r, 1)
+        r.model.layers[0].attend.peer.zero_()
+    assert _generate("tiny-llama", wipe_layers, late=False)[0] != ref
+    assert _generate("tiny-llama", wipe_heads, late=False)[0] != ref
+
+
+def test_migration_refuses_what_it_cannot_keep_correct():
+    from servewise.builder import build_engine
+    from servewise.cluster.migration import migrate_heads, migrate_layers
+
+    eng = build_engine(model="tiny-llama", num_device_blocks=16, num_host_blocks=8)
+    with pytest.raises(ValueError, match="host pool"):
+        migrate_layers(eng.runner, 2)
+    eng = build_engine(model="tiny-llama", num_device_blocks=16, num_host_blocks=0)
+    with pytest.raises(ValueError, match="first must lie"):
+        migrate_layers(eng.runner, 0)
+    with pytest.raises(ValueError, match="heads must lie"):
+        migrate_heads(eng.runner, 2)
+    migrate_heads(eng.runner, 1, layer_ids=[0])
+    with pytest.raises(ValueError, match="migrated already"):
+        migrate_heads(eng.runner, 1, layer_ids=[0])
+
+
+# --- Algorithm 4-1 on crafted loads -------------------------------------------------------------
+def _rebalancer(**kw):
+    # 40 layers of 0.5 GB, 40 KV heads, 1 MB blocks, a 25 GB/s link
+    return Rebalancer(Rebalancing(**kw), 40, 40, 0.5e9, 1e6, 25e9)
+
+
+def _hot_cold(hot_c=0.9, cold_c=0.2, hot_used=100, cold_used=100):
+    return [Load(hot_c, hot_used, 10_000, 0.3), Load(cold_c, cold_used, 10_000, 0.3)]
+
+
+def test_rebalancer_hysteresis():
+    rb = _rebalancer(delta_up=0.4, delta_down=0.2, rho=0.0)
+    assert rb.plan(_hot_cold(0.5, 0.2)) == []  # a gap of 0.3 < delta_up: left alone
+    moves = rb.plan(_hot_cold(0.9, 0.2))  # 0.7: it starts, with a layer migration, hot to cold
+    assert [(m.kind, m.src, m.dst, m.amount) for m in moves] == [(LAYERS, 0, 1, 4)]
+    assert rb.plan(_hot_cold(0.5, 0.2)) != []  # 0.3, still rebalancing: goes on down to delta_down
+    assert rb.plan(_hot_cold(0.35, 0.2)) == [] and not rb.active  # 0.15: stops
+    assert rb.plan(_hot_cold(0.5, 0.2)) == []  # 0.3 again: below delta_up, stays put
+
+
+def test_rebalancer_layers_first_then_heads_then_nothing():
+    rb = _rebalancer(rho=0.0, max_share=0.25)  # at most 10 layers and 10 heads out
+    assert rb.plan(_hot_cold())[0].kind == LAYERS
+    loads = _hot_cold()
+    loads[0].layers_out = 10  # its layer budget spent
+    m = rb.plan(loads)[0]
+    assert (m.kind, m.amount, m.weight_blocks) == (HEADS, 8, 0) and m.blocks > 0
+    loads[0].heads_out = 8
+    assert rb.plan(loads)[0].amount == 2  # what the budget leaves
+    loads[0].heads_out = 10
+    assert rb.plan(loads) == []
+
+
+def test_rebalancer_refuses_overshoot_poor_ratio_and_no_room():
+    # a nearly balanced pair: any move would leave the source below the peer
+    assert _rebalancer(rho=0.0, delta_up=0.01, delta_down=0.0).plan(_hot_cold(0.52, 0.5)) == []
+    assert _rebalancer(rho=1e6).plan(_hot_cold()) == []  # the benefit does not pay for the copy
+    # weights too big for the peer's free blocks: heads only
+    huge = Rebalancer(Rebalancing(rho=0.0), 40, 40, 1e12, 1e6, 25e9)
+    assert [m.kind for m in huge.plan(_hot_cold())] == [HEADS]
+
+
+def test_rebalancer_does_not_oscillate_under_noise():
+    """A closed loop: loads follow the moves' predictions, plus noise that flips sign every period;
+    the moves never reverse direction and stop."""
+    rb = _rebalancer(rho=0.0)
+    loads = _hot_cold(0.95, 0.3)
+    made = []
+    for t in range(40):
+        noise = 0.08 if t % 2 else -0.08
+        snap = [Load(min(1.0, max(0.0, x.compute + (noise if i == 0 else -noise))), x.used, x.usable, x.attn_share,
+                     x.layers_out, x.heads_out) for i, x in enumerate(loads)]
+        for m in rb.plan(snap):
+            made.append((t, m.src, m.dst))
+            o, u = loads[m.src], loads[m.dst]
+            share = m.amount / ((40 - (o.layers_out if m.kind == LAYERS else o.heads_out)))
+            moved = o.compute * share * (1.0 if m.kind == LAYERS else o.attn_share)
+            o.compute, u.compute = o.compute - moved, u.compute + moved
+            o.usable += m.blocks
+            u.used += m.blocks + m.weight_blocks
+            setattr(o, "layers_out" if m.kind == LAYERS else "heads_out",
+                    getattr(o, "layers_out" if m.kind == LAYERS else "heads_out") + m.amount)
+    assert made and {(s, d) for _, s, d in made} == {(0, 1)}
+    assert made[-1][0] < 30  # settled well before the end
+
+
+# --- the pools and the simulated cluster --------------------------------------------------------
+def test_block_manager_lend_and_grow():
+    from servewise.engine.block_manager import BlockManager
+
+    for prefix in (None, "k"):
+        bm = BlockManager(10, 0, 4, prefix_key=prefix)
+        bm.allocate("a", 12)
+        bm.lend(4)
+        assert (bm.usable_device, bm.num_free_device) == (6, 3)
+        with pytest.raises(RuntimeError):
+            bm.lend(4)
+        bm.grow(5)
+        assert (bm.num_device_blocks, bm.usable_device, bm.num_free_device) == (15, 11, 8)
+        bm.allocate("b", 32)
+        bm.free("a")
+        bm.check_invariants()
+
+
+def test_simulated_rebalancing_moves_prefill_work_to_decode_instances():
+    import random
+
+    from servewise.cluster.sim import ClusterSim, Design
+    from servewise.workloads.arrivals import arrival_times
+    from servewise.workloads.datasets import WorkloadRequest
+
+    rng = random.Random(0)
+    items = [WorkloadRequest(rng.randint(1500, 2000), rng.randint(16, 64)) for _ in range(150)]
+    arrivals = arrival_times(len(items), "poisson", 6.0, seed=0)
+    design = Design(prompt={"a100": 1}, token={"a100": 1})
+
+    def run(**kw):
+        sim = ClusterSim("llama-13b", design, split_router="load_aware", **kw)
+        return sim, sim.run(items, arrivals)
+
+    plain = run()[1]
+    watched = run(monitor_s=1.0)[1]
+    assert [r.first_token_time for r in watched.requests] == [r.first_token_time for r in plain.requests]
+    assert watched.loads and not watched.migrations
+    sim, moved = run(rebalance=Rebalancing(period_s=1.0))
+    assert moved.migrations and all((m.src, m.dst) == (0, 1) for _, m in moved.migrations)  # prompt -> token
+    p, t = (e.runner.perf for e in sim.engines)
+    assert p.layers_out > 0 and t.hosted_s > 0 and p.moved_s == pytest.approx(t.hosted_s)
+    gap = lambda res: sum(abs((a + b) - (c + d)) for _, ((a, b), (c, d)) in res.loads[-10:])  # noqa: E731
+    assert gap(moved) < gap(watched)  # the utilisation gap narrows
+    assert sum(r.first_token_time - r.arrival_time for r in moved.requests) < \
+        sum(r.first_token_time - r.arrival_time for r in plain.requests)  # and the queue of prompts
