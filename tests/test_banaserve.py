@@ -131,3 +131,21 @@ def test_the_rate_sweep_workloads_fit_the_context_and_the_trace_keeps_its_rhythm
     assert gaps[0] == 0 and sum(gaps[1:]) / 9 == pytest.approx(1.0) and len(set(round(g, 6) for g in gaps[1:])) == 2
     with pytest.raises(ValueError, match="needs --trace"):
         workload(Namespace(workload="azure-conv", **base), mc)
+
+
+def test_the_experiment_runs_banaserve_with_its_loads_and_figures(tmp_path):
+    import json
+    from argparse import Namespace
+
+    from servewise.experiments.banaserve import main
+
+    out = tmp_path / "out"
+    main(Namespace(model="llama-13b", instances=4, systems="pd-load-aware,banaserve", num_requests=150,
+                   prefixes=4, prefix_len=64, suffix_len=8, output_len=64, zipf=1.0, store_gb=16.0, rates=[12.0],
+                   workload="longbench", trace=None, seed=0, out_dir=str(out)))
+    res = json.loads((out / "banaserve_longbench.json").read_text())
+    plain, moved = (next(r for r in res["runs"] if r["system"] == s) for s in ("pd-load-aware", "banaserve"))
+    assert plain["loads"] and not plain["migrations"] and moved["migrations"]
+    assert moved["util_gap"] < plain["util_gap"]
+    assert (out / "banaserve_longbench_loads.png").stat().st_size > 0
+    assert "U gap" in (out / "banaserve_longbench.txt").read_text()
