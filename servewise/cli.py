@@ -443,6 +443,25 @@ def _add_bench_prefix(bsub) -> None:
     bp.set_defaults(func=_run_bench_prefix)
 
 
+def _run_bench_migration(a) -> None:
+    from servewise.bench.migration import main
+
+    main(a)
+
+
+def _add_bench_migration(bsub) -> None:
+    bm = bsub.add_parser("migration", help="move layers of a real engine to another process mid-generation: "
+                                           "its cost, steps before and after, outputs checked")
+    bm.add_argument("--model", default="tiny-llama")
+    bm.add_argument("--batch", type=_at_least(1), default=8, help="requests decoding together")
+    bm.add_argument("--prompt-len", type=_at_least(1), default=64)
+    bm.add_argument("--steps", type=_at_least(1), default=32, help="decode steps timed before and after the move")
+    bm.add_argument("--first", type=_at_least(1), default=0, help="the first layer moved (default: half the layers)")
+    bm.add_argument("--threads", type=int, default=1, help="torch threads in each of the two processes")
+    bm.add_argument("--out", default="results/bench_migration.json")
+    bm.set_defaults(func=_run_bench_migration)
+
+
 def _run_serve(a) -> None:
     from servewise.server.run import main
 
@@ -805,7 +824,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_generate(sub)
     bsub = _add_bench(sub)
-    for add in (_add_bench_throughput, _add_bench_serve, _add_bench_fidelity, _add_bench_cluster, _add_bench_prefix):
+    for add in (_add_bench_throughput, _add_bench_serve, _add_bench_fidelity, _add_bench_cluster, _add_bench_prefix,
+                _add_bench_migration):
         add(bsub)
     for add in (_add_profile, _add_fit_predictors, _add_simulate, _add_cluster, _add_serve, _add_experiment,
                 _add_predict_lengths):

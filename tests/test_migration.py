@@ -190,3 +190,33 @@ def test_simulated_rebalancing_moves_prefill_work_to_decode_instances():
     assert gap(moved) < gap(watched)  # the utilisation gap narrows
     assert sum(r.first_token_time - r.arrival_time for r in moved.requests) < \
         sum(r.first_token_time - r.arrival_time for r in plain.requests)  # and the queue of prompts
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-opt"])
+def test_layers_moved_to_another_process_keep_greedy_outputs(model):
+    from servewise.cluster.migration import migrate_layers_to_process
+
+    ref, _ = _generate(model)
+    stages = []
+    out, eng = _generate(model, lambda r: stages.append(migrate_layers_to_process(r, 2)))
+    try:
+        assert out == ref
+        stage = stages[0]
+        assert stage.proc.is_alive() and stage.bytes > 0 and stage.step_s > 0
+        assert all(not c.any() for c in eng.runner.kv_caches[2:])
+    finally:
+        stages[0].close()
+
+
+def test_bench_migration_reports_the_move_and_checks_outputs(tmp_path, capsys):
+    import json
+    from argparse import Namespace
+
+    from servewise.bench.migration import main
+
+    out = tmp_path / "m.json"
+    main(Namespace(model="tiny-llama", batch=2, prompt_len=8, steps=3, first=0, threads=1, out=str(out)))
+    res = json.loads(out.read_text())
+    assert res["outputs_identical"] and res["moved"]["layers"] == 2 and res["moved"]["bytes"] > 0
+    assert res["moved"]["copy_s"] < res["moved"]["total_s"]  # the peer's start is not counted as the move
+    assert "greedy outputs identical to the run without the move: True" in capsys.readouterr().out

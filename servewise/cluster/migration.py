@@ -11,11 +11,13 @@ simulator).
   thesis's merge, formulas 4-4 to 4-8, is a split of the keys, which would need a log-sum-exp merge;
   this is the head split it describes in words.)
 
-The peer here is a second set of tensors in the same process, not another process or GPU: this shows
-that a migration mid-generation leaves the outputs unchanged (tests/test_migration.py, greedy tokens
-compared one for one), not what it costs. Block moves after a migration (swaps, store fetches,
-hand-offs) still act on the source's cache only, so these functions refuse an engine with a host pool
-or a KV store.
+For both, the peer is a second set of tensors in the same process: this shows that a migration
+mid-generation leaves the outputs unchanged (tests/test_migration.py, greedy tokens compared one for
+one). `migrate_layers_to_process` moves layers to a real peer process instead (weights and KV sent over
+a pipe once, then the activations and the step's attention metadata at every step), and
+`servewise bench migration` measures what that costs. Block moves after a migration (swaps, store
+fetches, hand-offs) still act on the source's cache only, so these functions refuse an engine with a
+host pool or a KV store.
 """
 from __future__ import annotations
 
@@ -93,3 +95,118 @@ def migrate_heads(runner, heads: int, layer_ids=None) -> None:
             raise ValueError(f"layer {i} has migrated already")
         layer.attend = HeadSplit(runner.kv_caches[i], kvh - heads)
         runner.kv_caches[i].zero_()
+
+
+# --- layers in another process -------------------------------------------------------------------
+_CACHE, _ROTARY = "<cache>", "<rotary>"  # stand-ins for the per-layer arguments the peer supplies itself
+
+
+def _peer_main(conn, c, threads: int) -> None:
+    """The peer process: receives its layers' weights and KV once, then runs them for every step."""
+    torch.set_num_threads(threads)
+    from servewise import kernels
+    from servewise.models.llama import LlamaLayer, Rotary
+    from servewise.models.opt import OPTLayer
+
+    layers, caches = [], []
+    rotary = Rotary(c.head_dim, c.max_model_len, c.rope_theta) if c.arch == "llama" else None
+    kernel = None
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        if msg[0] == "load":  # the migration: weights and KV of the moved layers
+            for params, cache in msg[1]:
+                layer = (LlamaLayer if c.arch == "llama" else OPTLayer)(c)
+                with torch.no_grad():
+                    for name, p in layer.named_parameters():
+                        p.copy_(params[name])
+                layer.finalize()
+                layers.append(layer)
+                caches.append(cache)
+            conn.send("loaded")
+            continue
+        _, x, args, use_kernel = msg
+        if use_kernel and kernel is None:
+            kernel = kernels.paged_attention_ext()
+        with torch.inference_mode():
+            for layer, cache in zip(layers, caches):
+                full = [cache if a == _CACHE else rotary if a == _ROTARY else a for a in args]
+                for a in full:
+                    if hasattr(a, "kernel"):
+                        a.kernel = kernel if use_kernel else None
+                x = layer(x, *full)
+        conn.send(x)
+
+
+class RemoteStage(nn.Module):
+    """Layers first.. of the model, run by a peer process; the layers after the first become pass-throughs."""
+
+    def __init__(self, runner, first: int, threads: int = 1):
+        super().__init__()
+        import multiprocessing as mp
+        import time
+
+        model, c = runner.model, runner.model.c
+        self._caches = runner.kv_caches[first:]
+        self.conn, child = mp.get_context("spawn").Pipe()
+        self.proc = mp.get_context("spawn").Process(target=_peer_main, args=(child, c, threads), daemon=True)
+        self.proc.start()
+        if self.conn.recv() != "ready":  # (a fresh interpreter importing torch: not part of the move)
+            raise RuntimeError("the peer process did not start")
+        payload = [({n: p.detach().clone() for n, p in model.layers[i].named_parameters()}, runner.kv_caches[i].clone())
+                   for i in range(first, len(model.layers))]
+        t0 = time.perf_counter()
+        self.conn.send(("load", payload))
+        if self.conn.recv() != "loaded":
+            raise RuntimeError("the peer did not take its layers")
+        self.copy_s = time.perf_counter() - t0  # the migration's transfer (weights and KV), after the peer started
+        self.bytes = sum(t.numel() * t.element_size() for params, cache in payload
+                         for t in (*params.values(), cache))
+        self.step_s = 0.0  # time spent sending, waiting for and receiving the peer's part
+        for cache in self._caches:
+            cache.zero_()
+
+    def forward(self, x, *args):
+        import dataclasses
+        import time
+
+        t0 = time.perf_counter()
+        use_kernel = False
+        sent = []
+        for a in args:
+            if any(a is cache for cache in self._caches):
+                sent.append(_CACHE)
+            elif type(a).__name__ == "Rotary":
+                sent.append(_ROTARY)
+            elif hasattr(a, "kernel"):  # the attention metadata: the compiled kernel stays behind
+                use_kernel = a.kernel is not None
+                sent.append(dataclasses.replace(a, kernel=None))
+            else:
+                sent.append(a)
+        self.conn.send(("step", x, sent, use_kernel))
+        out = self.conn.recv()
+        self.step_s += time.perf_counter() - t0
+        return out
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.conn.send(None)
+            self.proc.join(timeout=10)
+
+
+class _PassThrough(nn.Module):
+    def forward(self, x, *args):
+        return x
+
+
+def migrate_layers_to_process(runner, first: int, threads: int = 1) -> RemoteStage:
+    """Move layers first.. of a real runner's model to a new process (weights and KV sent over a pipe);
+    returns the stage (its copy_s, bytes and step_s say what it cost; close() ends the peer)."""
+    _check(runner)
+    layers = runner.model.layers
+    if not 0 < first < len(layers):
+        raise ValueError(f"first must lie in 1..{len(layers) - 1} (the source keeps at least one layer)")
+    stage = RemoteStage(runner, first, threads)
+    layers[first] = stage
+    for i in range(first + 1, len(layers)):
+        layers[i] = _PassThrough()
+    return stage
