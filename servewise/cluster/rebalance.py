@@ -63,8 +63,8 @@ class Load:
     """An instance's state as the loop sees it."""
 
     compute: float  # the FLOPs it ran in the last period over what its GPU could run (roofline peak)
-    used: int  # device blocks in use (lent blocks count as used)
-    usable: int  # device blocks it may hold
+    used: int  # device blocks its requests hold
+    usable: int  # device blocks it may hold (its pool less the blocks lent to peers)
     attn_share: float = 0.5  # of its step time, the attention's (for the head migration's estimate)
     layers_out: int = 0  # its layers and KV heads running elsewhere now
     heads_out: int = 0
@@ -120,7 +120,7 @@ class Rebalancer:
         kv_moved = lo.used * self.block_bytes * share
         cost = (kv_moved + (n * self.layer_bytes if kind == LAYERS else 0)) / self.link + cfg.sync_s
         after_o = lo.compute - moved_c + lo.used / (lo.usable + blocks)
-        after_u = lu.compute + moved_c + (lu.used + blocks + weights) / lu.usable
+        after_u = lu.compute + moved_c + lu.used / max(1, lu.usable - blocks - weights)
         gap = lo.util - lu.util
         if after_o < after_u:  # it would overshoot: the next period would move it back
             return None
@@ -160,6 +160,7 @@ class MigratingPerf:
         self.L, self.H, self.g, self.D, self.hidden, self.itemsize = num_layers, num_kv_heads, q_per_kv, head_dim, \
             hidden, itemsize
         self.link, self.latency = link_bytes_per_s, link_latency_s
+        self.weights_s = base.span_parts(num_layers, 0, 0, 0, 0)[1]  # reading the layers' weights once
         self.leases: list[Lease] = []
         self.queue_until = 0.0  # the peers' work (and migrations) queued on this GPU
         self.busy_until = 0.0
@@ -191,7 +192,8 @@ class MigratingPerf:
         base, now = self.base, self.clock.now()
         wait = max(0.0, self.queue_until - now)
         work = t - base.eff.step_overhead_s  # the layers' share (and the LM head's, counted alike)
-        attn = min(work, base.span(self.L, 0, pairs, kv_tokens, 0))
+        c_attn, m_attn = base.span_parts(self.L, 0, pairs, kv_tokens, 0)
+        attn = min(work, max(c_attn, m_attn - self.weights_s))  # attention alone: its FLOPs or its KV bytes
         flops_s = base.span_parts(self.L, tokens, pairs, kv_tokens, rows)[0]  # its compute at peak
         self.step_s += work
         self.attn_s += attn
