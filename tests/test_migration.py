@@ -120,6 +120,21 @@ def test_rebalancer_refuses_overshoot_poor_ratio_and_no_room():
     assert [m.kind for m in huge.plan(_hot_cold())] == [HEADS]
 
 
+def test_rebalancer_gives_back_before_moving_its_own_work():
+    rb = _rebalancer(rho=0.0)
+    first = rb.plan(_hot_cold())[0]  # 0 moves 4 layers to 1
+    assert (first.src, first.dst, first.back) == (0, 1, False)
+    loads = _hot_cold(0.2, 0.95)  # later the load turns round: 1 is the hot one
+    loads[0].layers_out = 4
+    back = rb.plan(loads)[0]
+    assert (back.kind, back.src, back.dst, back.amount, back.back) == (LAYERS, 1, 0, 4, True)
+    assert (back.blocks, back.weight_blocks) == (first.blocks, first.weight_blocks)  # what 1 lent comes back
+    assert rb.leases[(0, 1)][LAYERS] == 0
+    loads[0].layers_out = 0
+    nxt = rb.plan(loads)[0]  # nothing left to give back: 1 moves its own layers
+    assert (nxt.src, nxt.dst, nxt.back) == (1, 0, False)
+
+
 def test_rebalancer_does_not_oscillate_under_noise():
     """A closed loop: loads follow the moves' predictions, plus noise that flips sign every period;
     the moves never reverse direction and stop."""
@@ -159,6 +174,11 @@ def test_block_manager_lend_and_grow():
         assert (bm.num_device_blocks, bm.usable_device, bm.num_free_device) == (15, 11, 8)
         bm.allocate("b", 32)
         bm.free("a")
+        bm.check_invariants()
+        bm.unlend(3)
+        assert (bm.usable_device, len(bm.lent)) == (14, 1)
+        with pytest.raises(RuntimeError):
+            bm.unlend(2)
         bm.check_invariants()
 
 

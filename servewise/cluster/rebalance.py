@@ -25,7 +25,9 @@ How a lease is priced (every constant is an assumption, stated in `Rebalancing` 
 
 Algorithm 4-1 (Rebalancer): every period, the utilisation U = compute + memory (4-28) of every instance;
 the most and the least loaded; if the gap passes `delta_up` (or, once rebalancing, `delta_down`: the
-hysteresis the thesis names but never sets) a layer migration is tried first, then a head migration;
+hysteresis the thesis names but never sets) the loaded instance first gives back work the lighter one
+moved to it earlier (ours: the thesis never moves work back), else a layer migration is tried, then a
+head migration;
 a move is made only if its predicted benefit (the gap it closes, 4-31) per second of its cost reaches
 `rho`, and never one that would leave the source below the peer (no overshoot); a move back the way
 the last one came must clear `delta_up` afresh (noisy loads otherwise bounce work to and fro).
@@ -89,6 +91,7 @@ class Move:
     cost_s: float
     benefit: float  # predicted gap closed
     gap: float  # the gap before
+    back: bool = False  # src gives back part of dst's earlier lease (dst runs that work again)
 
 
 class Rebalancer:
@@ -100,6 +103,9 @@ class Rebalancer:
         self.layer_bytes, self.block_bytes, self.link = layer_bytes, block_bytes, link_bytes_per_s
         self.active = False  # hysteresis: between crossing delta_up and falling below delta_down
         self.last: tuple[int, int] | None = None  # (source, peer) of the last move
+        # (owner, host) -> what the owner's leases to the host amount to: layers, heads, and for each kind the
+        # blocks the host lends (KV, weights)
+        self.leases: dict[tuple[int, int], dict] = {}
 
     def predict(self, kind: str, o: int, u: int, loads: list[Load]) -> Move | None:
         """The move of one step of `kind` from o to u, with its predicted loads, or None if not possible."""
@@ -126,6 +132,35 @@ class Rebalancer:
             return None
         return Move(kind, o, u, n, blocks, weights, cost, gap - (after_o - after_u), gap)
 
+    def predict_back(self, kind: str, o: int, u: int, loads: list[Load]) -> Move | None:
+        """Hot o gives back part of what cold u moved to it earlier, or None if u moved nothing of `kind`."""
+        lease, lo, lu = self.leases.get((u, o)), loads[o], loads[u]
+        if not lease or not lease[kind]:
+            return None
+        n = min(self.cfg.layer_step if kind == LAYERS else self.cfg.head_step, lease[kind])
+        frac = n / lease[kind]
+        blocks, weights = round(lease["kv_" + kind] * frac), round(lease["w_" + kind] * frac)
+        if blocks > lu.usable - lu.used:  # u's pool shrinks back: those blocks must be free
+            return None
+        total, out = (self.L, lu.layers_out) if kind == LAYERS else (self.H, lu.heads_out)
+        moved_c = lu.compute * n / (total - out) * (1.0 if kind == LAYERS else lu.attn_share)  # at u's own rate
+        cost = blocks * self.block_bytes / self.link + self.cfg.sync_s  # the KV goes back; u kept its weights
+        after_o = lo.compute - moved_c + lo.used / (lo.usable + blocks + weights)
+        after_u = lu.compute + moved_c + lu.used / max(1, lu.usable - blocks)
+        gap = lo.util - lu.util
+        if after_o < after_u:
+            return None
+        return Move(kind, o, u, n, blocks, weights, cost, gap - (after_o - after_u), gap, back=True)
+
+    def _record(self, m: Move) -> None:
+        owner, host = (m.dst, m.src) if m.back else (m.src, m.dst)
+        lease = self.leases.setdefault((owner, host), {LAYERS: 0, HEADS: 0, "kv_layers": 0, "kv_heads": 0,
+                                                        "w_layers": 0, "w_heads": 0})
+        sign = -1 if m.back else 1
+        lease[m.kind] += sign * m.amount
+        lease["kv_" + m.kind] += sign * m.blocks
+        lease["w_" + m.kind] += sign * m.weight_blocks
+
     def plan(self, loads: list[Load]) -> list[Move]:
         cfg = self.cfg
         order = sorted(range(len(loads)), key=lambda i: loads[i].util)
@@ -134,10 +169,13 @@ class Rebalancer:
         self.active = gap > (cfg.delta_down if self.active and self.last != (u, o) else cfg.delta_up)
         if not self.active:  # (moving back the way the last move went must clear delta_up afresh)
             return []
-        for kind, allowed in ((LAYERS, cfg.layers), (HEADS, cfg.heads)):  # layers first (coarse), then heads
-            if allowed and (m := self.predict(kind, o, u, loads)) is not None and m.benefit > 0 and \
-                    m.benefit / m.cost_s >= cfg.rho:
+        # give back what u moved here first (it undoes an earlier move), then layers (coarse), then heads
+        for predict, kind in ((self.predict_back, LAYERS), (self.predict_back, HEADS), (self.predict, LAYERS),
+                              (self.predict, HEADS)):
+            if (cfg.layers if kind == LAYERS else cfg.heads) and (m := predict(kind, o, u, loads)) is not None \
+                    and m.benefit > 0 and m.benefit / m.cost_s >= cfg.rho:
                 self.last = (o, u)
+                self._record(m)
                 return [m]
         return []
 

@@ -196,9 +196,14 @@ class ClusterSim:
 
     def _migrate(self, m) -> None:
         src, dst = self.engines[m.src], self.engines[m.dst]
-        src.runner.perf.lease_to(dst.runner.perf, m.kind, m.amount)
-        dst.block_manager.lend(m.blocks + m.weight_blocks)
-        src.block_manager.grow(m.blocks)
+        if m.back:  # src hands dst's work back: dst's pool shrinks again, src has its lent blocks back
+            dst.runner.perf.lease_to(src.runner.perf, m.kind, -m.amount)
+            dst.block_manager.lend(m.blocks)
+            src.block_manager.unlend(m.blocks + m.weight_blocks)
+        else:
+            src.runner.perf.lease_to(dst.runner.perf, m.kind, m.amount)
+            dst.block_manager.lend(m.blocks + m.weight_blocks)
+            src.block_manager.grow(m.blocks)
         src.runner.perf.stall(m.cost_s)
         dst.runner.perf.stall(m.cost_s)
 

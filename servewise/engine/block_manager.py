@@ -195,6 +195,16 @@ class BlockManager:
             raise RuntimeError(f"lend {n} blocks with {self.num_free_device} free")
         self.lent.extend(self._take() for _ in range(n))
 
+    def unlend(self, n: int) -> None:
+        """Take n lent blocks back (the peer gave the migrated work back)."""
+        if n > len(self.lent):
+            raise RuntimeError(f"unlend {n} blocks with {len(self.lent)} lent")
+        for _ in range(n):
+            b = self.lent.pop()
+            if self.caching:
+                self.refs[b] = 0
+            self.free_device.append(b)
+
     def grow(self, n: int) -> None:
         """n more blocks: the pool of an instance whose KV per token shrank (part of it is kept elsewhere)."""
         start = self.num_device_blocks

@@ -92,7 +92,7 @@ def run_one(model: str, system: str, instances: int, items, arrivals, store_gb: 
             "store_hit_rate": sum(s.store_hit_tokens for s in st) / admitted if admitted else 0.0,
             "util_gap": statistics.mean(gaps) if (gaps := [max(u) - min(u) for u in util]) else 0.0,
             "loads": [[t, [[round(c, 4), round(m, 4)] for c, m in per]] for t, per in res.loads],
-            "migrations": [[t, m.kind, m.src, m.dst, m.amount, m.cost_s] for t, m in res.migrations],
+            "migrations": [[t, m.kind, m.src, m.dst, m.amount, m.cost_s, m.back] for t, m in res.migrations],
             "sim_wall_s": res.wall_s}
 
 
