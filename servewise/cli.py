@@ -450,13 +450,15 @@ def _run_bench_migration(a) -> None:
 
 
 def _add_bench_migration(bsub) -> None:
-    bm = bsub.add_parser("migration", help="move layers of a real engine to another process mid-generation: "
-                                           "its cost, steps before and after, outputs checked")
+    bm = bsub.add_parser("migration", help="move layers or KV heads of a real engine to another process "
+                                           "mid-generation: its cost, steps before and after, outputs checked")
     bm.add_argument("--model", default="tiny-llama")
     bm.add_argument("--batch", type=_at_least(1), default=8, help="requests decoding together")
     bm.add_argument("--prompt-len", type=_at_least(1), default=64)
     bm.add_argument("--steps", type=_at_least(1), default=32, help="decode steps timed before and after the move")
-    bm.add_argument("--first", type=_at_least(1), default=0, help="the first layer moved (default: half the layers)")
+    bm.add_argument("--kind", default="layers", choices=["layers", "heads"], help="what moves")
+    bm.add_argument("--first", type=_at_least(1), default=0, help="layers: the first layer moved (default: half)")
+    bm.add_argument("--heads", type=_at_least(1), default=0, help="heads: KV heads moved (default: half)")
     bm.add_argument("--threads", type=int, default=1, help="torch threads in each of the two processes")
     bm.add_argument("--out", default="results/bench_migration.json")
     bm.set_defaults(func=_run_bench_migration)

@@ -218,19 +218,21 @@ def test_simulated_rebalancing_moves_prefill_work_to_decode_instances():
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-opt"])
-def test_layers_moved_to_another_process_keep_greedy_outputs(model):
-    from servewise.cluster.migration import migrate_layers_to_process
+@pytest.mark.parametrize("kind", ["layers", "heads"])
+def test_migration_to_another_process_keeps_greedy_outputs(model, kind):
+    from servewise.cluster.migration import migrate_heads_to_process, migrate_layers_to_process
 
     ref, _ = _generate(model)
-    stages = []
-    out, eng = _generate(model, lambda r: stages.append(migrate_layers_to_process(r, 2)))
+    peers = []
+    move = (lambda r: peers.append(migrate_layers_to_process(r, 2))) if kind == "layers" else \
+        (lambda r: peers.append(migrate_heads_to_process(r, 1)))
+    out, eng = _generate(model, move)
     try:
         assert out == ref
-        stage = stages[0]
-        assert stage.proc.is_alive() and stage.bytes > 0 and stage.step_s > 0
-        assert all(not c.any() for c in eng.runner.kv_caches[2:])
+        assert peers[0].proc.is_alive() and peers[0].bytes > 0 and peers[0].step_s > 0
+        assert all(not c.any() for c in eng.runner.kv_caches[2 if kind == "layers" else 0:])
     finally:
-        stages[0].close()
+        peers[0].close()
 
 
 def test_bench_migration_reports_the_move_and_checks_outputs(tmp_path, capsys):
@@ -240,8 +242,9 @@ def test_bench_migration_reports_the_move_and_checks_outputs(tmp_path, capsys):
     from servewise.bench.migration import main
 
     out = tmp_path / "m.json"
-    main(Namespace(model="tiny-llama", batch=2, prompt_len=8, steps=3, first=0, threads=1, out=str(out)))
+    main(Namespace(model="tiny-llama", kind="layers", batch=2, prompt_len=8, steps=3, first=0, heads=0, threads=1,
+                   out=str(out)))
     res = json.loads(out.read_text())
-    assert res["outputs_identical"] and res["moved"]["layers"] == 2 and res["moved"]["bytes"] > 0
+    assert res["outputs_identical"] and res["moved"]["what"] == "layers 2-3" and res["moved"]["bytes"] > 0
     assert res["moved"]["copy_s"] < res["moved"]["total_s"]  # the peer's start is not counted as the move
     assert "greedy outputs identical to the run without the move: True" in capsys.readouterr().out

@@ -1,10 +1,11 @@
-"""Layer migration between processes, measured: decode steps with every layer here, then the move of
-layers `first`.. to a new process (weights and KV over a pipe), then the same decode steps with those
-layers in the peer; the greedy outputs are checked against a run without the move.
+"""Migration between processes, measured: decode steps with the whole model here, then the move of
+layers `first`.. (weights and KV) or of some KV heads of every layer (their KV) to a new process over a
+pipe, then the same decode steps with the moved part in the peer; the greedy outputs are checked
+against a run without the move.
 
 Reported: the move's bytes and seconds (the peer's start, a fresh interpreter importing torch, apart),
-and the mean decode step before and after, with the share of it spent on the peer's side (sending the
-activations, the peer's layers, receiving the result). Both processes use --threads torch threads.
+and the mean decode step before and after, with the share of it spent on the peer's side (sending, the
+peer's computation not overlapped with the source's, receiving). Both processes use --threads torch threads.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from servewise.sampling_params import SamplingParams
 
 
 def _run(a, migrate: bool) -> dict:
-    from servewise.cluster.migration import migrate_layers_to_process
+    from servewise.cluster.migration import migrate_heads_to_process, migrate_layers_to_process
 
     eng = build_engine(model=a.model, num_device_blocks=a.batch * (-(-(a.prompt_len + 2 * a.steps + 4) // 16) + 1),
                        num_host_blocks=0, block_size=16)
@@ -31,11 +32,17 @@ def _run(a, migrate: bool) -> dict:
     times = {"before": [], "after": []}
     for phase in ("before", "after"):
         if phase == "after" and migrate:
-            first = a.first or eng.model_config.num_layers // 2
+            mc = eng.model_config
             t0 = time.perf_counter()
-            stage = migrate_layers_to_process(eng.runner, first, a.threads)
-            moved = {"layers": eng.model_config.num_layers - first, "total_s": time.perf_counter() - t0,
-                     "copy_s": stage.copy_s, "bytes": stage.bytes}
+            if a.kind == "layers":
+                first = a.first or mc.num_layers // 2
+                peer = migrate_layers_to_process(eng.runner, first, a.threads)
+                what = f"layers {first}-{mc.num_layers - 1}"
+            else:
+                heads = a.heads or mc.num_kv_heads // 2
+                peer = migrate_heads_to_process(eng.runner, heads, a.threads)
+                what = f"{heads} of {mc.num_kv_heads} KV heads of every layer"
+            moved = {"what": what, "total_s": time.perf_counter() - t0, "copy_s": peer.copy_s, "bytes": peer.bytes}
         for _ in range(a.steps):
             t0 = time.perf_counter()
             eng.step()
@@ -43,9 +50,9 @@ def _run(a, migrate: bool) -> dict:
     out = {"step_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
            "outputs": [r.output_token_ids for r in reqs]}
     if migrate:
-        moved["peer_ms_per_step"] = stage.step_s / a.steps * 1e3
+        moved["peer_ms_per_step"] = peer.step_s / a.steps * 1e3
         out["moved"] = moved
-        stage.close()
+        peer.close()
     return out
 
 
@@ -54,12 +61,12 @@ def main(a) -> None:
         torch.set_num_threads(a.threads)
     ref, run = _run(a, False), _run(a, True)
     m = run["moved"]
-    res = {"model": a.model, "batch": a.batch, "prompt_len": a.prompt_len, "steps": a.steps, "threads":
+    res = {"model": a.model, "kind": a.kind, "batch": a.batch, "prompt_len": a.prompt_len, "steps": a.steps, "threads":
            torch.get_num_threads(), "cpu_flags": cpu_flags(), "moved": m, "step_ms_without_move": ref["step_ms"],
            "step_ms_with_move": run["step_ms"], "outputs_identical": run["outputs"] == ref["outputs"]}
     print(f"{a.model}: {a.batch} requests of {a.prompt_len} prompt tokens, {a.steps} decode steps before and after; "
           f"{res['threads']} torch threads in each process; CPU flags: {res['cpu_flags']}")
-    print(f"move of {m['layers']} layers to a new process: {m['bytes'] / 1e6:.2f} MB of weights and KV in "
+    print(f"move of {m['what']} to a new process: {m['bytes'] / 1e6:.2f} MB of weights and KV in "
           f"{m['copy_s'] * 1e3:.1f} ms ({m['bytes'] / m['copy_s'] / 1e9:.2f} GB/s over the pipe); with the peer's "
           f"start {m['total_s']:.2f} s")
     print(f"median decode step: {run['step_ms']['before']:.2f} ms with every layer here, {run['step_ms']['after']:.2f} "

@@ -11,11 +11,12 @@ simulator).
   thesis's merge, formulas 4-4 to 4-8, is a split of the keys, which would need a log-sum-exp merge;
   this is the head split it describes in words.)
 
-For both, the peer is a second set of tensors in the same process: this shows that a migration
+For both, the peer here is a second set of tensors in the same process: this shows that a migration
 mid-generation leaves the outputs unchanged (tests/test_migration.py, greedy tokens compared one for
-one). `migrate_layers_to_process` moves layers to a real peer process instead (weights and KV sent over
-a pipe once, then the activations and the step's attention metadata at every step), and
-`servewise bench migration` measures what that costs. Block moves after a migration (swaps, store
+one). `migrate_layers_to_process` and `migrate_heads_to_process` move them to a real peer process
+instead (weights and KV sent over a pipe once; then, at every step, the activations and the attention
+metadata, or per layer the moved heads' queries, keys and values, whose attention the peer computes
+while the source computes the kept heads), and `servewise bench migration` measures what that costs. Block moves after a migration (swaps, store
 fetches, hand-offs) still act on the source's cache only, so these functions refuse an engine with a
 host pool or a KV store.
 """
@@ -97,24 +98,26 @@ def migrate_heads(runner, heads: int, layer_ids=None) -> None:
         runner.kv_caches[i].zero_()
 
 
-# --- layers in another process -------------------------------------------------------------------
+# --- to another process ---------------------------------------------------------------------------
 _CACHE, _ROTARY = "<cache>", "<rotary>"  # stand-ins for the per-layer arguments the peer supplies itself
 
 
 def _peer_main(conn, c, threads: int) -> None:
-    """The peer process: receives its layers' weights and KV once, then runs them for every step."""
+    """The peer process: takes moved layers (weights and KV) or moved KV heads once, then runs them at
+    every step."""
     torch.set_num_threads(threads)
     from servewise import kernels
     from servewise.models.llama import LlamaLayer, Rotary
     from servewise.models.opt import OPTLayer
 
-    layers, caches = [], []
+    layers, caches, heads = [], [], {}
     rotary = Rotary(c.head_dim, c.max_model_len, c.rope_theta) if c.arch == "llama" else None
     kernel = None
     conn.send("ready")
     while (msg := conn.recv()) is not None:
-        if msg[0] == "load":  # the migration: weights and KV of the moved layers
-            for params, cache in msg[1]:
+        kind, *args = msg
+        if kind == "layers":  # a migration: weights and KV of the moved layers
+            for params, cache in args[0]:
                 layer = (LlamaLayer if c.arch == "llama" else OPTLayer)(c)
                 with torch.no_grad():
                     for name, p in layer.named_parameters():
@@ -124,68 +127,59 @@ def _peer_main(conn, c, threads: int) -> None:
                 caches.append(cache)
             conn.send("loaded")
             continue
-        _, x, args, use_kernel = msg
+        if kind == "heads":  # a migration: per layer, the KV of the moved heads
+            heads.update(args[0])
+            conn.send("loaded")
+            continue
+        use_kernel = args[-1]
         if use_kernel and kernel is None:
             kernel = kernels.paged_attention_ext()
         with torch.inference_mode():
+            if kind == "attend":  # one layer's moved heads
+                i, q, k, v, meta, _ = args
+                meta.kernel = kernel if use_kernel else None
+                conn.send(paged_attention(q, k, v, heads[i], meta))
+                continue
+            x, rest, _ = args  # "step": the moved layers, with the layer's other arguments
+            for a in rest:
+                if hasattr(a, "kernel"):
+                    a.kernel = kernel if use_kernel else None
             for layer, cache in zip(layers, caches):
-                full = [cache if a == _CACHE else rotary if a == _ROTARY else a for a in args]
-                for a in full:
-                    if hasattr(a, "kernel"):
-                        a.kernel = kernel if use_kernel else None
-                x = layer(x, *full)
+                x = layer(x, *(cache if a == _CACHE else rotary if a == _ROTARY else a for a in rest))
         conn.send(x)
 
 
-class RemoteStage(nn.Module):
-    """Layers first.. of the model, run by a peer process; the layers after the first become pass-throughs."""
+class Peer:
+    """A peer process for a runner's model; `load` sends it what migrates (its copy time and bytes kept)."""
 
-    def __init__(self, runner, first: int, threads: int = 1):
-        super().__init__()
+    def __init__(self, c, threads: int = 1):
         import multiprocessing as mp
-        import time
 
-        model, c = runner.model, runner.model.c
-        self._caches = runner.kv_caches[first:]
-        self.conn, child = mp.get_context("spawn").Pipe()
-        self.proc = mp.get_context("spawn").Process(target=_peer_main, args=(child, c, threads), daemon=True)
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child, c, threads), daemon=True)
         self.proc.start()
         if self.conn.recv() != "ready":  # (a fresh interpreter importing torch: not part of the move)
             raise RuntimeError("the peer process did not start")
-        payload = [({n: p.detach().clone() for n, p in model.layers[i].named_parameters()}, runner.kv_caches[i].clone())
-                   for i in range(first, len(model.layers))]
-        t0 = time.perf_counter()
-        self.conn.send(("load", payload))
-        if self.conn.recv() != "loaded":
-            raise RuntimeError("the peer did not take its layers")
-        self.copy_s = time.perf_counter() - t0  # the migration's transfer (weights and KV), after the peer started
-        self.bytes = sum(t.numel() * t.element_size() for params, cache in payload
-                         for t in (*params.values(), cache))
-        self.step_s = 0.0  # time spent sending, waiting for and receiving the peer's part
-        for cache in self._caches:
-            cache.zero_()
+        self.copy_s = self.step_s = 0.0  # the migration's transfer; time spent on the peer's side of steps
+        self.bytes = 0
 
-    def forward(self, x, *args):
-        import dataclasses
+    def load(self, kind: str, payload, tensors) -> None:
         import time
 
         t0 = time.perf_counter()
-        use_kernel = False
-        sent = []
-        for a in args:
-            if any(a is cache for cache in self._caches):
-                sent.append(_CACHE)
-            elif type(a).__name__ == "Rotary":
-                sent.append(_ROTARY)
-            elif hasattr(a, "kernel"):  # the attention metadata: the compiled kernel stays behind
-                use_kernel = a.kernel is not None
-                sent.append(dataclasses.replace(a, kernel=None))
-            else:
-                sent.append(a)
-        self.conn.send(("step", x, sent, use_kernel))
-        out = self.conn.recv()
-        self.step_s += time.perf_counter() - t0
-        return out
+        self.conn.send((kind, payload))
+        if self.conn.recv() != "loaded":
+            raise RuntimeError("the peer did not take what migrated")
+        self.copy_s += time.perf_counter() - t0
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+
+    @staticmethod
+    def meta(meta):
+        """The attention metadata as sent: the compiled kernel stays behind (the peer loads its own)."""
+        import dataclasses
+
+        return dataclasses.replace(meta, kernel=None), meta.kernel is not None
 
     def close(self) -> None:
         if self.proc.is_alive():
@@ -193,20 +187,94 @@ class RemoteStage(nn.Module):
             self.proc.join(timeout=10)
 
 
+class RemoteStage(nn.Module):
+    """Layers first.. of the model, run by a peer process; the layers after the first become pass-throughs."""
+
+    def __init__(self, runner, first: int, peer: Peer):
+        super().__init__()
+        model, self.peer = runner.model, peer
+        self._caches = runner.kv_caches[first:]
+        payload = [({n: p.detach().clone() for n, p in model.layers[i].named_parameters()}, runner.kv_caches[i].clone())
+                   for i in range(first, len(model.layers))]
+        peer.load("layers", payload, [t for params, cache in payload for t in (*params.values(), cache)])
+        for cache in self._caches:
+            cache.zero_()
+
+    def forward(self, x, *args):
+        import time
+
+        t0 = time.perf_counter()
+        sent, use_kernel = [], False
+        for a in args:
+            if any(a is cache for cache in self._caches):
+                sent.append(_CACHE)
+            elif type(a).__name__ == "Rotary":
+                sent.append(_ROTARY)
+            elif hasattr(a, "kernel"):
+                meta, use_kernel = Peer.meta(a)
+                sent.append(meta)
+            else:
+                sent.append(a)
+        self.peer.conn.send(("step", x, sent, use_kernel))
+        out = self.peer.conn.recv()
+        self.peer.step_s += time.perf_counter() - t0
+        return out
+
+
+class RemoteHeads(HeadSplit):
+    """A layer's attention with its last heads in a peer process: the peer's share is sent first and computed
+    there while the kept heads are computed here."""
+
+    def __init__(self, cache: torch.Tensor, keep: int, peer: Peer, layer: int):
+        self.keep, self.peer, self.layer = keep, peer, layer
+        self.local = cache[:, :, :keep].contiguous()
+
+    def __call__(self, q, k, v, cache, meta):
+        import time
+
+        g, keep = q.shape[1] // k.shape[1], self.keep
+        cut = keep * g
+        t0 = time.perf_counter()
+        sent, use_kernel = Peer.meta(meta)
+        self.peer.conn.send(("attend", self.layer, q[:, cut:].contiguous(), k[:, keep:].contiguous(),
+                             v[:, keep:].contiguous(), sent, use_kernel))
+        here = paged_attention(q[:, :cut].contiguous(), k[:, :keep].contiguous(), v[:, :keep].contiguous(),
+                               self.local, meta)
+        there = self.peer.conn.recv()
+        self.peer.step_s += time.perf_counter() - t0
+        return torch.cat([here, there], dim=1)
+
+
 class _PassThrough(nn.Module):
     def forward(self, x, *args):
         return x
 
 
-def migrate_layers_to_process(runner, first: int, threads: int = 1) -> RemoteStage:
+def migrate_layers_to_process(runner, first: int, threads: int = 1) -> Peer:
     """Move layers first.. of a real runner's model to a new process (weights and KV sent over a pipe);
-    returns the stage (its copy_s, bytes and step_s say what it cost; close() ends the peer)."""
+    returns the peer (its copy_s, bytes and step_s say what it cost; close() ends it)."""
     _check(runner)
     layers = runner.model.layers
     if not 0 < first < len(layers):
         raise ValueError(f"first must lie in 1..{len(layers) - 1} (the source keeps at least one layer)")
-    stage = RemoteStage(runner, first, threads)
-    layers[first] = stage
+    peer = Peer(runner.model.c, threads)
+    layers[first] = RemoteStage(runner, first, peer)
     for i in range(first + 1, len(layers)):
         layers[i] = _PassThrough()
-    return stage
+    return peer
+
+
+def migrate_heads_to_process(runner, heads: int, threads: int = 1) -> Peer:
+    """Move the last `heads` KV heads of every layer of a real runner's model to a new process (their KV sent
+    over a pipe); returns the peer."""
+    _check(runner)
+    kvh = runner.kv_caches[0].shape[2]
+    if not 0 < heads < kvh:
+        raise ValueError(f"heads must lie in 1..{kvh - 1} (the model has {kvh} KV heads)")
+    peer = Peer(runner.model.c, threads)
+    moved = {i: cache[:, :, kvh - heads:].contiguous() for i, cache in enumerate(runner.kv_caches)}
+    peer.load("heads", moved, moved.values())
+    for i, layer in enumerate(runner.model.layers):
+        layer.attend = RemoteHeads(runner.kv_caches[i], kvh - heads, peer, i)
+        runner.kv_caches[i].zero_()
+    return peer
