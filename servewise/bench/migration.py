@@ -66,7 +66,7 @@ def main(a) -> None:
            "step_ms_with_move": run["step_ms"], "outputs_identical": run["outputs"] == ref["outputs"]}
     print(f"{a.model}: {a.batch} requests of {a.prompt_len} prompt tokens, {a.steps} decode steps before and after; "
           f"{res['threads']} torch threads in each process; CPU flags: {res['cpu_flags']}")
-    print(f"move of {m['what']} to a new process: {m['bytes'] / 1e6:.2f} MB of weights and KV in "
+    print(f"move of {m['what']} to a new process: {m['bytes'] / 1e6:.2f} MB of {'weights and KV' if a.kind == 'layers' else 'KV'} in "
           f"{m['copy_s'] * 1e3:.1f} ms ({m['bytes'] / m['copy_s'] / 1e9:.2f} GB/s over the pipe); with the peer's "
           f"start {m['total_s']:.2f} s")
     print(f"median decode step: {run['step_ms']['before']:.2f} ms with every layer here, {run['step_ms']['after']:.2f} "
