@@ -156,7 +156,8 @@ def build_sim_engine(model: str = "tiny-llama", hardware: str = PROFILE, predict
     runner = SimRunner(perf, cc.resolve(mc.kv_bytes_per_token * cc.block_size), mc.num_layers)
     if cc.kv_store is not None:
         runner.store = sim_store or sim_store_for(cc, mc, perf, hardware == PROFILE)
-    return assemble(config, mc, tokenizer, runner, perf, clock or VirtualClock(), owns_clock)
+    # policies price with the plain model (a migration-aware one charges what it prices: cluster.rebalance)
+    return assemble(config, mc, tokenizer, runner, getattr(perf, "pricing", perf), clock or VirtualClock(), owns_clock)
 
 
 def sim_store_for(cc, mc, perf, this_machine: bool):

@@ -459,7 +459,7 @@ def _add_bench_migration(bsub) -> None:
     bm.add_argument("--kind", default="layers", choices=["layers", "heads"], help="what moves")
     bm.add_argument("--first", type=_at_least(1), default=0, help="layers: the first layer moved (default: half)")
     bm.add_argument("--heads", type=_at_least(1), default=0, help="heads: KV heads moved (default: half)")
-    bm.add_argument("--threads", type=int, default=1, help="torch threads in each of the two processes")
+    bm.add_argument("--threads", type=_at_least(1), default=1, help="torch threads in each of the two processes")
     bm.add_argument("--out", default="results/bench_migration.json")
     bm.set_defaults(func=_run_bench_migration)
 

@@ -4,8 +4,8 @@ pipe, then the same decode steps with the moved part in the peer; the greedy out
 against a run without the move.
 
 Reported: the move's bytes and seconds (the peer's start, a fresh interpreter importing torch, apart),
-and the mean decode step before and after, with the share of it spent on the peer's side (sending, the
-peer's computation not overlapped with the source's, receiving). Both processes use --threads torch threads.
+and the median decode step before and after, with the time a step spends on the peer's side (sending,
+and waiting for the peer's part beyond what the source computes meanwhile). Both processes use --threads torch threads.
 """
 from __future__ import annotations
 
@@ -43,16 +43,19 @@ def _run(a, migrate: bool) -> dict:
                 peer = migrate_heads_to_process(eng.runner, heads, a.threads)
                 what = f"{heads} of {mc.num_kv_heads} KV heads of every layer"
             moved = {"what": what, "total_s": time.perf_counter() - t0, "copy_s": peer.copy_s, "bytes": peer.bytes}
-        for _ in range(a.steps):
-            t0 = time.perf_counter()
-            eng.step()
-            times[phase].append(time.perf_counter() - t0)
+        try:
+            for _ in range(a.steps):
+                t0 = time.perf_counter()
+                eng.step()
+                times[phase].append(time.perf_counter() - t0)
+        finally:
+            if phase == "after" and migrate:
+                peer.close()
     out = {"step_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
            "outputs": [r.output_token_ids for r in reqs]}
     if migrate:
         moved["peer_ms_per_step"] = peer.step_s / a.steps * 1e3
         out["moved"] = moved
-        peer.close()
     return out
 
 

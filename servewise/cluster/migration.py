@@ -22,10 +22,27 @@ host pool or a KV store.
 """
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import torch
 from torch import nn
 
 from servewise.models.attention import paged_attention
+
+
+def _rebuild(kind, c, params: dict) -> nn.Module:
+    """A layer of class `kind` holding `params` (name -> tensor), prepared for running."""
+    layer = kind(c)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(params[name])
+    layer.finalize()
+    return layer
+
+
+def _params(layer: nn.Module) -> dict:
+    return {name: p.detach() for name, p in layer.named_parameters()}
 
 
 class PeerLayer(nn.Module):
@@ -33,17 +50,19 @@ class PeerLayer(nn.Module):
 
     def __init__(self, layer: nn.Module, cache: torch.Tensor):
         super().__init__()
-        self.layer = type(layer)(layer.c)  # the weights copied, then prepared as the source's were
-        own = dict(layer.named_parameters())
-        with torch.no_grad():
-            for name, p in self.layer.named_parameters():
-                p.copy_(own[name])
-        self.layer.finalize()
+        self.layer = _rebuild(type(layer), layer.c, _params(layer))
         self.cache = cache.clone()
         self._source = cache  # the argument the model passes for this layer's cache, replaced by the peer's
 
     def forward(self, *args):
         return self.layer(*(self.cache if a is self._source else a for a in args))
+
+
+def _split(q, k, v, keep: int):
+    """(q, k, v) of the first `keep` KV heads (with their query heads), and of the rest; contiguous."""
+    cut = keep * (q.shape[1] // k.shape[1])
+    return ((q[:, :cut].contiguous(), k[:, :keep].contiguous(), v[:, :keep].contiguous()),
+            (q[:, cut:].contiguous(), k[:, keep:].contiguous(), v[:, keep:].contiguous()))
 
 
 class HeadSplit:
@@ -55,46 +74,45 @@ class HeadSplit:
         self.peer = cache[:, :, keep:].contiguous()
 
     def __call__(self, q, k, v, cache, meta):
-        g, keep = q.shape[1] // k.shape[1], self.keep
-        cut = keep * g  # query heads that read the kept KV heads
-        here = paged_attention(q[:, :cut].contiguous(), k[:, :keep].contiguous(), v[:, :keep].contiguous(),
-                               self.local, meta)
-        there = paged_attention(q[:, cut:].contiguous(), k[:, keep:].contiguous(), v[:, keep:].contiguous(),
-                                self.peer, meta)
-        return torch.cat([here, there], dim=1)  # [T, H * D], heads in order
+        here, there = _split(q, k, v, self.keep)
+        return torch.cat([paged_attention(*here, self.local, meta), paged_attention(*there, self.peer, meta)],
+                         dim=1)  # [T, H * D], heads in order
 
 
-def _check(runner) -> None:
+def _check(runner, first: int | None = None, heads: int | None = None, layer_ids=None) -> None:
+    """Refuse what a migration could not keep correct."""
     if getattr(runner, "host_cache", None) is not None and runner.host_cache.numel() or \
             getattr(runner, "store", None) is not None:
         raise ValueError("migration here supports engines without a host pool or KV store (their block moves "
                          "would miss the peer's KV)")
+    layers = runner.model.layers
+    if first is not None and not 0 < first < len(layers):
+        raise ValueError(f"first must lie in 1..{len(layers) - 1} (the source keeps at least one layer)")
+    kvh = runner.kv_caches[0].shape[2]
+    if heads is not None and not 0 < heads < kvh:
+        raise ValueError(f"heads must lie in 1..{kvh - 1} (the model has {kvh} KV heads)")
+    ids = range(first, len(layers)) if first is not None else range(len(layers)) if layer_ids is None else layer_ids
+    for i in ids:
+        if getattr(layers[i], "attend", None) is not None or not hasattr(layers[i], "attend"):
+            raise ValueError(f"layer {i} has migrated already")
 
 
 def migrate_layers(runner, first: int) -> int:
     """Move layers first.. of a real runner's model to a peer; returns how many moved."""
-    _check(runner)
+    _check(runner, first=first)
     layers = runner.model.layers
-    if not 0 < first < len(layers):
-        raise ValueError(f"first must lie in 1..{len(layers) - 1} (the source keeps at least one layer)")
     for i in range(first, len(layers)):
-        if not isinstance(layers[i], PeerLayer):
-            layers[i] = PeerLayer(layers[i], runner.kv_caches[i])
-            runner.kv_caches[i].zero_()
+        layers[i] = PeerLayer(layers[i], runner.kv_caches[i])
+        runner.kv_caches[i].zero_()
     return len(layers) - first
 
 
 def migrate_heads(runner, heads: int, layer_ids=None) -> None:
     """Move the last `heads` KV heads of the given layers (default all) of a real runner's model to a peer."""
-    _check(runner)
+    _check(runner, heads=heads, layer_ids=layer_ids)
     kvh = runner.kv_caches[0].shape[2]
-    if not 0 < heads < kvh:
-        raise ValueError(f"heads must lie in 1..{kvh - 1} (the model has {kvh} KV heads)")
     for i in range(len(runner.model.layers)) if layer_ids is None else layer_ids:
-        layer = runner.model.layers[i]
-        if isinstance(layer, PeerLayer) or layer.attend is not None:
-            raise ValueError(f"layer {i} has migrated already")
-        layer.attend = HeadSplit(runner.kv_caches[i], kvh - heads)
+        runner.model.layers[i].attend = HeadSplit(runner.kv_caches[i], kvh - heads)
         runner.kv_caches[i].zero_()
 
 
@@ -104,12 +122,20 @@ _CACHE, _ROTARY = "<cache>", "<rotary>"  # stand-ins for the per-layer arguments
 
 def _peer_main(conn, c, threads: int) -> None:
     """The peer process: takes moved layers (weights and KV) or moved KV heads once, then runs them at
-    every step."""
+    every step. An error goes back to the source as ("error", text)."""
+    try:
+        _serve(conn, c, threads)
+    except Exception as e:  # noqa: BLE001 (reported to the source, which raises it)
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _serve(conn, c, threads: int) -> None:
     torch.set_num_threads(threads)
     from servewise import kernels
     from servewise.models.llama import LlamaLayer, Rotary
     from servewise.models.opt import OPTLayer
 
+    kind_of = LlamaLayer if c.arch == "llama" else OPTLayer
     layers, caches, heads = [], [], {}
     rotary = Rotary(c.head_dim, c.max_model_len, c.rope_theta) if c.arch == "llama" else None
     kernel = None
@@ -118,12 +144,7 @@ def _peer_main(conn, c, threads: int) -> None:
         kind, *args = msg
         if kind == "layers":  # a migration: weights and KV of the moved layers
             for params, cache in args[0]:
-                layer = (LlamaLayer if c.arch == "llama" else OPTLayer)(c)
-                with torch.no_grad():
-                    for name, p in layer.named_parameters():
-                        p.copy_(params[name])
-                layer.finalize()
-                layers.append(layer)
+                layers.append(_rebuild(kind_of, c, params))
                 caches.append(cache)
             conn.send("loaded")
             continue
@@ -145,7 +166,7 @@ def _peer_main(conn, c, threads: int) -> None:
                 if hasattr(a, "kernel"):
                     a.kernel = kernel if use_kernel else None
             for layer, cache in zip(layers, caches):
-                x = layer(x, *(cache if a == _CACHE else rotary if a == _ROTARY else a for a in rest))
+                x = layer(x, *(a if not isinstance(a, str) else cache if a == _CACHE else rotary for a in rest))
         conn.send(x)
 
 
@@ -155,21 +176,31 @@ class Peer:
     def __init__(self, c, threads: int = 1):
         import multiprocessing as mp
 
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_peer_main, args=(child, c, threads), daemon=True)
         self.proc.start()
-        if self.conn.recv() != "ready":  # (a fresh interpreter importing torch: not part of the move)
+        child.close()  # the peer's end: a peer that dies then reads as EOF here, not as a hang
+        if self.recv() != "ready":  # (a fresh interpreter importing torch: not part of the move)
             raise RuntimeError("the peer process did not start")
-        self.copy_s = self.step_s = 0.0  # the migration's transfer; time spent on the peer's side of steps
+        self.copy_s = self.step_s = 0.0  # the migration's transfer; time a step spends on the peer's side
         self.bytes = 0
 
-    def load(self, kind: str, payload, tensors) -> None:
-        import time
+    def recv(self):
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the peer process ended (exit code {self.proc.exitcode})") from None
+        if isinstance(msg, tuple) and msg and msg[0] == "error":
+            raise RuntimeError(f"the peer process failed: {msg[1]}")
+        return msg
 
+    def load(self, kind: str, payload, tensors) -> None:
         t0 = time.perf_counter()
         self.conn.send((kind, payload))
-        if self.conn.recv() != "loaded":
+        if self.recv() != "loaded":
             raise RuntimeError("the peer did not take what migrated")
         self.copy_s += time.perf_counter() - t0
         self.bytes += sum(t.numel() * t.element_size() for t in tensors)
@@ -177,14 +208,18 @@ class Peer:
     @staticmethod
     def meta(meta):
         """The attention metadata as sent: the compiled kernel stays behind (the peer loads its own)."""
-        import dataclasses
-
         return dataclasses.replace(meta, kernel=None), meta.kernel is not None
 
     def close(self) -> None:
         if self.proc.is_alive():
-            self.conn.send(None)
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
             self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.terminate()
+        self.conn.close()
 
 
 class RemoteStage(nn.Module):
@@ -194,15 +229,12 @@ class RemoteStage(nn.Module):
         super().__init__()
         model, self.peer = runner.model, peer
         self._caches = runner.kv_caches[first:]
-        payload = [({n: p.detach().clone() for n, p in model.layers[i].named_parameters()}, runner.kv_caches[i].clone())
-                   for i in range(first, len(model.layers))]
+        payload = [(_params(model.layers[i]), runner.kv_caches[i].clone()) for i in range(first, len(model.layers))]
         peer.load("layers", payload, [t for params, cache in payload for t in (*params.values(), cache)])
         for cache in self._caches:
             cache.zero_()
 
     def forward(self, x, *args):
-        import time
-
         t0 = time.perf_counter()
         sent, use_kernel = [], False
         for a in args:
@@ -216,36 +248,35 @@ class RemoteStage(nn.Module):
             else:
                 sent.append(a)
         self.peer.conn.send(("step", x, sent, use_kernel))
-        out = self.peer.conn.recv()
+        out = self.peer.recv()
         self.peer.step_s += time.perf_counter() - t0
         return out
 
 
-class RemoteHeads(HeadSplit):
-    """A layer's attention with its last heads in a peer process: the peer's share is sent first and computed
-    there while the kept heads are computed here."""
+class RemoteHeads:
+    """A layer's attention with its last heads in a peer process: their share is sent first and computed
+    there while the kept heads are computed here. The peer's step_s counts the sending and the wait
+    after the kept heads are done, not the kept heads' own attention."""
 
     def __init__(self, cache: torch.Tensor, keep: int, peer: Peer, layer: int):
         self.keep, self.peer, self.layer = keep, peer, layer
         self.local = cache[:, :, :keep].contiguous()
 
     def __call__(self, q, k, v, cache, meta):
-        import time
-
-        g, keep = q.shape[1] // k.shape[1], self.keep
-        cut = keep * g
+        here, there = _split(q, k, v, self.keep)
         t0 = time.perf_counter()
-        sent, use_kernel = Peer.meta(meta)
-        self.peer.conn.send(("attend", self.layer, q[:, cut:].contiguous(), k[:, keep:].contiguous(),
-                             v[:, keep:].contiguous(), sent, use_kernel))
-        here = paged_attention(q[:, :cut].contiguous(), k[:, :keep].contiguous(), v[:, :keep].contiguous(),
-                               self.local, meta)
-        there = self.peer.conn.recv()
-        self.peer.step_s += time.perf_counter() - t0
-        return torch.cat([here, there], dim=1)
+        self.peer.conn.send(("attend", self.layer, *there, *Peer.meta(meta)))
+        t1 = time.perf_counter()
+        out_here = paged_attention(*here, self.local, meta)
+        t2 = time.perf_counter()
+        out_there = self.peer.recv()
+        self.peer.step_s += (t1 - t0) + (time.perf_counter() - t2)
+        return torch.cat([out_here, out_there], dim=1)
 
 
 class _PassThrough(nn.Module):
+    attend = "moved"  # (a layer that migrated)
+
     def forward(self, x, *args):
         return x
 
@@ -253,11 +284,9 @@ class _PassThrough(nn.Module):
 def migrate_layers_to_process(runner, first: int, threads: int = 1) -> Peer:
     """Move layers first.. of a real runner's model to a new process (weights and KV sent over a pipe);
     returns the peer (its copy_s, bytes and step_s say what it cost; close() ends it)."""
-    _check(runner)
-    layers = runner.model.layers
-    if not 0 < first < len(layers):
-        raise ValueError(f"first must lie in 1..{len(layers) - 1} (the source keeps at least one layer)")
+    _check(runner, first=first)
     peer = Peer(runner.model.c, threads)
+    layers = runner.model.layers
     layers[first] = RemoteStage(runner, first, peer)
     for i in range(first + 1, len(layers)):
         layers[i] = _PassThrough()
@@ -267,10 +296,8 @@ def migrate_layers_to_process(runner, first: int, threads: int = 1) -> Peer:
 def migrate_heads_to_process(runner, heads: int, threads: int = 1) -> Peer:
     """Move the last `heads` KV heads of every layer of a real runner's model to a new process (their KV sent
     over a pipe); returns the peer."""
-    _check(runner)
+    _check(runner, heads=heads)
     kvh = runner.kv_caches[0].shape[2]
-    if not 0 < heads < kvh:
-        raise ValueError(f"heads must lie in 1..{kvh - 1} (the model has {kvh} KV heads)")
     peer = Peer(runner.model.c, threads)
     moved = {i: cache[:, :, kvh - heads:].contiguous() for i, cache in enumerate(runner.kv_caches)}
     peer.load("heads", moved, moved.values())

@@ -16,10 +16,10 @@ How a lease is priced (every constant is an assumption, stated in `Rebalancing` 
 - the peer runs the moved work as a second stream beside its own: the moved seconds queue on the
   peer's GPU and delay the peer's next step by what has not run yet (the source does not wait for them:
   a pipeline in steady state, so a migrated prefill's TTFT is understated by at most the moved share);
-- memory: the source's KV per token shrinks by the moved share, so the KV it holds at the move takes
-  fewer blocks: its pool grows by the difference, and the peer lends as many blocks out of its own
-  (and, for layers, the blocks the weights take). The loan is sized at the move: the source's later
-  growth is not mirrored on the peer (an approximation in the source's favour);
+- memory: the source's KV per token shrinks by the moved share, so the KV it holds at the move fits
+  in fewer of its (now thinner) blocks: its pool grows by the difference; the peer sets aside blocks
+  for the moved share of that KV (and, for layers, for the weights). Both are sized at the move: the
+  source's later growth is not mirrored on the peer (an approximation in the source's favour);
 - a migration itself copies the weights and the source's KV in use for the moved share over the link,
   plus a synchronisation; both instances stall for that long.
 
@@ -56,7 +56,7 @@ class Rebalancing:
 
     def __post_init__(self):
         if not (self.period_s > 0 and 0 <= self.delta_down <= self.delta_up and self.rho >= 0 and self.layer_step >= 1
-                and self.head_step >= 1 and 0 < self.max_share <= 0.5 and self.sync_s >= 0):
+                and self.head_step >= 1 and 0 < self.max_share <= 0.5 and self.sync_s > 0):
             raise ValueError(f"bad rebalancing settings: {self}")
 
 
@@ -86,8 +86,9 @@ class Move:
     src: int
     dst: int
     amount: int  # layers or KV heads
-    blocks: int  # of the peer's pool lent to the source (its grown pool)
-    weight_blocks: int  # of the peer's pool taken by the moved weights
+    blocks: int  # the source's pool grows by these (its KV in use, thinner per token, takes fewer blocks)
+    lent: int  # the peer's blocks that hold the moved KV
+    weight_blocks: int  # the peer's blocks that hold the moved weights
     cost_s: float
     benefit: float  # predicted gap closed
     gap: float  # the gap before
@@ -119,18 +120,19 @@ class Rebalancer:
         share = n / local  # of what it runs now
         moved_c = lo.compute * share * (1.0 if kind == LAYERS else lo.attn_share)
         blocks = round(lo.used * n / (local - n))  # its KV in use, thinner per token: blocks it gains
+        lent = round(lo.used * n / local)  # the moved share of that KV, in the peer's blocks
         weights = -(-int(n * self.layer_bytes) // int(self.block_bytes)) if kind == LAYERS else 0
         free_u = lu.usable - lu.used
-        if blocks + weights > free_u:
+        if lent + weights > free_u:
             return None
         kv_moved = lo.used * self.block_bytes * share
         cost = (kv_moved + (n * self.layer_bytes if kind == LAYERS else 0)) / self.link + cfg.sync_s
         after_o = lo.compute - moved_c + lo.used / (lo.usable + blocks)
-        after_u = lu.compute + moved_c + lu.used / max(1, lu.usable - blocks - weights)
+        after_u = lu.compute + moved_c + lu.used / max(1, lu.usable - lent - weights)
         gap = lo.util - lu.util
         if after_o < after_u:  # it would overshoot: the next period would move it back
             return None
-        return Move(kind, o, u, n, blocks, weights, cost, gap - (after_o - after_u), gap)
+        return Move(kind, o, u, n, blocks, lent, weights, cost, gap - (after_o - after_u), gap)
 
     def predict_back(self, kind: str, o: int, u: int, loads: list[Load]) -> Move | None:
         """Hot o gives back part of what cold u moved to it earlier, or None if u moved nothing of `kind`."""
@@ -139,27 +141,27 @@ class Rebalancer:
             return None
         n = min(self.cfg.layer_step if kind == LAYERS else self.cfg.head_step, lease[kind])
         frac = n / lease[kind]
-        blocks, weights = round(lease["kv_" + kind] * frac), round(lease["w_" + kind] * frac)
+        blocks, lent, weights = (round(lease[key + kind] * frac) for key in ("grown_", "lent_", "w_"))
         if blocks > lu.usable - lu.used:  # u's pool shrinks back: those blocks must be free
             return None
         total, out = (self.L, lu.layers_out) if kind == LAYERS else (self.H, lu.heads_out)
         moved_c = lu.compute * n / (total - out) * (1.0 if kind == LAYERS else lu.attn_share)  # at u's own rate
-        cost = blocks * self.block_bytes / self.link + self.cfg.sync_s  # the KV goes back; u kept its weights
-        after_o = lo.compute - moved_c + lo.used / (lo.usable + blocks + weights)
+        cost = lent * self.block_bytes / self.link + self.cfg.sync_s  # the KV goes back; u kept its weights
+        after_o = lo.compute - moved_c + lo.used / (lo.usable + lent + weights)
         after_u = lu.compute + moved_c + lu.used / max(1, lu.usable - blocks)
         gap = lo.util - lu.util
         if after_o < after_u:
             return None
-        return Move(kind, o, u, n, blocks, weights, cost, gap - (after_o - after_u), gap, back=True)
+        return Move(kind, o, u, n, blocks, lent, weights, cost, gap - (after_o - after_u), gap, back=True)
 
     def _record(self, m: Move) -> None:
         owner, host = (m.dst, m.src) if m.back else (m.src, m.dst)
-        lease = self.leases.setdefault((owner, host), {LAYERS: 0, HEADS: 0, "kv_layers": 0, "kv_heads": 0,
-                                                        "w_layers": 0, "w_heads": 0})
+        lease = self.leases.setdefault((owner, host), dict.fromkeys(
+            (LAYERS, HEADS, *(key + kind for key in ("grown_", "lent_", "w_") for kind in (LAYERS, HEADS))), 0))
         sign = -1 if m.back else 1
-        lease[m.kind] += sign * m.amount
-        lease["kv_" + m.kind] += sign * m.blocks
-        lease["w_" + m.kind] += sign * m.weight_blocks
+        for key, value in ((m.kind, m.amount), ("grown_" + m.kind, m.blocks), ("lent_" + m.kind, m.lent),
+                           ("w_" + m.kind, m.weight_blocks)):
+            lease[key] += sign * value
 
     def plan(self, loads: list[Load]) -> list[Move]:
         cfg = self.cfg
@@ -192,8 +194,9 @@ class MigratingPerf:
 
     def __init__(self, base, clock, num_layers: int, num_kv_heads: int, q_per_kv: int, head_dim: int, hidden: int,
                  itemsize: int, link_bytes_per_s: float, link_latency_s: float):
-        if not hasattr(base, "span"):
-            raise ValueError("migration needs the analytical roofline (per-layer and attention costs)")
+        if not hasattr(base, "span_parts"):
+            raise ValueError("load monitoring and migration need the analytical roofline (per-layer, attention and "
+                             "FLOP costs)")
         self.base, self.clock = base, clock
         self.L, self.H, self.g, self.D, self.hidden, self.itemsize = num_layers, num_kv_heads, q_per_kv, head_dim, \
             hidden, itemsize
@@ -208,6 +211,11 @@ class MigratingPerf:
 
     def __getattr__(self, name):  # copy, copy_parts, prior_context, label, ...
         return getattr(self.base, name)
+
+    @property
+    def pricing(self):
+        """The plain model, for policies that only price a step (prefill, decode here charge it)."""
+        return self.base
 
     @property
     def layers_out(self) -> int:

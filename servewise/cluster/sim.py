@@ -136,8 +136,9 @@ class ClusterSim:
                                      token_axis=token_axis)
         cal = calibration or {}
         perf_of = lambda m, role: Calibrated(perfs[m], **cal[role]) if role in cal else perfs[m]  # noqa: E731
-        if monitor_s is not None and monitor_s <= 0:
-            raise ValueError(f"monitor_s must be positive, got {monitor_s}")
+        if monitor_s is not None and (monitor_s <= 0 or rebalance is not None):
+            raise ValueError(f"monitor_s must be positive, got {monitor_s}" if monitor_s <= 0 else
+                             "give monitor_s or rebalance (which monitors every rebalance.period_s), not both")
         self.monitor_s = rebalance.period_s if rebalance is not None else monitor_s
         self.rebalancer = None
         if self.monitor_s:  # the loads are measured through the migration-aware cost model, leases or not
@@ -199,10 +200,10 @@ class ClusterSim:
         if m.back:  # src hands dst's work back: dst's pool shrinks again, src has its lent blocks back
             dst.runner.perf.lease_to(src.runner.perf, m.kind, -m.amount)
             dst.block_manager.lend(m.blocks)
-            src.block_manager.unlend(m.blocks + m.weight_blocks)
+            src.block_manager.unlend(m.lent + m.weight_blocks)
         else:
             src.runner.perf.lease_to(dst.runner.perf, m.kind, m.amount)
-            dst.block_manager.lend(m.blocks + m.weight_blocks)
+            dst.block_manager.lend(m.lent + m.weight_blocks)
             src.block_manager.grow(m.blocks)
         src.runner.perf.stall(m.cost_s)
         dst.runner.perf.stall(m.cost_s)
@@ -271,8 +272,8 @@ class ClusterSim:
         while True:
             t_arr = arrivals[order[k]] if k < len(order) else None
             t_ev = events[0][0] if events else None
-            if t_arr is None and t_ev is None:
-                break
+            if t_arr is None and (t_ev is None or (len(events) == 1 and events[0][1] == _MONITOR)):
+                break  # (a last monitoring sample would only move the clock past the end)
             now = t_ev if t_arr is None or (t_ev is not None and t_ev < t_arr) else t_arr
             clock.wait_until(now)
             dirty = set()
@@ -313,7 +314,7 @@ class ClusterSim:
                         migrations.append((now, m))
                         dirty.update((m.src, m.dst))
                     since, last = [e.runner.perf.compute_s for e in engines], now
-                    if k < len(order) or events or any(busy) or any(e.has_unfinished() for e in engines):
+                    if k < len(order) or events:  # (only while something else can still happen)
                         seq += 1
                         heapq.heappush(events, (now + self.monitor_s, _MONITOR, seq, None))
                 else:
