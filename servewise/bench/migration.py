@@ -5,7 +5,8 @@ against a run without the move.
 
 Reported: the move's bytes and seconds (the peer's start, a fresh interpreter importing torch, apart),
 and the median decode step before and after, with the time a step spends on the peer's side (sending,
-and waiting for the peer's part beyond what the source computes meanwhile). Both processes use --threads torch threads.
+and waiting for the peer's part beyond what the source computes meanwhile). Both processes use
+--threads torch threads.
 """
 from __future__ import annotations
 
@@ -69,9 +70,9 @@ def main(a) -> None:
            "step_ms_with_move": run["step_ms"], "outputs_identical": run["outputs"] == ref["outputs"]}
     print(f"{a.model}: {a.batch} requests of {a.prompt_len} prompt tokens, {a.steps} decode steps before and after; "
           f"{res['threads']} torch threads in each process; CPU flags: {res['cpu_flags']}")
-    print(f"move of {m['what']} to a new process: {m['bytes'] / 1e6:.2f} MB of {'weights and KV' if a.kind == 'layers' else 'KV'} in "
-          f"{m['copy_s'] * 1e3:.1f} ms ({m['bytes'] / m['copy_s'] / 1e9:.2f} GB/s over the pipe); with the peer's "
-          f"start {m['total_s']:.2f} s")
+    what = "weights and KV" if a.kind == "layers" else "KV"
+    print(f"move of {m['what']} to a new process: {m['bytes'] / 1e6:.2f} MB of {what} in {m['copy_s'] * 1e3:.1f} ms "
+          f"({m['bytes'] / m['copy_s'] / 1e9:.2f} GB/s over the pipe); with the peer's start {m['total_s']:.2f} s")
     print(f"median decode step: {run['step_ms']['before']:.2f} ms with every layer here, {run['step_ms']['after']:.2f} "
           f"ms after the move (the peer's side: {m['peer_ms_per_step']:.2f} ms a step); without the move "
           f"{ref['step_ms']['before']:.2f} / {ref['step_ms']['after']:.2f} ms")

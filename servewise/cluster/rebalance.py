@@ -27,10 +27,10 @@ Algorithm 4-1 (Rebalancer): every period, the utilisation U = compute + memory (
 the most and the least loaded; if the gap passes `delta_up` (or, once rebalancing, `delta_down`: the
 hysteresis the thesis names but never sets) the loaded instance first gives back work the lighter one
 moved to it earlier (ours: the thesis never moves work back), else a layer migration is tried, then a
-head migration;
-a move is made only if its predicted benefit (the gap it closes, 4-31) per second of its cost reaches
-`rho`, and never one that would leave the source below the peer (no overshoot); a move back the way
-the last one came must clear `delta_up` afresh (noisy loads otherwise bounce work to and fro).
+head migration. A move is made only if its predicted benefit (the gap it closes, 4-31) per second of
+its cost reaches `rho`, and never one that would leave the source below the peer (no overshoot); a
+move back the way the last one came must clear `delta_up` afresh (noisy loads otherwise bounce work
+to and fro).
 """
 from __future__ import annotations
 
