@@ -16,9 +16,9 @@ mid-generation leaves the outputs unchanged (tests/test_migration.py, greedy tok
 one). `migrate_layers_to_process` and `migrate_heads_to_process` move them to a real peer process
 instead (weights and KV sent over a pipe once; then, at every step, the activations and the attention
 metadata, or per layer the moved heads' queries, keys and values, whose attention the peer computes
-while the source computes the kept heads), and `servewise bench migration` measures what that costs. Block moves after a migration (swaps, store
-fetches, hand-offs) still act on the source's cache only, so these functions refuse an engine with a
-host pool or a KV store.
+while the source computes the kept heads), and `servewise bench migration` measures what that costs.
+Block moves after a migration (swaps, store fetches, hand-offs) still act on the source's cache only,
+so these functions refuse an engine with a host pool or a KV store.
 """
 from __future__ import annotations
 

@@ -45,10 +45,14 @@ WORKLOADS = ("shared-prefix", "alpaca", "longbench", "azure-conv")
 LONG_MEAN = 1500  # longbench: mean prompt tokens (LongBench's inputs run to thousands; the 2,048-token models cut them)
 
 # name: (instances' roles, router of the prompts, global KV store, module migration)
-SYSTEMS = {"round-robin": ("mixed", "round_robin", False, False), "cache-aware": ("mixed", "cache_aware", False, False),
-           "load-aware": ("mixed", "load_aware", False, False), "load-aware+store": ("mixed", "load_aware", True, False),
-           "pd-distserve": ("split", "jsq_tokens", False, False), "pd-splitwise": ("pools", None, False, False),
-           "pd-cache-aware": ("split", "cache_aware", False, False), "pd-load-aware": ("split", "load_aware", False, False),
+SYSTEMS = {"round-robin": ("mixed", "round_robin", False, False),
+           "cache-aware": ("mixed", "cache_aware", False, False),
+           "load-aware": ("mixed", "load_aware", False, False),
+           "load-aware+store": ("mixed", "load_aware", True, False),
+           "pd-distserve": ("split", "jsq_tokens", False, False),
+           "pd-splitwise": ("pools", None, False, False),
+           "pd-cache-aware": ("split", "cache_aware", False, False),
+           "pd-load-aware": ("split", "load_aware", False, False),
            "banaserve": ("split", "load_aware", False, True)}
 MONITOR_S = 2.0  # how often every run's loads are sampled (and, for banaserve, its rebalancing period)
 
