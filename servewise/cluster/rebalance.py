@@ -192,16 +192,17 @@ class Lease:
 class MigratingPerf:
     """A roofline cost model whose instance may run part of its work on peers and part of theirs."""
 
-    def __init__(self, base, clock, num_layers: int, num_kv_heads: int, q_per_kv: int, head_dim: int, hidden: int,
-                 itemsize: int, link_bytes_per_s: float, link_latency_s: float):
+    def __init__(self, base, clock, link_bytes_per_s: float, link_latency_s: float):
         if not hasattr(base, "span_parts"):
             raise ValueError("load monitoring and migration need the analytical roofline (per-layer, attention and "
                              "FLOP costs)")
-        self.base, self.clock = base, clock
-        self.L, self.H, self.g, self.D, self.hidden, self.itemsize = num_layers, num_kv_heads, q_per_kv, head_dim, \
-            hidden, itemsize
+        self.base, self.clock, c = base, clock, base.c
+        self.L, self.H, self.g, self.D = c.num_layers, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
+        self.hidden, self.itemsize = c.hidden_size, base.itemsize
+        self.layer_bytes = base.layer_params * base.itemsize  # one layer's weights
+        self.block_bytes = base.block_size * c.kv_bytes_per_token
         self.link, self.latency = link_bytes_per_s, link_latency_s
-        self.weights_s = base.span_parts(num_layers, 0, 0, 0, 0)[1]  # reading the layers' weights once
+        self.weights_s = base.span_parts(self.L, 0, 0, 0, 0)[1]  # reading the layers' weights once
         self.leases: list[Lease] = []
         self.queue_until = 0.0  # the peers' work (and migrations) queued on this GPU
         self.busy_until = 0.0
@@ -263,17 +264,13 @@ class MigratingPerf:
         return step
 
     def prefill(self, lens: list[int]) -> float:
-        tokens = sum(lens)
-        return self._step(self.base.prefill(lens), tokens, sum(n * (n + 1) // 2 for n in lens), tokens, len(lens))
+        return self._step(self.base.prefill(lens), *self.base.prefill_shape(lens))
 
     def decode(self, ctx_lens: list[int]) -> float:
-        ctx, b = sum(ctx_lens), len(ctx_lens)
-        return self._step(self.base.decode(ctx_lens), b, ctx, ctx, b)
+        return self._step(self.base.decode(ctx_lens), *self.base.decode_shape(ctx_lens))
 
     def mixed(self, chunks: list[int], ctx_lens: list[int]) -> float:
-        tokens, ctx, b = sum(chunks), sum(ctx_lens), len(ctx_lens)
-        pairs = sum(n * (n + 1) // 2 for n in chunks) + ctx
-        return self._step(self.base.mixed(chunks, ctx_lens), tokens + b, pairs, tokens + ctx, len(chunks) + b)
+        return self._step(self.base.mixed(chunks, ctx_lens), *self.base.mixed_shape(chunks, ctx_lens))
 
     def lease_to(self, peer: MigratingPerf, kind: str, amount: int) -> None:
         lease = next((x for x in self.leases if x.peer is peer), None)

@@ -140,9 +140,8 @@ class ClusterSim:
             raise ValueError(f"monitor_s must be positive, got {monitor_s}" if monitor_s <= 0 else
                              "give monitor_s or rebalance (which monitors every rebalance.period_s), not both")
         self.monitor_s = rebalance.period_s if rebalance is not None else monitor_s
-        self.rebalancer = None
         if self.monitor_s:  # the loads are measured through the migration-aware cost model, leases or not
-            perf_of = self._migrating(mc, perf_of, rebalance, link_gbps, link_latency_s)
+            perf_of = self._migrating(perf_of, link_gbps, link_latency_s)
         store = None
         if engine_kw.get("kv_store"):  # one simulated global KV store that every instance reads and writes
             from servewise.builder import sim_store_for
@@ -155,6 +154,12 @@ class ClusterSim:
         self.store = store
         self.engines = [build_sim_engine(model, perf=perf_of(m, role), clock=self.clock, owns_clock=False,
                                          sim_store=store, **engine_kw) for m, role in specs]
+        self.rebalancer = None
+        if rebalance is not None:
+            from servewise.cluster.rebalance import Rebalancer
+
+            p = self.engines[0].runner.perf
+            self.rebalancer = Rebalancer(rebalance, p.L, p.H, p.layer_bytes, p.block_bytes, p.link)
         self.network = Network([LinkModel(link_gbps or get_machine(m).nic_gbps, link_latency_s) for m, _ in specs])
         self.perf_labels = sorted({e.runner.perf.label for e in self.engines})
         if design.split:
@@ -164,24 +169,12 @@ class ClusterSim:
         else:
             self.pools, self.router = None, make_router(router)
 
-    def _migrating(self, mc, perf_of, cfg, link_gbps, latency_s):
+    def _migrating(self, perf_of, link_gbps, latency_s):
         """perf_of for instances that migrate layers and heads (each its own rebalance.MigratingPerf)."""
-        from servewise.cluster.rebalance import MigratingPerf, Rebalancer
-        from servewise.predictors.roofline import layer_params
+        from servewise.cluster.rebalance import MigratingPerf
 
-        machines = {m for m, _ in self.design.instances()}
-        gbps = link_gbps or min(get_machine(m).nic_gbps for m in machines)
-        itemsize = mc.kv_bytes_per_token // (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim)
-        block_bytes = self.block_size * mc.kv_bytes_per_token
-        if cfg is not None:
-            self.rebalancer = Rebalancer(cfg, mc.num_layers, mc.num_kv_heads, layer_params(mc) * itemsize,
-                                         block_bytes, gbps * 1e9)
-
-        def make(m, role):
-            return MigratingPerf(perf_of(m, role), self.clock, mc.num_layers, mc.num_kv_heads,
-                                 mc.num_heads // mc.num_kv_heads, mc.head_dim, mc.hidden_size, itemsize, gbps * 1e9,
-                                 latency_s)
-        return make
+        gbps = link_gbps or min(get_machine(m).nic_gbps for m, _ in self.design.instances())
+        return lambda m, role: MigratingPerf(perf_of(m, role), self.clock, gbps * 1e9, latency_s)
 
     def _loads(self, since: list[float], window: float):
         """The rebalancer's view of every instance: compute share of the window, blocks, leases."""

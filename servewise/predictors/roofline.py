@@ -142,21 +142,34 @@ class RooflinePerf:
             t += self.ar_fixed_s + tokens * self.c.hidden_size * self.itemsize * self.ar_s_per_byte
         return t
 
-    def prefill(self, lens: list[int]) -> float:
+    # A step's shape: (new tokens, attention (query, key) pairs, KV tokens read or written, LM-head rows).
+    @staticmethod
+    def prefill_shape(lens: list[int]) -> tuple[int, int, int, int]:
         tokens = sum(lens)
-        pairs = sum(n * (n + 1) // 2 for n in lens)  # causal attention
-        return self._time(self.span(self.c.num_layers, tokens, pairs, tokens, len(lens)), tokens)
+        return tokens, sum(n * (n + 1) // 2 for n in lens), tokens, len(lens)  # causal attention
+
+    @staticmethod
+    def decode_shape(ctx_lens: list[int]) -> tuple[int, int, int, int]:
+        b, ctx = len(ctx_lens), sum(ctx_lens)
+        return b, ctx, ctx, b
+
+    @staticmethod
+    def mixed_shape(chunks: list[int], ctx_lens: list[int]) -> tuple[int, int, int, int]:
+        tokens, b, ctx = sum(chunks), len(ctx_lens), sum(ctx_lens)
+        return tokens + b, sum(n * (n + 1) // 2 for n in chunks) + ctx, tokens + ctx, len(chunks) + b
+
+    def _step(self, tokens: int, pairs: int, kv_tokens: int, rows: int) -> float:
+        return self._time(self.span(self.c.num_layers, tokens, pairs, kv_tokens, rows), tokens)
+
+    def prefill(self, lens: list[int]) -> float:
+        return self._step(*self.prefill_shape(lens))
 
     def decode(self, ctx_lens: list[int]) -> float:
-        b, ctx = len(ctx_lens), sum(ctx_lens)
-        return self._time(self.span(self.c.num_layers, b, ctx, ctx, b), b)
+        return self._step(*self.decode_shape(ctx_lens))
 
     def mixed(self, chunks: list[int], ctx_lens: list[int]) -> float:
         """Prompt chunks (their earlier context: prior_context) and decodes in one pass over the weights."""
-        tokens, b = sum(chunks), len(ctx_lens)
-        pairs = sum(n * (n + 1) // 2 for n in chunks) + sum(ctx_lens)
-        return self._time(self.span(self.c.num_layers, tokens + b, pairs, tokens + sum(ctx_lens), len(chunks) + b),
-                          tokens + b)
+        return self._step(*self.mixed_shape(chunks, ctx_lens))
 
     def prior_context(self, pairs: int) -> float:
         """The attention flops of prompt chunks against KV already present, (new, earlier) token pairs."""
