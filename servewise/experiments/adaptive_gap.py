@@ -355,12 +355,12 @@ def report(res: dict) -> str:
 def plot(res: dict, out_dir: str) -> list[str]:
     if not res.get("swapcost"):
         return []
-    import os
-
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from servewise.experiments import save_figure
 
     g = res["settings"]
     by = _group(res["swapcost"], "workload", "slowdown", "system")
@@ -377,11 +377,7 @@ def plot(res: dict, out_dir: str) -> list[str]:
     ax.set_ylabel("throughput ratio", fontsize=8)
     ax.set_title(f"{g['sim_models'][0]} (simulated): dotted, the paper's vllm / vllm_s", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "adaptive_gap_swapcost.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out_dir, "adaptive_gap_swapcost.png")]
 
 
 def main(a) -> None:

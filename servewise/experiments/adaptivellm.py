@@ -426,6 +426,8 @@ def plot(result: dict, out_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from servewise.experiments import save_figure
+
     s, paths = result["settings"], []
     groups = _groups(result)
     for name, sweep, xs, ykey, ylabel, xlabel in (
@@ -452,11 +454,7 @@ def plot(result: dict, out_dir: str) -> list[str]:
         with_lines = [ax for row in axes for ax in row if ax.lines]
         if with_lines:
             with_lines[0].legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, name)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out_dir, name))
     return paths
 
 

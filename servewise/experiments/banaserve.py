@@ -33,12 +33,11 @@ mean gap between the most and the least loaded instance, and a figure shows the 
 from __future__ import annotations
 
 import itertools
-import os
 import statistics
 import sys
 import time
 
-from servewise.experiments import publish
+from servewise.experiments import publish, save_figure
 from servewise.metrics import RequestRecord, compute
 
 WORKLOADS = ("shared-prefix", "alpaca", "longbench", "azure-conv")
@@ -216,11 +215,7 @@ def plot(res: dict, out_dir: str) -> str:
     if wl != "shared-prefix":
         for ax in axes[1:]:
             ax.set_yscale("log")
-    fig.tight_layout()
-    path = os.path.join(out_dir, "banaserve_dispatch.png" if wl == "shared-prefix" else f"banaserve_{wl}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths = [path]
+    paths = [save_figure(fig, out_dir, "banaserve_dispatch.png" if wl == "shared-prefix" else f"banaserve_{wl}.png")]
     pair = [r for r in res["runs"] if r["system"] in ("pd-load-aware", "banaserve") and r["loads"]]
     if {r["system"] for r in pair} == {"pd-load-aware", "banaserve"}:  # the loads over time at the top rate
         top = max(r["rate"] for r in pair)
@@ -239,10 +234,7 @@ def plot(res: dict, out_dir: str) -> str:
         axes[0].set_ylabel("U = compute + memory", fontsize=8)
         axes[0].legend(fontsize=6)
         fig.suptitle(f"{wl}: utilisation per instance without and with module migration (Algorithm 4-1)", fontsize=9)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, f"banaserve_{wl}_loads.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir, f"banaserve_{wl}_loads.png"))
     if res.get("overlap"):
         fig, axes = plt.subplots(1, len(res["overlap"]), figsize=(4.2 * len(res["overlap"]), 3.2), squeeze=False)
         for ax, o in zip(axes[0], res["overlap"]):
@@ -257,10 +249,7 @@ def plot(res: dict, out_dir: str) -> str:
         axes[0][0].legend(fontsize=7)
         fig.suptitle("the store's layer-wise overlap (thesis Fig. 4-5): a fetch is hidden while below the compute",
                      fontsize=9)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "banaserve_overlap.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir, "banaserve_overlap.png"))
     return paths
 
 

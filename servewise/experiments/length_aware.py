@@ -14,7 +14,6 @@ length (capped), and each request carrying its predicted length (and, for UELLM,
 """
 from __future__ import annotations
 
-import os
 import random
 import sys
 import time
@@ -22,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from servewise.experiments import publish
+from servewise.experiments import publish, save_figure
 from servewise.metrics import RequestRecord, compute, save_json
 from servewise.predictors.output_length import (PREDICTORS, Embedder, Refitting, accuracy, features, instruction_of,
                                                 length_tokenizer, make_predictor, time_per_prediction)
@@ -279,11 +278,7 @@ def plot(res: dict, out_dir: str) -> list[str]:
         axes[0].legend(fontsize=7)
         title = "llama-7b on a simulated V100-32G" if backend == "sim" else "tiny-llama, real engine on this CPU"
         fig.suptitle(f"{res['experiment']}: {title}", fontsize=9)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{res['experiment']}_{backend}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out_dir, f"{res['experiment']}_{backend}.png"))
     return paths
 
 

@@ -15,12 +15,11 @@ Assumptions (none of these is in the thesis, which gives no values):
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 from servewise.cluster.placement import MODES, Device, PipelinePerf, Planner, Topology, Workload
-from servewise.experiments import publish
+from servewise.experiments import publish, save_figure
 from servewise.metrics import RequestRecord, compute
 
 PIX, NODE = (20.0, 5e-6), (10.0, 15e-6)
@@ -120,11 +119,7 @@ def plot(res: dict, out_dir: str) -> list[str]:
         if ax.lines:
             ax.legend(fontsize=6)
     fig.suptitle("HELR placement against even and greedy: analytical roofline, thesis topology", fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "uellm_placement.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out_dir, "uellm_placement.png")]
 
 
 def main(a) -> None:
