@@ -154,7 +154,7 @@ def _serve(conn, c, threads: int) -> None:
             continue
         use_kernel = args[-1]
         if use_kernel and kernel is None:
-            kernel = kernels.paged_attention_ext()
+            kernel = kernels.cpu_ext()
         with torch.inference_mode():
             if kind == "attend":  # one layer's moved heads
                 i, q, k, v, meta, _ = args

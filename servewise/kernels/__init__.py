@@ -29,13 +29,20 @@ def cpu_flags() -> str:
     return " ".join(f for f in wanted if f in have) or "unknown"
 
 
+SOURCES = ("paged_attention.cpp", "layer_ops.cpp")  # one module; paged_attention.cpp declares its functions
+
+
+def _module_name() -> str:
+    return f"servewise_cpu_kernels_{_cpu_tag()}"
+
+
 def _cpu_tag() -> str:
     """The build flags depend on the CPU (-march=native): a cache shared by machines with other flags
     must not hand one machine another's binary."""
     return hashlib.sha1(_cpu_flags_line().encode()).hexdigest()[:10]
 
 
-def paged_attention_ext():
+def cpu_ext():
     """The compiled module, or None (with the reason in status())."""
     with _lock:
         if "ext" in _state:
@@ -44,15 +51,16 @@ def paged_attention_ext():
         if os.environ.get("SERVEWISE_KERNELS", "auto") == "torch":
             _state["why"] = "SERVEWISE_KERNELS=torch"
             return None
-        src = os.path.join(os.path.dirname(__file__), "paged_attention.cpp")
+        here = os.path.dirname(__file__)
+        sources = [os.path.join(here, f) for f in SOURCES]
         try:
             from torch.utils.cpp_extension import load
 
             _clear_stale_lock()
             if not _built_before():
-                print("servewise: building the paged-attention CPU kernel (first use on this machine; "
+                print("servewise: building the CPU kernels (first use on this machine; "
                       "about a minute)", file=sys.stderr, flush=True)
-            _state["ext"] = load(name=f"servewise_paged_attention_{_cpu_tag()}", sources=[src],
+            _state["ext"] = load(name=_module_name(), sources=sources,
                                  extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                  verbose=False)
         except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path serves
@@ -64,7 +72,7 @@ def _build_dir() -> str | None:
     from torch.utils.cpp_extension import _get_build_directory
 
     try:
-        return _get_build_directory(f"servewise_paged_attention_{_cpu_tag()}", verbose=False)
+        return _get_build_directory(_module_name(), verbose=False)
     except Exception:
         return None
 
@@ -87,7 +95,8 @@ def _clear_stale_lock() -> None:
 
 
 def status() -> str:
-    ext = paged_attention_ext()
+    ext = cpu_ext()
     if ext is not None:
-        return "decode attention: compiled paged kernel (reads KV blocks in place)"
-    return f"decode attention: PyTorch gather + SDPA ({_state.get('why', '')})"
+        return ("compiled CPU kernels: paged decode attention (reads KV blocks in place), RMSNorm, rotary, "
+                "SiLU-mul")
+    return f"PyTorch path: decode attention by gather + SDPA, element-wise ops by operator ({_state.get('why', '')})"

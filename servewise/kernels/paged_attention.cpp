@@ -17,6 +17,8 @@
 #include <limits>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace {
 
 template <typename T>
@@ -57,7 +59,12 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         float* s = &scores[hq * n];
         float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
         for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-        for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - m));
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+          const float e = servewise::fast_exp(s[t] - m);
+          s[t] = e;
+          sum += e;
+        }
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < n; ++t) s[t] *= inv;
       }
@@ -103,6 +110,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// layer_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps);
+at::Tensor silu_mul_(at::Tensor& gate, const at::Tensor& up);
+void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) (CPU)");
+  m.def("silu_mul_", &silu_mul_, "silu(gate) * up, over gate (CPU)");
+  m.def("rotary_", &rotary_, "rotary embedding in place (CPU)");
 }

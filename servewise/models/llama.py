@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servewise import kernels
 from servewise.config import ModelConfig
 from servewise.models.attention import AttentionMetadata, paged_attention
 from servewise.models.linear import Linear
@@ -56,18 +57,32 @@ class LlamaLayer(nn.Module):
         # two matmuls give contiguous halves, on which silu runs several times faster than on a strided view
         self.qkv, self.o, self.down = Linear(self.qkv_proj), Linear(self.o_proj), Linear(self.down_proj)
         self.gate, self.up = Linear(self.gate_up_proj[:i]), Linear(self.gate_up_proj[i:])
+        self.ops = layer_ops(self.qkv_proj)
 
     def forward(self, x, positions, cache, meta, rotary):
-        c = self.c
-        h = rms_norm(x, self.input_layernorm, c.norm_eps)
+        c, ops = self.c, self.ops
+        h = ops.rms_norm(x, self.input_layernorm, c.norm_eps) if ops else rms_norm(x, self.input_layernorm, c.norm_eps)
         qk, v = self.qkv(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # queries and keys rotate together: one pass over both
-        q, k = rotary(positions, qk.view(-1, c.num_heads + c.num_kv_heads, c.head_dim)).split(
-            [c.num_heads, c.num_kv_heads], dim=1)
+        qk = qk.view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
+        if ops:
+            ops.rotary_(qk, positions, rotary.cos, rotary.sin)
+        else:
+            qk = rotary(positions, qk)
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         attn = (self.attend or paged_attention)(q, k, v.view(-1, c.num_kv_heads, c.head_dim), cache, meta)
+        if ops:  # the residual add and the next norm in one pass
+            x, h = ops.add_rms_norm(x, self.o(attn), self.post_attention_layernorm, c.norm_eps)
+            return x + self.down(ops.silu_mul_(self.gate(h), self.up(h)))
         x = x + self.o(attn)
         h = rms_norm(x, self.post_attention_layernorm, c.norm_eps)
         return x + self.down(F.silu(self.gate(h)).mul_(self.up(h)))
+
+
+def layer_ops(weight: torch.Tensor):
+    """The compiled CPU kernels for a layer's element-wise work (RMSNorm, rotary, SiLU-mul), or None:
+    the PyTorch path (other devices, SERVEWISE_KERNELS=torch, no build)."""
+    return kernels.cpu_ext() if weight.device.type == "cpu" else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -94,7 +109,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(rms_norm(hidden, self.norm, self.c.norm_eps))
+        ops, eps = self.layers[0].ops if len(self.layers) else None, self.c.norm_eps
+        return self.head(ops.rms_norm(hidden, self.norm, eps) if ops else rms_norm(hidden, self.norm, eps))
 
     def finalize(self) -> None:
         """After loading: linear layers on prepacked weights where available; the output projection's

@@ -1,7 +1,10 @@
 """Real execution: forward passes over a paged KV cache and real block copies between pools."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import os
 import threading
 import time
 
@@ -16,6 +19,28 @@ from servewise.runners.sampler import sample
 
 
 log = logging.getLogger("servewise")
+
+
+def keep_freed_memory() -> str:
+    """Let glibc's malloc serve large blocks from its heap and keep them after they are freed.
+
+    By default a block over 128 KiB-32 MiB is a fresh mmap, returned to the system on free, so every
+    large activation of a step (a 4,096-token prefill's [4,096, 2,816] MLP output is 46 MB) is paged in
+    and zeroed by the kernel again on every call. Measured on 2 threads, AVX-512, 4,096 x 1,024 x
+    2,816 fp32 prepacked linear: 191 GFLOP/s with fresh pages, 212 with kept ones; a 64 x 128-token
+    prefill of llama-200m, 13.1 s -> 11.8 s. The cost: the heap keeps its peak size (what a step's
+    activations needed at most). Process-wide; SERVEWISE_MALLOC=system keeps the defaults."""
+    if os.environ.get("SERVEWISE_MALLOC", "keep") == "system":
+        return "malloc: system defaults (SERVEWISE_MALLOC=system)"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # glibc only: mallopt's parameter numbers are glibc's
+    except (OSError, AttributeError):
+        return "malloc: system defaults (not glibc)"
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    if libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1):
+        return "malloc: large blocks kept in the heap"
+    return "malloc: system defaults (mallopt refused)"
 
 
 class TorchRunner:
@@ -33,9 +58,10 @@ class TorchRunner:
                                       pin_memory=self.device.type == "cuda")
         flat = self.device_cache.view(mc.num_layers, 2, num_device_blocks * block_size, *per_block[1:])
         self.kv_caches = list(flat.unbind(0))
-        self.attn_kernel = kernels.paged_attention_ext() if self.device.type == "cpu" else None
+        self.attn_kernel = kernels.cpu_ext() if self.device.type == "cpu" else None
         self.paths = "; ".join((describe_linears(model.linears()) if hasattr(model, "linears") else "linear layers: F.linear",
-                                kernels.status() if self.device.type == "cpu" else "decode attention: PyTorch gather + SDPA"))
+                                kernels.status() if self.device.type == "cpu" else "decode attention: PyTorch gather + SDPA",
+                                keep_freed_memory() if self.device.type == "cpu" else "malloc: system defaults"))
         log.info("servewise: %s", self.paths)
         self.store = None  # a global KV store (cluster.kv_store.KVStore) for moves to and from Pool.STORE
         self.layerwise_fetch = True  # fetched KV arrives layer by layer while the step computes
