@@ -9,7 +9,7 @@ from servewise.models.linear import Linear
 
 from conftest import random_prompts
 
-ext = kernels.paged_attention_ext()
+ext = kernels.cpu_ext()
 needs_kernel = pytest.mark.skipif(ext is None, reason=f"no compiled kernel here: {kernels.status()}")
 
 
