@@ -89,3 +89,63 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatc
     os.utime(lock, (old, old))
     kernels._clear_stale_lock()
     assert not lock.exists()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (37, 96), (300, 1024)])
+def test_layer_ops_equal_their_pytorch_twins(rows, hidden, dtype):
+    from servewise.models.llama import rms_norm
+
+    g = torch.Generator().manual_seed(rows + hidden)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    close = lambda a, b: torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)  # noqa: E731
+    x, d = (torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2))
+    w = (1 + torch.randn(hidden, generator=g) / 4).to(dtype)
+    assert close(ext.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
+    s, h = ext.add_rms_norm(x, d, w, 1e-6)
+    assert close(s, x + d) and close(h, rms_norm(x + d, w, 1e-6))
+    gate, up = torch.randn(rows, hidden, generator=g).to(dtype) * 8, torch.randn(rows, hidden, generator=g).to(dtype)
+    want = torch.nn.functional.silu(gate) * up
+    assert ext.silu_mul_(gate, up) is gate and close(gate, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_a_strided_view_equals_the_pytorch_twin(dtype):
+    from servewise.models.llama import Rotary
+
+    rot = Rotary(64, 512, 10000.0).to(dtype)
+    g = torch.Generator().manual_seed(3)
+    # as the layer calls it: queries and keys, a view into the fused qkv output (token stride > heads * D)
+    qkv = torch.randn(50, (6 + 2 + 2) * 64, generator=g).to(dtype)
+    qk = qkv[:, : 8 * 64].view(50, 8, 64)
+    v_before = qkv[:, 8 * 64:].clone()
+    pos = torch.randint(0, 512, (50,), generator=g)
+    want = rot(pos, qk.clone())
+    ext.rotary_(qk, pos, rot.cos, rot.sin)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(qk.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, 8 * 64:], v_before)  # the values beside it are untouched
+    with pytest.raises(RuntimeError, match="position out of range"):
+        ext.rotary_(qk, torch.full((50,), 512), rot.cos, rot.sin)
+
+
+@needs_kernel
+def test_engine_outputs_are_identical_on_either_layer_path():
+    prompts = random_prompts(10, 3, 60, seed=9)
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    llm = LLM("tiny-llama", num_device_blocks=128, num_host_blocks=64, device="cpu")
+    layers = llm.engine.runner.model.layers
+    assert all(layer.ops is ext for layer in layers)
+    fast = [o.token_ids for o in llm.generate(prompts, sp)]
+    for layer in layers:
+        layer.ops = None
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == fast
+
+
+def test_keeping_freed_memory_can_be_turned_off(monkeypatch):
+    from servewise.runners import torch_runner
+
+    monkeypatch.setenv("SERVEWISE_MALLOC", "system")
+    assert "system" in torch_runner.keep_freed_memory()
