@@ -21,6 +21,8 @@
 
 namespace {
 
+constexpr int64_t kFixedTokens = 8;  // a request's work outside its context, in tokens' worth
+
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
             const at::Tensor& context_lens, int64_t block_size, double scale, at::Tensor& out) {
@@ -34,9 +36,21 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  // Each thread takes a run of requests with an equal share of the work (context tokens, plus a few for
+  // a request's fixed cost), not an equal count: in a batch of mixed contexts an equal count leaves one
+  // thread idle while the other finishes the long ones.
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
+  std::vector<int64_t> first(nt + 1, B);
+  first[0] = 0;
+  int64_t total = 0, done = 0;
+  for (int64_t b = 0; b < B; ++b) total += lens[b] + kFixedTokens;
+  for (int64_t b = 0, t = 1; b < B && t < nt; ++b) {
+    done += lens[b] + kFixedTokens;
+    while (t < nt && done * nt >= total * t) first[t++] = b + 1;
+  }
+  at::parallel_for(0, nt, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> qf(H * D), acc(H * D), scores;
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t b = first[t_begin]; b < first[t_end]; ++b) {
       const int64_t n = lens[b];
       const int64_t* table = bt + b * max_blocks;
       const T* qb = qp + b * H * D;
