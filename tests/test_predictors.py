@@ -7,7 +7,8 @@ import pytest
 from servewise.models.loader import hf_config
 from servewise.predictors.fit import Predictors, fit_predictors, format_report
 from servewise.predictors.profiler import profile, sweep_points
-from servewise.predictors.step_time import StepTimePredictor, compare
+from servewise import kernels
+from servewise.predictors.step_time import IN_PLACE, PADDED, StepTimePredictor, compare
 from servewise.predictors.swap_cost import SwapCostModel, kv_bytes
 
 
@@ -41,7 +42,12 @@ def test_fit_compare_and_persist(small_profile, tmp_path):
     assert costs.recompute(40) > 0 and costs.swap(40) > 0
     assert costs.kv_bytes(17) == 2 * 16 * 2 * 2 * 64 * 4  # 17 tokens occupy 2 whole blocks
     bound = loaded.step_time.bind(2, 128)
-    assert bound.decode([30, 100]) == bound.time("decode", 100, 2)  # decode pads to the longest context
+    # decode steps are described by the mean context where the profile's runner read KV in place (the
+    # compiled kernel), by the longest where it padded every request to it (and in older profiles)
+    assert small_profile["decode_attention"] == (IN_PLACE if kernels.cpu_ext() else PADDED)
+    for attention, length in ((IN_PLACE, 65), (PADDED, 100), (None, 100)):
+        b = StepTimePredictor(loaded.step_time.models, {"decode_attention": attention}).bind(2, 128)
+        assert b.decode([30, 100]) == b.time("decode", length, 2)
     assert bound.prefill([10, 30]) == bound.time("prefill", 20, 2)
     assert "held-out MAPE" in format_report(loaded)
 

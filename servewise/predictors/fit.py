@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from servewise.predictors.step_time import KINDS, BoundStepTime, StepTimePredictor, best_of, compare
 from servewise.predictors.swap_cost import SwapCostModel, kv_bytes
 
-META_KEYS = ("arch", "dtype", "device", "threads", "hardware", "block_size", "models")
+META_KEYS = ("arch", "dtype", "device", "threads", "hardware", "block_size", "models", "decode_attention")
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 from servewise.config import ModelConfig
 from servewise.engine.block_manager import BlockManager
 from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, standalone_batch
+from servewise.predictors.step_time import IN_PLACE, PADDED
 from servewise.sampling_params import SamplingParams
 
 PROFILE_VERSION = 2  # 2: prompt chunks over earlier context ("context"); version 1 profiles still load
@@ -164,6 +165,7 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
                 "kv_bytes_per_token": cfg.kv_bytes_per_token}
         result["models"].append(dims)
         bench = _Bench(cfg, device, block_size, n_dev, n_host)
+        result["decode_attention"] = IN_PLACE if bench.runner.attn_kernel is not None else PADDED
         key = {"layers": layers, "hidden": hidden}
         for kind, pts in (("prefill", prefill_pts), ("decode", decode_pts)):
             tick = (lambda k, n, kind=kind: progress(f"{layers}x{hidden} {kind}: round {k}/{n}")) if progress else None

@@ -16,6 +16,8 @@ import numpy as np
 
 FEATURES = ("layers", "hidden", "length", "batch")
 KINDS = ("prefill", "decode")
+# a profile's "decode_attention": how its runner's decode attention read the KV
+IN_PLACE, PADDED = "in place", "padded"
 
 
 def regressors(seed: int = 0) -> dict:
@@ -127,12 +129,16 @@ class BoundStepTime:
     """The predictor for one model, with step features derived from a batch and memoised.
 
     Prefill steps are described by the mean tokens per request (the step's work is linear in
-    total tokens plus per-request attention); decode steps by the longest context, because the
-    decode attention pads every request of the batch to it.
+    total tokens plus per-request attention). Decode steps, on a profile whose runner read each
+    request's KV in place (the compiled kernel: work linear in the batch's total context), by the
+    mean context; on one whose decode attention padded every request to the longest context (the
+    PyTorch path, and profiles from before this was recorded), by the longest. The profile's
+    decode batches give every request the same context, where the two agree.
     """
 
     def __init__(self, predictor: StepTimePredictor, layers: int, hidden: int):
         self.p, self.layers, self.hidden = predictor, layers, hidden
+        self.decode_by_mean = predictor.info.get("decode_attention") == IN_PLACE
         self._memo: dict[tuple[str, int, int], float] = {}
 
     def time(self, kind: str, length: int, batch: int) -> float:
@@ -146,7 +152,8 @@ class BoundStepTime:
         return self.time("prefill", max(1, round(sum(lens) / len(lens))), len(lens))
 
     def decode(self, ctx_lens: list[int]) -> float:
-        return self.time("decode", max(ctx_lens), len(ctx_lens))
+        length = max(1, round(sum(ctx_lens) / len(ctx_lens))) if self.decode_by_mean else max(ctx_lens)
+        return self.time("decode", length, len(ctx_lens))
 
     def recompute_cost(self, num_tokens: int) -> float:
         """Predicted time to rebuild one request's KV: a prefill of its prompt plus generated tokens."""
