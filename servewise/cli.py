@@ -414,6 +414,9 @@ def _add_bench_fidelity(bsub) -> None:
     fi.add_argument("--repeat", type=_at_least(1), default=1, help="runs of everything, spread over time")
     fi.add_argument("--interval", type=_float_at_least(0), default=0.0, help="seconds to wait between repeats")
     fi.add_argument("--threads", type=int, default=0, help="ignored: the profile's thread count is used")
+    fi.add_argument("--replay", type=_at_least(0), default=0,
+                    help="after each run, time this many of its decode batches again: as they ran, and as the "
+                         "profile would have timed them (where the step-time error comes from)")
     fi.add_argument("--out", default="results/bench_fidelity.json")
     fi.set_defaults(func=_run_bench_fidelity)
 

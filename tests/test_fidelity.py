@@ -84,7 +84,7 @@ def test_bench_fidelity_repeats_and_summarises_both_simulations(predictors, tmp_
     predictors.save(path)
     main(["bench", "fidelity", "--predictors", path, "--workload", "chatbot", "--num-requests", "12",
           "--max-output-len", "8", "--rate", "20", "--preemption", "swap", "--num-device-blocks", "24",
-          "--repeat", "2", "--out", str(out)])
+          "--repeat", "2", "--replay", "3", "--out", str(out)])
     res = json.loads(out.read_text())
     runs = res["results"]["20/swap"]
     assert res["repeat"] == 2 and len(runs) == 2
@@ -92,6 +92,13 @@ def test_bench_fidelity_repeats_and_summarises_both_simulations(predictors, tmp_
         assert r["real"]["completed"] == 12 and r["drift_before"]["decode_scale"] > 0
         for name in ("profiled", "drift_corrected"):
             assert r[name]["sim"]["completed"] == 12 and r[name]["steps"]["decode"]["steps"] > 0
+        # decode batches of the run timed again, as they ran and as the profile would have timed them
+        rows = r["replay"]["batches"]
+        assert 1 <= len(rows) <= 3
+        for b in rows:
+            assert b["batch"] >= 1 and 1 <= b["mean_context"] <= b["max_context"]
+            assert min(b["run_s"], b["as_ran_s"], b["as_profiled_s"], b["predicted_by_mean_s"]) > 0
+        assert r["replay"]["total"]["as_ran_s"] == pytest.approx(sum(b["as_ran_s"] for b in rows))
     # the corrected simulation is the profiled one with its steps scaled: its same-batch prediction moves by the drift
     d = runs[0]["drift_before"]["decode_scale"]
     prof, corr = runs[0]["profiled"]["steps"]["decode"], runs[0]["drift_corrected"]["steps"]["decode"]

@@ -80,3 +80,21 @@ def test_swap_model_recovers_bandwidth_and_fixed_cost():
     with pytest.raises(ValueError):
         SwapCostModel.fit(rows[:1])
     assert not math.isnan(m.swap_in_time(0))
+
+
+def test_profiled_decode_batches_are_laid_out_as_an_engine_lays_them_out():
+    """Mixed contexts averaging the point's length, on blocks taken in shuffled order (in-place attention);
+    uniform contexts where the attention pads to the longest."""
+    from servewise.config import ModelConfig
+    from servewise.predictors.profiler import _Bench, scaled_config
+
+    bench = _Bench(ModelConfig.from_hf(scaled_config(hf_config("tiny-llama"), 1, 64)), "cpu", 16, 64, 4)
+    out = bench._requests(5, 40, decode=True)
+    blocks = [b for r in out.new_requests for b in r.block_ids]
+    if bench.runner.attn_kernel is not None:
+        assert out.context_lens == [20, 30, 40, 50, 60] and blocks != sorted(blocks)
+    else:
+        assert out.context_lens == [40] * 5
+    assert len(set(blocks)) == len(blocks)
+    bench.runner.attn_kernel = None
+    assert bench._requests(5, 40, decode=True).context_lens == [40] * 5

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -15,19 +16,24 @@ import time
 import torch
 
 from servewise.builder import build_engine, build_sim_engine
+from servewise.engine.interfaces import standalone_batch
 from servewise.metrics import RequestRecord, compute
 from servewise.predictors import drift
 from servewise.predictors.perf import PROFILE, Calibrated, make_perf
+from servewise.predictors.profiler import spread_lengths
+from servewise.sampling_params import SamplingParams
 from servewise.simulator import simulate
 from servewise.workloads.driver import run_workload
 
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 COMPARED = (("duration_s", "makespan (s)"), ("mean_e2el_ms", "mean E2E (ms)"), ("p99_e2el_ms", "p99 E2E (ms)"),
             ("mean_ttft_ms", "mean TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"))
 
 
-def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None) -> dict:
+def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None, replay: int = 0) -> dict:
     """The workload through the real engine, then through the simulator twice: on the profiled predictors
-    as they are, and corrected by the machine's drift (predictors.drift) measured right before the run."""
+    as they are, and corrected by the machine's drift (predictors.drift) measured right before the run.
+    `replay`: that many of the run's decode batches are timed again afterwards (replay_decode)."""
     real = build_engine(model=model, **engine_kw)
     # warm-up outside the measured run
     real.add_request([5] * 16, None)
@@ -36,10 +42,14 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     perf = make_perf(PROFILE, real.model_config, real.block_manager.block_size, predictors)
     before = drift.measure(real, perf)
     steps = []  # (is_prefill, token counts, measured seconds) of every real step that ran a batch
+    decode_tables = []  # (contexts, block tables, measured seconds) of the decode steps, for the replay
 
     def logged(st):
         if st.scheduled:
             steps.append((st.is_prefill, st.batch_tokens, st.execute_s))
+            tables = real.block_manager.device_tables
+            if replay and not st.is_prefill and all(r in tables for r in st.scheduled):
+                decode_tables.append((st.batch_tokens, [list(tables[r]) for r in st.scheduled], st.execute_s))
 
     t0 = time.perf_counter()
     reqs, rejected = run_workload(real, items, arrivals, progress, on_step=logged)
@@ -47,6 +57,8 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     after = drift.measure(real, perf)
     m_real = compute([RequestRecord.from_request(r) for r in reqs])
     out = {"real": m_real, "rejected": len(rejected), "drift_before": before.as_dict(), "drift_after": after.as_dict()}
+    if replay:
+        out["replay"] = replay_decode(real, perf, decode_tables, replay)
     corrected = Calibrated(perf, before.prefill_scale, before.decode_scale)
     for name, p in (("profiled", perf), ("drift_corrected", corrected)):
         res = simulate(build_sim_engine(model, perf=p, **engine_kw), items, arrivals)
@@ -54,6 +66,70 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
         out[name] = {"rows": compare_rows(m_real, m_sim), "sim": m_sim, "sim_wall_s": res.wall_s,
                      "steps": step_check(steps, p, wall)}
     return out
+
+
+def replay_decode(engine, perf, logged, n: int, reps: int = 5) -> dict:
+    """Where the engine's decode steps part from the profile's, measured: n of the run's decode batches
+    (evenly spaced) timed again on the idle engine, each as it ran (the same contexts and the same
+    blocks) and as the profiler lays out a batch of its size and mean context (profiler._Bench), rounds
+    interleaved, median of `reps`; beside the time the batch took in the run and the profiled
+    predictions by the mean and by the longest context. run / as-it-ran: what the run's surroundings
+    cost (interleaved prefills, idle gaps, caches, the allocator); as-it-ran / as-profiled: how the
+    batch differs from the profile's kind of batch; as-profiled / predicted: the fitted predictor and
+    the machine's drift."""
+    bm, vocab = engine.block_manager, engine.model_config.vocab_size
+    bs, pool = bm.block_size, bm.num_device_blocks
+    if bm.num_free_device != pool:
+        raise RuntimeError("replaying decode batches needs an idle engine (the batches use any device blocks)")
+    in_place = getattr(engine.runner, "attn_kernel", None) is not None
+    picks = [logged[round(i * (len(logged) - 1) / max(1, n - 1))] for i in range(min(n, len(logged)))] if logged else []
+    batches = []
+    for lens, tables, t_run in picks:
+        mean = max(1, round(sum(lens) / len(lens)))
+        spread = spread_lengths(mean, len(lens), 2) if in_place else [mean] * len(lens)
+        free = list(range(pool))
+        if in_place:
+            random.Random(len(batches)).shuffle(free)
+        layout = []
+        for m in spread:
+            layout.append(free[:-(-m // bs)])
+            free = free[len(layout[-1]):]
+        if sum(map(len, layout)) < sum(-(-m // bs) for m in spread):  # more blocks than the pool has
+            continue
+        tokens = lambda i, n: [(7 + 31 * i + j) % (vocab - 10) + 10 for j in range(n)]  # noqa: E731
+        as_ran = standalone_batch([tokens(i, m) for i, m in enumerate(lens)], tables, True, _GREEDY)
+        as_profiled = standalone_batch([tokens(i, m) for i, m in enumerate(spread)], layout, True, _GREEDY)
+        batches.append((lens, t_run, as_ran, as_profiled))
+    samples = [([], []) for _ in batches]
+    for _ in range(reps):  # each timed right after itself, as the profile times decode steps
+        for (_, _, a, b), (ta, tb) in zip(batches, samples):
+            engine.runner.execute(a)
+            ta.append(engine.runner.execute(a).elapsed)
+            engine.runner.execute(b)
+            tb.append(engine.runner.execute(b).elapsed)
+    step = perf.costs.step
+    rows = [{"batch": len(lens), "mean_context": sum(lens) / len(lens), "max_context": max(lens), "run_s": t_run,
+             "as_ran_s": statistics.median(ta), "as_profiled_s": statistics.median(tb),
+             "predicted_by_mean_s": step.time("decode", max(1, round(sum(lens) / len(lens))), len(lens)),
+             "predicted_by_longest_s": step.time("decode", max(lens), len(lens))}
+            for (lens, t_run, _, _), (ta, tb) in zip(batches, samples)]
+    total = {k: sum(r[k] for r in rows) for k in ("run_s", "as_ran_s", "as_profiled_s", "predicted_by_mean_s",
+                                                   "predicted_by_longest_s")}
+    return {"batches": rows, "total": total}
+
+
+def format_replay(r: dict) -> str:
+    t = r["total"]
+    if not r["batches"]:
+        return "replay: no decode batches to replay"
+    pct = lambda a, b: f"{(t[a] / t[b] - 1) * 100:+.1f}%"  # noqa: E731
+    return (f"replay of {len(r['batches'])} decode batches (sums): in the run {t['run_s'] * 1e3:.1f} ms, as they ran "
+            f"{t['as_ran_s'] * 1e3:.1f} ms, as profiled {t['as_profiled_s'] * 1e3:.1f} ms, predicted by mean context "
+            f"{t['predicted_by_mean_s'] * 1e3:.1f} ms, by longest {t['predicted_by_longest_s'] * 1e3:.1f} ms\n"
+            f"  run vs as-ran (surroundings) {pct('run_s', 'as_ran_s')}; as-ran vs as-profiled (the batch's own "
+            f"contexts and blocks) {pct('as_ran_s', 'as_profiled_s')}; as-profiled vs predicted by mean "
+            f"(fit, drift) {pct('as_profiled_s', 'predicted_by_mean_s')}; predicted by mean vs as-ran "
+            f"{pct('predicted_by_mean_s', 'as_ran_s')}, by longest vs as-ran {pct('predicted_by_longest_s', 'as_ran_s')}")
 
 
 def compare_rows(m_real: dict, m_sim: dict) -> dict:
@@ -162,7 +238,7 @@ def main(a) -> None:
             for mode in a.preemption:
                 kw = dict(num_device_blocks=a.num_device_blocks, num_host_blocks=a.num_host_blocks, preemption=mode,
                           max_num_seqs=a.max_num_seqs)
-                r = run_pair(a.model, items, arrivals, preds, kw)
+                r = run_pair(a.model, items, arrivals, preds, kw, replay=a.replay)
                 r["ended"] = time.strftime("%H:%M:%S")
                 results.setdefault(f"{rate:g}/{mode}", []).append(r)
                 head = f"\n[run {rep + 1}/{a.repeat}, {rate:g} req/s, {mode}] {a.num_device_blocks} device / " \
@@ -170,6 +246,8 @@ def main(a) -> None:
                 for name in ("profiled", "drift_corrected"):
                     print(format_rows(f"{head}; simulated on the {name.replace('_', '-')} predictors", r[name]["rows"]))
                     print(format_steps(r[name]["steps"]))
+                if "replay" in r:
+                    print(format_replay(r["replay"]))
                 b, e = r["drift_before"], r["drift_after"]
                 print(f"drift, before / after the run: prefill x{b['prefill_scale']:.3f} / x{e['prefill_scale']:.3f}, "
                       f"decode x{b['decode_scale']:.3f} / x{e['decode_scale']:.3f} (measured / profiled, reference batches)")

@@ -9,10 +9,12 @@ are not the run's, so a prediction corrected this way is still a prediction.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from dataclasses import asdict, dataclass
 
 from servewise.engine.interfaces import standalone_batch
+from servewise.predictors.profiler import spread_lengths
 from servewise.sampling_params import SamplingParams
 
 # (kind, rows, tokens per row): small and large decode and prefill steps, within 24 blocks of 16 tokens
@@ -38,16 +40,26 @@ class Drift:
 
 def reference_batches(num_device_blocks: int, block_size: int, vocab: int):
     """(kind, rows, tokens, batch) for each REFERENCE batch, rows cut to what the device pool holds
-    (the pool must be idle: the batches use any blocks)."""
+    (the pool must be idle: the batches use any blocks). Decode batches are laid out as the profile's
+    are: contexts spread over [0.5, 1.5] x `tokens`, on blocks taken in a (seeded) shuffled order."""
     out = []
     for kind, rows, n in REFERENCE:
-        per_row = -(-n // block_size)
+        decode = kind == "decode"
+        per_row = -(-(n * 3 // 2 if decode else n) // block_size)
         rows = max(1, min(rows, num_device_blocks // per_row))
         if per_row > num_device_blocks:
             continue
-        tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
-        toks = [[(7 + 31 * i + j) % (vocab - 10) + 10 for j in range(n)] for i in range(rows)]
-        out.append((kind, rows, n, standalone_batch(toks, tables, kind == "decode", _GREEDY)))
+        lens = spread_lengths(n, rows, 2) if decode else [n] * rows
+        free = list(range(num_device_blocks))
+        if decode:
+            random.Random(rows).shuffle(free)
+        tables = []
+        for m in lens:
+            k = -(-m // block_size)
+            tables.append(free[:k])
+            free = free[k:]
+        toks = [[(7 + 31 * i + j) % (vocab - 10) + 10 for j in range(m)] for i, m in enumerate(lens)]
+        out.append((kind, rows, n, standalone_batch(toks, tables, decode, _GREEDY)))
     return out
 
 
@@ -62,11 +74,13 @@ def measure(engine, perf, reps: int = 25) -> Drift:
         engine.runner.execute(b)  # warm-up
     samples: list[list[float]] = [[] for _ in batches]
     for _ in range(reps):
-        for i, (*_, b) in enumerate(batches):
+        for i, (kind, *_, b) in enumerate(batches):
+            if kind == "decode":  # timed right after itself, as the profile times decode steps
+                engine.runner.execute(b)
             samples[i].append(engine.runner.execute(b).elapsed)
     points = []
-    for (kind, rows, n, _), s in zip(batches, samples):
-        predicted = perf.decode([n] * rows) if kind == "decode" else perf.prefill([n] * rows)
+    for (kind, rows, n, batch), s in zip(batches, samples):
+        predicted = perf.decode(batch.context_lens) if kind == "decode" else perf.prefill([n] * rows)
         points.append({"kind": kind, "rows": rows, "tokens": n, "measured_s": statistics.median(s),
                        "predicted_s": predicted})
 
