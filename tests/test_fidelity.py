@@ -5,7 +5,7 @@ the simulator drifting grossly from the engine (a broken cost model, a missed co
 """
 import pytest
 
-from servewise.bench.fidelity import step_check
+from servewise.bench.fidelity import MODELS, step_check
 from servewise.builder import build_engine, build_sim_engine
 from servewise.metrics import RequestRecord, compute
 from servewise.models.loader import hf_config
@@ -75,7 +75,11 @@ def test_reference_batches_fit_the_pool_and_need_an_idle_engine():
         drift.measure(engine, None)
 
 
-def test_bench_fidelity_repeats_and_summarises_both_simulations(predictors, tmp_path):
+def len_all(model: dict, key: str = "steps") -> int:
+    return model[key]["prefill"]["steps"] + model[key]["decode"]["steps"]
+
+
+def test_bench_fidelity_repeats_and_summarises_every_simulation(predictors, tmp_path):
     import json
 
     from servewise.cli import main
@@ -90,8 +94,16 @@ def test_bench_fidelity_repeats_and_summarises_both_simulations(predictors, tmp_
     assert res["repeat"] == 2 and len(runs) == 2
     for r in runs:
         assert r["real"]["completed"] == 12 and r["drift_before"]["decode_scale"] > 0
-        for name in ("profiled", "drift_corrected"):
+        for name in MODELS:
             assert r[name]["sim"]["completed"] == 12 and r[name]["steps"]["decode"]["steps"] > 0
+        # the run-start correction is the first fifth of the steps' measured / predicted: on those steps (all
+        # less the later four fifths) it predicts exactly what was measured
+        run_start = r["run_start_corrected"]
+        assert r["run_start_scale"]["steps"] == len_all(run_start) - len_all(run_start, "later_steps") > 0
+        first = {k: run_start["steps"]["decode"][k] - run_start["later_steps"]["decode"][k]
+                 for k in ("measured_s", "predicted_s")}
+        if first["measured_s"] > 0:
+            assert first["predicted_s"] == pytest.approx(first["measured_s"], rel=1e-6)
         # decode batches of the run timed again, as they ran and as the profile would have timed them
         rows = r["replay"]["batches"]
         assert 1 <= len(rows) <= 3
@@ -103,5 +115,5 @@ def test_bench_fidelity_repeats_and_summarises_both_simulations(predictors, tmp_
     d = runs[0]["drift_before"]["decode_scale"]
     prof, corr = runs[0]["profiled"]["steps"]["decode"], runs[0]["drift_corrected"]["steps"]["decode"]
     assert corr["predicted_s"] == pytest.approx(prof["predicted_s"] * d, rel=1e-9)
-    for name in ("profiled", "drift_corrected"):
+    for name in MODELS:
         assert res["summary"]["20/swap"][name]["makespan"]["runs"] == 2
