@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -20,7 +19,7 @@ from servewise.engine.interfaces import standalone_batch
 from servewise.metrics import RequestRecord, compute
 from servewise.predictors import drift
 from servewise.predictors.perf import PROFILE, Calibrated, make_perf
-from servewise.predictors.profiler import spread_lengths
+from servewise.predictors.profiler import decode_layout
 from servewise.sampling_params import SamplingParams
 from servewise.simulator import simulate
 from servewise.workloads.driver import run_workload
@@ -34,8 +33,9 @@ COMPARED = (("duration_s", "makespan (s)"), ("mean_e2el_ms", "mean E2E (ms)"), (
 
 
 def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None, replay: int = 0) -> dict:
-    """The workload through the real engine, then through the simulator twice: on the profiled predictors
-    as they are, and corrected by the machine's drift (predictors.drift) measured right before the run.
+    """The workload through the real engine, then through the simulator three times (MODELS): on the
+    profiled predictors as they are, corrected by the machine's drift (predictors.drift) measured right
+    before the run, and corrected by the run's own first fifth of steps.
     `replay`: that many of the run's decode batches are timed again afterwards (replay_decode)."""
     real = build_engine(model=model, **engine_kw)
     # warm-up outside the measured run
@@ -81,7 +81,7 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
 def replay_decode(engine, perf, logged, n: int, reps: int = 5) -> dict:
     """Where the engine's decode steps part from the profile's, measured: n of the run's decode batches
     (evenly spaced) timed again on the idle engine, each as it ran (the same contexts and the same
-    blocks) and as the profiler lays out a batch of its size and mean context (profiler._Bench), rounds
+    blocks) and as the profiler lays out a batch of its size and mean context (decode_layout), rounds
     interleaved, median of `reps`; beside the time the batch took in the run and the profiled
     predictions by the mean and by the longest context. run / as-it-ran: what the run's surroundings
     cost (interleaved prefills, idle gaps, caches, the allocator); as-it-ran / as-profiled: how the
@@ -94,21 +94,13 @@ def replay_decode(engine, perf, logged, n: int, reps: int = 5) -> dict:
     in_place = getattr(engine.runner, "attn_kernel", None) is not None
     picks = [logged[round(i * (len(logged) - 1) / max(1, n - 1))] for i in range(min(n, len(logged)))] if logged else []
     batches = []
+    tokens = lambda i, n: [(7 + 31 * i + j) % (vocab - 10) + 10 for j in range(n)]  # noqa: E731
     for lens, tables, t_run in picks:
-        mean = max(1, round(sum(lens) / len(lens)))
-        spread = spread_lengths(mean, len(lens), 2) if in_place else [mean] * len(lens)
-        free = list(range(pool))
-        if in_place:
-            random.Random(len(batches)).shuffle(free)
-        layout = []
-        for m in spread:
-            layout.append(free[:-(-m // bs)])
-            free = free[len(layout[-1]):]
-        if sum(map(len, layout)) < sum(-(-m // bs) for m in spread):  # more blocks than the pool has
+        profiled = decode_layout(max(1, round(sum(lens) / len(lens))), len(lens), pool, bs, len(batches), in_place)
+        if profiled is None:  # more blocks than the pool has
             continue
-        tokens = lambda i, n: [(7 + 31 * i + j) % (vocab - 10) + 10 for j in range(n)]  # noqa: E731
         as_ran = standalone_batch([tokens(i, m) for i, m in enumerate(lens)], tables, True, _GREEDY)
-        as_profiled = standalone_batch([tokens(i, m) for i, m in enumerate(spread)], layout, True, _GREEDY)
+        as_profiled = standalone_batch([tokens(i, m) for i, m in enumerate(profiled[0])], profiled[1], True, _GREEDY)
         batches.append((lens, t_run, as_ran, as_profiled))
     samples = [([], []) for _ in batches]
     for _ in range(reps):  # each timed right after itself, as the profile times decode steps

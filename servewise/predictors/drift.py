@@ -9,12 +9,11 @@ are not the run's, so a prediction corrected this way is still a prediction.
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from dataclasses import asdict, dataclass
 
 from servewise.engine.interfaces import standalone_batch
-from servewise.predictors.profiler import spread_lengths
+from servewise.predictors.profiler import decode_layout
 from servewise.sampling_params import SamplingParams
 
 # (kind, rows, tokens per row): small and large decode and prefill steps, within 24 blocks of 16 tokens
@@ -38,10 +37,10 @@ class Drift:
                 f"({len(self.points)} reference batches, measured / profiled)")
 
 
-def reference_batches(num_device_blocks: int, block_size: int, vocab: int):
+def reference_batches(num_device_blocks: int, block_size: int, vocab: int, in_place: bool = True):
     """(kind, rows, tokens, batch) for each REFERENCE batch, rows cut to what the device pool holds
     (the pool must be idle: the batches use any blocks). Decode batches are laid out as the profile's
-    are: contexts spread over [0.5, 1.5] x `tokens`, on blocks taken in a (seeded) shuffled order."""
+    are (profiler.decode_layout; `in_place`: the runner's attention reads KV in place)."""
     out = []
     for kind, rows, n in REFERENCE:
         decode = kind == "decode"
@@ -49,15 +48,10 @@ def reference_batches(num_device_blocks: int, block_size: int, vocab: int):
         rows = max(1, min(rows, num_device_blocks // per_row))
         if per_row > num_device_blocks:
             continue
-        lens = spread_lengths(n, rows, 2) if decode else [n] * rows
-        free = list(range(num_device_blocks))
         if decode:
-            random.Random(rows).shuffle(free)
-        tables = []
-        for m in lens:
-            k = -(-m // block_size)
-            tables.append(free[:k])
-            free = free[k:]
+            lens, tables = decode_layout(n, rows, num_device_blocks, block_size, seed=rows, in_place=in_place)
+        else:
+            lens, tables = [n] * rows, [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
         toks = [[(7 + 31 * i + j) % (vocab - 10) + 10 for j in range(m)] for i, m in enumerate(lens)]
         out.append((kind, rows, n, standalone_batch(toks, tables, decode, _GREEDY)))
     return out
@@ -69,7 +63,8 @@ def measure(engine, perf, reps: int = 25) -> Drift:
     bm = engine.block_manager
     if bm.num_free_device != bm.num_device_blocks:
         raise RuntimeError("measuring drift needs an idle engine (its reference batches use any device blocks)")
-    batches = reference_batches(bm.num_device_blocks, bm.block_size, engine.model_config.vocab_size)
+    batches = reference_batches(bm.num_device_blocks, bm.block_size, engine.model_config.vocab_size,
+                                getattr(engine.runner, "attn_kernel", None) is not None)
     for *_, b in batches:
         engine.runner.execute(b)  # warm-up
     samples: list[list[float]] = [[] for _ in batches]

@@ -78,6 +78,28 @@ def spread_lengths(mean: int, batch: int, minimum: int = 1) -> list[int]:
     return [max(minimum, round(mean * (0.5 + i / (batch - 1)))) for i in range(batch)]
 
 
+def decode_layout(mean: int, rows: int, num_blocks: int, block_size: int, seed: int,
+                  in_place: bool = True) -> tuple[list[int], list[list[int]]] | None:
+    """Contexts and block tables of a decode batch of `rows` requests averaging `mean` tokens, laid out as
+    an engine's batches are after some churn: contexts spread over [0.5, 1.5] x the mean, on blocks of a
+    pool of `num_blocks` taken in (seeded) shuffled order. A padding attention (in_place False) gets
+    uniform contexts on consecutive blocks: its cost follows the longest. None if the pool is too small.
+    (Measured on the 4 x 256 model, 2 threads, 2-20 requests: a mixed, scattered batch ran 3-11% slower
+    than one of uniform contexts on consecutive blocks with the same total; scattered blocks 2-7% of it.)"""
+    lens = spread_lengths(mean, rows, 2) if in_place else [mean] * rows
+    free = list(range(num_blocks))
+    if in_place:
+        random.Random(seed).shuffle(free)
+    tables = []
+    for n in lens:
+        k = -(-n // block_size)
+        if k > len(free):
+            return None
+        tables.append(free[:k])
+        free = free[k:]
+    return lens, tables
+
+
 class _Bench:
     """One model on a TorchRunner with pools big enough for the sweep."""
 
@@ -94,23 +116,16 @@ class _Bench:
         self._flush = torch.zeros(16 << 20, device=device)  # 64 MiB, twice a large L3 cache
 
     def _requests(self, batch: int, length: int, decode: bool, bm: BlockManager | None = None) -> SchedulerOutput:
-        """A batch whose prompts, or decode contexts, average about `length` tokens.
-
-        Real batches mix lengths: they are spread over [0.5, 1.5] x the mean. Decode batches, on a runner
-        whose attention reads each request's KV in place, are laid out as an engine's are after some
-        churn too: mixed contexts on blocks taken in shuffled order. (Measured on the 4 x 256 model, 2
-        threads, 2-20 requests: such a batch ran 3-11% slower than one of uniform contexts on consecutive
-        blocks with the same total; scattered blocks 2-7% of it. A padding attention keeps uniform
-        contexts: its cost follows the longest.)"""
-        bm = bm or BlockManager(self.num_device_blocks, self.num_host_blocks, self.block_size)
-        spread = batch > 1 and (not decode or self.runner.attn_kernel is not None)
-        if decode and spread:
-            self.rng.shuffle(bm.free_device)
-        token_lists, tables = [], []
-        lengths = spread_lengths(length, batch, 2 if decode else 1) if spread else [length] * batch
-        for i, n in enumerate(lengths):
-            token_lists.append([self.rng.randrange(10, self.cfg.vocab_size) for _ in range(n)])
-            tables.append(bm.allocate(f"p{i}", n))
+        """A batch whose prompts, or decode contexts, average about `length` tokens: prompts spread over
+        [0.5, 1.5] x the mean, as real batches mix them; decode batches laid out by decode_layout."""
+        if decode:
+            lengths, tables = decode_layout(length, batch, self.num_device_blocks, self.block_size,
+                                            self.rng.randrange(1 << 30), self.runner.attn_kernel is not None)
+        else:
+            bm = bm or BlockManager(self.num_device_blocks, self.num_host_blocks, self.block_size)
+            lengths = spread_lengths(length, batch)
+            tables = [bm.allocate(f"p{i}", n) for i, n in enumerate(lengths)]
+        token_lists = [[self.rng.randrange(10, self.cfg.vocab_size) for _ in range(n)] for n in lengths]
         return standalone_batch(token_lists, tables, decode, _GREEDY)
 
     def _chunks(self, batch: int, new: int, prior: int) -> SchedulerOutput:
