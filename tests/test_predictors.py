@@ -4,10 +4,10 @@ import math
 import numpy as np
 import pytest
 
+from servewise import kernels
 from servewise.models.loader import hf_config
 from servewise.predictors.fit import Predictors, fit_predictors, format_report
 from servewise.predictors.profiler import profile, sweep_points
-from servewise import kernels
 from servewise.predictors.step_time import IN_PLACE, PADDED, StepTimePredictor, compare
 from servewise.predictors.swap_cost import SwapCostModel, kv_bytes
 

@@ -15,16 +15,13 @@ import time
 import torch
 
 from servewise.builder import build_engine, build_sim_engine
-from servewise.engine.interfaces import standalone_batch
 from servewise.metrics import RequestRecord, compute
 from servewise.predictors import drift
 from servewise.predictors.perf import PROFILE, Calibrated, make_perf
 from servewise.predictors.profiler import decode_layout
-from servewise.sampling_params import SamplingParams
 from servewise.simulator import simulate
 from servewise.workloads.driver import run_workload
 
-_GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 # the simulations of a run: on the profile as it is, scaled by the drift its reference batches measured
 # right before the run, and scaled by the run's own first fifth of steps
 MODELS = ("profiled", "drift_corrected", "run_start_corrected")
@@ -50,9 +47,10 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     def logged(st):
         if st.scheduled:
             steps.append((st.is_prefill, st.batch_tokens, st.execute_s))
-            tables = real.block_manager.device_tables
-            if replay and not st.is_prefill and all(r in tables for r in st.scheduled):
-                decode_tables.append((st.batch_tokens, [list(tables[r]) for r in st.scheduled], st.execute_s))
+            if replay and not st.is_prefill:
+                tables = real.block_manager.device_tables
+                if all(r in tables for r in st.scheduled):
+                    decode_tables.append((st.batch_tokens, [list(tables[r]) for r in st.scheduled], st.execute_s))
 
     t0 = time.perf_counter()
     reqs, rejected = run_workload(real, items, arrivals, progress, on_step=logged)
@@ -94,17 +92,16 @@ def replay_decode(engine, perf, logged, n: int, reps: int = 5) -> dict:
     in_place = getattr(engine.runner, "attn_kernel", None) is not None
     picks = [logged[round(i * (len(logged) - 1) / max(1, n - 1))] for i in range(min(n, len(logged)))] if logged else []
     batches = []
-    tokens = lambda i, n: [(7 + 31 * i + j) % (vocab - 10) + 10 for j in range(n)]  # noqa: E731
     for lens, tables, t_run in picks:
-        profiled = decode_layout(max(1, round(sum(lens) / len(lens))), len(lens), pool, bs, len(batches), in_place)
+        mean = max(1, round(sum(lens) / len(lens)))
+        profiled = decode_layout(mean, len(lens), pool, bs, len(batches), in_place)
         if profiled is None:  # more blocks than the pool has
             continue
-        as_ran = standalone_batch([tokens(i, m) for i, m in enumerate(lens)], tables, True, _GREEDY)
-        as_profiled = standalone_batch([tokens(i, m) for i, m in enumerate(profiled[0])], profiled[1], True, _GREEDY)
-        batches.append((lens, t_run, as_ran, as_profiled))
+        batches.append((lens, mean, t_run, drift.fixed_batch(lens, tables, True, vocab),
+                        drift.fixed_batch(*profiled, True, vocab)))
     samples = [([], []) for _ in batches]
     for _ in range(reps):  # each timed right after itself, as the profile times decode steps
-        for (_, _, a, b), (ta, tb) in zip(batches, samples):
+        for (*_, a, b), (ta, tb) in zip(batches, samples):
             engine.runner.execute(a)
             ta.append(engine.runner.execute(a).elapsed)
             engine.runner.execute(b)
@@ -112,9 +109,9 @@ def replay_decode(engine, perf, logged, n: int, reps: int = 5) -> dict:
     step = perf.costs.step
     rows = [{"batch": len(lens), "mean_context": sum(lens) / len(lens), "max_context": max(lens), "run_s": t_run,
              "as_ran_s": statistics.median(ta), "as_profiled_s": statistics.median(tb),
-             "predicted_by_mean_s": step.time("decode", max(1, round(sum(lens) / len(lens))), len(lens)),
+             "predicted_by_mean_s": step.time("decode", mean, len(lens)),
              "predicted_by_longest_s": step.time("decode", max(lens), len(lens))}
-            for (lens, t_run, _, _), (ta, tb) in zip(batches, samples)]
+            for (lens, mean, t_run, _, _), (ta, tb) in zip(batches, samples)]
     total = {k: sum(r[k] for r in rows) for k in ("run_s", "as_ran_s", "as_profiled_s", "predicted_by_mean_s",
                                                    "predicted_by_longest_s")}
     return {"batches": rows, "total": total}

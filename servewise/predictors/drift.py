@@ -52,9 +52,14 @@ def reference_batches(num_device_blocks: int, block_size: int, vocab: int, in_pl
             lens, tables = decode_layout(n, rows, num_device_blocks, block_size, seed=rows, in_place=in_place)
         else:
             lens, tables = [n] * rows, [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
-        toks = [[(7 + 31 * i + j) % (vocab - 10) + 10 for j in range(m)] for i, m in enumerate(lens)]
-        out.append((kind, rows, n, standalone_batch(toks, tables, decode, _GREEDY)))
+        out.append((kind, rows, n, fixed_batch(lens, tables, decode, vocab)))
     return out
+
+
+def fixed_batch(lens: list[int], tables: list[list[int]], decode: bool, vocab: int):
+    """A standalone greedy batch of rows with `lens` tokens (fixed ids, the same on every call) on `tables`."""
+    toks = [[(7 + 31 * i + j) % (vocab - 10) + 10 for j in range(m)] for i, m in enumerate(lens)]
+    return standalone_batch(toks, tables, decode, _GREEDY)
 
 
 def measure(engine, perf, reps: int = 25) -> Drift:

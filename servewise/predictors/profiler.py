@@ -144,8 +144,8 @@ class _Bench:
         A decode point is run once untimed right before it is timed: in the engine a decode step follows
         a decode step of nearly the same batch, with its weights and KV in the caches, where the shuffled
         order would put it after some other batch. (Measured at 24 decode points of the 4 x 256 model,
-        2 threads: timed cold, batches of 1-4 requests ran a median 9% (up to 35%) slower than timed back to back; from
-        40 requests up, within 4%.)"""
+        2 threads: timed cold, batches of 1-4 requests ran a median 9% (up to 35%) slower than timed
+        back to back; from 40 requests up, within 4%.)"""
         setups = setups or [self._requests(b, length, decode) for b, length in points]
         for out in setups:
             self.runner.execute(out)  # warm-up

@@ -132,8 +132,9 @@ class BoundStepTime:
     total tokens plus per-request attention). Decode steps, on a profile whose runner read each
     request's KV in place (the compiled kernel: work linear in the batch's total context), by the
     mean context; on one whose decode attention padded every request to the longest context (the
-    PyTorch path, and profiles from before this was recorded), by the longest. The profile's
-    decode batches give every request the same context, where the two agree.
+    PyTorch path, and profiles from before this was recorded), by the longest. A profile's decode
+    point is described by the same feature: its batch spreads contexts around the point's length
+    where the attention reads in place, and gives every request that length where it pads.
     """
 
     def __init__(self, predictor: StepTimePredictor, layers: int, hidden: int):
