@@ -135,31 +135,10 @@ class _Bench:
         tables = [bm.allocate(f"p{i}", prior + new) for i in range(batch)]
         return standalone_batch(token_lists, tables, False, _GREEDY, [prior] * batch)
 
-    def step_times(self, points: list[tuple[int, int]], decode: bool, reps: int, progress=None,
-                   setups: list[SchedulerOutput] | None = None) -> list[float]:
-        """Median over `reps` rounds; each round times every point once in a shuffled order, so a burst
-        of background load spreads over many points instead of skewing one. `setups`: the batches
-        themselves, instead of ones made from the points.
-
-        A decode point is run once untimed right before it is timed: in the engine a decode step follows
-        a decode step of nearly the same batch, with its weights and KV in the caches, where the shuffled
-        order would put it after some other batch. (Measured at 24 decode points of the 4 x 256 model,
-        2 threads: timed cold, batches of 1-4 requests ran a median 9% (up to 35%) slower than timed
-        back to back; from 40 requests up, within 4%.)"""
-        setups = setups or [self._requests(b, length, decode) for b, length in points]
-        for out in setups:
-            self.runner.execute(out)  # warm-up
-        samples: list[list[float]] = [[] for _ in setups]
-        order = list(range(len(setups)))
-        for k in range(reps):
-            self.rng.shuffle(order)
-            for i in order:
-                if decode:
-                    self.runner.execute(setups[i])
-                samples[i].append(self.runner.execute(setups[i]).elapsed)
-            if progress:
-                progress(k + 1, reps)
-        return [statistics.median(s) for s in samples]
+    def sweep(self, points: list[tuple[int, int]], decode: bool,
+              setups: list[SchedulerOutput] | None = None) -> "_Sweep":
+        """The points' batches (or `setups`, the batches themselves), each run once to warm up."""
+        return _Sweep(self, setups or [self._requests(b, length, decode) for b, length in points], decode)
 
     def copy_time(self, pairs: list[tuple[int, int]], to_host: bool, reps: int) -> float:
         """Median of cold copies: in the engine a swap follows a forward pass that has streamed the
@@ -171,6 +150,39 @@ class _Bench:
             times.append(self.runner.move_blocks(KVMove(*((Pool.DEVICE, Pool.HOST) if to_host else
                                                           (Pool.HOST, Pool.DEVICE)), pairs)))
         return statistics.median(times)
+
+
+class _Sweep:
+    """Batches of one kind on one bench, timed a round at a time; a point's time is its median over rounds.
+
+    Each round times every batch once in a shuffled order, so a burst of background load spreads over
+    many points instead of skewing one; profile() interleaves the rounds of all its model sizes and
+    kinds, so that each point's rounds span the whole profile rather than one minute of it (this
+    machine's speed moves by 10-15% within tens of seconds: see docs/results.md).
+
+    A decode batch is run once untimed right before it is timed: in the engine a decode step follows
+    a decode step of nearly the same batch, with its weights and KV in the caches, where the shuffled
+    order would put it after some other batch. (Measured at 24 decode points of the 4 x 256 model,
+    2 threads: timed cold, batches of 1-4 requests ran a median 9% (up to 35%) slower than timed
+    back to back; from 40 requests up, within 4%.)"""
+
+    def __init__(self, bench: _Bench, setups: list[SchedulerOutput], decode: bool):
+        self.bench, self.setups, self.decode = bench, setups, decode
+        for out in setups:
+            bench.runner.execute(out)  # warm-up
+        self.samples: list[list[float]] = [[] for _ in setups]
+
+    def round(self) -> None:
+        order = list(range(len(self.setups)))
+        self.bench.rng.shuffle(order)
+        run = self.bench.runner.execute
+        for i in order:
+            if self.decode:
+                run(self.setups[i])
+            self.samples[i].append(run(self.setups[i]).elapsed)
+
+    def medians(self) -> list[float]:
+        return [statistics.median(s) for s in self.samples]
 
 
 def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", device: str = "cpu",
@@ -195,28 +207,35 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
               "models": [], "prefill": [], "decode": [], "context": [], "copy": [], "copy_validation": []}
     context_pts = context_points_for(context_points, max_prefill_tokens, max_decode_ctx, seed + 2)
     copy_sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if n <= max_copy_blocks]
+    benches = []
     for layers, hidden in sizes:
         cfg = ModelConfig.from_hf(scaled_config(base_config, layers, hidden), dtype=dtype)
         result["arch"] = cfg.arch
-        dims = {"layers": layers, "hidden": hidden, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
-                "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
-                "kv_bytes_per_token": cfg.kv_bytes_per_token}
-        result["models"].append(dims)
+        result["models"].append({"layers": layers, "hidden": hidden, "heads": cfg.num_heads,
+                                 "kv_heads": cfg.num_kv_heads, "intermediate": cfg.intermediate_size,
+                                 "vocab": cfg.vocab_size, "kv_bytes_per_token": cfg.kv_bytes_per_token})
         bench = _Bench(cfg, device, block_size, n_dev, n_host)
         result["decode_attention"] = IN_PLACE if bench.runner.attn_kernel is not None else PADDED
-        key = {"layers": layers, "hidden": hidden}
-        for kind, pts in (("prefill", prefill_pts), ("decode", decode_pts)):
-            tick = (lambda k, n, kind=kind: progress(f"{layers}x{hidden} {kind}: round {k}/{n}")) if progress else None
-            times = bench.step_times(pts, kind == "decode", reps, tick)
-            result[kind].extend({**key, "batch": b, "length": length, "time": t} for (b, length), t in zip(pts, times))
-        # the same prompt chunks with and without earlier context: what attending to a cached prefix costs
-        setups = [bench._chunks(b, n, p) for b, n, p in context_pts] + [bench._chunks(b, n, 0) for b, n, _ in context_pts]
-        tick = (lambda k, n: progress(f"{layers}x{hidden} context: round {k}/{n}")) if progress else None
-        times = bench.step_times([], False, reps, tick, setups)
-        k = len(context_pts)
+        # context: the same prompt chunks with and without earlier context (what attending to a cached prefix costs)
+        chunks = [bench._chunks(b, n, p) for b, n, p in context_pts] + [bench._chunks(b, n, 0) for b, n, _ in context_pts]
+        benches.append(({"layers": layers, "hidden": hidden}, bench, bench.sweep(prefill_pts, False),
+                        bench.sweep(decode_pts, True), bench.sweep([], False, chunks)))
+        if progress:
+            progress(f"{layers}x{hidden}: batches built and warmed up")
+    for k in range(reps):  # every size's and kind's round k, then round k + 1: each point's rounds span the whole profile
+        for _, _, *sweeps in benches:
+            for sw in sweeps:
+                sw.round()
+        if progress:
+            progress(f"step times: round {k + 1}/{reps}")
+    for key, bench, prefill, decode, context in benches:
+        for kind, pts, sw in (("prefill", prefill_pts, prefill), ("decode", decode_pts, decode)):
+            result[kind].extend({**key, "batch": b, "length": length, "time": t} for (b, length), t in zip(pts, sw.medians()))
+        times, k = context.medians(), len(context_pts)
         result["context"].extend({**key, "batch": b, "new": n, "prior": p, "time": t, "time_without": t0}
                                  for (b, n, p), t, t0 in zip(context_pts, times[:k], times[k:]))
-        block_bytes = cfg.kv_bytes_per_token * block_size
+    for i, (key, bench, *_) in enumerate(benches):
+        block_bytes = bench.cfg.kv_bytes_per_token * block_size
         sweep_lens = [n * block_size for n in copy_sizes]
         result["copy"].extend(_swap_requests(bench, key, block_bytes, sweep_lens, reps, seed, real_kv=False))
         rng = random.Random(seed + 7)
@@ -224,8 +243,8 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
                     for _ in range(validation_requests)]
         result["copy_validation"].extend(_swap_requests(bench, key, block_bytes, val_lens, reps, seed + 1, real_kv=True))
         if progress:
-            progress(f"{layers}x{hidden}: copies done")
-        del bench
+            progress(f"{key['layers']}x{key['hidden']}: copies done")
+        benches[i] = None  # its pools and weights go now
     return result
 
 
