@@ -421,6 +421,26 @@ def _add_bench_fidelity(bsub) -> None:
     fi.set_defaults(func=_run_bench_fidelity)
 
 
+def _run_bench_drift(a) -> None:
+    from servewise.bench.drift import main
+
+    main(a)
+
+
+def _add_bench_drift(bsub) -> None:
+    bd = bsub.add_parser("drift", help="how this machine's speed moves over time: fixed batches timed round after round")
+    bd.add_argument("--model", default="tiny-llama")
+    bd.add_argument("--seconds", type=_float_at_least(0, strict=True), default=60.0, help="how long to keep timing")
+    bd.add_argument("--window", type=_float_at_least(0, strict=True), default=5.0,
+                    help="seconds per window in the report and the figure")
+    bd.add_argument("--reps", type=_at_least(1), default=3, help="runs per batch and round; the median is kept")
+    bd.add_argument("--num-device-blocks", type=_at_least(1), default=1024, help="must hold a 64 x 192-token batch")
+    bd.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    bd.add_argument("--no-plot", dest="plot", action="store_false", help="skip the figure")
+    bd.add_argument("--out", default="results/bench_drift.json", help="JSON; the figure goes beside it (.png)")
+    bd.set_defaults(func=_run_bench_drift)
+
+
 def _run_bench_prefix(a) -> None:
     from servewise.bench.prefix import main
 
@@ -830,7 +850,7 @@ def main(argv: list[str] | None = None) -> None:
     _add_generate(sub)
     bsub = _add_bench(sub)
     for add in (_add_bench_throughput, _add_bench_serve, _add_bench_fidelity, _add_bench_cluster, _add_bench_prefix,
-                _add_bench_migration):
+                _add_bench_migration, _add_bench_drift):
         add(bsub)
     for add in (_add_profile, _add_fit_predictors, _add_simulate, _add_cluster, _add_serve, _add_experiment,
                 _add_predict_lengths):

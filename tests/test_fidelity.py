@@ -117,3 +117,30 @@ def test_bench_fidelity_repeats_and_summarises_every_simulation(predictors, tmp_
     assert corr["predicted_s"] == pytest.approx(prof["predicted_s"] * d, rel=1e-9)
     for name in MODELS:
         assert res["summary"]["20/swap"][name]["makespan"]["runs"] == 2
+
+
+def test_bench_drift_times_every_batch_round_after_round(tmp_path):
+    """`bench drift`: rounds of every fixed batch until the time is up, windows and a summary that set
+    each batch against the largest decode batch; a pool too small for the batches is a clear error."""
+    import json
+
+    from servewise.bench import drift as bench_drift
+    from servewise.cli import main
+
+    out = tmp_path / "drift.json"
+    main(["bench", "drift", "--seconds", "1.5", "--window", "0.5", "--reps", "1", "--num-device-blocks", "800",
+          "--out", str(out)])
+    res = json.loads(out.read_text())
+    names = [f"{k} {r} x {n}" for k, r, n in bench_drift.BATCHES]
+    assert res["batches"] == names and res["summary"]["anchor"] == bench_drift.ANCHOR
+    assert len(res["rounds"]) >= 2 and all(r[n] > 0 for r in res["rounds"] for n in names)
+    assert sum(w["rounds"] for w in res["windows"]) == len(res["rounds"]) and len(res["windows"]) >= 2
+    anchor = res["summary"]["batches"][bench_drift.ANCHOR]
+    assert anchor["ratio_to_anchor_cv"] == pytest.approx(0.0, abs=1e-12)  # the anchor against itself
+    assert anchor["corr_with_anchor"] == pytest.approx(1.0) or anchor["cv"] == 0
+    small = res["summary"]["batches"]["decode 2 x 64"]
+    assert 0 < small["median_ms"] < res["summary"]["batches"][bench_drift.ANCHOR]["median_ms"]
+    assert (tmp_path / "drift.png").stat().st_size > 0
+    engine = build_engine(model="tiny-llama", device="cpu", num_device_blocks=64, num_host_blocks=8)
+    with pytest.raises(ValueError, match="num-device-blocks"):
+        bench_drift.measure(engine, 0.1)
