@@ -144,9 +144,9 @@ def main(a) -> None:
     engine = build_engine(model=a.model, num_device_blocks=a.num_device_blocks, num_host_blocks=16)
     print(f"torch threads: {torch.get_num_threads()}; CPU flags: {cpu_flags()}; {a.seconds:g} s of rounds",
           file=sys.stderr)
-    res = measure(engine, a.seconds, a.reps, a.window,
-                  progress=lambda t, n: print(f"\r{t:.0f}/{n:g} s", end="", file=sys.stderr, flush=True))
-    print(file=sys.stderr)
+    tty = sys.stderr.isatty()
+    res = measure(engine, a.seconds, a.reps, a.window, progress=lambda t, n: print(
+        f"{t:.0f}/{n:g} s", end="\r" if tty else "\n", file=sys.stderr, flush=True))
     res.update(model=a.model, threads=torch.get_num_threads(), cpu_flags=cpu_flags(), window_s=a.window,
                ended=time.strftime("%Y-%m-%d %H:%M:%S"))
     print(format_report(res, a.window))
