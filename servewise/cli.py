@@ -79,7 +79,8 @@ def _run_profile(a) -> None:
     print(f"profiling {a.model} sizes {a.sizes} on {device}, {torch.get_num_threads()} torch threads", file=sys.stderr)
     prof = profile(hf_config(a.model), a.sizes, dtype=a.dtype, device=device, block_size=a.block_size,
                    prefill_points=a.prefill_points, decode_points=a.decode_points, max_batch=a.max_batch,
-                   reps=a.reps, seed=a.seed, progress=lambda m: print(m, file=sys.stderr, flush=True))
+                   reps=a.reps, seed=a.seed, interleave=a.interleave,
+                   progress=lambda m: print(m, file=sys.stderr, flush=True))
     save_profile(prof, a.out)
     print(f"profile saved to {a.out}")
     if a.predictors:
@@ -323,6 +324,8 @@ def _add_profile(sub) -> None:
     pr.add_argument("--decode-points", type=int, default=96, help="decode (batch, context) samples per size")
     pr.add_argument("--max-batch", type=int, default=128)
     pr.add_argument("--reps", type=int, default=7, help="rounds per sample; the median is kept")
+    pr.add_argument("--no-interleave", dest="interleave", action="store_false",
+                    help="time one size at a time (less memory) instead of alternating the sizes' rounds")
     pr.add_argument("--out", default="results/profile.json")
     pr.add_argument("--predictors", default="results/predictors.pkl",
                     help="fit and save the predictors here after profiling ('' to skip)")

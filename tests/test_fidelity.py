@@ -117,6 +117,30 @@ def test_bench_fidelity_repeats_and_summarises_every_simulation(predictors, tmp_
     assert corr["predicted_s"] == pytest.approx(prof["predicted_s"] * d, rel=1e-9)
     for name in MODELS:
         assert res["summary"]["20/swap"][name]["makespan"]["runs"] == 2
+    online = runs[0]["online_steps"]["decode"]
+    assert online["steps"] == runs[0]["profiled"]["steps"]["decode"]["steps"]
+    assert online["measured_s"] == pytest.approx(runs[0]["profiled"]["steps"]["decode"]["measured_s"])
+    assert res["summary"]["20/swap"]["online"]["same-batch decode"]["runs"] == 2
+
+
+def test_online_correction_learns_from_the_steps_before_each_step_only():
+    """Steps measured at twice the prediction: the first step of a kind has nothing to learn from (scale 1),
+    every later one is predicted exactly; a size class never seen borrows its kind's scale."""
+    from servewise.bench.fidelity import online_check
+
+    class Perf:
+        def prefill(self, lens):
+            return 1e-3 * sum(lens)
+
+        def decode(self, lens):
+            return 1e-3 * len(lens)
+
+    steps = [(False, [10] * 4, 8e-3)] * 99 + [(False, [10] * 64, 128e-3)] + [(True, [100], 0.2)] * 10
+    c = online_check(steps, Perf())
+    assert c["decode"]["steps"] == 100 and c["prefill"]["steps"] == 10
+    assert c["decode"]["predicted_s"] == pytest.approx(c["decode"]["measured_s"] - 4e-3)  # only the first step missed
+    assert c["decode"]["step_mape_pct"] == pytest.approx(0.5) and c["decode"]["step_mape_profile_pct"] == pytest.approx(50)
+    assert c["prefill"]["error_pct"] == pytest.approx(-5.0)  # 0.1 + 9 x 0.2 against 10 x 0.2
 
 
 def test_bench_drift_times_every_batch_round_after_round(tmp_path):

@@ -102,17 +102,25 @@ def test_profiled_decode_batches_are_laid_out_as_an_engine_lays_them_out():
 
 def test_profile_interleaves_the_rounds_of_every_size_and_kind(monkeypatch):
     """Round k of every model size and kind runs before round k + 1 of any: each point's rounds span the
-    whole profile, not the minute its own size happened to be timed in."""
+    whole profile, not the minute its own size happened to be timed in; without interleaving, one size's
+    rounds after another's, and the same points."""
     from servewise.predictors import profiler
 
     calls = []
     real_round = profiler._Sweep.round
     monkeypatch.setattr(profiler._Sweep, "round",
                         lambda sw: (calls.append((sw.bench.cfg.num_layers, sw.decode)), real_round(sw))[1])
-    prof = profile(hf_config("tiny-llama"), sizes=((1, 64), (2, 64)), prefill_points=4, decode_points=4,
-                   max_batch=4, max_prefill_len=32, max_decode_ctx=64, max_prefill_tokens=64, max_decode_tokens=256,
-                   max_copy_blocks=4, validation_requests=1, context_points=2, reps=3)
-    one_round = [(1, False), (1, True), (1, False), (2, False), (2, True), (2, False)]  # prefill, decode, context
-    assert calls == one_round * 3
+    kw = dict(sizes=((1, 64), (2, 64)), prefill_points=4, decode_points=4, max_batch=4, max_prefill_len=32,
+              max_decode_ctx=64, max_prefill_tokens=64, max_decode_tokens=256, max_copy_blocks=4,
+              validation_requests=1, context_points=2, reps=3)
+    prof = profile(hf_config("tiny-llama"), **kw)
+    kinds = [False, True, False]  # prefill, decode, context
+    assert calls == [(1, d) for d in kinds] + [(2, d) for d in kinds] + [(1, d) for d in kinds] + \
+        [(2, d) for d in kinds] + [(1, d) for d in kinds] + [(2, d) for d in kinds]
+    calls.clear()
+    one_at_a_time = profile(hf_config("tiny-llama"), interleave=False, **kw)
+    assert calls == [(1, d) for d in kinds] * 3 + [(2, d) for d in kinds] * 3
+    assert [(r["layers"], r["batch"], r["length"]) for r in one_at_a_time["decode"]] == \
+        [(r["layers"], r["batch"], r["length"]) for r in prof["decode"]]
     assert [(r["layers"], r["batch"], r["length"]) for r in prof["decode"]][:4] == \
         [(1, b, n) for b, n in sweep_points(4, 4, 64, 256, 1, min_len=2)]

@@ -68,6 +68,7 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     early = Calibrated(perf, *(first[kind]["measured_s"] / first[kind]["predicted_s"] if first[kind]["measured_s"] else 1.0
                                for kind in ("prefill", "decode")))
     out["run_start_scale"] = {"prefill": early.prefill_scale, "decode": early.decode_scale, "steps": k}
+    out["online_steps"] = online_check(steps, perf)
     for name, p in zip(MODELS, (perf, corrected, early)):
         res = simulate(build_sim_engine(model, perf=p, **engine_kw), items, arrivals)
         m_sim = compute([RequestRecord.from_request(r) for r in res.requests])
@@ -157,6 +158,44 @@ def step_check(steps, perf, wall: float) -> dict:
     return out
 
 
+ONLINE_HALFLIFE = 32  # steps; fixed beforehand, not tuned on any run
+
+
+def online_check(steps, perf, halflife: int = ONLINE_HALFLIFE) -> dict:
+    """The engine's own timed steps as an online correction: every step predicted one step ahead, the
+    profile's prediction times a scale learned from the steps before it only (measured / predicted, an
+    exponentially weighted mean with `halflife` steps, per kind and size class: a decode batch's rows, a
+    prefill's tokens, rounded down to a power of two; else the kind's scale; else 1). Per kind: the sums
+    of these predictions against the measured times, and the mean absolute per-step error, beside the
+    profile's own per-step error."""
+    decay = 0.5 ** (1 / halflife)
+    state: dict = {}  # key -> (decayed sum of ratios, decayed count)
+    acc = {k: {"steps": 0, "measured_s": 0.0, "predicted_s": 0.0, "abs_err": 0.0, "abs_err_profile": 0.0}
+           for k in ("prefill", "decode")}
+    for is_prefill, lens, t in steps:
+        kind = "prefill" if is_prefill else "decode"
+        p = perf.prefill(lens) if is_prefill else perf.decode(lens)
+        keys = ((kind, (sum(lens) if is_prefill else len(lens)).bit_length()), kind)
+        s = next((num / n for num, n in (state[k] for k in keys if k in state)), 1.0)
+        a = acc[kind]
+        a["steps"] += 1
+        a["measured_s"] += t
+        a["predicted_s"] += p * s
+        a["abs_err"] += abs(p * s - t) / t
+        a["abs_err_profile"] += abs(p - t) / t
+        for k in keys:
+            num, n = state.get(k, (0.0, 0.0))
+            state[k] = (num * decay + t / p, n * decay + 1)
+    out = {}
+    for kind, a in acc.items():
+        n, m = a["steps"], a["measured_s"]
+        out[kind] = {"steps": n, "measured_s": m, "predicted_s": a["predicted_s"],
+                     "error_pct": (a["predicted_s"] - m) / m * 100 if m else None,
+                     "step_mape_pct": a["abs_err"] / n * 100 if n else None,
+                     "step_mape_profile_pct": a["abs_err_profile"] / n * 100 if n else None}
+    return out
+
+
 def format_steps(c: dict) -> str:
     lines = [f"{'same batches: step kind':<26}{'measured':>12}{'predicted':>12}{'error':>9}"]
     for kind in ("prefill", "decode"):
@@ -167,6 +206,13 @@ def format_steps(c: dict) -> str:
     o = c["outside_runner"]
     lines.append(f"wall time outside the runner (scheduling, bookkeeping, idle waits): {o['share_pct']:.1f}%")
     return "\n".join(lines)
+
+
+def format_online(c: dict) -> str:
+    parts = [f"{kind} {r['error_pct']:+.1f}% (per step: {r['step_mape_pct']:.1f}% against the profile's "
+             f"{r['step_mape_profile_pct']:.1f}%)" for kind, r in c.items() if r["steps"]]
+    return f"online, one step ahead (scaled by the engine's steps before it, half-life {ONLINE_HALFLIFE}): " + \
+        ", ".join(parts)
 
 
 def format_rows(title: str, rows: dict) -> str:
@@ -194,9 +240,17 @@ def summarise(runs: list[dict]) -> dict:
         for label, get in SUMMARISED:
             v = [get(r[name]) for r in runs if get(r[name]) is not None]
             if v:
-                out[name][label] = {"mean": statistics.mean(v), "min": min(v), "max": max(v),
-                                    "worst_abs": max(map(abs, v)), "runs": len(v)}
+                out[name][label] = _stats(v)
+    out["online"] = {}
+    for kind in ("prefill", "decode"):
+        v = [r["online_steps"][kind]["error_pct"] for r in runs if r["online_steps"][kind]["error_pct"] is not None]
+        if v:
+            out["online"][f"same-batch {kind}"] = _stats(v)
     return out
+
+
+def _stats(v: list[float]) -> dict:
+    return {"mean": statistics.mean(v), "min": min(v), "max": max(v), "worst_abs": max(map(abs, v)), "runs": len(v)}
 
 
 def format_summary(title: str, summary: dict, runs: list[dict]) -> str:
@@ -210,6 +264,9 @@ def format_summary(title: str, summary: dict, runs: list[dict]) -> str:
             c = summary[name].get(label)
             cells.append(f"{c['mean']:+.1f}% [{c['min']:+.1f}, {c['max']:+.1f}]" if c else "-")
         lines.append(f"{label:<26}" + "".join(f"{c:>30}" for c in cells))
+    for label, c in summary["online"].items():
+        lines.append(f"{label + ', online':<26}{c['mean']:>+29.1f}% [{c['min']:+.1f}, {c['max']:+.1f}]"
+                     "  (one step ahead, scaled by the steps before it)")
     return "\n".join(lines)
 
 
@@ -253,6 +310,7 @@ def main(a) -> None:
                 sc = r["run_start_scale"]
                 print(f"run-start correction (the first {sc['steps']} steps, measured / profiled): prefill "
                       f"x{sc['prefill']:.3f}, decode x{sc['decode']:.3f}")
+                print(format_online(r["online_steps"]))
                 if "replay" in r:
                     print(format_replay(r["replay"]))
                 b, e = r["drift_before"], r["drift_after"]

@@ -158,7 +158,8 @@ class _Sweep:
     Each round times every batch once in a shuffled order, so a burst of background load spreads over
     many points instead of skewing one; profile() interleaves the rounds of all its model sizes and
     kinds, so that each point's rounds span the whole profile rather than one minute of it (this
-    machine's speed moves by 10-15% within tens of seconds: see docs/results.md).
+    machine's speed moves by 10-20% within minutes, and differently for each kind and batch size:
+    see docs/results.md).
 
     A decode batch is run once untimed right before it is timed: in the engine a decode step follows
     a decode step of nearly the same batch, with its weights and KV in the caches, where the shuffled
@@ -189,11 +190,13 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
             block_size: int = 16, prefill_points: int = 64, decode_points: int = 96, max_batch: int = 128,
             max_prefill_len: int = 512, max_decode_ctx: int = 1024, max_prefill_tokens: int = 2048, max_decode_tokens: int = 16384,
             max_copy_blocks: int = 256, validation_requests: int = 40, context_points: int = 16, reps: int = 7,
-            seed: int = 0, progress: Callable[[str], None] | None = None) -> dict:
+            seed: int = 0, interleave: bool = True, progress: Callable[[str], None] | None = None) -> dict:
     """Profile every (layers, hidden) size of base_config's architecture; returns the profile dict.
 
     Lengths stay within the model's max_position_embeddings: batches spread their prompts and contexts
-    up to 1.5x the point's length, so points stop at two thirds of it."""
+    up to 1.5x the point's length, so points stop at two thirds of it. `interleave`: every size is held
+    at once (its weights and KV pools) and their rounds alternate (see _Sweep); False: one size at a time,
+    for sizes whose pools do not fit in memory together."""
     limit = base_config.get("max_position_embeddings")
     if limit:
         max_prefill_len = min(max_prefill_len, limit * 2 // 3)
@@ -207,8 +210,8 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
               "models": [], "prefill": [], "decode": [], "context": [], "copy": [], "copy_validation": []}
     context_pts = context_points_for(context_points, max_prefill_tokens, max_decode_ctx, seed + 2)
     copy_sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if n <= max_copy_blocks]
-    benches = []
-    for layers, hidden in sizes:
+
+    def build(layers: int, hidden: int) -> tuple:
         cfg = ModelConfig.from_hf(scaled_config(base_config, layers, hidden), dtype=dtype)
         result["arch"] = cfg.arch
         result["models"].append({"layers": layers, "hidden": hidden, "heads": cfg.num_heads,
@@ -218,23 +221,27 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
         result["decode_attention"] = IN_PLACE if bench.runner.attn_kernel is not None else PADDED
         # context: the same prompt chunks with and without earlier context (what attending to a cached prefix costs)
         chunks = [bench._chunks(b, n, p) for b, n, p in context_pts] + [bench._chunks(b, n, 0) for b, n, _ in context_pts]
-        benches.append(({"layers": layers, "hidden": hidden}, bench, bench.sweep(prefill_pts, False),
-                        bench.sweep(decode_pts, True), bench.sweep([], False, chunks)))
         if progress:
             progress(f"{layers}x{hidden}: batches built and warmed up")
-    for k in range(reps):  # every size's and kind's round k, then round k + 1: each point's rounds span the whole profile
-        for _, _, *sweeps in benches:
-            for sw in sweeps:
-                sw.round()
-        if progress:
-            progress(f"step times: round {k + 1}/{reps}")
-    for key, bench, prefill, decode, context in benches:
+        return ({"layers": layers, "hidden": hidden}, bench, bench.sweep(prefill_pts, False),
+                bench.sweep(decode_pts, True), bench.sweep([], False, chunks))
+
+    def time_rounds(entries: list[tuple]) -> None:  # round k of every entry's sweeps before round k + 1 of any
+        for k in range(reps):
+            for _, _, *sweeps in entries:
+                for sw in sweeps:
+                    sw.round()
+            if progress:
+                names = ", ".join(f"{key['layers']}x{key['hidden']}" for key, *_ in entries)
+                progress(f"{names} step times: round {k + 1}/{reps}")
+
+    def collect(entry: tuple) -> None:
+        key, bench, prefill, decode, context = entry
         for kind, pts, sw in (("prefill", prefill_pts, prefill), ("decode", decode_pts, decode)):
             result[kind].extend({**key, "batch": b, "length": length, "time": t} for (b, length), t in zip(pts, sw.medians()))
         times, k = context.medians(), len(context_pts)
         result["context"].extend({**key, "batch": b, "new": n, "prior": p, "time": t, "time_without": t0}
                                  for (b, n, p), t, t0 in zip(context_pts, times[:k], times[k:]))
-    for i, (key, bench, *_) in enumerate(benches):
         block_bytes = bench.cfg.kv_bytes_per_token * block_size
         sweep_lens = [n * block_size for n in copy_sizes]
         result["copy"].extend(_swap_requests(bench, key, block_bytes, sweep_lens, reps, seed, real_kv=False))
@@ -244,7 +251,18 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
         result["copy_validation"].extend(_swap_requests(bench, key, block_bytes, val_lens, reps, seed + 1, real_kv=True))
         if progress:
             progress(f"{key['layers']}x{key['hidden']}: copies done")
-        benches[i] = None  # its pools and weights go now
+
+    if interleave:  # every size held at once; each point's rounds span the whole profile
+        entries = [build(layers, hidden) for layers, hidden in sizes]
+        time_rounds(entries)
+        while entries:
+            collect(entries.pop(0))  # its pools and weights go once collected
+    else:  # one size at a time: a size's points carry the speed of the minutes it was timed in
+        for layers, hidden in sizes:
+            entry = build(layers, hidden)
+            time_rounds([entry])
+            collect(entry)
+            del entry  # before the next size is built
     return result
 
 
