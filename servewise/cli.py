@@ -437,7 +437,8 @@ def _add_bench_drift(bsub) -> None:
     bd.add_argument("--window", type=_float_at_least(0, strict=True), default=5.0,
                     help="seconds per window in the report and the figure")
     bd.add_argument("--reps", type=_at_least(1), default=3, help="runs per batch and round; the median is kept")
-    bd.add_argument("--num-device-blocks", type=_at_least(1), default=1024, help="must hold a 64 x 192-token batch")
+    bd.add_argument("--num-device-blocks", type=_at_least(1), default=1024,
+                    help="must hold the largest batch: 64 requests of 64-192 tokens, about 550 blocks of 16")
     bd.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bd.add_argument("--no-plot", dest="plot", action="store_false", help="skip the figure")
     bd.add_argument("--out", default="results/bench_drift.json", help="JSON; the figure goes beside it (.png)")

@@ -6,6 +6,7 @@ copy times and from what the real engine spends outside them (scheduling, Python
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import statistics
@@ -15,6 +16,7 @@ import time
 import torch
 
 from servewise.builder import build_engine, build_sim_engine
+from servewise.engine.clock import VirtualClock
 from servewise.metrics import RequestRecord, compute
 from servewise.predictors import drift
 from servewise.predictors.perf import PROFILE, Calibrated, make_perf
@@ -23,16 +25,18 @@ from servewise.simulator import simulate
 from servewise.workloads.driver import run_workload
 
 # the simulations of a run: on the profile as it is, scaled by the drift its reference batches measured
-# right before the run, and scaled by the run's own first fifth of steps
-MODELS = ("profiled", "drift_corrected", "run_start_corrected")
+# right before the run, scaled by the run's own first fifth of steps, and following the run's own steps
+# as they went (at each moment, scaled by what the steps before it measured)
+MODELS = ("profiled", "drift_corrected", "run_start_corrected", "following")
 COMPARED = (("duration_s", "makespan (s)"), ("mean_e2el_ms", "mean E2E (ms)"), ("p99_e2el_ms", "p99 E2E (ms)"),
             ("mean_ttft_ms", "mean TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"))
 
 
 def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None, replay: int = 0) -> dict:
-    """The workload through the real engine, then through the simulator three times (MODELS): on the
+    """The workload through the real engine, then through the simulator four times (MODELS): on the
     profiled predictors as they are, corrected by the machine's drift (predictors.drift) measured right
-    before the run, and corrected by the run's own first fifth of steps.
+    before the run, corrected by the run's own first fifth of steps, and following the run's own steps as
+    they went (Following).
     `replay`: that many of the run's decode batches are timed again afterwards (replay_decode)."""
     real = build_engine(model=model, **engine_kw)
     # warm-up outside the measured run
@@ -42,17 +46,19 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     perf = make_perf(PROFILE, real.model_config, real.block_manager.block_size, predictors)
     before = drift.measure(real, perf)
     steps = []  # (is_prefill, token counts, measured seconds) of every real step that ran a batch
+    ends = []  # when each of them ended, seconds from the run's start
     decode_tables = []  # (contexts, block tables, measured seconds) of the decode steps, for the replay
 
     def logged(st):
         if st.scheduled:
             steps.append((st.is_prefill, st.batch_tokens, st.execute_s))
+            ends.append(real.clock.now() - start)
             if replay and not st.is_prefill:
                 tables = real.block_manager.device_tables
                 if all(r in tables for r in st.scheduled):
                     decode_tables.append((st.batch_tokens, [list(tables[r]) for r in st.scheduled], st.execute_s))
 
-    t0 = time.perf_counter()
+    t0, start = time.perf_counter(), real.clock.now()
     reqs, rejected = run_workload(real, items, arrivals, progress, on_step=logged)
     wall = time.perf_counter() - t0
     after = drift.measure(real, perf)
@@ -68,13 +74,56 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     early = Calibrated(perf, *(first[kind]["measured_s"] / first[kind]["predicted_s"] if first[kind]["measured_s"] else 1.0
                                for kind in ("prefill", "decode")))
     out["run_start_scale"] = {"prefill": early.prefill_scale, "decode": early.decode_scale, "steps": k}
-    out["online_steps"] = online_check(steps, perf)
-    for name, p in zip(MODELS, (perf, corrected, early)):
-        res = simulate(build_sim_engine(model, perf=p, **engine_kw), items, arrivals)
+    schedule: dict = {}
+    out["online_steps"] = online_check(steps, perf, ends, schedule)
+    clock = VirtualClock()
+    following = Following(perf, schedule, clock)
+    for name, p in zip(MODELS, (perf, corrected, early, following)):
+        res = simulate(build_sim_engine(model, perf=p, clock=clock if p is following else None, **engine_kw),
+                       items, arrivals)
         m_sim = compute([RequestRecord.from_request(r) for r in res.requests])
+        if p is following:  # its predictions depend on the moment: judged one step ahead, as the run went
+            outside = out["profiled"]["steps"]["outside_runner"], out["profiled"]["later_steps"]["outside_runner"]
+            checks = [dict(out["online_steps"], outside_runner=outside[0]),
+                      dict(online_check(steps, perf, count_from=k), outside_runner=outside[1])]
+        else:
+            checks = [step_check(steps, p, wall), step_check(steps[k:], p, wall)]
         out[name] = {"rows": compare_rows(m_real, m_sim), "sim": m_sim, "sim_wall_s": res.wall_s,
-                     "steps": step_check(steps, p, wall), "later_steps": step_check(steps[k:], p, wall)}
+                     "steps": checks[0], "later_steps": checks[1]}
     return out
+
+
+class Following:
+    """A performance model that follows a real run as it went: at each moment of the simulated run, the
+    profile's prediction for a step scaled as online_check scaled the real steps before that moment (by
+    kind and size class, else kind). It needs the real run, so it predicts nothing ahead of one: it shows
+    how close the simulator comes once its step times follow the machine."""
+
+    def __init__(self, base, schedule: dict, clock):
+        self.base, self.schedule, self.clock = base, schedule, clock  # schedule: key -> (end times, scales)
+        self.analytical, self.block_bytes = base.analytical, base.block_bytes
+        self.label = f"{base.label}, following the run's own steps"
+
+    def _scale(self, keys) -> float:
+        t = self.clock.now()
+        for key in keys:
+            times, scales = self.schedule.get(key, ((), ()))
+            i = bisect.bisect_right(times, t)
+            if i:
+                return scales[i - 1]
+        return 1.0
+
+    def prefill(self, lens: list[int]) -> float:
+        return self.base.prefill(lens) * self._scale(_online_keys(True, lens))
+
+    def decode(self, ctx_lens: list[int]) -> float:
+        return self.base.decode(ctx_lens) * self._scale(_online_keys(False, ctx_lens))
+
+    def prior_context(self, pairs: int) -> float:
+        return self.base.prior_context(pairs) * self._scale(("prefill",))
+
+    def copy(self, num_blocks: int, to_host: bool) -> float:
+        return self.base.copy(num_blocks, to_host)
 
 
 def replay_decode(engine, perf, logged, n: int, reps: int = 5) -> dict:
@@ -161,31 +210,43 @@ def step_check(steps, perf, wall: float) -> dict:
 ONLINE_HALFLIFE = 32  # steps; fixed beforehand, not tuned on any run
 
 
-def online_check(steps, perf, halflife: int = ONLINE_HALFLIFE) -> dict:
+def _online_keys(is_prefill: bool, lens: list[int]) -> tuple:
+    """A step's size class (a decode batch's rows, a prefill's tokens, rounded down to a power of two), then its kind."""
+    kind = "prefill" if is_prefill else "decode"
+    return (kind, (sum(lens) if is_prefill else len(lens)).bit_length()), kind
+
+
+def online_check(steps, perf, ends: list[float] | None = None, schedule: dict | None = None, count_from: int = 0,
+                 halflife: int = ONLINE_HALFLIFE) -> dict:
     """The engine's own timed steps as an online correction: every step predicted one step ahead, the
     profile's prediction times a scale learned from the steps before it only (measured / predicted, an
-    exponentially weighted mean with `halflife` steps, per kind and size class: a decode batch's rows, a
-    prefill's tokens, rounded down to a power of two; else the kind's scale; else 1). Per kind: the sums
-    of these predictions against the measured times, and the mean absolute per-step error, beside the
-    profile's own per-step error."""
+    exponentially weighted mean with `halflife` steps, per size class and kind, _online_keys; the class's
+    scale, else the kind's, else 1). Per kind, over the steps from `count_from` on: the sums of these
+    predictions against the measured times, and the mean absolute per-step error beside the profile's.
+    With `ends` (each step's end, seconds from the run's start) and a `schedule` dict, every scale as it
+    stood after each step goes into the schedule (key -> (end times, scales)), for Following."""
     decay = 0.5 ** (1 / halflife)
     state: dict = {}  # key -> (decayed sum of ratios, decayed count)
     acc = {k: {"steps": 0, "measured_s": 0.0, "predicted_s": 0.0, "abs_err": 0.0, "abs_err_profile": 0.0}
            for k in ("prefill", "decode")}
-    for is_prefill, lens, t in steps:
-        kind = "prefill" if is_prefill else "decode"
+    for i, (is_prefill, lens, t) in enumerate(steps):
         p = perf.prefill(lens) if is_prefill else perf.decode(lens)
-        keys = ((kind, (sum(lens) if is_prefill else len(lens)).bit_length()), kind)
+        keys = _online_keys(is_prefill, lens)
         s = next((num / n for num, n in (state[k] for k in keys if k in state)), 1.0)
-        a = acc[kind]
-        a["steps"] += 1
-        a["measured_s"] += t
-        a["predicted_s"] += p * s
-        a["abs_err"] += abs(p * s - t) / t
-        a["abs_err_profile"] += abs(p - t) / t
+        if i >= count_from:
+            a = acc["prefill" if is_prefill else "decode"]
+            a["steps"] += 1
+            a["measured_s"] += t
+            a["predicted_s"] += p * s
+            a["abs_err"] += abs(p * s - t) / t
+            a["abs_err_profile"] += abs(p - t) / t
         for k in keys:
             num, n = state.get(k, (0.0, 0.0))
             state[k] = (num * decay + t / p, n * decay + 1)
+            if schedule is not None and ends is not None:
+                times, scales = schedule.setdefault(k, ([], []))
+                times.append(ends[i])
+                scales.append(state[k][0] / state[k][1])
     out = {}
     for kind, a in acc.items():
         n, m = a["steps"], a["measured_s"]
@@ -240,33 +301,22 @@ def summarise(runs: list[dict]) -> dict:
         for label, get in SUMMARISED:
             v = [get(r[name]) for r in runs if get(r[name]) is not None]
             if v:
-                out[name][label] = _stats(v)
-    out["online"] = {}
-    for kind in ("prefill", "decode"):
-        v = [r["online_steps"][kind]["error_pct"] for r in runs if r["online_steps"][kind]["error_pct"] is not None]
-        if v:
-            out["online"][f"same-batch {kind}"] = _stats(v)
+                out[name][label] = {"mean": statistics.mean(v), "min": min(v), "max": max(v),
+                                    "worst_abs": max(map(abs, v)), "runs": len(v)}
     return out
-
-
-def _stats(v: list[float]) -> dict:
-    return {"mean": statistics.mean(v), "min": min(v), "max": max(v), "worst_abs": max(map(abs, v)), "runs": len(v)}
 
 
 def format_summary(title: str, summary: dict, runs: list[dict]) -> str:
     drifts = ", ".join(f"x{r['drift_before']['decode_scale']:.2f}" for r in runs)
     lines = [title, f"decode drift before each run (measured / profiled): {drifts}",
              f"{'error over ' + str(len(runs)) + ' runs':<26}{'profiled: mean [min, max]':>30}{'drift-corrected':>30}"
-             f"{'run-start-corrected':>30}"]
+             f"{'run-start-corrected':>30}{'following (online)':>30}"]
     for label, _ in SUMMARISED:
         cells = []
         for name in MODELS:
             c = summary[name].get(label)
             cells.append(f"{c['mean']:+.1f}% [{c['min']:+.1f}, {c['max']:+.1f}]" if c else "-")
         lines.append(f"{label:<26}" + "".join(f"{c:>30}" for c in cells))
-    for label, c in summary["online"].items():
-        lines.append(f"{label + ', online':<26}{c['mean']:>+29.1f}% [{c['min']:+.1f}, {c['max']:+.1f}]"
-                     "  (one step ahead, scaled by the steps before it)")
     return "\n".join(lines)
 
 
