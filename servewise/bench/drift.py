@@ -18,7 +18,7 @@ import torch
 from servewise.kernels import cpu_flags
 from servewise.metrics import save_json
 from servewise.predictors.drift import fixed_batch
-from servewise.predictors.profiler import decode_layout
+from servewise.predictors.profiler import DECODE_WARM_RUNS, decode_layout
 
 # (kind, rows, tokens per row); the largest decode batch is the one the others are set against
 BATCHES = (("decode", 2, 64), ("decode", 8, 128), ("decode", 64, 128), ("prefill", 1, 256), ("prefill", 4, 64))
@@ -46,8 +46,8 @@ def _batches(engine) -> list[tuple[str, bool, object]]:
 
 
 def measure(engine, seconds: float, reps: int = 3, window_s: float = 5.0, progress=None) -> dict:
-    """Rounds of every batch (median of `reps` runs each; a decode batch run once untimed first, as the
-    profile times it) until `seconds` have passed; the summary per batch and per window of `window_s`."""
+    """Rounds of every batch (median of `reps` runs each; a decode batch after DECODE_WARM_RUNS untimed
+    runs, as the profile times it) until `seconds` have passed; the summary per batch and per window of `window_s`."""
     bm = engine.block_manager
     if bm.num_free_device != bm.num_device_blocks:
         raise RuntimeError("bench drift needs an idle engine (its batches use any device blocks)")
@@ -62,7 +62,7 @@ def measure(engine, seconds: float, reps: int = 3, window_s: float = 5.0, progre
     while (t := time.perf_counter() - t0) < seconds:
         row = {"t_s": round(t, 3)}
         for name, decode, b in batches:
-            if decode:
+            for _ in range(DECODE_WARM_RUNS if decode else 0):
                 run(b)
             row[name] = statistics.median(run(b).elapsed for _ in range(reps)) * 1e3
         rounds.append(row)

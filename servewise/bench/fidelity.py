@@ -20,7 +20,7 @@ from servewise.engine.clock import VirtualClock
 from servewise.metrics import RequestRecord, compute
 from servewise.predictors import drift
 from servewise.predictors.perf import PROFILE, Calibrated, make_perf
-from servewise.predictors.profiler import decode_layout
+from servewise.predictors.profiler import decode_layout, time_decode
 from servewise.simulator import simulate
 from servewise.workloads.driver import run_workload
 
@@ -150,12 +150,10 @@ def replay_decode(engine, perf, logged, n: int, reps: int = 5) -> dict:
         batches.append((lens, mean, t_run, drift.fixed_batch(lens, tables, True, vocab),
                         drift.fixed_batch(*profiled, True, vocab)))
     samples = [([], []) for _ in batches]
-    for _ in range(reps):  # each timed right after itself, as the profile times decode steps
+    for _ in range(reps):  # each timed as the profile times decode steps
         for (*_, a, b), (ta, tb) in zip(batches, samples):
-            engine.runner.execute(a)
-            ta.append(engine.runner.execute(a).elapsed)
-            engine.runner.execute(b)
-            tb.append(engine.runner.execute(b).elapsed)
+            ta.append(time_decode(engine.runner.execute, a))
+            tb.append(time_decode(engine.runner.execute, b))
     step = perf.costs.step
     rows = [{"batch": len(lens), "mean_context": sum(lens) / len(lens), "max_context": max(lens), "run_s": t_run,
              "as_ran_s": statistics.median(ta), "as_profiled_s": statistics.median(tb),

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from servewise.engine.interfaces import standalone_batch
-from servewise.predictors.profiler import decode_layout
+from servewise.predictors.profiler import decode_layout, time_decode
 from servewise.sampling_params import SamplingParams
 
 # (kind, rows, tokens per row): small and large decode and prefill steps, within 24 blocks of 16 tokens
@@ -74,10 +74,9 @@ def measure(engine, perf, reps: int = 25) -> Drift:
         engine.runner.execute(b)  # warm-up
     samples: list[list[float]] = [[] for _ in batches]
     for _ in range(reps):
-        for i, (kind, *_, b) in enumerate(batches):
-            if kind == "decode":  # timed right after itself, as the profile times decode steps
-                engine.runner.execute(b)
-            samples[i].append(engine.runner.execute(b).elapsed)
+        for i, (kind, *_, b) in enumerate(batches):  # decode batches timed as the profile times them
+            run = engine.runner.execute
+            samples[i].append(time_decode(run, b) if kind == "decode" else run(b).elapsed)
     points = []
     for (kind, rows, n, batch), s in zip(batches, samples):
         predicted = perf.decode(batch.context_lens) if kind == "decode" else perf.prefill([n] * rows)

@@ -25,6 +25,7 @@ from servewise.sampling_params import SamplingParams
 PROFILE_VERSION = 3  # 2: prompt chunks over earlier context ("context"); 3: "decode_attention". Older ones still load
 DEFAULT_SIZES = ((2, 128), (4, 256), (6, 384), (8, 512))  # (layers, hidden size)
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+DECODE_WARM_RUNS = 3  # untimed runs of a decode batch right before it is timed (see _Sweep)
 
 
 def scaled_config(base: dict, layers: int, hidden: int) -> dict:
@@ -152,6 +153,14 @@ class _Bench:
         return statistics.median(times)
 
 
+def time_decode(run: Callable, batch: SchedulerOutput) -> float:
+    """A decode batch's time as an engine's steady decoding sees it: after DECODE_WARM_RUNS untimed runs
+    of itself (`run`: a runner's execute)."""
+    for _ in range(DECODE_WARM_RUNS):
+        run(batch)
+    return run(batch).elapsed
+
+
 class _Sweep:
     """Batches of one kind on one bench, timed a round at a time; a point's time is its median over rounds.
 
@@ -161,11 +170,13 @@ class _Sweep:
     machine's speed moves by 10-20% within minutes, and differently for each kind and batch size:
     see docs/results.md).
 
-    A decode batch is run once untimed right before it is timed: in the engine a decode step follows
-    a decode step of nearly the same batch, with its weights and KV in the caches, where the shuffled
-    order would put it after some other batch. (Measured at 24 decode points of the 4 x 256 model,
-    2 threads: timed cold, batches of 1-4 requests ran a median 9% (up to 35%) slower than timed
-    back to back; from 40 requests up, within 4%.)"""
+    A decode batch is timed after DECODE_WARM_RUNS untimed runs of itself (time_decode): in the engine
+    a decode step follows decode steps of nearly the same batch, with its weights and KV in the caches,
+    where the shuffled order puts it after some other batch. (Measured on the 4 x 256 model, 2 threads:
+    timed cold, batches of 1-4 requests ran a median 9% (up to 35%) slower than back to back, from 40
+    requests up within 4%; after some other point of the sweep, a 1-4-request batch's 1st, 2nd, 3rd and
+    4th run took 7.3%, 4.0%, 2.9% and 1.6% longer than its steady state (runs 5-8), an 8-32-request
+    batch's 3.5%, 1.4%, 1.1% and 0.8%: medians of 240 trials each.)"""
 
     def __init__(self, bench: _Bench, setups: list[SchedulerOutput], decode: bool):
         self.bench, self.setups, self.decode = bench, setups, decode
@@ -178,9 +189,7 @@ class _Sweep:
         self.bench.rng.shuffle(order)
         run = self.bench.runner.execute
         for i in order:
-            if self.decode:
-                run(self.setups[i])
-            self.samples[i].append(run(self.setups[i]).elapsed)
+            self.samples[i].append(time_decode(run, self.setups[i]) if self.decode else run(self.setups[i]).elapsed)
 
     def medians(self) -> list[float]:
         return [statistics.median(s) for s in self.samples]
