@@ -93,7 +93,10 @@ def summarize(rounds: list[dict], names: list[str]) -> dict:
         q = statistics.quantiles(v, n=10) if len(v) > 1 else [v[0]] * 9
         cv = statistics.pstdev(v) / statistics.fmean(v)
         ratio_cv = statistics.pstdev(ratio) / statistics.fmean(ratio)
-        corr = statistics.correlation(v, [r[anchor] for r in rounds]) if len(v) > 2 and cv > 0 else float("nan")
+        try:
+            corr = statistics.correlation(v, [r[anchor] for r in rounds])
+        except statistics.StatisticsError:  # fewer than two rounds, or a batch that never moved
+            corr = None
         out[n] = {"median_ms": statistics.median(v), "cv": cv, "p10_p90_spread": (q[8] - q[0]) / statistics.median(v),
                   "ratio_to_anchor_cv": ratio_cv, "corr_with_anchor": corr}
     return {"anchor": anchor, "rounds": len(rounds), "batches": out}
@@ -113,7 +116,8 @@ def format_report(res: dict, window_s: float) -> str:
         b = s["batches"][n]
         wv = [w[n] for w in res["windows"]]
         lines.append(f"{n:<18}{b['median_ms']:>10.2f}{b['cv']:>8.1%}{b['p10_p90_spread']:>9.1%}"
-                     f"{max(wv) / min(wv):>16.3f}{b['ratio_to_anchor_cv']:>28.1%}{b['corr_with_anchor']:>7.2f}")
+                     f"{max(wv) / min(wv):>16.3f}{b['ratio_to_anchor_cv']:>28.1%}"
+                     f"{'-' if b['corr_with_anchor'] is None else format(b['corr_with_anchor'], '.2f'):>7}")
     return "\n".join(lines)
 
 
