@@ -127,7 +127,7 @@ def test_bench_fidelity_repeats_and_summarises_every_simulation(predictors, tmp_
 def test_online_correction_learns_from_the_steps_before_each_step_only():
     """Steps measured at twice the prediction: the first step of a kind has nothing to learn from (scale 1),
     every later one is predicted exactly; a size class never seen borrows its kind's scale."""
-    from servewise.bench.fidelity import online_check
+    from servewise.bench.fidelity import one_step_ahead, online_totals
 
     class Perf:
         def prefill(self, lens):
@@ -137,7 +137,7 @@ def test_online_correction_learns_from_the_steps_before_each_step_only():
             return 1e-3 * len(lens)
 
     steps = [(False, [10] * 4, 8e-3)] * 99 + [(False, [10] * 64, 128e-3)] + [(True, [100], 0.2)] * 10
-    c = online_check(steps, Perf())
+    c = online_totals(one_step_ahead(steps, Perf()))
     assert c["decode"]["steps"] == 100 and c["prefill"]["steps"] == 10
     assert c["decode"]["predicted_s"] == pytest.approx(c["decode"]["measured_s"] - 4e-3)  # only the first step missed
     assert c["decode"]["step_mape_pct"] == pytest.approx(0.5) and c["decode"]["step_mape_profile_pct"] == pytest.approx(50)

@@ -17,8 +17,8 @@ import torch
 
 from servewise.kernels import cpu_flags
 from servewise.metrics import save_json
-from servewise.predictors.drift import fixed_batch
-from servewise.predictors.profiler import DECODE_WARM_RUNS, decode_layout
+from servewise.predictors.drift import laid_out_batch
+from servewise.predictors.profiler import DECODE_WARM_RUNS
 
 # (kind, rows, tokens per row); the largest decode batch is the one the others are set against
 BATCHES = (("decode", 2, 64), ("decode", 8, 128), ("decode", 64, 128), ("prefill", 1, 256), ("prefill", 4, 64))
@@ -31,17 +31,11 @@ def _batches(engine) -> list[tuple[str, bool, object]]:
     vocab = engine.model_config.vocab_size
     out = []
     for kind, rows, n in BATCHES:
-        decode = kind == "decode"
-        if decode:
-            layout = decode_layout(n, rows, bm.num_device_blocks, bm.block_size, seed=rows, in_place=in_place)
-        else:
-            per_row = -(-n // bm.block_size)
-            layout = ([n] * rows, [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]) \
-                if rows * per_row <= bm.num_device_blocks else None
-        if layout is None:
+        batch = laid_out_batch(kind, rows, n, bm.num_device_blocks, bm.block_size, vocab, in_place)
+        if batch is None:
             raise ValueError(f"{kind} batch of {rows} x {n} tokens needs more than the pool's "
                              f"{bm.num_device_blocks} device blocks; raise --num-device-blocks")
-        out.append((f"{kind} {rows} x {n}", decode, fixed_batch(*layout, decode, vocab)))
+        out.append((f"{kind} {rows} x {n}", kind == "decode", batch))
     return out
 
 

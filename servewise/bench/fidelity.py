@@ -75,7 +75,8 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
                                for kind in ("prefill", "decode")))
     out["run_start_scale"] = {"prefill": early.prefill_scale, "decode": early.decode_scale, "steps": k}
     schedule: dict = {}
-    out["online_steps"] = online_check(steps, perf, ends, schedule)
+    ahead = one_step_ahead(steps, perf, ends, schedule)
+    out["online_steps"] = online_totals(ahead)
     clock = VirtualClock()
     following = Following(perf, schedule, clock)
     for name, p in zip(MODELS, (perf, corrected, early, following)):
@@ -85,7 +86,7 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
         if p is following:  # its predictions depend on the moment: judged one step ahead, as the run went
             outside = out["profiled"]["steps"]["outside_runner"], out["profiled"]["later_steps"]["outside_runner"]
             checks = [dict(out["online_steps"], outside_runner=outside[0]),
-                      dict(online_check(steps, perf, count_from=k), outside_runner=outside[1])]
+                      dict(online_totals(ahead[k:]), outside_runner=outside[1])]
         else:
             checks = [step_check(steps, p, wall), step_check(steps[k:], p, wall)]
         out[name] = {"rows": compare_rows(m_real, m_sim), "sim": m_sim, "sim_wall_s": res.wall_s,
@@ -95,7 +96,7 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
 
 class Following:
     """A performance model that follows a real run as it went: at each moment of the simulated run, the
-    profile's prediction for a step scaled as online_check scaled the real steps before that moment (by
+    profile's prediction for a step scaled as one_step_ahead scaled the real steps before that moment (by
     kind and size class, else kind). It needs the real run, so it predicts nothing ahead of one: it shows
     how close the simulator comes once its step times follow the machine."""
 
@@ -214,30 +215,22 @@ def _online_keys(is_prefill: bool, lens: list[int]) -> tuple:
     return (kind, (sum(lens) if is_prefill else len(lens)).bit_length()), kind
 
 
-def online_check(steps, perf, ends: list[float] | None = None, schedule: dict | None = None, count_from: int = 0,
-                 halflife: int = ONLINE_HALFLIFE) -> dict:
+def one_step_ahead(steps, perf, ends: list[float] | None = None, schedule: dict | None = None,
+                   halflife: int = ONLINE_HALFLIFE) -> list[tuple[str, float, float, float]]:
     """The engine's own timed steps as an online correction: every step predicted one step ahead, the
     profile's prediction times a scale learned from the steps before it only (measured / predicted, an
     exponentially weighted mean with `halflife` steps, per size class and kind, _online_keys; the class's
-    scale, else the kind's, else 1). Per kind, over the steps from `count_from` on: the sums of these
-    predictions against the measured times, and the mean absolute per-step error beside the profile's.
+    scale, else the kind's, else 1). Per step: (kind, measured, this prediction, the profile's).
     With `ends` (each step's end, seconds from the run's start) and a `schedule` dict, every scale as it
     stood after each step goes into the schedule (key -> (end times, scales)), for Following."""
     decay = 0.5 ** (1 / halflife)
     state: dict = {}  # key -> (decayed sum of ratios, decayed count)
-    acc = {k: {"steps": 0, "measured_s": 0.0, "predicted_s": 0.0, "abs_err": 0.0, "abs_err_profile": 0.0}
-           for k in ("prefill", "decode")}
+    rows = []
     for i, (is_prefill, lens, t) in enumerate(steps):
         p = perf.prefill(lens) if is_prefill else perf.decode(lens)
         keys = _online_keys(is_prefill, lens)
         s = next((num / n for num, n in (state[k] for k in keys if k in state)), 1.0)
-        if i >= count_from:
-            a = acc["prefill" if is_prefill else "decode"]
-            a["steps"] += 1
-            a["measured_s"] += t
-            a["predicted_s"] += p * s
-            a["abs_err"] += abs(p * s - t) / t
-            a["abs_err_profile"] += abs(p - t) / t
+        rows.append(("prefill" if is_prefill else "decode", t, p * s, p))
         for k in keys:
             num, n = state.get(k, (0.0, 0.0))
             state[k] = (num * decay + t / p, n * decay + 1)
@@ -245,13 +238,20 @@ def online_check(steps, perf, ends: list[float] | None = None, schedule: dict | 
                 times, scales = schedule.setdefault(k, ([], []))
                 times.append(ends[i])
                 scales.append(state[k][0] / state[k][1])
+    return rows
+
+
+def online_totals(rows) -> dict:
+    """Per kind, over one_step_ahead's rows: the sums of the predictions against the measured times, and the
+    mean absolute per-step error beside the profile's."""
     out = {}
-    for kind, a in acc.items():
-        n, m = a["steps"], a["measured_s"]
-        out[kind] = {"steps": n, "measured_s": m, "predicted_s": a["predicted_s"],
-                     "error_pct": (a["predicted_s"] - m) / m * 100 if m else None,
-                     "step_mape_pct": a["abs_err"] / n * 100 if n else None,
-                     "step_mape_profile_pct": a["abs_err_profile"] / n * 100 if n else None}
+    for kind in ("prefill", "decode"):
+        r = [x for x in rows if x[0] == kind]
+        n, m, pred = len(r), sum(t for _, t, _, _ in r), sum(q for _, _, q, _ in r)
+        out[kind] = {"steps": n, "measured_s": m, "predicted_s": pred,
+                     "error_pct": (pred - m) / m * 100 if m else None,
+                     "step_mape_pct": sum(abs(q - t) / t for _, t, q, _ in r) / n * 100 if n else None,
+                     "step_mape_profile_pct": sum(abs(p - t) / t for _, t, _, p in r) / n * 100 if n else None}
     return out
 
 

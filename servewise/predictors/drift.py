@@ -48,12 +48,23 @@ def reference_batches(num_device_blocks: int, block_size: int, vocab: int, in_pl
         rows = max(1, min(rows, num_device_blocks // per_row))
         if per_row > num_device_blocks:
             continue
-        if decode:
-            lens, tables = decode_layout(n, rows, num_device_blocks, block_size, seed=rows, in_place=in_place)
-        else:
-            lens, tables = [n] * rows, [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
-        out.append((kind, rows, n, fixed_batch(lens, tables, decode, vocab)))
+        out.append((kind, rows, n, laid_out_batch(kind, rows, n, num_device_blocks, block_size, vocab, in_place)))
     return out
+
+
+def laid_out_batch(kind: str, rows: int, n: int, num_device_blocks: int, block_size: int, vocab: int,
+                   in_place: bool = True):
+    """A fixed batch of `rows` requests of `n` tokens on an idle pool: a decode batch laid out as the
+    profile lays one out (profiler.decode_layout, contexts averaging `n`), prompts on consecutive blocks;
+    None if the pool cannot hold it."""
+    decode = kind == "decode"
+    if decode:
+        layout = decode_layout(n, rows, num_device_blocks, block_size, seed=rows, in_place=in_place)
+    else:
+        per_row = -(-n // block_size)
+        layout = ([n] * rows, [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]) \
+            if rows * per_row <= num_device_blocks else None
+    return None if layout is None else fixed_batch(*layout, decode, vocab)
 
 
 def fixed_batch(lens: list[int], tables: list[list[int]], decode: bool, vocab: int):
@@ -73,9 +84,9 @@ def measure(engine, perf, reps: int = 25) -> Drift:
     for *_, b in batches:
         engine.runner.execute(b)  # warm-up
     samples: list[list[float]] = [[] for _ in batches]
+    run = engine.runner.execute
     for _ in range(reps):
         for i, (kind, *_, b) in enumerate(batches):  # decode batches timed as the profile times them
-            run = engine.runner.execute
             samples[i].append(time_decode(run, b) if kind == "decode" else run(b).elapsed)
     points = []
     for (kind, rows, n, batch), s in zip(batches, samples):
