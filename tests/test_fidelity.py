@@ -5,7 +5,7 @@ the simulator drifting grossly from the engine (a broken cost model, a missed co
 """
 import pytest
 
-from servewise.bench.fidelity import MODELS, step_check
+from servewise.bench.fidelity import MODELS, loop_check, step_check
 from servewise.builder import build_engine, build_sim_engine
 from servewise.metrics import RequestRecord, compute
 from servewise.models.loader import hf_config
@@ -60,6 +60,19 @@ def test_simulator_tracks_the_real_engine(predictors, preemption):
     # within 10.7%; a missed copy or a clock bug is off by far more
     assert m_sim["duration_s"] == pytest.approx(m_real["duration_s"], rel=0.15)
     assert m_sim["mean_e2el_ms"] == pytest.approx(m_real["mean_e2el_ms"], rel=0.3)
+
+
+def test_loop_check_sets_the_measured_time_between_steps_against_the_profiles():
+    class Loop:
+        def step_overhead(self, is_prefill, rows):
+            return 2e-4 if is_prefill else 1e-4 + 1e-5 * rows
+
+    loop = [(False, 4, 1.5e-4), (False, 10, 2.0e-4), (True, 2, 3e-4), (False, 1, 0.5)]
+    c = loop_check(loop, Loop())
+    assert c["decode"]["steps"] == 2 and c["decode"]["measured_s"] == pytest.approx(3.5e-4)
+    assert c["decode"]["predicted_s"] == pytest.approx(3.4e-4) and c["decode"]["interruptions"] == 1
+    assert c["decode"]["interruptions_s"] == pytest.approx(0.5)
+    assert c["prefill"]["error_pct"] == pytest.approx(-100 / 3)
 
 
 def test_reference_batches_fit_the_pool_and_need_an_idle_engine():

@@ -29,6 +29,24 @@ def test_profile_has_every_sample(small_profile):
     assert all(r["time"] > 0 for k in ("prefill", "decode", "copy", "copy_validation") for r in p[k])
     assert {r["direction"] for r in p["copy"]} == {"out", "in"} and len(p["copy_validation"]) == 16
     assert all(b * n <= 256 for b, n in sweep_points(30, 16, 64, 256, seed=1))
+    # the engine's own time per step, measured on a real engine around each size's runner
+    for size in (1, 2):
+        loop = [r for r in p["loop"] if r["layers"] == size]
+        assert {r["prefill"] for r in loop} == {True, False} and all(r["time"] > 0 for r in loop)
+        assert max(r["rows"] for r in loop if not r["prefill"]) > 4
+
+
+def test_loop_overhead_fit_recovers_a_line_and_leaves_interruptions_out():
+    from servewise.predictors.fit import LOOP_INTERRUPTION_S, fit_loop
+
+    rows = [{"layers": 2, "hidden": 64, "prefill": False, "rows": n, "time": 1e-4 + 5e-6 * n} for n in range(1, 30)]
+    rows += [{"layers": 2, "hidden": 64, "prefill": False, "rows": 3, "time": 2 * LOOP_INTERRUPTION_S}]
+    rows += [{"layers": 2, "hidden": 64, "prefill": True, "rows": n, "time": 3e-4 - 1e-6 * n} for n in (1, 2, 4)]
+    fits, report = fit_loop(rows)
+    fixed, per_row = fits[(2, 64)]["decode"]
+    assert fixed == pytest.approx(1e-4) and per_row == pytest.approx(5e-6)
+    assert report["2x64"]["decode"]["steps"] == 29 and report["2x64"]["decode"]["max_rows"] == 29
+    assert fits[(2, 64)]["prefill"] == (pytest.approx(3e-4 - 1e-6 * 7 / 3), 0.0)  # a slope below 0: the mean
 
 
 def test_fit_compare_and_persist(small_profile, tmp_path):

@@ -40,6 +40,29 @@ def test_hand_checked_timings_with_an_idle_gap():
     assert [len(r.output_token_ids) for r in reqs] == [3, 3, 2]
 
 
+class LoopPerf(FixedPerf):
+    """FixedPerf plus the engine's own time per step: 0.01 s + 0.001 s per row (0.02 s for a prefill)."""
+
+    block_bytes = 64
+
+    def step_overhead(self, is_prefill, rows):
+        return (0.02 if is_prefill else 0.01) + 0.001 * rows
+
+
+def test_the_engines_own_time_per_step_is_added_to_each_step():
+    from servewise.predictors.perf import Calibrated
+
+    items = [WorkloadRequest(4, 3), WorkloadRequest(4, 3)]
+    a, b = run_workload(sim(perf=LoopPerf(), num_device_blocks=16), items, [0.0, 0.0])[0]
+    assert a.token_times == b.token_times == pytest.approx([1.022, 1.534, 2.046])
+    # a calibration's own loop time replaces the model's; without one, the model's stays
+    a, _ = run_workload(sim(perf=Calibrated(LoopPerf(), 2.0, 1.0, step_overhead_s=0.1), num_device_blocks=16),
+                        items, [0.0, 0.0])[0]
+    assert a.token_times == pytest.approx([2.1, 2.7, 3.3])
+    a, _ = run_workload(sim(perf=Calibrated(LoopPerf(), 1.0, 2.0), num_device_blocks=16), items, [0.0, 0.0])[0]
+    assert a.token_times == pytest.approx([1.022, 2.034, 3.046])
+
+
 def test_recompute_cost_appears_in_simulated_time():
     eng = sim("recompute")
     a, b = run_workload(eng, [WorkloadRequest(4, 4), WorkloadRequest(4, 4)], [0.0, 0.0])[0]

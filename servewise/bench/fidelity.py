@@ -19,6 +19,7 @@ from servewise.builder import build_engine, build_sim_engine
 from servewise.engine.clock import VirtualClock
 from servewise.metrics import RequestRecord, compute
 from servewise.predictors import drift
+from servewise.predictors.fit import LOOP_INTERRUPTION_S
 from servewise.predictors.perf import PROFILE, Calibrated, make_perf
 from servewise.predictors.profiler import decode_layout, time_decode
 from servewise.simulator import simulate
@@ -48,22 +49,29 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     steps = []  # (is_prefill, token counts, measured seconds) of every real step that ran a batch
     ends = []  # when each of them ended, seconds from the run's start
     decode_tables = []  # (contexts, block tables, measured seconds) of the decode steps, for the replay
+    loop = []  # (is_prefill, rows, seconds outside the runner since the last step's end) of steps that followed one
+    last = [None]  # the last step's end, None after an idle wait
 
     def logged(st):
+        now = time.perf_counter()
         if st.scheduled:
+            if last[0] is not None:
+                loop.append((st.is_prefill, len(st.scheduled), now - last[0] - st.elapsed))
             steps.append((st.is_prefill, st.batch_tokens, st.execute_s))
             ends.append(real.clock.now() - start)
             if replay and not st.is_prefill:
                 tables = real.block_manager.device_tables
                 if all(r in tables for r in st.scheduled):
                     decode_tables.append((st.batch_tokens, [list(tables[r]) for r in st.scheduled], st.execute_s))
+        last[0] = time.perf_counter() if real.has_unfinished() else None  # else the driver waits for an arrival
 
     t0, start = time.perf_counter(), real.clock.now()
     reqs, rejected = run_workload(real, items, arrivals, progress, on_step=logged)
     wall = time.perf_counter() - t0
     after = drift.measure(real, perf)
     m_real = compute([RequestRecord.from_request(r) for r in reqs])
-    out = {"real": m_real, "rejected": len(rejected), "drift_before": before.as_dict(), "drift_after": after.as_dict()}
+    out = {"real": m_real, "rejected": len(rejected), "drift_before": before.as_dict(), "drift_after": after.as_dict(),
+           "loop": loop_check(loop, perf)}
     if replay:
         out["replay"] = replay_decode(real, perf, decode_tables, replay)
     corrected = Calibrated(perf, before.prefill_scale, before.decode_scale)
@@ -125,6 +133,9 @@ class Following:
 
     def copy(self, num_blocks: int, to_host: bool) -> float:
         return self.base.copy(num_blocks, to_host)
+
+    def step_overhead(self, is_prefill: bool, rows: int) -> float:  # the engine's own work: as profiled
+        return self.base.step_overhead(is_prefill, rows)
 
 
 def replay_decode(engine, perf, logged, n: int, reps: int = 5) -> dict:
@@ -189,6 +200,30 @@ def compare_rows(m_real: dict, m_sim: dict) -> dict:
         rows[f"preemptions: {k}"] = {"real": m_real["preemptions"][k], "sim": m_sim["preemptions"][k],
                                      "error_pct": None}
     return rows
+
+
+def loop_check(loop, perf) -> dict:
+    """The engine's own time outside the runner between steps that follow each other, measured against the
+    profile's prediction (ProfiledPerf.step_overhead) for the same steps, per kind; gaps longer than
+    LOOP_INTERRUPTION_S are counted apart (another process, a collection: no model predicts them)."""
+    out = {}
+    for kind, is_prefill in (("prefill", True), ("decode", False)):
+        rows = [(n, g) for p, n, g in loop if p == is_prefill]
+        kept = [(n, g) for n, g in rows if g < LOOP_INTERRUPTION_S]
+        measured, predicted = sum(g for _, g in kept), sum(perf.step_overhead(is_prefill, n) for n, _ in kept)
+        out[kind] = {"steps": len(kept), "measured_s": measured, "predicted_s": predicted,
+                     "error_pct": (predicted - measured) / measured * 100 if measured else None,
+                     "interruptions": len(rows) - len(kept), "interruptions_s": sum(g for n, g in rows) - measured}
+    return out
+
+
+def format_loop(c: dict) -> str:
+    parts = [f"{kind} {r['measured_s'] * 1e3:.0f} / {r['predicted_s'] * 1e3:.0f} ms "
+             f"({r['error_pct']:+.1f}%, {r['steps']} steps, {r['measured_s'] / r['steps'] * 1e3:.3f} ms each"
+             + (f"; {r['interruptions']} gaps over {LOOP_INTERRUPTION_S * 1e3:.0f} ms, {r['interruptions_s']:.2f} s, apart"
+                if r["interruptions"] else "") + ")"
+             for kind, r in c.items() if r["steps"]]
+    return "engine's own time between steps, measured / profiled: " + ", ".join(parts)
 
 
 def step_check(steps, perf, wall: float) -> dict:
@@ -306,7 +341,10 @@ def summarise(runs: list[dict]) -> dict:
 
 def format_summary(title: str, summary: dict, runs: list[dict]) -> str:
     drifts = ", ".join(f"x{r['drift_before']['decode_scale']:.2f}" for r in runs)
+    loops = ", ".join(f"{r['loop']['decode']['error_pct']:+.0f}%" for r in runs
+                      if r.get("loop", {}).get("decode", {}).get("error_pct") is not None)
     lines = [title, f"decode drift before each run (measured / profiled): {drifts}",
+             f"engine's own time between decode steps, profiled against measured, each run: {loops or '-'}",
              f"{'error over ' + str(len(runs)) + ' runs':<26}{'profiled: mean [min, max]':>30}{'drift-corrected':>30}"
              f"{'run-start-corrected':>30}{'following (online)':>30}"]
     for label, _ in SUMMARISED:
@@ -359,6 +397,7 @@ def main(a) -> None:
                 print(f"run-start correction (the first {sc['steps']} steps, measured / profiled): prefill "
                       f"x{sc['prefill']:.3f}, decode x{sc['decode']:.3f}")
                 print(format_online(r["online_steps"]))
+                print(format_loop(r["loop"]))
                 if "replay" in r:
                     print(format_replay(r["replay"]))
                 b, e = r["drift_before"], r["drift_after"]

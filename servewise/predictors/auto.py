@@ -22,7 +22,7 @@ from servewise.predictors.profiler import PROFILE_VERSION, hardware_tag, profile
 CACHE_ENV = "SERVEWISE_CACHE_DIR"
 # A smaller sweep than `servewise profile`: one model size, fewer points and rounds.
 QUICK_PROFILE = dict(prefill_points=24, decode_points=32, context_points=8, reps=3, max_batch=64, max_copy_blocks=128,
-                     validation_requests=8)
+                     validation_requests=8, loop_requests=48)
 QUICK_FIT = dict(names=("ridge", "svr"), degrees=range(1, 4))
 
 

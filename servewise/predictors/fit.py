@@ -20,6 +20,9 @@ class Predictors:
     # per (layers, hidden) size: seconds a prompt chunk's step gains per (new token, earlier token) pair of
     # attention to KV already present (a cached prefix, an earlier chunk); none in version 1 profiles
     context: dict[tuple[int, int], float] = field(default_factory=dict)
+    # per size: the engine's own time per step outside the runner, {"prefill" | "decode": (fixed s, s per
+    # row)}; none in profiles before version 4 (pickles from before it lack the attribute: read it with getattr)
+    loop: dict[tuple[int, int], dict[str, tuple[float, float]]] = field(default_factory=dict)
 
     def save(self, path: str) -> None:
         with open(path, "wb") as f:
@@ -85,6 +88,33 @@ def fit_context(rows: list[dict]) -> tuple[dict[tuple[int, int], float], dict[st
     return slopes, errors
 
 
+LOOP_INTERRUPTION_S = 5e-3  # a gap between steps longer than this is another process or a collection
+
+
+def fit_loop(rows: list[dict]) -> tuple[dict, dict]:
+    """Per size and step kind, the least-squares line (fixed + per row, neither below 0) of the engine's
+    own time per step against the step's rows, over the profile's loop rows (gaps over
+    LOOP_INTERRUPTION_S left out); and per size and kind, the steps, the mean measured gap and the
+    largest row count, for the report."""
+    fits, report = {}, {}
+    for size in sorted({(r["layers"], r["hidden"]) for r in rows}):
+        fits[size], name = {}, f"{size[0]}x{size[1]}"
+        for kind, is_prefill in (("prefill", True), ("decode", False)):
+            pts = [(r["rows"], r["time"]) for r in rows if (r["layers"], r["hidden"]) == size
+                   and r["prefill"] == is_prefill and 0 <= r["time"] < LOOP_INTERRUPTION_S]
+            if not pts:
+                fits[size][kind] = (0.0, 0.0)
+                continue
+            n, mx, my = len(pts), sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+            sxx = sum((x - mx) ** 2 for x, _ in pts)
+            slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sxx) if sxx else 0.0
+            fixed = max(0.0, my - slope * mx)
+            fits[size][kind] = (fixed, slope)
+            report.setdefault(name, {})[kind] = {"steps": n, "mean_s": my, "max_rows": max(x for x, _ in pts),
+                                                 "fixed_s": fixed, "per_row_s": slope}
+    return fits, report
+
+
 def fit_predictors(profile: dict, names=None, degrees=range(1, 6), test_size: float = 0.2, seed: int = 0,
                    progress=None) -> Predictors:
     """Compare regressor x degree per step kind on a held-out split, keep the best, refit it on all samples."""
@@ -106,7 +136,8 @@ def fit_predictors(profile: dict, names=None, degrees=range(1, 6), test_size: fl
               "swap_validation_copies": len(validation)}
     context, report["context_mape"] = fit_context(profile.get("context") or [])
     report["context_s_per_pair"] = {f"{a}x{b}": v for (a, b), v in context.items()}
-    return Predictors(step, swap, meta, report, context)
+    loop, report["loop"] = fit_loop(profile.get("loop") or [])
+    return Predictors(step, swap, meta, report, context, loop)
 
 
 def format_report(p: Predictors) -> str:
@@ -135,6 +166,10 @@ def format_report(p: Predictors) -> str:
     for size, a in r.get("context_s_per_pair", {}).items():
         lines.append(f"prompt chunk over earlier context, {size}: {a * 1e9:.2f} ns per (new, earlier) token pair; "
                      f"MAPE {r['context_mape'][size]:.2f}% on the measured chunks")
+    for size, kinds in r.get("loop", {}).items():
+        lines.append(f"engine's own time per step outside the runner, {size}: " + "; ".join(
+            f"{kind} {v['fixed_s'] * 1e3:.3f} ms + {v['per_row_s'] * 1e6:.2f} us per row (mean {v['mean_s'] * 1e3:.3f} "
+            f"ms over {v['steps']} steps of up to {v['max_rows']} rows)" for kind, v in kinds.items()))
     m = p.meta
     lines.append(f"profile: {m.get('arch')} {m.get('dtype')} on {m.get('hardware')}, {m.get('threads')} threads, "
                  f"sizes {', '.join(str(x['layers']) + 'x' + str(x['hidden']) for x in m.get('models') or [])}")

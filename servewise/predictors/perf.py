@@ -12,6 +12,9 @@ class ProfiledPerf:
     def __init__(self, predictors, layers: int, hidden: int, kv_bytes_per_token: int, block_size: int):
         self.costs = predictors.costs(layers, hidden, kv_bytes_per_token, block_size)
         self.block_bytes = kv_bytes_per_token * block_size
+        # the engine's time per step outside the runner, per kind: (fixed, per row) seconds; none in profiles
+        # before version 4
+        self.loop = getattr(predictors, "loop", {}).get((layers, hidden))
         self.label = f"profiled ({predictors.meta.get('hardware')}, {predictors.meta.get('threads')} threads)"
 
     def prefill(self, lens: list[int]) -> float:
@@ -19,6 +22,14 @@ class ProfiledPerf:
 
     def decode(self, ctx_lens: list[int]) -> float:
         return self.costs.step.decode(ctx_lens)
+
+    def step_overhead(self, is_prefill: bool, rows: int) -> float:
+        """The engine's own time around a step of `rows` requests: scheduling, bookkeeping, the driver
+        (the profile's loop_overhead fit; 0 with a profile that did not measure it)."""
+        if not self.loop:
+            return 0.0
+        fixed, per_row = self.loop["prefill" if is_prefill else "decode"]
+        return fixed + per_row * rows
 
     def prior_context(self, pairs: int) -> float:
         """What prompt chunks' attention to KV already present adds: (new, earlier) token pairs times the
@@ -32,20 +43,28 @@ class ProfiledPerf:
 
 class Calibrated:
     """A performance model corrected by what an instance was measured to do in a separate calibration
-    run: each step kind's time scaled, plus the time its loop spends per step outside the runner."""
+    run: each step kind's time scaled, and the time its loop spends per step outside the runner
+    (`step_overhead_s`; None: the base model's own step_overhead, if it has one)."""
 
-    def __init__(self, base, prefill_scale: float = 1.0, decode_scale: float = 1.0, step_overhead_s: float = 0.0):
+    def __init__(self, base, prefill_scale: float = 1.0, decode_scale: float = 1.0,
+                 step_overhead_s: float | None = None):
         self.base, self.prefill_scale, self.decode_scale = base, prefill_scale, decode_scale
         self.step_overhead_s = step_overhead_s
         self.analytical, self.block_bytes = base.analytical, base.block_bytes
-        self.label = (f"{base.label}, calibrated (prefill x{prefill_scale:.2f}, decode x{decode_scale:.2f}, "
-                      f"+{step_overhead_s * 1e3:.2f} ms per step)")
+        loop = "" if step_overhead_s is None else f", +{step_overhead_s * 1e3:.2f} ms per step"
+        self.label = f"{base.label}, calibrated (prefill x{prefill_scale:.2f}, decode x{decode_scale:.2f}{loop})"
 
     def prefill(self, lens: list[int]) -> float:
-        return self.base.prefill(lens) * self.prefill_scale + self.step_overhead_s
+        return self.base.prefill(lens) * self.prefill_scale
 
     def decode(self, ctx_lens: list[int]) -> float:
-        return self.base.decode(ctx_lens) * self.decode_scale + self.step_overhead_s
+        return self.base.decode(ctx_lens) * self.decode_scale
+
+    def step_overhead(self, is_prefill: bool, rows: int) -> float:
+        if self.step_overhead_s is not None:
+            return self.step_overhead_s
+        own = getattr(self.base, "step_overhead", None)
+        return own(is_prefill, rows) if own else 0.0
 
     def prior_context(self, pairs: int) -> float:
         return self.base.prior_context(pairs) * self.prefill_scale if hasattr(self.base, "prior_context") else 0.0

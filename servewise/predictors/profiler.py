@@ -12,6 +12,7 @@ import os
 import platform
 import random
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -22,7 +23,8 @@ from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, standalon
 from servewise.predictors.step_time import IN_PLACE, PADDED
 from servewise.sampling_params import SamplingParams
 
-PROFILE_VERSION = 3  # 2: prompt chunks over earlier context ("context"); 3: "decode_attention". Older ones still load
+PROFILE_VERSION = 4  # 2: prompt chunks over earlier context ("context"); 3: "decode_attention"; 4: the engine's
+# own time per step ("loop"). Older ones still load
 DEFAULT_SIZES = ((2, 128), (4, 256), (6, 384), (8, 512))  # (layers, hidden size)
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 DECODE_WARM_RUNS = 3  # untimed runs of a decode batch right before it is timed (see _Sweep)
@@ -198,7 +200,7 @@ class _Sweep:
 def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", device: str = "cpu",
             block_size: int = 16, prefill_points: int = 64, decode_points: int = 96, max_batch: int = 128,
             max_prefill_len: int = 512, max_decode_ctx: int = 1024, max_prefill_tokens: int = 2048, max_decode_tokens: int = 16384,
-            max_copy_blocks: int = 256, validation_requests: int = 40, context_points: int = 16, reps: int = 7,
+            max_copy_blocks: int = 256, validation_requests: int = 40, context_points: int = 16, loop_requests: int = 256, reps: int = 7,
             seed: int = 0, interleave: bool = True, progress: Callable[[str], None] | None = None) -> dict:
     """Profile every (layers, hidden) size of base_config's architecture; returns the profile dict.
 
@@ -216,7 +218,7 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
     n_host = max_copy_blocks
     result = {"version": PROFILE_VERSION, "arch": None, "dtype": dtype, "device": device,
               "threads": torch.get_num_threads(), "hardware": hardware_tag(), "block_size": block_size,
-              "models": [], "prefill": [], "decode": [], "context": [], "copy": [], "copy_validation": []}
+              "models": [], "prefill": [], "decode": [], "context": [], "copy": [], "copy_validation": [], "loop": []}
     context_pts = context_points_for(context_points, max_prefill_tokens, max_decode_ctx, seed + 2)
     copy_sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if n <= max_copy_blocks]
 
@@ -251,6 +253,7 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
         times, k = context.medians(), len(context_pts)
         result["context"].extend({**key, "batch": b, "new": n, "prior": p, "time": t, "time_without": t0}
                                  for (b, n, p), t, t0 in zip(context_pts, times[:k], times[k:]))
+        result["loop"].extend({**key, **row} for row in loop_overhead(bench, loop_requests, seed + 3))
         block_bytes = bench.cfg.kv_bytes_per_token * block_size
         sweep_lens = [n * block_size for n in copy_sizes]
         result["copy"].extend(_swap_requests(bench, key, block_bytes, sweep_lens, reps, seed, real_kv=False))
@@ -259,7 +262,7 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
                     for _ in range(validation_requests)]
         result["copy_validation"].extend(_swap_requests(bench, key, block_bytes, val_lens, reps, seed + 1, real_kv=True))
         if progress:
-            progress(f"{key['layers']}x{key['hidden']}: copies done")
+            progress(f"{key['layers']}x{key['hidden']}: engine loop and copies done")
 
     if interleave:  # every size held at once; each point's rounds span the whole profile
         entries = [build(layers, hidden) for layers, hidden in sizes]
@@ -273,6 +276,54 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
             collect(entry)
             del entry  # before the next size is built
     return result
+
+
+class _Within:
+    """A runner seen through a smaller pool: the engine built on it uses `capacity` (device, host) blocks."""
+
+    def __init__(self, runner, capacity: tuple[int, int]):
+        self.runner, self.capacity = runner, capacity
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+
+LOOP_POOL_BLOCKS = 96  # device blocks of the engine that loop_overhead runs: requests wait and are preempted
+
+
+def loop_overhead(bench: _Bench, requests: int = 256, seed: int = 0) -> list[dict]:
+    """The engine's own time per step outside the runner (scheduling, block bookkeeping, postprocessing,
+    taking in new requests), measured on a real engine around this size's runner, its pool cut to
+    LOOP_POOL_BLOCKS so that requests queue and get preempted as in a loaded engine: `requests` prompts
+    of 8-256 tokens with 2-128 output tokens (log-uniform), half queued at once, the rest arriving in
+    bursts of 1-8 before a quarter of the steps (prompts joining between decode steps). Per step: its
+    kind, its rows, and the wall time from the previous step's end to its own less its runner and copy
+    time."""
+    from servewise.builder import assemble
+    from servewise.config import EngineConfig
+    from servewise.engine.clock import WallClock
+
+    rng = random.Random(seed)
+    pool = min(LOOP_POOL_BLOCKS, bench.num_device_blocks)
+    engine = assemble(EngineConfig.from_kwargs(block_size=bench.block_size), bench.cfg, None,
+                      _Within(bench.runner, (pool, bench.num_host_blocks)), None, WallClock())
+    top = max(8, min(256, bench.cfg.max_model_len // 2, pool * bench.block_size // 3))  # prompt + output fit
+    todo = [([rng.randrange(10, bench.cfg.vocab_size) for _ in range(_log_uniform_int(rng, 8, top))],
+             SamplingParams(max_tokens=_log_uniform_int(rng, 2, min(128, top)), temperature=0.0, ignore_eos=True))
+            for _ in range(requests)]
+    for _ in range(requests // 2):
+        engine.add_request(*todo.pop())
+    rows, last = [], time.perf_counter()
+    while todo or engine.has_unfinished():
+        if todo and (rng.random() < 0.25 or not engine.has_unfinished()):
+            for _ in range(min(len(todo), _log_uniform_int(rng, 1, 8))):
+                engine.add_request(*todo.pop())
+        st = engine.step()
+        now = time.perf_counter()
+        if st.scheduled:
+            rows.append({"prefill": st.is_prefill, "rows": len(st.scheduled), "time": now - last - st.elapsed})
+        last = now
+    return rows[1:]  # the first one's gap holds the queueing of the first half
 
 
 def context_points_for(n: int, max_tokens: int, max_ctx: int, seed: int) -> list[tuple[int, int, int]]:
@@ -330,7 +381,7 @@ def save_profile(prof: dict, path: str) -> None:
 def load_profile(path: str) -> dict:
     with open(path) as f:
         prof = json.load(f)
-    if prof.get("version") not in (1, 2, PROFILE_VERSION):
+    if prof.get("version") not in (1, 2, 3, PROFILE_VERSION):
         raise ValueError(f"{path}: profile version {prof.get('version')!r}, expected {PROFILE_VERSION}; re-run the profiler")
     return prof
 

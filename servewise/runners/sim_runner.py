@@ -4,7 +4,9 @@ A scheduled batch takes the time a performance model predicts; a swap plan takes
 copy time, or, when the model's copies overlap the compute (predictors.gpu_swap, vLLM 0.2.x), its
 host time, its transfer running beside the next step's layers. Every request produces one placeholder token per step and finishes when it reaches
 its target output length (its max_tokens, with ignore_eos), so the scheduler, block manager and
-policies run exactly as they do against the real model.
+policies run exactly as they do against the real model. A model that knows the engine's own time
+per step outside the runner (scheduling, bookkeeping: `step_overhead(is_prefill, rows)`, profiled by
+predictors.profiler.loop_overhead) has it added to every step that runs a batch.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ class SimRunner:
         self.perf, self.capacity, self.layers = perf, capacity, layers
         self.steps = 0
         self._prior = getattr(perf, "prior_context", None)
+        self._overhead = getattr(perf, "step_overhead", None)
         self.store = None  # a simulated KV store (cluster.kv_store.SimStore)
         self._fetch_s = 0.0  # the step's reads from the store, overlapped with its layers
         self._overlap_s = 0.0  # host <-> device transfers overlapped with the next step's layers
@@ -67,6 +70,8 @@ class SimRunner:
                 elapsed = max(elapsed, f) + min(elapsed, f) / self.layers
         self._fetch_s = self._overlap_s = 0.0
         self._last = elapsed
+        if self._overhead is not None:  # the engine's work around the batch, outside the runner
+            elapsed += self._overhead(out.is_prefill, len(ctx))
         if out.partial:
             return StepResult([None if rid in out.partial else SIM_TOKEN for rid in out.scheduled], elapsed)
         return StepResult([SIM_TOKEN] * len(ctx), elapsed)
