@@ -224,3 +224,25 @@ def test_this_cpu_split_with_a_measured_link_and_calibrated_steps_on_a_hand_work
     assert req.first_token_time == pytest.approx(0.5 + prompt_s)
     assert req.finish_time == pytest.approx(0.5 + prompt_s + send_s + decode(101) + decode(102))
     assert "calibrated (prefill x1.50" in " ".join(res.perf_labels) and res.transfers == 1
+
+
+def test_calibration_counts_the_time_outside_the_runner_between_and_inside_steps():
+    """Steps traced on an instance: (is_prefill, contexts, runner s, step s, start). Decode predicted at 1 ms:
+    measured 1.5 ms -> x1.5; time per step outside the runner: the median gap between steps (0.3 ms; the
+    10 ms one is an idle wait) plus the median time inside the step outside the runner (0.2 ms)."""
+    from servewise.bench.cluster import calibrate
+
+    class Perf:
+        def prefill(self, lens):
+            return 1e-3
+
+        def decode(self, lens):
+            return 1e-3
+
+    steps, t = [], 0.0
+    for gap in (0.0, 3e-4, 3e-4, 1e-2, 3e-4):
+        t += gap
+        steps.append((False, [10], 1.5e-3, 1.7e-3, t))
+        t += 1.7e-3
+    cal = calibrate(steps, Perf())
+    assert cal["decode_scale"] == pytest.approx(1.5) and cal["step_overhead_s"] == pytest.approx(5e-4)

@@ -55,7 +55,7 @@ def test_the_engines_own_time_per_step_is_added_to_each_step():
     items = [WorkloadRequest(4, 3), WorkloadRequest(4, 3)]
     a, b = run_workload(sim(perf=LoopPerf(), num_device_blocks=16), items, [0.0, 0.0])[0]
     assert a.token_times == b.token_times == pytest.approx([1.022, 1.534, 2.046])
-    # a calibration's own loop time replaces the model's; without one, the model's stays
+    # a calibration's measured time outside the runner replaces the model's; without one, the model's stays
     a, _ = run_workload(sim(perf=Calibrated(LoopPerf(), 2.0, 1.0, step_overhead_s=0.1), num_device_blocks=16),
                         items, [0.0, 0.0])[0]
     assert a.token_times == pytest.approx([2.1, 2.7, 3.3])

@@ -155,8 +155,10 @@ def same_batches(steps: list[tuple], perf, wall: float) -> dict:
 
 def calibrate(steps: list[tuple], perf) -> dict:
     """predictors.perf.Calibrated's corrections for one instance, from its traced steps: measured over
-    predicted time per step kind, and the median time between one step's end and the next one's start
-    when they follow each other within 5 ms (the instance loop's own work: commands, reports, copies)."""
+    predicted time per step kind, and the instance's time per step outside the runner: the median time
+    between one step's end and the next one's start when they follow each other within 5 ms (the
+    instance loop's own work: commands, reports, copies), plus the median time inside the engine's
+    step outside the runner (scheduling, postprocessing, the hand-off's checksums)."""
     out = {}
     for kind, is_prefill in (("prefill", True), ("decode", False)):
         rows = [(lens, t) for p, lens, t, _, _ in steps if p == is_prefill]
@@ -165,7 +167,8 @@ def calibrate(steps: list[tuple], perf) -> dict:
             out[f"{kind}_scale"] = sum(t for _, t in rows) / sum(predict(lens) for lens, _ in rows)
     gaps = [b[4] - (a[4] + a[3]) for a, b in zip(steps, steps[1:])]
     gaps = [g for g in gaps if 0 <= g < 5e-3]
-    out["step_overhead_s"] = statistics.median(gaps) if gaps else 0.0
+    inside = [w - t for _, _, t, w, _ in steps]
+    out["step_overhead_s"] = (statistics.median(gaps) if gaps else 0.0) + (statistics.median(inside) if inside else 0.0)
     return out
 
 

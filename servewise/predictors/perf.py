@@ -43,8 +43,8 @@ class ProfiledPerf:
 
 class Calibrated:
     """A performance model corrected by what an instance was measured to do in a separate calibration
-    run: each step kind's time scaled, and the time its loop spends per step outside the runner
-    (`step_overhead_s`; None: the base model's own step_overhead, if it has one)."""
+    run: each step kind's time scaled, and all the time its loop spends per step outside the runner
+    (`step_overhead_s`, in place of the base model's step_overhead; None: the base model's)."""
 
     def __init__(self, base, prefill_scale: float = 1.0, decode_scale: float = 1.0,
                  step_overhead_s: float | None = None):
