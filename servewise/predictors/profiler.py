@@ -200,8 +200,8 @@ class _Sweep:
 def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", device: str = "cpu",
             block_size: int = 16, prefill_points: int = 64, decode_points: int = 96, max_batch: int = 128,
             max_prefill_len: int = 512, max_decode_ctx: int = 1024, max_prefill_tokens: int = 2048, max_decode_tokens: int = 16384,
-            max_copy_blocks: int = 256, validation_requests: int = 40, context_points: int = 16, loop_requests: int = 256, reps: int = 7,
-            seed: int = 0, interleave: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+            max_copy_blocks: int = 256, validation_requests: int = 40, context_points: int = 16, reps: int = 7,
+            loop_requests: int = 256, seed: int = 0, interleave: bool = True, progress: Callable[[str], None] | None = None) -> dict:
     """Profile every (layers, hidden) size of base_config's architecture; returns the profile dict.
 
     Lengths stay within the model's max_position_embeddings: batches spread their prompts and contexts
