@@ -145,3 +145,13 @@ def test_run_engines_refuses_engines_that_own_their_clock():
     clock = VirtualClock()
     with pytest.raises(ValueError, match="owns_clock=False"):
         run_engines([(sim(clock=clock), [WorkloadRequest(4, 2)], [0.0])], clock)
+
+
+def test_an_unloaded_request_runs_at_slowdown_one_with_the_engines_own_time():
+    """The slowdown baseline charges the engine's own time per step, as the simulated steps do: a request
+    alone on the engine is exactly as slow as its baseline."""
+    from servewise.cluster.metrics import slowdowns
+
+    (req,), _ = run_workload(sim(perf=LoopPerf(), num_device_blocks=16), [WorkloadRequest(4, 3)], [0.0])
+    s = slowdowns([req], LoopPerf())
+    assert s["ttft"] == pytest.approx([1.0]) and s["tbt"] == pytest.approx([1.0]) and s["e2e"] == pytest.approx([1.0])

@@ -7,7 +7,8 @@ The simulator's link for the shared-memory hand-off is measured here, before the
 instance's copy of a mean prompt's KV out of the prompt instance's mapped cache (with its checksums),
 and the one-way latency of a message between processes, which a hand-off pays twice (prompt instance
 -> coordinator -> token instance), spread over the layers' messages of the link model. (The prompt
-instance's own share, a checksum per layer, is measured and reported but not simulated.)
+instance's own share, a checksum per layer, is measured and reported; the calibrated simulation
+counts it within the instance's time per step outside the runner.)
 """
 from __future__ import annotations
 

@@ -39,16 +39,18 @@ def latencies(requests) -> dict[str, list[float]]:
 
 
 def slowdowns(requests, reference) -> dict[str, list[float]]:
-    """Per finished request, its latencies over the reference cost model's unloaded ones."""
+    """Per finished request, its latencies over the reference cost model's unloaded ones (with the
+    engine's own time per step, where the model knows it: the simulated steps pay it too)."""
     out = {"ttft": [], "tbt": [], "e2e": []}
     prompt_s: dict[int, float] = {}
-    token_s = reference.decode([1])
+    own = getattr(reference, "step_overhead", None) or (lambda is_prefill, rows: 0.0)
+    token_s = reference.decode([1]) + own(False, 1)
     for r in requests:
         if r is None or r.finish_time is None:
             continue
         p, n = r.num_prompt_tokens, len(r.output_token_ids)
         if p not in prompt_s:
-            prompt_s[p] = reference.prefill([p])
+            prompt_s[p] = reference.prefill([p]) + own(True, 1)
         ttft, e2e = r.first_token_time - r.arrival_time, r.finish_time - r.arrival_time
         out["ttft"].append(ttft / prompt_s[p])
         out["e2e"].append(e2e / (prompt_s[p] + token_s * (n - 1)))

@@ -323,7 +323,7 @@ def loop_overhead(bench: _Bench, requests: int = 256, seed: int = 0) -> list[dic
         if st.scheduled:
             rows.append({"prefill": st.is_prefill, "rows": len(st.scheduled), "time": now - last - st.elapsed})
         last = now
-    return rows[1:]  # the first one's gap holds the queueing of the first half
+    return rows
 
 
 def context_points_for(n: int, max_tokens: int, max_ctx: int, seed: int) -> list[tuple[int, int, int]]:

@@ -69,9 +69,9 @@ class SimRunner:
             if f:  # two, plus one layer of the other
                 elapsed = max(elapsed, f) + min(elapsed, f) / self.layers
         self._fetch_s = self._overlap_s = 0.0
-        self._last = elapsed
         if self._overhead is not None:  # the engine's work around the batch, outside the runner
             elapsed += self._overhead(out.is_prefill, len(ctx))
+        self._last = elapsed
         if out.partial:
             return StepResult([None if rid in out.partial else SIM_TOKEN for rid in out.scheduled], elapsed)
         return StepResult([SIM_TOKEN] * len(ctx), elapsed)
