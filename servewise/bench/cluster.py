@@ -26,6 +26,7 @@ import torch
 from servewise.bench.fidelity import format_steps, step_check
 from servewise.kernels import cpu_flags
 from servewise.metrics import RequestRecord, compute
+from servewise.predictors.fit import LOOP_INTERRUPTION_S
 from servewise.predictors.perf import make_perf
 from servewise.workloads.driver import params_for
 
@@ -167,7 +168,7 @@ def calibrate(steps: list[tuple], perf) -> dict:
         if rows:
             out[f"{kind}_scale"] = sum(t for _, t in rows) / sum(predict(lens) for lens, _ in rows)
     gaps = [b[4] - (a[4] + a[3]) for a, b in zip(steps, steps[1:])]
-    gaps = [g for g in gaps if 0 <= g < 5e-3]
+    gaps = [g for g in gaps if 0 <= g < LOOP_INTERRUPTION_S]
     inside = [w - t for _, _, t, w, _ in steps]
     out["step_overhead_s"] = (statistics.median(gaps) if gaps else 0.0) + (statistics.median(inside) if inside else 0.0)
     return out

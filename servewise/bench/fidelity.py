@@ -218,11 +218,15 @@ def loop_check(loop, perf) -> dict:
 
 
 def format_loop(c: dict) -> str:
-    parts = [f"{kind} {r['measured_s'] * 1e3:.0f} / {r['predicted_s'] * 1e3:.0f} ms "
-             f"({'-' if r['error_pct'] is None else format(r['error_pct'], '+.1f') + '%'}, {r['steps']} steps, {r['measured_s'] / r['steps'] * 1e3:.3f} ms each"
-             + (f"; {r['interruptions']} gaps over {LOOP_INTERRUPTION_S * 1e3:.0f} ms, {r['interruptions_s']:.2f} s, apart"
-                if r["interruptions"] else "") + ")"
-             for kind, r in c.items() if r["steps"]]
+    parts = []
+    for kind, r in c.items():
+        if not r["steps"]:
+            continue
+        err = "-" if r["error_pct"] is None else f"{r['error_pct']:+.1f}%"
+        apart = (f"; {r['interruptions']} gaps over {LOOP_INTERRUPTION_S * 1e3:.0f} ms, {r['interruptions_s']:.2f} s, "
+                 f"apart" if r["interruptions"] else "")
+        parts.append(f"{kind} {r['measured_s'] * 1e3:.0f} / {r['predicted_s'] * 1e3:.0f} ms ({err}, {r['steps']} steps, "
+                     f"{r['measured_s'] / r['steps'] * 1e3:.3f} ms each{apart})")
     return "engine's own time between steps, measured / profiled: " + ", ".join(parts)
 
 
