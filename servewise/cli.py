@@ -448,7 +448,7 @@ def _add_bench_drift(bsub) -> None:
 def _run_bench_prefix(a) -> None:
     from servewise.bench.prefix import main
 
-    main(a)
+    main(a, _engine_kwargs(a), lambda tok, vocab, max_len: _workload(a, tok, vocab, max_len=max_len))
 
 
 def _add_bench_prefix(bsub) -> None:
@@ -492,7 +492,7 @@ def _add_bench_migration(bsub) -> None:
 
 
 def _run_serve(a) -> None:
-    from servewise.server.run import main
+    from servewise.commands.serve import main
 
     main(a, _engine_kwargs(a))
 

@@ -13,7 +13,7 @@ import torch
 
 from servewise import LLM, SamplingParams
 from servewise.builder import build_sim_engine
-from servewise.cluster.kv_store import KVStore, SimStore, entry_file
+from servewise.connectors.kv_store import KVStore, SimStore, entry_file
 from servewise.engine.request import Request
 from servewise.policies.kv_fetch import FetchOrRecompute
 
@@ -97,7 +97,7 @@ def test_a_crashed_readers_lease_is_void(tmp_path):
     s = store(tmp_path, blocks=4, high=0.75, low=0.25, lease_s=3600)
     s.put(b"\0" * 16, block(0))
     os.utime(entry_file(s.dirs["memory"], b"\0" * 16), (1000, 1000))
-    code = (f"import torch, os; from servewise.cluster.kv_store import KVStore;"
+    code = (f"import torch, os; from servewise.connectors.kv_store import KVStore;"
             f"s = KVStore({s.dirs['memory']!r}, {SHAPE!r}, torch.float32, 1 << 20);"
             f"e = s.open(b'\\0' * 16); assert e is not None; os._exit(0)")  # dies holding its lease
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from servewise import LLM, SamplingParams
 from servewise.server.client import wait_idle
-from servewise.server.run import make_app
+from servewise.commands.serve import make_app
 
 ENGINE = dict(num_device_blocks=64, num_host_blocks=32, max_model_len=96, preemption="swap")
 

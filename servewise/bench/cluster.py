@@ -65,8 +65,7 @@ def copy_gbps(layers: int, blocks: int, cache_shape: tuple[int, ...], dtype: tor
     """A hand-off's two costs per byte, as the instances pay them: the sender's checksum of each layer
     of a request's blocks, and the receiver's copy of them out of the sender's mapped cache into its
     own blocks with its checksum; GB/s of each (best of `repeat`)."""
-    from servewise.cluster.handoff import crc
-    from servewise.cluster.transport import make_dir, map_file, remove_dir
+    from servewise.connectors.shm import crc, make_dir, map_file, remove_dir
 
     d = make_dir()
     try:

@@ -121,7 +121,7 @@ def plot(res: dict, path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from servewise.experiments import save_figure
+    from servewise.metrics.plots import save_figure
 
     fig, ax = plt.subplots(figsize=(8, 4))
     t = [w["start_s"] for w in res["windows"]]

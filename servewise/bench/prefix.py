@@ -197,16 +197,16 @@ def format_compare(runs: dict) -> str:
     return "\n".join(lines)
 
 
-def main(a) -> None:
-    from servewise.cli import _engine_kwargs, _workload
+def main(a, engine_kwargs: dict, workload) -> None:
+    """engine_kwargs: the engine options set; workload(tokenizer, vocab size, max length) -> (items, arrivals)."""
     from servewise.kernels import cpu_flags
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    kw = {k: v for k, v in _engine_kwargs(a).items() if k not in ("enable_prefix_caching", "predictors")}
+    kw = {k: v for k, v in engine_kwargs.items() if k not in ("enable_prefix_caching", "predictors")}
     mc, tok = load_model_config(a.model)
     max_len = min(mc.max_model_len, kw.get("max_model_len") or mc.max_model_len)
-    items, arrivals = _workload(a, tok, mc.vocab_size, max_len=max_len)
+    items, arrivals = workload(tok, mc.vocab_size, max_len)
     if a.save_text:
         print(f"wrote {save_text_workload(items, a.save_text, tok)} prompts to {a.save_text}")
         return

@@ -14,7 +14,7 @@ import enum
 import zlib
 from dataclasses import dataclass
 
-import torch
+from servewise.connectors.shm import crc
 
 
 class State(str, enum.Enum):
@@ -103,11 +103,6 @@ class HandoffBook:
         for t in out:
             self._end(t, State.EXPIRED, f"no word for {t.lease_s:g} s after layer {t.sent_layers}")
         return out
-
-
-def crc(t) -> int:
-    """CRC-32 of a tensor's bytes."""
-    return zlib.crc32(t.contiguous().cpu().view(torch.uint8).numpy())
 
 
 def layer_checksum(cache, layer: int, blocks: list[int]) -> int:

@@ -1,7 +1,7 @@
 """One engine instance of a real cluster, run in its own process or in a Ray actor: the engine loop of
 the single-engine server plus the two sides of the KV hand-off.
 
-In a split cluster KV moves over a link (cluster.transport): ShmLink, where every instance keeps its
+In a split cluster KV moves over a link (connectors.transport): ShmLink, where every instance keeps its
 device KV cache in a shared file and a hand-off costs the sender a checksum per layer and the
 receiver one copy; or GlooLink, torch.distributed messages for instances that share no memory.
 
@@ -19,29 +19,21 @@ Commands in (plain tuples, from the coordinator):
   from its prompt and whatever tokens it has.
 - ("connect", peer, generation): (gloo) form the pair group with a new or restarted peer.
 - ("peer_gone",): an instance died; drop any mapping of its memory.
-- ("abort", rid, reason), ("stop",), ("trace", on): report each step, and ("fault", name), which
-  tests use to inject failures.
+- and the engine loop's own (server.engine_loop): ("abort", rid, reason), ("trace", on), ("fault", name),
+  ("stop",).
 
-Out: ("ready", tokenizer, limits, stats, layers, shared cache file or None), then ("out", outputs,
-stats, events) after every step or command, where events are ("handoff", rid, token, logprobs),
-("checksums", rid, CRCs), ("kv_done", rid, ok, reason, checksum) and, when tracing, ("step",
-is_prefill, context lengths, execute seconds, seconds with the hand-off's work after the step, its
-start on the instance's perf_counter).
+Out: as the engine loop reports (server.engine_loop), with the hand-off's events: ("handoff", rid,
+token, logprobs), ("checksums", rid, CRCs), ("kv_done", rid, ok, reason, checksum).
 """
 from __future__ import annotations
 
-import logging
 import os
-import sys
-import time
 from dataclasses import dataclass, field
 
 from servewise.cluster.handoff import combine
-from servewise.cluster.transport import GlooLink, ShmLink
+from servewise.connectors.transport import GlooLink, ShmLink
 from servewise.engine.block_manager import blocks_for
-from servewise.server.client import EngineLoop
-
-FAULTS = ("corrupt", "stall", "drop", "exit_on_handoff", "exit_now")
+from servewise.server.engine_loop import EngineInstance, engine_main
 
 
 @dataclass
@@ -61,15 +53,15 @@ class Incoming:
         self.expected = [None] * self.layers
 
 
-class Instance:
+class Instance(EngineInstance):
+    FAULTS = ("corrupt", "stall", "drop", "exit_on_handoff", "exit_now")
+
     def __init__(self, engine, layerwise: bool = True, link: tuple | None = None):
         """link: how KV moves: ("shm", cache file), where to keep the device KV cache so that other
         instances can read it; ("gloo", store host, store port, this instance's index and generation,
         timeout s); None: no hand-offs."""
-        self.engine, self.loop, self.layerwise = engine, EngineLoop(engine), layerwise
-        self.runner = engine.runner
-        self.layers, self.bs = engine.model_config.num_layers, engine.block_manager.block_size
-        self.cache_file = None
+        super().__init__(engine)
+        self.layerwise, self.runner, self.bs = layerwise, engine.runner, engine.block_manager.block_size
         if link is not None and link[0] == "shm":
             self.cache_file = link[1]
             self.runner.share_device_cache(link[1])
@@ -81,9 +73,6 @@ class Instance:
         self.sending: dict[str, object] = {}  # rid -> its route, until released
         self.deferred: list[str] = []  # serialized hand-offs to publish after the step's report
         self.incoming: dict[str, Incoming] = {}
-        self.events: list[tuple] = []
-        self.faults: set[str] = set()
-        self.trace = False
         if layerwise:
             self.runner.model.after_layer = self._after_layer
 
@@ -95,8 +84,8 @@ class Instance:
         if kind == "add":
             rid, ids, params, *rest = args  # a single engine's adds carry no route
             route = rest[0] if rest else None
-            if (out := self.loop.add(rid, ids, params)) is not None:
-                return [out]
+            if refused := super().command(cmd):
+                return refused
             if route is not None:
                 eng.requests[rid].handoff = True
                 self.sending[rid] = route
@@ -138,16 +127,8 @@ class Instance:
             self._forget_sent(rid)
             self.incoming.pop(rid, None)
             self.loop.abort(rid, reason)
-        elif kind == "trace":  # report every step's batch and times (for the simulator's fidelity)
-            self.trace = bool(args[0])
-        elif kind == "fault":
-            if args[0] not in FAULTS:
-                raise ValueError(f"unknown fault {args[0]!r}")
-            if args[0] == "exit_now":
-                os._exit(3)
-            self.faults.add(args[0])
         else:
-            raise ValueError(f"unknown command {kind!r}")
+            return super().command(cmd)
         return []
 
     def _forget_sent(self, rid: str) -> None:
@@ -189,8 +170,10 @@ class Instance:
             if not self.layerwise:
                 self.deferred.append(rid)
 
-    def publish_deferred(self) -> None:
+    def after_report(self) -> list[tuple]:
         """Serialized hand-offs: every layer's CRC, after the step's first tokens have been reported."""
+        if not self.deferred:
+            return []
         tables = self.engine.block_manager.device_tables
         for rid in self.deferred:
             if rid in self.sending and rid in self.engine.scheduler.held:
@@ -198,6 +181,7 @@ class Instance:
                 for k in range(self.layers):
                     self._publish(rid, k, blocks)
         self.deferred.clear()
+        return self.take_events()
 
     # --- the token side ----------------------------------------------------------------------
     def _receive(self) -> None:
@@ -235,98 +219,50 @@ class Instance:
         self.engine.kv_failed(rid)
 
     # --- the loop ----------------------------------------------------------------------------
+    def step(self):
+        stats = self.engine.step()
+        if stats.handed_off:
+            self._handed_off(stats.handed_off)
+        for rid in stats.finished:  # ended here before its hand-off (its first token was the last)
+            if rid in self.sending:
+                self._forget_sent(rid)
+        return stats
+
     def tick(self) -> tuple[list, bool]:
-        """Reserve and copy incoming KV, run a step if there is work; returns (outputs, whether anything happened)."""
-        did = bool(self.incoming)
+        """Reserve and copy incoming KV, then the engine loop's tick."""
         if self.link is not None:
             self.link.flush()
+        did = bool(self.incoming)
         if self.incoming:
             self._receive()
-        if self.engine.has_unfinished():
-            t0 = time.perf_counter()
-            stats = self.engine.step()
-            if stats.handed_off:
-                self._handed_off(stats.handed_off)
-            for rid in stats.finished:  # ended here before its hand-off (its first token was the last)
-                if rid in self.sending:
-                    self._forget_sent(rid)
-            if self.trace and stats.scheduled:
-                self.events.append(("step", stats.is_prefill, list(stats.batch_tokens), stats.execute_s,
-                                    time.perf_counter() - t0, t0))
-            did = True
-        return self.loop.outputs(), did
+        outputs, stepped = super().tick()
+        return outputs, did or stepped
 
     def in_flight(self) -> bool:
         """KV on its way in, or waiting to go out: the loop polls often meanwhile."""
         return bool(self.incoming) or (self.link is not None and self.link.waiting())
 
-    def take_events(self) -> list[tuple]:
-        ev, self.events = self.events, []
-        return ev
+
+def make_instance(layerwise: bool, link: tuple | None):
+    """make_instance(engine) for the engine loop: an instance on its link (see instance_main)."""
+    return lambda engine: _instance(engine, layerwise, link)
+
+
+def _instance(engine, layerwise: bool, link: tuple | None) -> Instance:
+    if link is not None and link[0] == "shm":
+        spec = ("shm", os.path.join(link[1], f"cache-{os.getpid()}"))
+    else:
+        spec = link[:6] if link is not None else None
+    inst = Instance(engine, layerwise, spec)
+    if link is not None and link[0] == "gloo":
+        for peer, gen in link[6]:
+            inst.link.connect(peer, gen)
+    return inst
 
 
 def instance_main(engine_kwargs: dict, threads: int, layerwise: bool, cpus: set[int] | None, link: tuple | None,
                   log_level: int, cmds, outs) -> None:
-    """An instance's whole life: build the engine, report ready, then serve commands and steps until
-    "stop" or until the coordinator is gone. cpus: the cores it may run on (None: any); link (split
-    clusters): ("shm", directory to share its KV cache in) or ("gloo", store host, store port, its
-    index, its generation, timeout s, the (index, generation) of the peers to connect to). cmds:
-    poll(timeout), recv(); outs: send(message) (the ends of two pipes, or of two queues in a Ray
-    actor)."""
-    import torch
-
-    from servewise.builder import build_engine
-    from servewise.server.engine_process import USER_ERRORS
-
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(threads)
-    logging.basicConfig(format="%(message)s", stream=sys.stderr)
-    logging.getLogger("servewise").setLevel(log_level)
-    try:
-        if link is not None and link[0] == "shm":
-            spec = ("shm", os.path.join(link[1], f"cache-{os.getpid()}"))
-        else:
-            spec = link[:6] if link is not None else None
-        inst = Instance(build_engine(**engine_kwargs), layerwise, spec)
-        if link is not None and link[0] == "gloo":
-            for peer, gen in link[6]:
-                inst.link.connect(peer, gen)
-    except Exception as e:
-        outs.send(("failed", str(e) if isinstance(e, USER_ERRORS) else f"{type(e).__name__}: {e}",
-                   isinstance(e, USER_ERRORS)))
-        return
-    eng = inst.engine
-    outs.send(("ready", eng.tokenizer, eng.limits, eng.stats(), inst.layers, inst.cache_file))
-    while True:
-        timeout = 0 if eng.has_unfinished() else 0.002 if inst.in_flight() else 0.5
-        refused: list = []
-        touched = False
-        try:
-            while cmds.poll(timeout):
-                cmd = cmds.recv()
-                if cmd[0] == "stop":
-                    return
-                refused += inst.command(cmd)
-                touched, timeout = True, 0
-        except EOFError:  # the coordinator is gone
-            return
-        except Exception as e:  # the instance's state is unknown: report, and let it be restarted
-            outs.send(("failed", f"command failed: {type(e).__name__}: {e}"))
-            return
-        try:
-            stepped, did = inst.tick()
-            if inst.deferred:  # first tokens first: a serialized hand-off does not delay them
-                outs.send(("out", refused + stepped, eng.stats(), inst.take_events()))
-                inst.publish_deferred()
-                if inst.events:  # (gloo) the checksums the token instance waits for
-                    outs.send(("out", [], eng.stats(), inst.take_events()))
-                continue
-        except (BrokenPipeError, EOFError):
-            return
-        except Exception as e:
-            outs.send(("failed", f"engine step failed: {type(e).__name__}: {e}"))
-            return
-        events = inst.take_events()
-        if touched or did or events:
-            outs.send(("out", refused + stepped, eng.stats(), events))
+    """An instance's whole life (server.engine_loop.engine_main). link (split clusters): ("shm",
+    directory to share its KV cache in) or ("gloo", store host, store port, its index, its generation,
+    timeout s, the (index, generation) of the peers to connect to)."""
+    engine_main(engine_kwargs, threads, cpus, make_instance(layerwise, link), log_level, cmds, outs)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from servewise.cluster.handoff import ENDED, HandoffBook
 from servewise.cluster.instance import instance_main
 from servewise.cluster.routers import SplitwisePools, jsq, make_router
-from servewise.cluster.transport import discard, make_dir, remove_dir
+from servewise.connectors.shm import discard, make_dir, remove_dir
 from servewise.engine.block_manager import blocks_for
 from servewise.engine.interfaces import EngineStats, PoolStats
 from servewise.server.client import StreamingClient

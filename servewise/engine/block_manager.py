@@ -60,7 +60,7 @@ class BlockManager:
         self.name_of: dict[int, bytes] = {}  # the reverse
         self.evictable: OrderedDict[int, None] = OrderedDict()  # named, unreferenced: least recently freed first
         self.registered: dict[str, int] = {}  # request -> leading blocks of its table already named
-        self.store = None  # a global KV store (cluster.kv_store): blocks past the device hits may come from it
+        self.store = None  # a global KV store (connectors.kv_store): blocks past the device hits may come from it
         self.new_named: list[tuple[int, bytes]] = []  # blocks named since the engine last wrote them to the store
         self.admitted_tokens = 0  # tokens of the requests admitted (again, after a recompute), since start
         self.hit_tokens = 0  # of those, the tokens whose KV came from cached blocks

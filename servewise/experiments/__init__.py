@@ -18,14 +18,3 @@ def publish(res: dict, text: str, out_dir: str, name: str, plot) -> None:
     print(f"saved {path}")
     for p in plot(res, out_dir):
         print(f"figure: {p}")
-
-
-def save_figure(fig, out_dir: str, name: str) -> str:
-    """Lay a figure out, write it to out_dir/name (110 dpi), close it; returns its path."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

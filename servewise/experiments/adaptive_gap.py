@@ -360,7 +360,7 @@ def plot(res: dict, out_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from servewise.experiments import save_figure
+    from servewise.metrics.plots import save_figure
 
     g = res["settings"]
     by = _group(res["swapcost"], "workload", "slowdown", "system")

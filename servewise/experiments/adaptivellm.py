@@ -426,7 +426,7 @@ def plot(result: dict, out_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from servewise.experiments import save_figure
+    from servewise.metrics.plots import save_figure
 
     s, paths = result["settings"], []
     groups = _groups(result)

@@ -37,7 +37,8 @@ import statistics
 import sys
 import time
 
-from servewise.experiments import publish, save_figure
+from servewise.experiments import publish
+from servewise.metrics.plots import save_figure
 from servewise.metrics import RequestRecord, compute
 
 WORKLOADS = ("shared-prefix", "alpaca", "longbench", "azure-conv")

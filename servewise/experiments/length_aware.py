@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from servewise.experiments import publish, save_figure
+from servewise.experiments import publish
+from servewise.metrics.plots import save_figure
 from servewise.metrics import RequestRecord, compute, save_json
 from servewise.predictors.output_length import (PREDICTORS, Embedder, Refitting, accuracy, features, instruction_of,
                                                 length_tokenizer, make_predictor, time_per_prediction)

@@ -19,7 +19,8 @@ import sys
 import time
 
 from servewise.cluster.placement import MODES, Device, PipelinePerf, Planner, Topology, Workload
-from servewise.experiments import publish, save_figure
+from servewise.experiments import publish
+from servewise.metrics.plots import save_figure
 from servewise.metrics import RequestRecord, compute
 
 PIX, NODE = (20.0, 5e-6), (10.0, 15e-6)

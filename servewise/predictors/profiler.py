@@ -299,7 +299,7 @@ def loop_overhead(bench: _Bench, requests: int = 256, seed: int = 0) -> list[dic
     bursts of 1-8 before a quarter of the steps (prompts joining between decode steps). Per step: its
     kind, its rows, and the wall time from the previous step's end to its own less its runner and copy
     time."""
-    from servewise.builder import assemble
+    from servewise.assembly import assemble
     from servewise.config import EngineConfig
     from servewise.engine.clock import WallClock
 

@@ -24,7 +24,7 @@ class SimRunner:
         self.steps = 0
         self._prior = getattr(perf, "prior_context", None)
         self._overhead = getattr(perf, "step_overhead", None)
-        self.store = None  # a simulated KV store (cluster.kv_store.SimStore)
+        self.store = None  # a simulated KV store (connectors.kv_store.SimStore)
         self._fetch_s = 0.0  # the step's reads from the store, overlapped with its layers
         self._overlap_s = 0.0  # host <-> device transfers overlapped with the next step's layers
         self._last = 0.0  # the last batch's time

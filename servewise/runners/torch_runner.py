@@ -63,7 +63,7 @@ class TorchRunner:
                                 kernels.status() if self.device.type == "cpu" else "decode attention: PyTorch gather + SDPA",
                                 keep_freed_memory() if self.device.type == "cpu" else "malloc: system defaults"))
         log.info("servewise: %s", self.paths)
-        self.store = None  # a global KV store (cluster.kv_store.KVStore) for moves to and from Pool.STORE
+        self.store = None  # a global KV store (connectors.kv_store.KVStore) for moves to and from Pool.STORE
         self.layerwise_fetch = True  # fetched KV arrives layer by layer while the step computes
         self._fetch: _Fetch | None = None  # the step's fetch from the store
 
@@ -71,7 +71,7 @@ class TorchRunner:
         """Keep the device KV cache in a shared file that other processes can map (cluster hand-offs)."""
         if self.device.type != "cpu":
             raise ValueError("a shared KV cache file is for CPU instances")
-        from servewise.cluster.transport import map_file
+        from servewise.connectors.shm import map_file
 
         shared = map_file(path, tuple(self.device_cache.shape), self.device_cache.dtype, create=True)
         shared.copy_(self.device_cache)

@@ -2,8 +2,8 @@
 
 Messages are plain data over two one-way pipes: commands in (add, abort, stop), and one message per
 step out (every open request's new tokens, and the engine's load). The parent keeps a tokenizer and
-the engine's request limits, so requests are validated before they cross. The child runs the loop
-of a cluster's instance (cluster/instance.py) with no hand-off.
+the engine's request limits, so requests are validated before they cross. The child runs the engine
+loop (server/engine_loop.py) that every cluster instance runs too.
 
 If the engine process dies (a crash, a kill, a failed step), every open request gets an error at once
 and /health reports it; the client then starts a fresh engine process, up to `max_restarts` times
@@ -19,9 +19,9 @@ import sys
 import threading
 
 from servewise.server.client import StreamingClient
+from servewise.server.engine_loop import engine_main, single_engine
 
 STARTUP_TIMEOUT_S = 900  # a large model, a first kernel build or a first-use profile take minutes
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError)
 
 
 def spawn(ctx, target, args: tuple, name: str):
@@ -80,10 +80,8 @@ class ProcessEngineClient(StreamingClient):
 
     def _launch(self):
         """Start an engine process and wait until it is built; returns (tokenizer, limits)."""
-        from servewise.cluster.instance import instance_main  # the loop of a cluster's instance, alone
-
-        args = (self.engine_kwargs, self._threads, False, None, None)  # no layer hook, no cores pinned, no link
-        self._proc, self._cmds, self._outs, msg = spawn(self._ctx, instance_main, args, "servewise-engine")
+        args = (self.engine_kwargs, self._threads, None, single_engine)  # no cores pinned
+        self._proc, self._cmds, self._outs, msg = spawn(self._ctx, engine_main, args, "servewise-engine")
         tokenizer, limits, self._first_stats = msg[1:4]
         self._up = True
         return tokenizer, limits

@@ -16,43 +16,11 @@ stops, so a crashed instance leaves no memory behind.
 """
 from __future__ import annotations
 
-import math
 import os
-import shutil
-import tempfile
 
 import torch
 
-from servewise.cluster.handoff import crc
-
-
-def make_dir() -> str:
-    """A fresh directory for a cluster's shared files, in memory where the system has /dev/shm."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="servewise-kv-", dir=base)
-
-
-def remove_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def discard(path: str) -> None:
-    """Remove a file that may be gone already."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def map_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
-    """A tensor backed by a shared file (created, zeroed, when `create`)."""
-    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if create:
-        with open(path, "wb") as f:
-            f.truncate(size)
-    elif os.path.getsize(path) != size:
-        raise ValueError(f"{path}: {os.path.getsize(path)} bytes, {size} expected")
-    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8).view(dtype).view(shape)
+from servewise.connectors.shm import crc, discard, map_file
 
 
 class Record:

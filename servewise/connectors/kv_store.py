@@ -31,8 +31,7 @@ from collections import OrderedDict
 
 import torch
 
-from servewise.cluster.handoff import crc
-from servewise.cluster.transport import discard
+from servewise.connectors.shm import crc, discard
 
 MAGIC = b"SWKV1\0\0\0"
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

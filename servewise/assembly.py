@@ -1,0 +1,78 @@
+"""An engine core around a runner: block manager, policies and scheduler, as a configuration names
+them. The builder (real or simulated runners) and the profiler (which times real engines) assemble
+engines through this one function, which needs no model, runner or predictor of its own."""
+from __future__ import annotations
+
+import os
+
+from servewise.config import EngineConfig
+from servewise.engine.block_manager import BlockManager
+from servewise.engine.interfaces import CostModel
+from servewise.engine.llm_engine import LLMEngine
+from servewise.engine.scheduler import Scheduler
+from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
+from servewise.policies.batching import BATCHERS, SLOODBS, Magnus, Vanilla
+from servewise.policies.kv_fetch import AlwaysFetch, FetchOrRecompute
+
+
+def check_policies(config: EngineConfig) -> None:
+    for table, name, what in ((ORDERING_POLICIES, config.scheduler.policy, "ordering policy"),
+                              (PREEMPTION_POLICIES, config.scheduler.preemption, "preemption mode")):
+        if name not in table:
+            raise ValueError(f"unknown {what} {name!r}; choose from {', '.join(table)}")
+
+
+def needs_costs(config: EngineConfig) -> bool:
+    return PREEMPTION_POLICIES[config.scheduler.preemption].needs_costs
+
+
+def limit_length(config: EngineConfig, mc) -> None:
+    if config.max_model_len is not None:
+        if config.max_model_len > mc.max_model_len:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {mc.max_model_len}")
+        mc.max_model_len = config.max_model_len
+
+
+def assemble(config: EngineConfig, mc, tokenizer, runner, cost_model: CostModel | None, clock,
+             owns_clock: bool = True) -> LLMEngine:
+    """Block manager, policies and scheduler around a runner that reports its pools (runner.capacity)."""
+    n_dev, n_host = runner.capacity
+    cc = config.cache
+    bm = BlockManager(n_dev, n_host, cc.block_size, cc.watermark,
+                      prefix_key=weights_key(config, mc) if cc.enable_prefix_caching else None)
+    preemption = PREEMPTION_POLICIES[config.scheduler.preemption]
+    preemption = preemption(cost_model) if preemption.needs_costs else preemption()
+    scheduler = Scheduler(config.scheduler, bm, ORDERING_POLICIES[config.scheduler.policy](), preemption)
+    if config.scheduler.batching != "continuous":
+        scheduler.batcher = make_batcher(config.scheduler, (n_dev - bm.watermark_blocks) * cc.block_size)
+    if (store := getattr(runner, "store", None)) is not None:  # a global KV store: look up, fetch, write through
+        bm.store = store
+        scheduler.fetch_policy = (FetchOrRecompute(cost_model, store.read_time, cc.block_size)
+                                  if cc.kv_store_fetch == "cost" else AlwaysFetch())
+    return LLMEngine(config, mc, tokenizer, bm, scheduler, runner, clock, owns_clock)
+
+
+def make_batcher(sc, memory_cap: int):
+    """The request-level batch assembler a scheduler config names; memory_cap: KV tokens a batch may hold."""
+    kind = BATCHERS[sc.batching]
+    if kind is SLOODBS:
+        w1, w2 = sc.weights()
+        return SLOODBS(memory_cap, sc.max_num_seqs, w1=w1, w2=w2, threshold=sc.slo_threshold)
+    if kind is Magnus:
+        return Magnus(memory_cap, sc.max_num_seqs, sc.batch_order, sc.wma_threshold)
+    return Vanilla(memory_cap, sc.max_num_seqs, sc.batch_order, sc.batch_size)
+
+
+def weights_key(config: EngineConfig, mc) -> str:
+    """What a block's KV depends on besides its tokens, for the root of block names: the model, its
+    dtype, and its weights: the seed of random ones, or the checkpoint files' names, sizes and times."""
+    parts = [os.path.abspath(config.model) if os.path.isdir(config.model) else config.model, mc.dtype,
+             config.load_format]
+    if config.load_format == "dummy" or not os.path.isdir(config.model):
+        parts.append(f"seed={config.seed}")
+    else:
+        for name in sorted(os.listdir(config.model)):
+            if name.endswith((".safetensors", ".bin", ".json")):
+                st = os.stat(os.path.join(config.model, name))
+                parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+    return "|".join(parts)

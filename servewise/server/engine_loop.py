@@ -1,0 +1,138 @@
+"""The loop of an engine that serves commands in its own process (or a Ray actor's thread): the
+single-engine server's engine process and every instance of a cluster run this one loop.
+
+Commands in (plain tuples): ("add", rid, ids, params), ("abort", rid, reason), ("trace", on),
+("fault", name), ("stop",); an instance class may take more (cluster.instance.Instance: the hand-off's).
+Out: ("ready", tokenizer, limits, stats, layers, shared cache file or None), then ("out", outputs,
+stats, events) after every step or command, where events are the instance's (when tracing, ("step",
+is_prefill, context lengths, execute seconds, seconds with the instance's work after the step, its
+start on the instance's perf_counter)); ("failed", why[, the user's fault?]) when it cannot go on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+from servewise.server.client import EngineLoop
+
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError)
+
+
+class EngineInstance:
+    """An engine behind commands: what every served engine does; subclasses add their own commands."""
+
+    FAULTS = ("exit_now",)  # what tests may inject ("fault", name)
+
+    def __init__(self, engine):
+        self.engine, self.loop = engine, EngineLoop(engine)
+        self.layers = engine.model_config.num_layers
+        self.cache_file: str | None = None  # where other processes may map this engine's KV cache
+        self.events: list[tuple] = []
+        self.faults: set[str] = set()
+        self.trace = False
+
+    def command(self, cmd: tuple) -> list:
+        """Apply one command; returns outputs for requests it refused."""
+        kind, *args = cmd
+        if kind == "add":
+            rid, ids, params = args[:3]
+            return [out] if (out := self.loop.add(rid, ids, params)) is not None else []
+        if kind == "abort":
+            self.loop.abort(*args)
+        elif kind == "trace":  # report every step's batch and times (for the simulator's fidelity)
+            self.trace = bool(args[0])
+        elif kind == "fault":
+            if args[0] not in self.FAULTS:
+                raise ValueError(f"unknown fault {args[0]!r}")
+            if args[0] == "exit_now":
+                os._exit(3)
+            self.faults.add(args[0])
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+        return []
+
+    def step(self):
+        """One engine step; subclasses look at its stats (hand-offs)."""
+        return self.engine.step()
+
+    def tick(self) -> tuple[list, bool]:
+        """Run a step if there is work; returns (outputs, whether anything happened)."""
+        if not self.engine.has_unfinished():
+            return self.loop.outputs(), False
+        t0 = time.perf_counter()
+        stats = self.step()
+        if self.trace and stats.scheduled:
+            self.events.append(("step", stats.is_prefill, list(stats.batch_tokens), stats.execute_s,
+                                time.perf_counter() - t0, t0))
+        return self.loop.outputs(), True
+
+    def in_flight(self) -> bool:
+        """Work under way outside the engine's queues (KV on its way): the loop polls often meanwhile."""
+        return False
+
+    def after_report(self) -> list[tuple]:
+        """Work that waits until a step's outputs have gone out; returns the events it made."""
+        return []
+
+    def take_events(self) -> list[tuple]:
+        ev, self.events = self.events, []
+        return ev
+
+
+def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_instance, log_level: int,
+                cmds, outs) -> None:
+    """An engine's whole life: build it, report ready, then serve commands and steps until "stop" or
+    until the parent is gone. cpus: the cores it may run on (None: any); make_instance(engine): the
+    EngineInstance around it. cmds: poll(timeout), recv(); outs: send(message) (the ends of two pipes,
+    or of two queues in a Ray actor)."""
+    import torch
+
+    from servewise.builder import build_engine
+
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(threads)
+    logging.basicConfig(format="%(message)s", stream=sys.stderr)
+    logging.getLogger("servewise").setLevel(log_level)
+    try:
+        inst = make_instance(build_engine(**engine_kwargs))
+    except Exception as e:
+        outs.send(("failed", str(e) if isinstance(e, USER_ERRORS) else f"{type(e).__name__}: {e}",
+                   isinstance(e, USER_ERRORS)))
+        return
+    eng = inst.engine
+    outs.send(("ready", eng.tokenizer, eng.limits, eng.stats(), inst.layers, inst.cache_file))
+    while True:
+        timeout = 0 if eng.has_unfinished() else 0.002 if inst.in_flight() else 0.5
+        refused: list = []
+        touched = False
+        try:
+            while cmds.poll(timeout):
+                cmd = cmds.recv()
+                if cmd[0] == "stop":
+                    return
+                refused += inst.command(cmd)
+                touched, timeout = True, 0
+        except EOFError:  # the parent is gone
+            return
+        except Exception as e:  # the instance's state is unknown: report, and let it be restarted
+            outs.send(("failed", f"command failed: {type(e).__name__}: {e}"))
+            return
+        try:
+            stepped, did = inst.tick()
+            events = inst.take_events()
+            if touched or did or events:
+                outs.send(("out", refused + stepped, eng.stats(), events))
+            if later := inst.after_report():  # (a serialized hand-off's checksums, after its first token)
+                outs.send(("out", [], eng.stats(), later))
+        except (BrokenPipeError, EOFError):
+            return
+        except Exception as e:
+            outs.send(("failed", f"engine step failed: {type(e).__name__}: {e}"))
+            return
+
+
+def single_engine(engine) -> EngineInstance:
+    return EngineInstance(engine)
