@@ -61,13 +61,14 @@ def settled(client, timeout=20.0):
     """Wait until nothing is in flight; then every pool of every live instance must be whole."""
     end = time.monotonic() + timeout
     while time.monotonic() < end and not (client.idle() and all(
-            m.stats.device_blocks.free == m.stats.device_blocks.total for m in client.members if m.up)):
+            s.device_blocks.free == s.device_blocks.total for s, up in zip(client.co.loads, client.co.up) if up)):
         time.sleep(0.02)
     for m in client.members:
         if m.up:
-            assert m.stats.device_blocks.free == m.stats.device_blocks.total, (m.index, m.stats)
-            assert m.stats.committed_blocks == 0 and m.stats.incoming == 0, (m.index, m.stats)
-    assert not client.moves and not client.owner
+            st = client.co.loads[m.index]
+            assert st.device_blocks.free == st.device_blocks.total, (m.index, st)
+            assert st.committed_blocks == 0 and st.incoming == 0, (m.index, st)
+    assert not client.co.moves and not client.co.owner
     left = [f for f in os.listdir(client.kv_dir) if not f.startswith("cache-")]
     assert left == []  # no transfer record left behind
     live = {os.path.basename(m.cache_file) for m in client.members if m.up and m.cache_file}
@@ -94,7 +95,7 @@ def test_prompt_and_token_instances_give_the_tokens_of_one_engine(want, transpor
     try:
         assert generate(c, WORK) == want  # greedy and seeded sampling, and a request done at its first token
         assert c.handoffs == {"committed": 7, "recomputed": 0, "expired": 0, "lost": 0}
-        assert all(t.state.value == "committed" and t.sent_layers == 4 for t in c.book.transfers.values())
+        assert all(t.state.value == "committed" and t.sent_layers == 4 for t in c.co.book.transfers.values())
         assert settled(c)
         assert {m.pid for m in c.members} & {os.getpid()} == set()
         assert transport == "gloo" or all(m.cache_file for m in c.members)
@@ -107,7 +108,7 @@ def test_mixed_instances_share_requests_without_hand_offs(want):
     c = cluster(("mixed", "mixed"), router="round_robin")
     try:
         assert generate(c, WORK) == want
-        assert c.handoffs["committed"] == 0 and not c.book.transfers
+        assert c.handoffs["committed"] == 0 and not c.co.book.transfers
         assert settled(c)
     finally:
         c.shutdown()
@@ -133,7 +134,7 @@ def test_bad_or_missing_kv_is_recomputed_never_decoded(want, fault, outcome, tra
         c.fault(0, fault)
         assert generate(c, WORK[:3]) == want[:3]
         assert c.handoffs[outcome] == 3 and c.handoffs["committed"] == 0
-        assert {t.state.value for t in c.book.transfers.values()} == {"aborted" if fault == "corrupt" else "expired"}
+        assert {t.state.value for t in c.co.book.transfers.values()} == {"aborted" if fault == "corrupt" else "expired"}
         assert settled(c)
     finally:
         c.shutdown()
@@ -153,7 +154,7 @@ def test_a_prompt_instance_that_dies_mid_transfer_loses_nothing(want, transport)
             time.sleep(0.05)
         assert generate(c, WORK[1:3]) == want[1:3]
         assert c.handoffs["committed"] == 2  # the restarted instance hands off again (gloo: a new pair group)
-        assert c.pools.pool == ["prompt", "token"]  # the token instance, borrowed while it was alone, is back
+        assert c.co.pools.pool == ["prompt", "token"]  # the token instance, borrowed while it was alone, is back
         assert settled(c)
     finally:
         c.shutdown()
@@ -175,13 +176,13 @@ def test_a_token_instance_killed_mid_transfer_fails_its_request_clearly(want, tr
         c.fault(0, "stall")
         out = asyncio.run(go())
         assert out.startswith("error: the engine failed: instance 1 (token) exited"), out
-        assert c.book.transfers[next(iter(c.book.transfers))].state.value == "aborted"
+        assert c.co.book.transfers[next(iter(c.co.book.transfers))].state.value == "aborted"
         end = time.monotonic() + 30
         while not c.members[1].up and time.monotonic() < end:
             time.sleep(0.05)
         assert c.members[1].restarts == 1
         assert settled(c)  # the prompt instance's blocks were freed
-        c.book.lease_s = 0.3  # the prompt instance still stalls: new hand-offs expire, and answer right
+        c.co.book.lease_s = 0.3  # the prompt instance still stalls: new hand-offs expire, and answer right
 
         assert generate(c, WORK[1:2]) == want[1:2]
     finally:

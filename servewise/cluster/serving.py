@@ -1,23 +1,10 @@
 """A real cluster behind one engine client: N engine instances, each in its own process (or Ray actor),
-with roles, a router in front and the KV hand-off between them. The HTTP server takes it as it takes a
-single engine (server/client.py's StreamingClient).
+with roles, and the cluster's coordinator (cluster.coordinator) in front. The HTTP server takes it as
+it takes a single engine (server/client.py's StreamingClient).
 
-The coordinator lives here, in the server's process, and is the hand-off's single source of truth
-(handoff.HandoffBook):
-- A request goes to one instance chosen by the router (`mixed` instances: JSQ or round robin), or, in
-  a Splitwise split, to a prompt instance and a token instance chosen together when it arrives
-  (routers.SplitwisePools on the instances' last reported load), so that the token instance reserves
-  blocks and copies each layer while the prompt instance computes the next.
-- Its tokens reach the client from one instance at a time, its owner: the prompt instance up to the
-  first token, then the token instance. Anything else an instance reports about it is dropped.
-- The transfer ends committed (the token instance checked every layer's CRC on its copy), aborted
-  (a bad checksum, a client gone) or expired (no commit within `lease_s` of the first token): in every
-  case the prompt instance frees its blocks and the record is removed; a token instance without good
-  KV computes the request itself, from its prompt and first token.
-- An instance that dies fails its own requests with a clear error, except those it was only
-  prefilling for a live token instance, which that instance finishes; its transfers are ended so no
-  block stays held elsewhere; it is started again up to `max_restarts` times, and the router skips it
-  while it is down.
+This module is the coordinator's real driver: it starts the instances, carries the coordinator's
+commands to them and their reports back (a reader and a writer thread per instance), lets leases run
+out on wall time, and starts a dead instance again up to `max_restarts` times.
 """
 from __future__ import annotations
 
@@ -28,20 +15,14 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from servewise.cluster.handoff import ENDED, HandoffBook
+from servewise.cluster.coordinator import ROLES, Coordinator, Links
 from servewise.cluster.instance import instance_main
-from servewise.cluster.routers import SplitwisePools, jsq, make_router
 from servewise.connectors.shm import discard, make_dir, remove_dir
-from servewise.engine.block_manager import blocks_for
 from servewise.engine.interfaces import EngineStats, PoolStats
 from servewise.server.client import StreamingClient
 from servewise.server.engine_process import spawn
-
-ROLES = ("mixed", "prompt", "token")
-# what a dead instance looks like to a router: endless queues, no room
-DOWN = EngineStats(0, 10**9, 0, PoolStats(0, 0), PoolStats(0, 0), {}, 10**9, 0, 10**9)
 
 
 def parse_instances(spec: str) -> list[str]:
@@ -64,14 +45,26 @@ def parse_instances(spec: str) -> list[str]:
     return roles
 
 
-@dataclass
-class Move:
-    """A request prefilled on one instance and decoded on another."""
+class ShmLinks(Links):
+    """Shared memory: a record file per transfer, which the coordinator removes when it ends."""
 
-    tid: str
-    prompt: int
-    token: int
-    path: str | None  # its record (shared memory), None over gloo
+    def __init__(self, kv_dir: str, members: list):
+        self.kv_dir, self.members = kv_dir, members
+
+    def routes(self, tid: str, prompt: int, token: int) -> tuple:
+        path = os.path.join(self.kv_dir, tid.replace("#", "-"))
+        return path, (path, self.members[prompt].cache_file), path
+
+    def ended(self, handle) -> None:
+        discard(handle)
+
+
+class GlooLinks(Links):
+    """torch.distributed: each side names its peer and the transfer's unique tag."""
+
+    def routes(self, tid: str, prompt: int, token: int) -> tuple:
+        tag = int(tid.rsplit("#", 1)[1])
+        return (token, tag), (prompt, tag), None
 
 
 @dataclass
@@ -81,7 +74,6 @@ class Member:
     index: int
     role: str
     up: bool = False
-    stats: EngineStats | None = None
     restarts: int = 0
     pid: int | None = None
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
@@ -102,23 +94,19 @@ class ClusterClient(StreamingClient):
         self.engine_kwargs, self.threads, self.layerwise = dict(engine_kwargs), threads, layerwise
         self.launcher, self.max_restarts, self.pin = launcher, max_restarts, pin
         self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-        self.split = "prompt" in roles
-        self.pools = SplitwisePools(roles) if self.split else None
-        self.router = None if self.split else make_router(router)
-        if getattr(self.router, "needs_prefix", False):
+        self.members = [Member(i, r, gen=i) for i, r in enumerate(roles)]
+        self.kv_dir = make_dir()
+        links = ShmLinks(self.kv_dir, self.members) if transport == "shm" else GlooLinks()
+        self.co = Coordinator(roles, router, lease_s, time.monotonic, links=links)
+        self.split = self.co.split
+        if self.co.needs_prefix:
             raise ValueError(f"router {router!r} reads every instance's prefix cache: the simulated cluster has it, "
                              "real instances do not report theirs")
-        self.book = HandoffBook(lease_s)
-        self.members = [Member(i, r, gen=i) for i, r in enumerate(roles)]
         self._next_gen = len(roles)
         self._starting = True
-        self.owner: dict[str, int] = {}  # request id -> the instance whose tokens reach the client
-        self.moves: dict[str, Move] = {}
-        self.handoffs = {"committed": 0, "recomputed": 0, "expired": 0, "lost": 0}
         self.step_log: list[list[tuple]] = [[] for _ in roles]
         self._co = threading.RLock()
         self._stopping = False
-        self.kv_dir = make_dir()
         self._ctx = mp.get_context("spawn")
         if launcher == "ray":
             from servewise.cluster import ray_launcher
@@ -167,9 +155,11 @@ class ClusterClient(StreamingClient):
         else:
             proc, cmd_w, out_r, msg = spawn(self._ctx, instance_main, args, f"servewise instance {m.index} ({m.role})")
             m.conn, m.pid = (proc, cmd_w, out_r), proc.pid
-        _, tokenizer, limits, m.stats, self.layers, m.cache_file = msg
+        _, tokenizer, limits, stats, self.co.layers, m.cache_file = msg
         m.outbox = queue.SimpleQueue()
         m.up = True
+        with self._co:
+            self.co.started(m.index, stats)
         return tokenizer, limits
 
     def _link(self, m: Member) -> tuple | None:
@@ -180,7 +170,7 @@ class ClusterClient(StreamingClient):
             return ("shm", self.kv_dir)
         with self._co:
             peers = [(x.index, x.gen) for x in self.members if x is not m and (x.up or self._starting)]
-        return ("gloo", *self._store_addr, m.index, m.gen, max(10.0, 4 * self.book.lease_s), peers)
+        return ("gloo", *self._store_addr, m.index, m.gen, max(10.0, 4 * self.co.book.lease_s), peers)
 
     def _cores(self, i: int) -> set[int] | None:
         """With `pin`, instance i runs on its own `threads` cores (round robin over this machine's)."""
@@ -237,137 +227,35 @@ class ClusterClient(StreamingClient):
                 for m in self.members]
 
     # --- requests ----------------------------------------------------------------------------
-    def _loads(self) -> list[EngineStats]:
-        return [m.stats if m.up else DOWN for m in self.members]
-
-    def _charge(self, i: int, prompt_len: int, blocks: int, prompt: bool) -> None:
-        """Count a routed request in the instance's load until its next report."""
-        st = self.members[i].stats
-        self.members[i].stats = replace(st, waiting=st.waiting + prompt,
-                                        queued_tokens=st.queued_tokens + prompt_len * prompt,
-                                        committed_blocks=st.committed_blocks + blocks)
+    def _flush(self) -> None:
+        """Carry out what the coordinator decided (under the lock)."""
+        tells, done = self.co.take()
+        for i, cmd in tells:
+            self._tell(i, cmd)
+        if done:
+            self._deliver(done, None)
 
     def _send(self, command: tuple) -> None:
         with self._co:
             if command[0] == "add":
-                self._route(*command[1:])
+                self.co.route(*command[1:], self.limits)
             elif command[0] == "abort":
-                rid, reason = command[1:]
-                if (mv := self.moves.pop(rid, None)) is not None:
-                    self._end(mv, reason)
-                    self._tell(mv.prompt, ("abort", rid, reason))
-                    self._tell(mv.token, ("abort", rid, reason))
-                    if self.members[mv.token].up:  # its report of the abort ends the stream
-                        self.owner[rid] = mv.token
-                    else:
-                        self.owner.pop(rid, None)
-                        self._deliver([(rid, [], None, True, reason)], None)
-                elif rid in self.owner:
-                    self._tell(self.owner[rid], ("abort", rid, reason))
-
-    def _route(self, rid: str, ids: list[int], params) -> None:
-        loads = self._loads()
-        if not any(m.up for m in self.members):
-            self._deliver([(rid, [], None, True, "error: no instance is up")], None)
-            return
-        need = blocks_for(len(ids) + params.max_tokens, self.limits.block_size)
-        if not self.split:
-            i = self.router(len(ids), loads)
-            if not self.members[i].up:  # round robin does not look at loads
-                i = jsq(len(ids), loads)
-            self._charge(i, len(ids), need, True)
-            self.owner[rid] = i
-            self._tell(i, ("add", rid, ids, params, None))
-            return
-        p = self.pools.prompt(len(ids), loads)
-        t = self.pools.token(need, loads, p) if min(params.max_tokens, self.limits.max_model_len - len(ids)) > 1 else p
-        if not self.members[t].up:
-            t = p
-        self.owner[rid] = p
-        self._charge(p, len(ids), need if t == p else blocks_for(len(ids), self.limits.block_size), True)
-        if t == p:
-            self._tell(p, ("add", rid, ids, params, None))
-            return
-        self._charge(t, 0, need, False)
-        tr = self.book.begin(rid, self.layers, time.monotonic(), leased=False)  # leased from the first token on
-        if self.transport == "shm":
-            mv = self.moves[rid] = Move(tr.id, p, t, os.path.join(self.kv_dir, tr.id.replace("#", "-")))
-            self._tell(t, ("expect", rid, ids, params, (mv.path, self.members[p].cache_file)))
-            self._tell(p, ("add", rid, ids, params, mv.path))
-        else:
-            tag = int(tr.id.rsplit("#", 1)[1])  # unique per transfer
-            self.moves[rid] = Move(tr.id, p, t, None)
-            self._tell(t, ("expect", rid, ids, params, (p, tag)))
-            self._tell(p, ("add", rid, ids, params, (t, tag)))
-
-    def _end(self, mv: Move, reason: str | None = None, checksum: int | None = None) -> None:
-        """End a transfer, committed (with the checksum of what arrived) or aborted (with a reason) if it
-        has not ended already (expired), and drop its record."""
-        tr = self.book.transfers[mv.tid]
-        if tr.state not in ENDED:
-            if checksum is not None:
-                now = time.monotonic()
-                for k in range(tr.sent_layers, tr.layers):  # the token instance copied them in order
-                    self.book.layer_sent(mv.tid, k, now)
-                self.book.commit(mv.tid, checksum)
-            else:
-                self.book.abort(mv.tid, reason)
-        if mv.path is not None:
-            discard(mv.path)
+                self.co.abort(*command[1:])
+            self._flush()
 
     # --- what instances report ---------------------------------------------------------------
     def _on_out(self, m: Member, outputs: list, stats: EngineStats, events: list) -> None:
         with self._co:
             if not m.up:
                 return
-            m.stats = stats
-            idle = not (stats.running or stats.waiting or stats.incoming or stats.committed_blocks)
-            if self.pools is not None and idle:
-                self.pools.idle(m.index)  # an instance borrowed under load goes back to its pool once idle
-            # a commit before the outputs of the same message (the request may end in the step after its
-            # KV came); a hand-off after them (the prompt instance's first token is still its own)
-            for ev in events:
-                if ev[0] == "kv_done":
-                    self._on_kv_done(m.index, *ev[1:])
-            mine = []
-            for out in outputs:
-                rid = out[0]
-                if self.owner.get(rid) != m.index:
-                    continue
-                mine.append(out)
-                if out[3]:  # finished
-                    del self.owner[rid]
-                    if (mv := self.moves.pop(rid, None)) is not None:  # ended before its transfer did
-                        self._end(mv, "finished before its hand-off")
-                        other = mv.token if m.index == mv.prompt else mv.prompt
-                        self._tell(other, ("abort", rid, "finished on the other instance"))
-            for ev in events:
-                if ev[0] != "kv_done":
-                    getattr(self, f"_on_{ev[0]}")(m.index, *ev[1:])
+            self.co.report(m.index, stats)
+            mine, rest = self.co.outputs(m.index, outputs, events)
+            for ev in rest:
+                getattr(self, f"_on_{ev[0]}")(m.index, *ev[1:])
+            self._flush()
             if mine:
                 self._deliver(mine, None)
             self._stats = self._aggregate()
-
-    def _on_handoff(self, i: int, rid: str, token: int, lps) -> None:
-        mv = self.moves.get(rid)
-        if mv is None:  # the transfer ended already (a bad checksum, an abort): nothing to keep here
-            self._tell(i, ("release", rid))
-            return
-        self.owner[rid] = mv.token
-        self.book.renew(mv.tid, time.monotonic())
-        self._tell(mv.token, ("first", rid, token, lps))
-
-    def _on_checksums(self, i: int, rid: str, sums: list[int]) -> None:
-        if (mv := self.moves.get(rid)) is not None:
-            self._tell(mv.token, ("checksums", rid, sums))
-
-    def _on_kv_done(self, i: int, rid: str, ok: bool, why: str | None, checksum: int | None) -> None:
-        """The token instance has the KV (ok) or computes the request itself; either way after the first token."""
-        if (mv := self.moves.pop(rid, None)) is None:
-            return
-        self.handoffs["committed" if ok else "recomputed"] += 1
-        self._end(mv, why, checksum if ok else None)
-        self._tell(mv.prompt, ("release", rid))
 
     def _on_step(self, i: int, *step) -> None:
         self.step_log[i].append(step)
@@ -382,14 +270,8 @@ class ClusterClient(StreamingClient):
         while not self._stopping:
             time.sleep(0.05)
             with self._co:
-                for tr in self.book.expire(time.monotonic()):
-                    if (mv := self.moves.pop(tr.request_id, None)) is None:
-                        continue
-                    self.handoffs["expired"] += 1
-                    self._end(mv)
-                    self._tell(mv.prompt, ("abort", tr.request_id, "its KV transfer expired"))
-                    self.owner[tr.request_id] = mv.token
-                    self._tell(mv.token, ("fail", tr.request_id))
+                self.co.expire()
+                self._flush()
 
     def _on_death(self, m: Member, reason: str | None) -> None:
         proc = m.conn[0] if self.launcher == "process" else None
@@ -403,27 +285,9 @@ class ClusterClient(StreamingClient):
                 for x in self.members:
                     if x is not m:
                         self._tell(x.index, ("peer_gone",))
-            lost = []
-            for rid, mv in list(self.moves.items()):
-                if m.index not in (mv.prompt, mv.token):
-                    continue
-                del self.moves[rid]
-                self._end(mv, reason)
-                other = mv.token if m.index == mv.prompt else mv.prompt
-                if m.index == mv.prompt and self.members[other].up:  # the token instance finishes it
-                    self.owner[rid] = other
-                    self._tell(other, ("fail", rid))
-                else:
-                    self._tell(other, ("abort", rid, reason))
-                    if self.owner.get(rid) is not None:
-                        self.owner[rid] = m.index  # fails with this instance's requests, below
-            for rid, i in list(self.owner.items()):
-                if i == m.index:
-                    del self.owner[rid]
-                    lost.append((rid, [], None, True, f"error: the engine failed: {reason}"))
-            self.handoffs["lost"] += len(lost)
+            self.co.died(m.index, reason)
+            self._flush()
             self._stats = self._aggregate()
-        self._deliver(lost, None)
         self._log(f"servewise: {reason}")
         if self._stopping:
             return
@@ -452,6 +316,11 @@ class ClusterClient(StreamingClient):
 
     # --- the client protocol -----------------------------------------------------------------
     @property
+    def handoffs(self) -> dict[str, int]:
+        """Hand-offs by outcome (the server's metrics read them)."""
+        return self.co.handoffs
+
+    @property
     def alive(self) -> bool:
         return self.error is None and any(m.up for m in self.members)
 
@@ -460,11 +329,11 @@ class ClusterClient(StreamingClient):
 
     def idle(self) -> bool:
         with self._co:
-            busy = self.moves or any(m.stats.incoming or m.stats.committed_blocks for m in self.members if m.up)
+            busy = self.co.busy()
         return not busy and super().idle()
 
     def _aggregate(self) -> EngineStats:
-        sts = [m.stats for m in self.members if m.up and m.stats is not None]
+        sts = [s for s, up in zip(self.co.loads, self.co.up) if up and s is not None]
         pre: dict[str, int] = {}
         for s in sts:
             for k, v in s.preemptions.items():
