@@ -2,27 +2,33 @@
 
 Each instance is a full engine (scheduler, block manager, policies) with a simulated runner on one
 machine (cluster.machines), in a role: `prompt` (prefills, then hands requests off), `token`
-(decodes requests handed to it) or `mixed` (whole requests). Events, in time order: arrivals (from
-the sorted workload), step ends, and KV-transfer ends. At each moment the arrivals are routed first,
-then the events due are handled, then every idle instance with work starts its next step; an
-instance's step is computed when it starts (the simulated runner knows its duration), so what a
-step hands off is known at the prompt's start, and the decode instance is chosen then.
+(decodes requests handed to it) or `mixed` (whole requests). The cluster's coordinator
+(cluster.coordinator) is the real cluster's, on the virtual clock: it routes each request when it
+arrives (in a split, to a prompt and a token instance together), owns the hand-off book and its
+leases, and speaks to the instances in the real instances' commands, which a simulated instance
+(`SimInstance`) carries out on its engine; a request crosses instances as plain data (its token
+ids, parameters and first token), never as a shared object.
 
-A hand-off: the prompt instance holds the request's blocks; the token instance queues it, reserves
-blocks when they fit, and the transfer (cluster.links, with contention per machine interface) runs
-from then; at its end the prompt side frees its blocks and the token side decodes.
+Events, in time order: arrivals (from the sorted workload), KV transfers' ends, step ends, and
+monitoring periods. At each moment the arrivals are routed first, then the events due are handled,
+then every idle instance with work reserves blocks for what it expects and starts its next step; an
+instance's step is computed when it starts (the simulated runner knows its duration) and reported
+to the coordinator at its end, as a real instance reports it. A transfer (cluster.links, with
+contention per machine interface) runs once the token instance holds blocks for it and the step
+that completes the prompt has started; the token instance decodes once the KV and the first token
+are both there, and the prompt instance frees its blocks when the coordinator says the transfer ended.
 """
 from __future__ import annotations
 
 import gc
 import heapq
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from servewise.builder import build_sim_engine
+from servewise.cluster.coordinator import Coordinator
 from servewise.cluster.links import MODES, LinkModel, Network
 from servewise.cluster.machines import get_machine
-from servewise.cluster.routers import SplitwisePools, StaticSplit, make_router
 from servewise.engine.block_manager import prefix_names
 from servewise.engine.clock import VirtualClock
 from servewise.engine.request import Request
@@ -32,6 +38,78 @@ from servewise.workloads.driver import params_for, placeholder_prompt
 
 ROLES = ("prompt", "token", "mixed")
 _STEP, _TRANSFER, _MONITOR = 1, 0, 2  # event kinds (in this order at one moment)
+
+
+class SimInstance:
+    """A simulated instance behind the coordinator's commands (cluster.instance's, carried out on an
+    engine on the virtual clock). The token side's KV arrives when its transfer ends (the driver times
+    it with the link model); it decodes once that KV and the first token are both there."""
+
+    def __init__(self, index: int, engine):
+        self.index, self.engine = index, engine
+        self.busy = False
+        self.steps, self.busy_s = 0, 0.0
+        self.incoming: dict[str, list[bool]] = {}  # request id -> [KV copied, first token here]
+        self.requests: dict[str, Request] = {}  # every request it took (the run's results)
+        self.events: list[tuple] = []
+
+    def command(self, cmd: tuple) -> None:
+        kind, rid, *args = cmd
+        eng = self.engine
+        if kind == "add":
+            ids, params, route = args
+            req = self.requests[rid] = eng.add_request(ids, params, request_id=rid)
+            req.handoff = route is not None
+        elif kind == "expect":  # its prompt and a placeholder first token, as a real instance takes it
+            ids, params, _ = args
+            req = self.requests[rid] = eng.make_request(ids, params, request_id=rid)
+            req.num_computed_tokens = len(ids)
+            req.output_token_ids.append(0)
+            eng.receive(req)
+            self.incoming[rid] = [False, False]
+        elif kind == "first":
+            if (inc := self.incoming.get(rid)) is not None:
+                inc[1] = True
+                self.requests[rid].output_token_ids[0] = args[0]
+                self._arrived(rid)
+        elif kind == "release":
+            if rid in eng.scheduler.held:
+                eng.release(rid)
+        elif kind == "fail":  # the KV will not come (its lease ran out): compute the request here
+            if self.incoming.pop(rid, None) is not None:
+                eng.kv_failed(rid)
+                self.events.append(("kv_done", rid, False, "the KV will not come", None))
+        elif kind == "abort":
+            self.incoming.pop(rid, None)
+            eng.abort_request(rid, args[0])
+        else:
+            raise ValueError(f"a simulated instance has no command {kind!r}")
+
+    def copied(self, rid: str) -> None:
+        """The request's KV transfer ended."""
+        if (inc := self.incoming.get(rid)) is not None:
+            inc[0] = True
+            self._arrived(rid)
+
+    def _arrived(self, rid: str) -> None:
+        if all(self.incoming[rid]):
+            del self.incoming[rid]
+            self.engine.kv_arrived(rid)
+            self.events.append(("kv_done", rid, True, None, 0))
+
+    def take_events(self) -> list[tuple]:
+        ev, self.events = self.events, []
+        return ev
+
+
+def joined(prompt: Request, token: Request | None) -> Request:
+    """One request's record from its two instances: arrival, first scheduling and first token where it
+    was prefilled, the rest where it was decoded."""
+    if token is None:
+        return prompt
+    pre = {k: prompt.preemptions.get(k, 0) + v for k, v in token.preemptions.items()}
+    return replace(token, first_scheduled_time=prompt.first_scheduled_time, first_token_time=prompt.first_token_time,
+                   token_times=prompt.token_times[:1] + token.token_times, preemptions=pre)
 
 
 @dataclass
@@ -91,6 +169,7 @@ class ClusterResult:
     # migrations made (rebalance.Move with the time)
     loads: list[tuple[float, list[tuple[float, float]]]] = field(default_factory=list)
     migrations: list[tuple[float, object]] = field(default_factory=list)
+    handoffs: dict[str, int] = field(default_factory=dict)  # by outcome (the coordinator's count)
 
 
 class ClusterSim:
@@ -110,7 +189,7 @@ class ClusterSim:
                  transfer: str = "layerwise", link_latency_s: float = 10e-6, max_pending_tokens: int = 8192,
                  token_axis: str = "batch", predictors=None, link_gbps: float | None = None,
                  calibration: dict[str, dict] | None = None, split_router: str | None = None, rebalance=None,
-                 monitor_s: float | None = None, **engine_kw):
+                 monitor_s: float | None = None, lease_s: float = 5.0, **engine_kw):
         if transfer not in MODES:
             raise ValueError(f"unknown transfer mode {transfer!r}; choose from {', '.join(MODES)}")
         from servewise.models.loader import load_model_config
@@ -162,12 +241,16 @@ class ClusterSim:
             self.rebalancer = Rebalancer(rebalance, p.L, p.H, p.layer_bytes, p.block_bytes, p.link)
         self.network = Network([LinkModel(link_gbps or get_machine(m).nic_gbps, link_latency_s) for m, _ in specs])
         self.perf_labels = sorted({e.runner.perf.label for e in self.engines})
-        if design.split:
-            self.pools = SplitwisePools(self.roles, max_pending_tokens) if split_router is None else \
-                StaticSplit(self.roles, split_router)
-            self.router = None
-        else:
-            self.pools, self.router = None, make_router(router)
+        self.routing = dict(router=router, max_pending_tokens=max_pending_tokens, split_router=split_router,
+                            lease_s=lease_s)
+        self.coordinator = self._coordinator()  # (checks the routing; each run has a fresh one)
+
+    def _coordinator(self) -> Coordinator:
+        co = Coordinator(self.roles, clock=self.clock.now, **self.routing)
+        co.layers = self.layers
+        for i, e in enumerate(self.engines):
+            co.report(i, e.stats())
+        return co
 
     def _migrating(self, perf_of, link_gbps, latency_s):
         """perf_of for instances that migrate layers and heads (each its own rebalance.MigratingPerf)."""
@@ -233,17 +316,15 @@ class ClusterSim:
 
     def _run(self, items, arrivals, progress, t0) -> ClusterResult:
         engines, clock, n = self.engines, self.clock, len(self.engines)
+        co = self.coordinator = self._coordinator()
+        sims = [SimInstance(i, e) for i, e in enumerate(engines)]
+        limits = list({repr(e.limits): e.limits for e in engines}.values())  # the distinct machines' limits
         order = sorted(range(len(items)), key=lambda i: arrivals[i])
-        reqs: list[Request | None] = [None] * len(items)
-        placed: list[tuple[int, int] | None] = [None] * len(items)
         rejected: list[tuple[int, str]] = []
         events: list = []  # (time, kind, seq, payload)
         seq = 0
-        busy = [False] * n
-        busy_s = [0.0] * n
-        steps = [0] * n
-        prompt_of: dict[str, tuple[int, float, float]] = {}  # handed-off id -> (prompt instance, start, seconds)
-        item_of: dict[str, int] = {}
+        prefill: dict[str, tuple[float, float]] = {}  # handed-off id -> (start, seconds) of its prompt's last step
+        reserved: set[str] = set()  # expected ids the token instance holds blocks for, their transfer not begun
         transfers, wait_s = 0, 0.0
         k = 0
         load_log, migrations = [], []
@@ -251,16 +332,35 @@ class ClusterSim:
             since, last = [0.0] * n, 0.0
             heapq.heappush(events, (self.monitor_s, _MONITOR, 0, None))
 
-        def start_transfers(j: int, rids: list[str], now: float) -> None:
+        def pump(dirty: set[int]) -> None:
+            """Carry out the coordinator's commands, and report back what they changed and made happen."""
+            while True:
+                tells, _ = co.take()
+                if not tells:
+                    return
+                touched = set()
+                for i, cmd in tells:
+                    sims[i].command(cmd)
+                    touched.add(i)
+                for i in sorted(touched):
+                    co.report(i, engines[i].stats())
+                    if sims[i].events:
+                        co.outputs(i, [], sims[i].take_events())
+                dirty |= touched
+
+        def begin_transfer(rid: str, now: float) -> None:
+            """Once both the token side's blocks and the prompt's last step are there."""
             nonlocal seq, transfers
-            for rid in rids:
-                i, start, dur = prompt_of[rid]
-                req = engines[j].requests[rid]
-                end = self.network.plan(self.transfer, i, j, req.num_prompt_tokens * self.kv_bytes_per_token,
-                                        self.layers, start, dur, now)
-                transfers += 1
-                seq += 1
-                heapq.heappush(events, (end, _TRANSFER, seq, (rid, i, j)))
+            mv = co.moves.get(rid)
+            if mv is None or rid not in reserved or rid not in prefill:
+                return
+            reserved.discard(rid)
+            start, dur = prefill.pop(rid)
+            nbytes = len(sims[mv.token].requests[rid].prompt_token_ids) * self.kv_bytes_per_token
+            end = self.network.plan(self.transfer, mv.prompt, mv.token, nbytes, self.layers, start, dur, now)
+            transfers += 1
+            seq += 1
+            heapq.heappush(events, (end, _TRANSFER, seq, (rid, mv.token, start + dur)))
 
         while True:
             t_arr = arrivals[order[k]] if k < len(order) else None
@@ -269,36 +369,35 @@ class ClusterSim:
                 break  # (a last monitoring sample would only move the clock past the end)
             now = t_ev if t_arr is None or (t_ev is not None and t_ev < t_arr) else t_arr
             clock.wait_until(now)
-            dirty = set()
-            loads = None
+            dirty: set[int] = set()
             while k < len(order) and arrivals[order[k]] <= now:
                 idx = order[k]
                 k += 1
                 item = items[idx]
-                if loads is None:
-                    loads = [e.stats() for e in engines]
-                prompt = item.prompt if isinstance(item.prompt, list) else placeholder_prompt(idx, item.prompt_len)
-                route = self.pools.prompt if self.pools else self.router
-                if getattr(self.pools or self.router, "needs_prefix", False):  # it reads the instances' caches
-                    i = route(item.prompt_len, loads, *self._prefix_hits(prompt))
-                else:
-                    i = route(item.prompt_len, loads)
+                ids = item.prompt if isinstance(item.prompt, list) else placeholder_prompt(idx, item.prompt_len)
+                params = params_for(item)
                 try:
-                    req = engines[i].add_request(prompt, params_for(item), request_id=str(idx),
-                                                 arrival_time=arrivals[idx])
+                    for lim in limits:
+                        lim.check(ids, params)
                 except ValueError as e:
                     rejected.append((idx, str(e)))
                     continue
-                req.handoff = self.pools is not None and req.max_tokens > 1
-                reqs[idx], placed[idx] = req, (i, i)
-                item_of[req.request_id] = idx
-                loads[i] = engines[i].stats()
-                dirty.add(i)
+                co.route(str(idx), ids, params, engines[0].limits, self._prefix_hits(ids) if co.needs_prefix else None)
+                pump(dirty)
             while events and events[0][0] <= now:
                 _, kind, _, payload = heapq.heappop(events)
                 if kind == _STEP:
-                    busy[payload] = False
-                    dirty.add(payload)
+                    i, stats = payload
+                    sims[i].busy = False
+                    eng = engines[i]
+                    outs = [(rid, [], None, True, sims[i].requests[rid].finish_reason) for rid in stats.finished]
+                    handed = [("handoff", rid, sims[i].requests[rid].output_token_ids[0], None)
+                              for rid in stats.handed_off]
+                    co.report(i, eng.stats())
+                    co.outputs(i, outs, handed)
+                    dirty.add(i)
+                    if progress and stats.finished:
+                        progress(len(stats.finished))
                 elif kind == _MONITOR:
                     snap = self._loads(since, now - last)
                     load_log.append((now, [(x.compute, x.memory) for x in snap]))
@@ -311,50 +410,48 @@ class ClusterSim:
                         seq += 1
                         heapq.heappush(events, (now + self.monitor_s, _MONITOR, seq, None))
                 else:
-                    rid, i, j = payload
-                    engines[i].release(rid)
-                    engines[j].kv_arrived(rid)
-                    wait_s += now - (prompt_of[rid][1] + prompt_of[rid][2])
-                    del prompt_of[rid]
-                    dirty.update((i, j))
+                    rid, j, prompt_end = payload
+                    wait_s += now - prompt_end
+                    sims[j].copied(rid)
+                    if sims[j].events:
+                        co.outputs(j, [], sims[j].take_events())
+                    dirty.add(j)
+                pump(dirty)
+            co.expire()
+            pump(dirty)
             for i in sorted(dirty):
-                eng = engines[i]
-                if busy[i]:  # it reserves blocks between steps (a step frees its finished requests' at its end)
+                eng, sim = engines[i], sims[i]
+                if sim.busy:  # it reserves blocks between steps (a step frees its finished requests' at its end)
                     continue
-                if eng.scheduler.incoming:
-                    start_transfers(i, eng.reserve_incoming(), now)
+                if eng.scheduler.incoming and (got := eng.reserve_incoming()):
+                    co.report(i, eng.stats())
+                    for rid in got:
+                        reserved.add(rid)
+                        begin_transfer(rid, now)
                 if not eng.has_unfinished():
-                    if self.pools is not None and not eng.scheduler.receiving and not eng.scheduler.held:
-                        self.pools.idle(i)
                     continue
                 stats = eng.step()
                 if not stats.scheduled and not stats.swapped_in_blocks and not stats.swapped_out_blocks:
                     continue  # blocked until a transfer frees blocks
-                busy[i] = True
-                steps[i] += 1
-                busy_s[i] += stats.end - stats.start
+                sim.busy = True
+                sim.steps += 1
+                sim.busy_s += stats.end - stats.start
                 seq += 1
-                heapq.heappush(events, (stats.end, _STEP, seq, i))
-                if progress and stats.finished:
-                    progress(len(stats.finished))
-                if stats.handed_off:
-                    loads = [e.stats() for e in engines]
-                    for rid in stats.handed_off:
-                        req = eng.scheduler.held[rid]
-                        j = self.pools.token(eng.longest_blocks(req), loads, i)
-                        placed[item_of[rid]] = (i, j)
-                        if j == i:  # no room elsewhere: it decodes here, where its KV is
-                            eng.keep(rid)
-                            continue
-                        prompt_of[rid] = (i, stats.start, stats.end - stats.start)
-                        engines[j].receive(req)
-                        if not busy[j]:
-                            start_transfers(j, engines[j].reserve_incoming(), now)
-                        loads[j] = engines[j].stats()
+                heapq.heappush(events, (stats.end, _STEP, seq, (i, stats)))
+                for rid in stats.handed_off:
+                    prefill[rid] = (stats.start, stats.end - stats.start)
+                    begin_transfer(rid, now)
         unfinished = [e for e in engines if e.has_unfinished() or e.scheduler.incoming or e.scheduler.receiving]
-        if unfinished or prompt_of:
+        if unfinished or co.moves:
             raise RuntimeError(f"the cluster stopped with work left on {len(unfinished)} instances "
-                               f"({len(prompt_of)} transfers pending): a hand-off deadlock, please report it")
-        return ClusterResult(reqs, rejected, placed, steps, busy_s, clock.now(), time.perf_counter() - t0, transfers,
-                             self.network.bytes_sent, wait_s, self.pools.borrowed if self.pools else 0,
-                             self.perf_labels, load_log, migrations)
+                               f"({len(co.moves)} transfers pending): a hand-off deadlock, please report it")
+        reqs: list[Request | None] = [None] * len(items)
+        placed: list[tuple[int, int] | None] = [None] * len(items)
+        for rid, (p, t) in co.placed.items():
+            idx = int(rid)
+            reqs[idx] = joined(sims[p].requests[rid], sims[t].requests.get(rid) if t != p else None)
+            placed[idx] = (p, t)
+        return ClusterResult(reqs, rejected, placed, [s.steps for s in sims], [s.busy_s for s in sims], clock.now(),
+                             time.perf_counter() - t0, transfers, self.network.bytes_sent, wait_s,
+                             co.pools.borrowed if co.pools else 0, self.perf_labels, load_log, migrations,
+                             dict(co.handoffs))
