@@ -73,7 +73,7 @@ def build_sim_engine(model: str = "tiny-llama", hardware: str = PROFILE, predict
     (PROFILE: this machine from fitted predictors; with `perf_table`, Splitwise's measured GPU runs;
     else a roofline GPU by name), over `tp` GPUs with tensor parallelism. Without an explicit
     device pool, roofline GPUs get the blocks that fit beside the weights. Several engines may share
-    one `clock` (owns_clock=False; workloads.driver.run_engines moves it)."""
+    one `clock` (owns_clock=False; their driver, cluster.sim, moves it)."""
     from servewise.models.loader import load_model_config
 
     engine_kw.setdefault("dtype", "float32" if hardware == PROFILE or perf is not None else "float16")

@@ -3,11 +3,11 @@ import pytest
 
 from servewise.builder import build_sim_engine
 from servewise.cluster.routers import RoundRobin, jsq, jsq_tokens, make_router
-from servewise.engine.clock import VirtualClock
+from servewise.cluster.sim import ClusterSim, Design
 from servewise.engine.interfaces import EngineStats, PoolStats
 from servewise.metrics import RequestRecord, compute
 from servewise.workloads.datasets import WorkloadRequest
-from servewise.workloads.driver import run_routed, run_workload
+from servewise.workloads.driver import run_workload
 from test_simulator import ScaledPerf
 
 
@@ -34,11 +34,11 @@ def test_a_routed_workload_on_two_instances_beats_one():
     arrivals = [0.05 * i for i in range(80)]
     one = run_workload(build_sim_engine("tiny-llama", perf=ScaledPerf(1.0), block_size=4, num_device_blocks=64),
                        items, arrivals)[0]
-    clock = VirtualClock()
-    engines = [build_sim_engine("tiny-llama", perf=ScaledPerf(1.0), block_size=4, num_device_blocks=64, clock=clock,
-                                owns_clock=False) for _ in range(2)]
-    reqs, rejected, placed = run_routed(engines, make_router("jsq"), items, arrivals, clock)
-    assert not rejected and len(reqs) == 80 and all(r.finished for r in reqs)
+    sim = ClusterSim("tiny-llama", Design(mixed={"this-cpu": 2}), router="jsq", cost_models=[ScaledPerf(1.0)] * 2,
+                     dtype="float32", block_size=4, num_device_blocks=64)
+    res = sim.run(items, arrivals)
+    reqs, placed = res.requests, [p for p, _ in res.placed]
+    assert not res.rejected and len(reqs) == 80 and all(r.finished for r in reqs)
     assert [len(r.output_token_ids) for r in reqs] == [it.output_len for it in items]
     assert 30 <= placed.count(0) <= 50  # shortest queue spreads the load
     m1, m2 = (compute([RequestRecord.from_request(r) for r in rs]) for rs in (one, reqs))
@@ -51,7 +51,6 @@ import os  # noqa: E402
 from servewise.cluster.links import LinkModel, Network, transfer_end  # noqa: E402
 from servewise.cluster.metrics import percentile, summarize  # noqa: E402
 from servewise.cluster.routers import SplitwisePools  # noqa: E402
-from servewise.cluster.sim import ClusterSim, Design  # noqa: E402
 
 TABLE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "splitwise", "perf_model.csv.gz")
 needs_table = pytest.mark.skipif(not os.path.exists(TABLE), reason="Splitwise's table (../shared/data) not present")

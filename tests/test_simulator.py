@@ -2,10 +2,9 @@
 import pytest
 
 from servewise.builder import build_sim_engine
-from servewise.engine.clock import VirtualClock
 from servewise.predictors.roofline import RooflinePerf
 from servewise.workloads.datasets import WorkloadRequest
-from servewise.workloads.driver import run_engines, run_workload
+from servewise.workloads.driver import run_workload
 
 
 class FixedPerf:
@@ -116,35 +115,6 @@ class ScaledPerf(FixedPerf):
 
     def decode(self, ctx):
         return self.scale * (0.2 + 0.01 * len(ctx))
-
-
-def test_engines_on_one_virtual_clock_interleave_as_if_alone():
-    items = [WorkloadRequest(4 + i % 5, 3 + i % 4) for i in range(12)]
-    arrivals_a = [0.37 * i for i in range(12)]
-    arrivals_b = [0.11 + 0.53 * i for i in range(12)]
-    alone = [run_workload(sim(perf=ScaledPerf(s), num_device_blocks=8), items, arr)[0]
-             for s, arr in ((1.0, arrivals_a), (1.7, arrivals_b))]
-    clock, seen = VirtualClock(), []
-    engines = [sim(perf=ScaledPerf(s), num_device_blocks=8, clock=clock, owns_clock=False) for s in (1.0, 1.7)]
-    shared = run_engines([(engines[0], items, arrivals_a), (engines[1], items, arrivals_b)], clock,
-                         on_step=lambda i, st: seen.append((i, st.start, st.end)))
-    for solo, (reqs, rejected) in zip(alone, shared):
-        assert not rejected
-        assert [r.token_times for r in reqs] == [r.token_times for r in solo]
-        assert [r.first_scheduled_time for r in reqs] == [r.first_scheduled_time for r in solo]
-    # the steps of both engines were taken in time order, and each engine's steps never overlap
-    assert {i for i, _, _ in seen} == {0, 1}
-    assert [t for _, t, _ in seen] == sorted(t for _, t, _ in seen)
-    for k in (0, 1):
-        mine = [(s, e) for i, s, e in seen if i == k]
-        assert all(e0 <= s1 for (_, e0), (s1, _) in zip(mine, mine[1:]))
-    assert clock.now() == max(e for _, _, e in seen)
-
-
-def test_run_engines_refuses_engines_that_own_their_clock():
-    clock = VirtualClock()
-    with pytest.raises(ValueError, match="owns_clock=False"):
-        run_engines([(sim(clock=clock), [WorkloadRequest(4, 2)], [0.0])], clock)
 
 
 def test_an_unloaded_request_runs_at_slowdown_one_with_the_engines_own_time():

@@ -198,7 +198,8 @@ class Coordinator:
                 del self.owner[rid]
                 if (mv := self.moves.pop(rid, None)) is not None:  # ended before its transfer did
                     self._end(mv, "finished before its hand-off")
-                    self._tell(mv.token if i == mv.prompt else mv.prompt, ("abort", rid, "finished on the other instance"))
+                    other = mv.token if i == mv.prompt else mv.prompt
+                    self._tell(other, ("abort", rid, "finished on the other instance"))
         rest = []
         for ev in events:
             if ev[0] == "handoff":

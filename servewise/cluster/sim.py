@@ -189,7 +189,7 @@ class ClusterSim:
                  transfer: str = "layerwise", link_latency_s: float = 10e-6, max_pending_tokens: int = 8192,
                  token_axis: str = "batch", predictors=None, link_gbps: float | None = None,
                  calibration: dict[str, dict] | None = None, split_router: str | None = None, rebalance=None,
-                 monitor_s: float | None = None, lease_s: float = 5.0, **engine_kw):
+                 monitor_s: float | None = None, lease_s: float = 5.0, cost_models: list | None = None, **engine_kw):
         if transfer not in MODES:
             raise ValueError(f"unknown transfer mode {transfer!r}; choose from {', '.join(MODES)}")
         from servewise.models.loader import load_model_config
@@ -205,9 +205,11 @@ class ClusterSim:
         mc, _ = load_model_config(model, engine_kw["dtype"])
         self.kv_bytes_per_token, self.layers = mc.kv_bytes_per_token, mc.num_layers
         block_size = self.block_size = engine_kw.get("block_size", 16)
+        if cost_models is not None and len(cost_models) != len(specs):
+            raise ValueError(f"{len(cost_models)} cost models for {len(specs)} instances")
         perfs = {}
         for m, _ in specs:
-            if m not in perfs:
+            if m not in perfs and cost_models is None:
                 machine = get_machine(m)
                 cpu = machine.gpu == "profile"
                 perfs[m] = make_perf(machine.gpu, mc, block_size, predictors=predictors if cpu else None,
@@ -227,12 +229,13 @@ class ClusterSim:
             from servewise.config import EngineConfig
 
             m0 = specs[0][0]
-            store = sim_store_for(EngineConfig.from_kwargs(model=model, **engine_kw).cache, mc, perfs[m0],
-                                  get_machine(m0).gpu == "profile")
+            store = sim_store_for(EngineConfig.from_kwargs(model=model, **engine_kw).cache, mc,
+                                  perfs.get(m0) or cost_models[0], get_machine(m0).gpu == "profile")
             store.clock = self.clock  # a block is readable from the end of the step that computed it
         self.store = store
-        self.engines = [build_sim_engine(model, perf=perf_of(m, role), clock=self.clock, owns_clock=False,
-                                         sim_store=store, **engine_kw) for m, role in specs]
+        models = cost_models or [perf_of(m, role) for m, role in specs]
+        self.engines = [build_sim_engine(model, perf=p, clock=self.clock, owns_clock=False, sim_store=store,
+                                         **engine_kw) for p in models]
         self.rebalancer = None
         if rebalance is not None:
             from servewise.cluster.rebalance import Rebalancer

@@ -2,7 +2,7 @@
 
 A step runs from `start` and takes `elapsed` seconds of runner time; `end_of(start, elapsed)` is when
 it ends on this clock. The engine advances its clock to that point unless several engines share one
-virtual clock, in which case their driver moves the time (workloads.driver.run_engines).
+virtual clock, in which case their driver moves the time (cluster.sim).
 """
 from __future__ import annotations
 
