@@ -288,10 +288,28 @@ def test_bench_cluster_runs_real_and_simulated_side_by_side(tmp_path):
           "--num-requests", "6", "--rate", "20", "--calibration-requests", "4", "--kv-handoff", "serialized",
           "--no-single", "--num-device-blocks", "256", "--out", str(out)])
     r = json.loads(out.read_text())["results"]["serialized"]
-    assert r["real"]["handoffs"] == {"committed": 12, "recomputed": 0, "expired": 0, "lost": 0}
+    assert r["real"]["handoffs"] == {"committed": 6, "recomputed": 0, "expired": 0, "lost": 0}  # the run's own
     for row in r["rows"].values():
         assert row["real"] > 0 and row["sim"] > 0 and row["calibrated"] > 0
     assert set(r["calibration"]) == {"prompt", "token"} and r["sim"]["transfers"] == 6
+
+
+def test_the_simulated_cluster_makes_the_real_clusters_decisions():
+    """A real 1 prompt + 1 token run replayed into the simulated cluster (its arrival times and measured
+    step times): the same routing (a one-token request stays on its prompt instance), hand-off outcomes,
+    batches step by step on each instance, and tokens per request. Spaced requests keep every batch
+    independent of the machine's speed."""
+    from servewise.bench.cluster import decisions, format_decisions
+    from servewise.workloads.datasets import WorkloadRequest
+
+    items = [WorkloadRequest(n, m, [3 + (5 * i + n) % 200 for i in range(n)])
+             for n, m in ((9, 6), (31, 1), (17, 11), (40, 3), (12, 1), (25, 8))]
+    d = decisions("tiny-llama", dict(num_device_blocks=96, block_size=4, max_num_seqs=256,
+                                     max_num_batched_tokens=4096), items, gap_s=0.25)
+    assert d["same"], format_decisions(d)
+    assert d["placed"]["real"] == [(0, 1), (0, 0), (0, 1), (0, 1), (0, 0), (0, 1)]
+    assert d["handoffs"]["real"]["committed"] == 4 and d["steps"]["real"] == [6, 5 + 10 + 2 + 7]
+    assert d["tokens"]["real"] == [6, 1, 11, 3, 1, 8]
 
 
 def test_a_sigterm_stops_the_server_and_its_instances_and_removes_their_files():

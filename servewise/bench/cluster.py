@@ -92,15 +92,20 @@ def copy_gbps(layers: int, blocks: int, cache_shape: tuple[int, ...], dtype: tor
         remove_dir(d)
 
 
-async def _drive(client, items, arrivals) -> list[RequestRecord]:
-    """Submit each request at its arrival time; time every token as the client receives it."""
+async def _drive(client, items, arrivals, rids: list | None = None) -> list[RequestRecord]:
+    """Submit each request at its arrival time; time every token as the client receives it. rids: filled
+    with each request's id."""
     t0 = time.monotonic()
+    if rids is not None:
+        rids[:] = [None] * len(items)
 
     async def one(i: int) -> RequestRecord:
         await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.monotonic()))
         item = items[i]
         sent = time.monotonic() - t0
-        _, q = client.submit(item.prompt, params_for(item))
+        handle, q = client.submit(item.prompt, params_for(item))
+        if rids is not None:
+            rids[i] = handle.request_id
         times: list[float] = []
         reason = None
         while True:
@@ -136,14 +141,17 @@ def run_real(model: str, roles: list[str], threads: int, layerwise: bool, engine
             out["calibration_steps"] = [list(s) for s in client.step_log]
             for log in client.step_log:
                 log.clear()
+        before = dict(client.handoffs)
         t0 = time.perf_counter()
-        records = asyncio.run(_drive(client, items, arrivals))
+        rids: list = []
+        records = asyncio.run(_drive(client, items, arrivals, rids))
         wall = time.perf_counter() - t0
-        handoffs = dict(client.handoffs)
+        handoffs = {k: v - before[k] for k, v in client.handoffs.items()}
+        placed = [client.co.placed[rid] for rid in rids]
     finally:
         client.shutdown()
     return dict(out, metrics=compute(records), handoff_gap_ms=_gap_ms(records), handoffs=handoffs,
-                steps=client.step_log, wall_s=wall)
+                steps=client.step_log, wall_s=wall, records=records, placed=placed)
 
 
 def same_batches(steps: list[tuple], perf, wall: float) -> dict:
@@ -177,6 +185,45 @@ def _gap_ms(records: list[RequestRecord]) -> float:
     """Mean time from the first token to the second: where a hand-off shows."""
     gaps = [r.token_times[1] - r.token_times[0] for r in records if len(r.token_times) > 1]
     return statistics.mean(gaps) * 1e3 if gaps else 0.0
+
+
+def decisions(model: str, engine_kw: dict, items, gap_s: float = 0.25, threads: int = 1,
+              layerwise: bool = True) -> dict:
+    """The same decisions, shown: `items` one every `gap_s` seconds through a real 1 prompt + 1 token
+    cluster with every step traced, then through the simulated cluster with the real run's arrival
+    times and each instance's measured step times (cluster.replay). Compares where each request went,
+    the hand-offs' outcomes, every step's batch per instance and the tokens per request."""
+    from servewise.cluster.replay import Replayed, compare
+    from servewise.cluster.sim import ClusterSim, Design
+
+    real = run_real(model, ["prompt", "token"], threads, layerwise, engine_kw, items,
+                    [gap_s * i for i in range(len(items))])
+    replays = [Replayed([(p, lens, t) for p, lens, t, _, _ in steps]) for steps in real["steps"]]
+    mc_dtype = engine_kw.get("dtype", "float32")
+    sim = ClusterSim(model, Design({"this-cpu": 1}, {"this-cpu": 1}), cost_models=replays,
+                     transfer="layerwise" if layerwise else "serialized", link_gbps=1e3, link_latency_s=0.0,
+                     **dict(engine_kw, dtype=mc_dtype))
+    res = sim.run(items, [r.arrival for r in real["records"]])
+    side = lambda placed, handoffs, steps, tokens: dict(placed=[tuple(p) for p in placed], steps=steps,  # noqa: E731
+                                                        handoffs=handoffs, tokens=tokens)
+    out = compare(side(real["placed"], real["handoffs"], [[(p, list(lens)) for p, lens, *_ in s] for s in real["steps"]],
+                       [r.output_tokens for r in real["records"]]),
+                  side(res.placed, res.handoffs, [r.priced for r in replays],
+                       [len(r.output_token_ids) for r in res.requests]))
+    out.update(requests=len(items), gap_s=gap_s, layerwise=layerwise)
+    return out
+
+
+def format_decisions(d: dict) -> str:
+    word = lambda ok: "same" if ok else "DIFFERENT"  # noqa: E731
+    lines = [f"same decisions, real and simulated cluster ({d['requests']} requests, one every {d['gap_s']:g} s, "
+             f"hand-off {'layerwise' if d['layerwise'] else 'serialized'}): {word(d['same'])}",
+             f"  routing (prompt, token instance): {word(d['placed']['same'])}; real {d['placed']['real']}",
+             f"  hand-offs: {word(d['handoffs']['same'])}; real {d['handoffs']['real']}, simulated {d['handoffs']['sim']}",
+             f"  steps per instance: {word(d['steps']['same'])}; real {d['steps']['real']}, simulated "
+             f"{d['steps']['sim']} (first different step: {d['steps']['first_different_step']})",
+             f"  tokens per request: {word(d['tokens']['same'])}; real {d['tokens']['real']}"]
+    return "\n".join(lines)
 
 
 def run_sim(model: str, predictors, layerwise: bool, link: dict, engine_kw: dict, items, arrivals,
@@ -222,6 +269,11 @@ def main(a) -> None:
         f"copy and checksums {link['receive_gbps']:.2f} GB/s, {hop * 1e6:.0f} us per message")
     sim_kw = dict(engine_kw, dtype=mc.dtype, max_num_batched_tokens=4096, max_num_seqs=a.max_num_seqs)
     results: dict = {}
+    if a.same_decisions:
+        say(f"same decisions: {min(a.same_decisions, len(items))} requests through the real cluster, then replayed ...")
+        results["same_decisions"] = decisions(a.model, dict(engine_kw, max_num_batched_tokens=4096),
+                                              items[:a.same_decisions], threads=a.threads)
+        print(format_decisions(results["same_decisions"]))
     # calibration: a different workload (random prompts of 16-256 tokens, 64 output tokens), same rate
     cal_items, cal_arrivals = build_workload("synthetic", tok, mc.vocab_size, num_requests=a.calibration_requests,
                                              input_len=256, output_len=64, arrival="poisson", rate=a.rate,

@@ -1,0 +1,51 @@
+"""Replaying a real cluster's run in the simulated cluster, to show that both decide alike.
+
+A real run traces every step of every instance (cluster.serving's step_log); `Replayed` is a cost
+model that gives the simulated instance's k-th step the k-th measured step's time, whatever batch it
+prices, and remembers what it priced. Driven with the real run's arrival times, the simulated cluster
+then meets the same moments, so any difference in where requests went, how their hand-offs ended,
+how many steps each instance took, what each step held or how many tokens each request got is a
+difference in decisions, not in speed: `compare` lists them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Replayed:
+    """An instance's measured steps, (is_prefill, context lengths, seconds) in order; past the last, a
+    step takes the last one's time. `priced`: the (is_prefill, context lengths) it was asked for."""
+
+    steps: list[tuple[bool, list[int], float]]
+    priced: list[tuple[bool, list[int]]] = field(default_factory=list)
+    label: str = "replayed"
+
+    def _next(self, is_prefill: bool, lens) -> float:
+        self.priced.append((is_prefill, list(lens)))
+        k = min(len(self.priced), len(self.steps)) - 1
+        return self.steps[k][2] if k >= 0 else 0.0
+
+    def prefill(self, lens) -> float:
+        return self._next(True, lens)
+
+    def decode(self, ctx) -> float:
+        return self._next(False, ctx)
+
+    def copy(self, num_blocks: int, to_host: bool) -> float:
+        return 0.0
+
+
+def compare(real: dict, sim: dict) -> dict:
+    """Two runs' decisions, each {"placed": [(prompt, token) per request], "handoffs": {outcome: n},
+    "steps": [per instance: [(is_prefill, context lengths)]], "tokens": [per request]}: for each, both
+    sides and whether they agree, and `same` over all."""
+    out = {}
+    for key in ("placed", "handoffs", "tokens"):
+        out[key] = {"real": real[key], "sim": sim[key], "same": real[key] == sim[key]}
+    out["steps"] = {"real": [len(s) for s in real["steps"]], "sim": [len(s) for s in sim["steps"]],
+                    "same": real["steps"] == sim["steps"]}
+    firsts = [next((k for k, (a, b) in enumerate(zip(r, s)) if a != b), None) for r, s in zip(real["steps"], sim["steps"])]
+    out["steps"]["first_different_step"] = firsts
+    out["same"] = all(v["same"] for v in out.values())
+    return out
