@@ -40,8 +40,9 @@ def kv_store_for(cc, mc, dtype: torch.dtype):
     return store
 
 
-def build_engine(config: EngineConfig | None = None, clock=None, **kwargs) -> LLMEngine:
-    """A real engine on loaded weights: build_engine(EngineConfig(...)) or build_engine(model=..., **options)."""
+def build_engine(config: EngineConfig | None = None, clock=None, connector=None, **kwargs) -> LLMEngine:
+    """A real engine on loaded weights: build_engine(EngineConfig(...)) or build_engine(model=..., **options).
+    connector: what moves KV across the runner's boundary (connectors.base; a cluster's hand-off)."""
     from servewise.models.loader import load_model
     from servewise.runners.torch_runner import TorchRunner
 
@@ -53,9 +54,8 @@ def build_engine(config: EngineConfig | None = None, clock=None, **kwargs) -> LL
     limit_length(config, mc)
     cc = config.cache
     n_dev, n_host = cc.resolve(mc.kv_bytes_per_token * cc.block_size)
-    runner = TorchRunner(model, mc, n_dev, n_host, cc.block_size, device)
-    if cc.kv_store is not None:
-        runner.store = kv_store_for(cc, mc, runner.device_cache.dtype)
+    store = kv_store_for(cc, mc, next(model.parameters()).dtype) if cc.kv_store is not None else None
+    runner = TorchRunner(model, mc, n_dev, n_host, cc.block_size, device, store, connector)
     cost_model = None
     if needs_cost_model(config):
         from servewise.predictors.auto import profiled_perf
@@ -86,9 +86,8 @@ def build_sim_engine(model: str = "tiny-llama", hardware: str = PROFILE, predict
         perf = make_perf(hardware, mc, cc.block_size, predictors, efficiency, tp, perf_table, model)
     if cc.num_device_blocks is None and hasattr(perf, "device_blocks"):
         cc.num_device_blocks = perf.device_blocks()
-    runner = SimRunner(perf, cc.resolve(mc.kv_bytes_per_token * cc.block_size), mc.num_layers)
-    if cc.kv_store is not None:
-        runner.store = sim_store or sim_store_for(cc, mc, perf, hardware == PROFILE)
+    store = (sim_store or sim_store_for(cc, mc, perf, hardware == PROFILE)) if cc.kv_store is not None else None
+    runner = SimRunner(perf, cc.resolve(mc.kv_bytes_per_token * cc.block_size), mc.num_layers, store)
     # policies price with the plain model (a migration-aware one charges what it prices: cluster.rebalance)
     return assemble(config, mc, tokenizer, runner, getattr(perf, "pricing", perf), clock or VirtualClock(), owns_clock)
 

@@ -1,9 +1,11 @@
 """One engine instance of a real cluster, run in its own process or in a Ray actor: the engine loop of
 the single-engine server plus the two sides of the KV hand-off.
 
-In a split cluster KV moves over a link (connectors.transport): ShmLink, where every instance keeps its
-device KV cache in a shared file and a hand-off costs the sender a checksum per layer and the
-receiver one copy; or GlooLink, torch.distributed messages for instances that share no memory.
+In a split cluster KV moves through a connector at the runner's boundary (connectors.handoff), over a
+link (connectors.transport): ShmLink, where every instance keeps its device KV cache in a shared file
+and a hand-off costs the sender a checksum per layer and the receiver one copy; or GlooLink,
+torch.distributed messages for instances that share no memory. The runner sends each layer as its
+forward pass writes it; this module carries out the hand-off's protocol around that.
 
 Commands in (plain tuples, from the coordinator):
 - ("add", rid, ids, params[, route]): a request; with a route (the link's: a record path, or
@@ -31,7 +33,7 @@ import os
 from dataclasses import dataclass, field
 
 from servewise.cluster.handoff import combine
-from servewise.connectors.transport import GlooLink, ShmLink
+from servewise.connectors.handoff import HandoffConnector, shm_cache_file
 from servewise.engine.block_manager import blocks_for
 from servewise.server.engine_loop import EngineInstance, engine_main
 
@@ -56,25 +58,15 @@ class Incoming:
 class Instance(EngineInstance):
     FAULTS = ("corrupt", "stall", "drop", "exit_on_handoff", "exit_now")
 
-    def __init__(self, engine, layerwise: bool = True, link: tuple | None = None):
-        """link: how KV moves: ("shm", cache file), where to keep the device KV cache so that other
-        instances can read it; ("gloo", store host, store port, this instance's index and generation,
-        timeout s); None: no hand-offs."""
+    def __init__(self, engine, connector: HandoffConnector | None = None):
+        """connector: the engine's runner's hand-off connector (None: no hand-offs)."""
         super().__init__(engine)
-        self.layerwise, self.runner, self.bs = layerwise, engine.runner, engine.block_manager.block_size
-        if link is not None and link[0] == "shm":
-            self.cache_file = link[1]
-            self.runner.share_device_cache(link[1])
-            self.link = ShmLink(self.runner.device_cache, self.layers)
-        elif link is not None and link[0] == "gloo":
-            self.link = GlooLink(self.runner.device_cache, self.layers, *link[1:])
-        else:
-            self.link = None
-        self.sending: dict[str, object] = {}  # rid -> its route, until released
+        self.connector, self.bs = connector, engine.block_manager.block_size
+        if connector is not None:
+            self.cache_file = connector.cache_file
+            connector.faults = self.faults  # (the injected faults that act on what it sends)
         self.deferred: list[str] = []  # serialized hand-offs to publish after the step's report
         self.incoming: dict[str, Incoming] = {}
-        if layerwise:
-            self.runner.model.after_layer = self._after_layer
 
     # --- commands ----------------------------------------------------------------------------
     def command(self, cmd: tuple) -> list:
@@ -88,7 +80,7 @@ class Instance(EngineInstance):
                 return refused
             if route is not None:
                 eng.requests[rid].handoff = True
-                self.sending[rid] = route
+                self.connector.send_to(rid, route)
         elif kind == "expect":
             rid, ids, params, route = args
             try:
@@ -112,7 +104,7 @@ class Instance(EngineInstance):
             if (inc := self.incoming.get(args[0])) is not None:
                 inc.expected = list(args[1])
         elif kind == "connect":  # (gloo) a pair group with a peer, new or restarted
-            self.link.connect(*args)
+            self.connector.connect(*args)
         elif kind == "release":
             self._forget_sent(args[0])
             if args[0] in eng.scheduler.held:
@@ -121,7 +113,7 @@ class Instance(EngineInstance):
             if (inc := self.incoming.get(args[0])) is not None:
                 inc.failed, inc.orphaned = inc.failed or "the KV will not come", True
         elif kind == "peer_gone":  # an instance died: drop what maps its memory
-            self.link.peer_gone()
+            self.connector.peer_gone()
         elif kind == "abort":
             rid, reason = args
             self._forget_sent(rid)
@@ -132,34 +124,12 @@ class Instance(EngineInstance):
         return []
 
     def _forget_sent(self, rid: str) -> None:
-        self.sending.pop(rid, None)
-        if self.link is not None:
-            self.link.forget(rid)
+        if self.connector is not None:
+            self.connector.forget(rid)
         if rid in self.engine.scheduler.held:
             self.loop.open.pop(rid, None)  # its tokens come from the token instance now
 
-    # --- the prompt side ---------------------------------------------------------------------
-    def _publish(self, rid: str, layer: int, block_ids: list[int]) -> None:
-        """Layer `layer` of a request being handed off is in its blocks: send it (or publish its CRC)."""
-        if "drop" in self.faults or ("stall" in self.faults and layer > 0):
-            return
-        corrupt = "corrupt" in self.faults and layer == min(1, self.layers - 1)
-        self.link.send(rid, self.sending[rid], layer, block_ids, corrupt)
-        if layer == self.layers - 1 and (sums := self.link.sent(rid)) is not None:
-            self.events.append(("checksums", rid, sums))
-
-    def _prefilling(self):
-        """(rid, prompt block ids) of the requests to hand off whose prefill completes in this step."""
-        out, reqs = self.runner.current, self.engine.requests
-        for rid, n in zip(out.scheduled, out.num_scheduled_tokens):
-            if rid in self.sending and (req := reqs.get(rid)) is not None and req.handoff and \
-                    req.num_computed_tokens + n >= req.num_prompt_tokens:
-                yield rid, self.runner.seqs[rid].block_ids[:blocks_for(req.num_prompt_tokens, self.bs)]
-
-    def _after_layer(self, layer: int) -> None:
-        for rid, blocks in self._prefilling():
-            self._publish(rid, layer, blocks)
-
+    # --- the prompt side (its KV goes out through the connector, layer by layer as the runner computes) --
     def _handed_off(self, rids: list[str]) -> None:
         for rid in rids:
             req = self.engine.scheduler.held[rid]
@@ -167,19 +137,17 @@ class Instance(EngineInstance):
                 os._exit(3)  # the KV is published, the first token never reported
             lps = req.output_logprobs[0] if req.output_logprobs else None
             self.events.append(("handoff", rid, req.output_token_ids[0], lps))
-            if not self.layerwise:
+            if not self.connector.layerwise:
                 self.deferred.append(rid)
 
     def after_report(self) -> list[tuple]:
         """Serialized hand-offs: every layer's CRC, after the step's first tokens have been reported."""
         if not self.deferred:
             return []
-        tables = self.engine.block_manager.device_tables
+        tables, held = self.engine.block_manager.device_tables, self.engine.scheduler.held
         for rid in self.deferred:
-            if rid in self.sending and rid in self.engine.scheduler.held:
-                blocks = tables[rid][:blocks_for(self.engine.scheduler.held[rid].num_prompt_tokens, self.bs)]
-                for k in range(self.layers):
-                    self._publish(rid, k, blocks)
+            if rid in held:
+                self.connector.send_all(rid, tables[rid][:blocks_for(held[rid].num_prompt_tokens, self.bs)])
         self.deferred.clear()
         return self.take_events()
 
@@ -193,7 +161,7 @@ class Instance(EngineInstance):
         for rid, inc in list(self.incoming.items()):
             if inc.failed is None and inc.reserved:
                 try:
-                    self.link.receive(inc, tables[rid], blocks_for(eng.requests[rid].num_prompt_tokens, self.bs))
+                    self.connector.receive(inc, tables[rid], blocks_for(eng.requests[rid].num_prompt_tokens, self.bs))
                 except (OSError, ValueError) as e:
                     inc.failed = f"unreadable KV: {e}"
                 bad = [k for k, (got, want) in enumerate(zip(inc.sums, inc.expected))
@@ -224,14 +192,14 @@ class Instance(EngineInstance):
         if stats.handed_off:
             self._handed_off(stats.handed_off)
         for rid in stats.finished:  # ended here before its hand-off (its first token was the last)
-            if rid in self.sending:
+            if self.connector is not None and rid in self.connector.routes:
                 self._forget_sent(rid)
         return stats
 
     def tick(self) -> tuple[list, bool]:
         """Reserve and copy incoming KV, then the engine loop's tick."""
-        if self.link is not None:
-            self.link.flush()
+        if self.connector is not None:
+            self.connector.flush()
         did = bool(self.incoming)
         if self.incoming:
             self._receive()
@@ -240,23 +208,30 @@ class Instance(EngineInstance):
 
     def in_flight(self) -> bool:
         """KV on its way in, or waiting to go out: the loop polls often meanwhile."""
-        return bool(self.incoming) or (self.link is not None and self.link.waiting())
+        return bool(self.incoming) or (self.connector is not None and self.connector.waiting())
+
+    def take_events(self) -> list[tuple]:
+        if self.connector is not None and self.connector.events:  # (the checksums a link does not carry)
+            self.events += self.connector.events
+            self.connector.events = []
+        return super().take_events()
 
 
 def make_instance(layerwise: bool, link: tuple | None):
-    """make_instance(engine) for the engine loop: an instance on its link (see instance_main)."""
-    return lambda engine: _instance(engine, layerwise, link)
+    """make_instance(build) for the engine loop: an instance whose runner hands KV off over `link`
+    (see instance_main)."""
+    return lambda build: _instance(build, layerwise, link)
 
 
-def _instance(engine, layerwise: bool, link: tuple | None) -> Instance:
-    if link is not None and link[0] == "shm":
-        spec = ("shm", os.path.join(link[1], f"cache-{os.getpid()}"))
-    else:
-        spec = link[:6] if link is not None else None
-    inst = Instance(engine, layerwise, spec)
-    if link is not None and link[0] == "gloo":
+def _instance(build, layerwise: bool, link: tuple | None) -> Instance:
+    if link is None:
+        return Instance(build())
+    spec = ("shm", shm_cache_file(link[1])) if link[0] == "shm" else link[:6]
+    connector = HandoffConnector(spec, layerwise)
+    inst = Instance(build(connector=connector), connector)
+    if link[0] == "gloo":
         for peer, gen in link[6]:
-            inst.link.connect(peer, gen)
+            connector.connect(peer, gen)
     return inst
 
 

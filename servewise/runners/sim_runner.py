@@ -17,14 +17,14 @@ SIM_TOKEN = 0  # the placeholder every simulated step emits
 
 class SimRunner:
     """capacity: (device blocks, host blocks) of the simulated pools; layers: the model's (fetches from a
-    KV store overlap the step layer by layer)."""
+    KV store overlap the step layer by layer); store: a simulated global KV store."""
 
-    def __init__(self, perf: CostModel, capacity: tuple[int, int], layers: int = 1):
+    def __init__(self, perf: CostModel, capacity: tuple[int, int], layers: int = 1, store=None):
         self.perf, self.capacity, self.layers = perf, capacity, layers
         self.steps = 0
         self._prior = getattr(perf, "prior_context", None)
         self._overhead = getattr(perf, "step_overhead", None)
-        self.store = None  # a simulated KV store (connectors.kv_store.SimStore)
+        self.store = store  # a simulated KV store (connectors.kv_store.SimStore)
         self._fetch_s = 0.0  # the step's reads from the store, overlapped with its layers
         self._overlap_s = 0.0  # host <-> device transfers overlapped with the next step's layers
         self._last = 0.0  # the last batch's time

@@ -12,6 +12,7 @@ import torch
 
 from servewise import kernels
 from servewise.config import ModelConfig
+from servewise.connectors.base import KVConnector
 from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, StepResult
 from servewise.models.attention import AttentionMetadata, decode_mask
 from servewise.models.linear import describe as describe_linears
@@ -45,15 +46,20 @@ def keep_freed_memory() -> str:
 
 class TorchRunner:
     def __init__(self, model: torch.nn.Module, mc: ModelConfig, num_device_blocks: int, num_host_blocks: int,
-                 block_size: int, device: str = "cpu"):
+                 block_size: int, device: str = "cpu", store=None, connector: KVConnector | None = None):
+        """store: a global KV store (connectors.kv_store.KVStore) for moves to and from Pool.STORE;
+        connector: what moves KV across this runner's boundary during a step (connectors.base)."""
         self.model, self.mc, self.bs, self.device = model, mc, block_size, torch.device(device)
         self.capacity = (num_device_blocks, num_host_blocks)
         self.seqs: dict[str, SeqState] = {}  # the requests this runner holds, by id
-        self.current: SchedulerOutput | None = None  # the step being executed
         dtype = next(model.parameters()).dtype
         per_block = (block_size, mc.num_kv_heads, mc.head_dim)
         # [layer, k/v, block, slot-in-block, kv head, head dim]
         self.device_cache = torch.zeros(mc.num_layers, 2, num_device_blocks, *per_block, dtype=dtype, device=self.device)
+        self.connector = connector
+        if connector is not None:  # (it may keep the cache where other processes can map it)
+            self.device_cache = connector.register_kv_cache(self.device_cache)
+            model.after_layer = connector.save_kv_layer
         self.host_cache = torch.zeros(mc.num_layers, 2, num_host_blocks, *per_block, dtype=dtype,
                                       pin_memory=self.device.type == "cuda")
         flat = self.device_cache.view(mc.num_layers, 2, num_device_blocks * block_size, *per_block[1:])
@@ -63,21 +69,16 @@ class TorchRunner:
                                 kernels.status() if self.device.type == "cpu" else "decode attention: PyTorch gather + SDPA",
                                 keep_freed_memory() if self.device.type == "cpu" else "malloc: system defaults"))
         log.info("servewise: %s", self.paths)
-        self.store = None  # a global KV store (connectors.kv_store.KVStore) for moves to and from Pool.STORE
+        self.store = store
         self.layerwise_fetch = True  # fetched KV arrives layer by layer while the step computes
         self._fetch: _Fetch | None = None  # the step's fetch from the store
 
-    def share_device_cache(self, path: str) -> None:
-        """Keep the device KV cache in a shared file that other processes can map (cluster hand-offs)."""
-        if self.device.type != "cpu":
-            raise ValueError("a shared KV cache file is for CPU instances")
-        from servewise.connectors.shm import map_file
-
-        shared = map_file(path, tuple(self.device_cache.shape), self.device_cache.dtype, create=True)
-        shared.copy_(self.device_cache)
-        self.device_cache = shared
-        mc, n = self.mc, self.capacity[0]
-        self.kv_caches = list(shared.view(mc.num_layers, 2, n * self.bs, mc.num_kv_heads, mc.head_dim).unbind(0))
+    def _before_layer(self, layer: int) -> None:
+        """Layer `layer` computes once its KV is in: fetched from the store, or loaded by the connector."""
+        if self._fetch is not None:
+            self._fetch.wait(layer)
+        if self.connector is not None:
+            self.connector.wait_for_layer_load(layer)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -100,7 +101,7 @@ class TorchRunner:
             self._fetch = _Fetch(self.store, move.pairs, self.device_cache)
             if self.layerwise_fetch:
                 self._fetch.start()
-                self.model.before_layer = self._fetch.wait
+                self.model.before_layer = self._before_layer
             else:
                 self._fetch.run()
             return time.perf_counter() - t0
@@ -136,13 +137,19 @@ class TorchRunner:
         if not out.scheduled:
             return StepResult([], 0.0)
         rows = [self.seqs[rid] for rid in out.scheduled]
-        self.current = out  # for a model's after_layer hook
         ids, positions, meta, last, sampling = self._prepare(out, rows)
+        if self.connector is not None:
+            self.connector.start_step([(rid, seq.block_ids, c, len(seq.prompt_token_ids))
+                                       for rid, seq, c in zip(out.scheduled, rows, out.context_lens)])
+            self.model.before_layer = self._before_layer
         hidden = self.model(ids, positions, self.kv_caches, meta)
+        if self.connector is not None:
+            self.connector.end_step()
+        self.model.before_layer = None
         failed = set()
         if self._fetch is not None:  # rows whose fetched KV did not come whole: void, computed again
             bad = self._fetch.finish()
-            self.model.before_layer, self._fetch = None, None
+            self._fetch = None
             if bad:
                 failed = {rid for rid, seq in zip(out.scheduled, rows) if bad & set(seq.block_ids)}
         if last is not None:

@@ -84,9 +84,9 @@ class EngineInstance:
 def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_instance, log_level: int,
                 cmds, outs) -> None:
     """An engine's whole life: build it, report ready, then serve commands and steps until "stop" or
-    until the parent is gone. cpus: the cores it may run on (None: any); make_instance(engine): the
-    EngineInstance around it. cmds: poll(timeout), recv(); outs: send(message) (the ends of two pipes,
-    or of two queues in a Ray actor)."""
+    until the parent is gone. cpus: the cores it may run on (None: any); make_instance(build): the
+    EngineInstance around the engine build(**assembly options, e.g. a connector) returns. cmds:
+    poll(timeout), recv(); outs: send(message) (the ends of two pipes, or of two queues in a Ray actor)."""
     import torch
 
     from servewise.builder import build_engine
@@ -97,7 +97,7 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
     logging.basicConfig(format="%(message)s", stream=sys.stderr)
     logging.getLogger("servewise").setLevel(log_level)
     try:
-        inst = make_instance(build_engine(**engine_kwargs))
+        inst = make_instance(lambda **kw: build_engine(**engine_kwargs, **kw))
     except Exception as e:
         outs.send(("failed", str(e) if isinstance(e, USER_ERRORS) else f"{type(e).__name__}: {e}",
                    isinstance(e, USER_ERRORS)))
@@ -134,5 +134,5 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
             return
 
 
-def single_engine(engine) -> EngineInstance:
-    return EngineInstance(engine)
+def single_engine(build) -> EngineInstance:
+    return EngineInstance(build())
