@@ -13,6 +13,7 @@ from servewise.engine.scheduler import Scheduler
 from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
 from servewise.policies.batching import BATCHERS, SLOODBS, Magnus, Vanilla
 from servewise.policies.kv_fetch import AlwaysFetch, FetchOrRecompute
+from servewise.policies.batch_time import BatchTimeEstimator
 
 
 def check_policies(config: EngineConfig) -> None:
@@ -58,9 +59,10 @@ def make_batcher(sc, memory_cap: int):
     if kind is SLOODBS:
         w1, w2 = sc.weights()
         return SLOODBS(memory_cap, sc.max_num_seqs, w1=w1, w2=w2, threshold=sc.slo_threshold)
+    estimator = BatchTimeEstimator() if sc.batch_order == "hrrn" else None
     if kind is Magnus:
-        return Magnus(memory_cap, sc.max_num_seqs, sc.batch_order, sc.wma_threshold)
-    return Vanilla(memory_cap, sc.max_num_seqs, sc.batch_order, sc.batch_size)
+        return Magnus(memory_cap, sc.max_num_seqs, sc.batch_order, sc.wma_threshold, estimator)
+    return Vanilla(memory_cap, sc.max_num_seqs, sc.batch_order, sc.batch_size, estimator)
 
 
 def weights_key(config: EngineConfig, mc) -> str:

@@ -12,7 +12,9 @@ from servewise.engine.request import Request
 from servewise.engine.scheduler import Scheduler
 from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
 from servewise.policies.batching import SLOODBS, Batch, Magnus, Vanilla, wma
-from servewise.predictors.output_length import (BucketClassifier, LinearInput, MagnusForest, Refitting, accuracy,
+from servewise.policies.batch_time import BatchTimeEstimator
+from servewise.policies.refitting import Refitting
+from servewise.predictors.output_length import (BucketClassifier, LinearInput, MagnusForest, accuracy,
                                                 bucket_middle, bucket_of, compress, features, instruction_of)
 from servewise.sampling_params import SamplingParams
 
@@ -44,14 +46,14 @@ def test_magnus_joins_the_batch_with_least_wma_under_the_threshold_and_memory_ca
 
 def test_hrrn_picks_the_highest_response_ratio_and_fcfs_the_oldest():
     for order, first in (("fcfs", "0"), ("hrrn", "1")):
-        v = Vanilla(memory_cap=10**6, max_batch=8, order=order, batch_size=1)
+        v = Vanilla(memory_cap=10**6, max_batch=8, order=order, batch_size=1, estimator=BatchTimeEstimator())
         v.add(req(0, 10, t=0.0, predicted=100), 0.0)  # estimate 100 x 0.01 s: ratio (10 + 1) / 1 = 11 at t = 10
         v.add(req(1, 10, t=5.0, predicted=10), 5.0)  # estimate 0.1 s: ratio (5 + 0.1) / 0.1 = 51
         assert v.next(10.0).requests[0].request_id == first
 
 
 def test_batch_time_estimator_learns_from_ended_batches():
-    v = Vanilla(memory_cap=10**6, max_batch=8, order="hrrn", batch_size=2)
+    v = Vanilla(memory_cap=10**6, max_batch=8, order="hrrn", batch_size=2, estimator=BatchTimeEstimator())
     est = v.estimator
     for i in range(6):  # batches of 2 x 20 predicted tokens that take 2 s
         b = Batch([req(2 * i, 10, predicted=20), req(2 * i + 1, 10, predicted=20)], 0.0, start=0.0)

@@ -22,9 +22,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from servewise.experiments import publish
-from servewise.metrics.plots import save_figure
 from servewise.metrics import RequestRecord, compute, save_json
-from servewise.predictors.output_length import (PREDICTORS, Embedder, Refitting, accuracy, features, instruction_of,
+from servewise.metrics.plots import save_figure
+from servewise.policies.refitting import Refitting
+from servewise.predictors.output_length import (PREDICTORS, Embedder, accuracy, features, instruction_of,
                                                 length_tokenizer, make_predictor, time_per_prediction)
 from servewise.workloads.arrivals import arrival_times
 from servewise.workloads.datasets import WorkloadRequest, records

@@ -56,62 +56,19 @@ def wma(lengths: list[int], outputs: list[int]) -> float:
     return worst
 
 
-class BatchTimeEstimator:
-    """Magnus's KNN regression of a batch's run time on (batch size, longest input, longest predicted
-    output). Until it has `k` samples it guesses the longest output times the seconds per output token
-    seen so far (0.01 s before any batch ended)."""
-
-    def __init__(self, k: int = 5, refit_period: float = 120.0, abs_tol: float = 2.0, rel_tol: float = 0.2):
-        from sklearn.neighbors import KNeighborsRegressor
-
-        from servewise.predictors.output_length import Refitting
-
-        self.k = k
-        self.model = Refitting(KNeighborsRegressor(n_neighbors=k, weights="distance"), np.zeros((0, 3)), [],
-                               refit_period, abs_tol, rel_tol)
-        self.seconds = self.tokens = 0.0  # over every ended batch: run time, longest outputs
-        self.sec_per_token = 0.01
-
-    @staticmethod
-    def features(batch: Batch) -> tuple[int, int, int]:
-        return (len(batch.requests), batch.L, batch.G)
-
-    @property
-    def fitted(self) -> bool:
-        return len(self.model.y) >= self.k
-
-    def estimate(self, batch: Batch) -> float:
-        if self.fitted:
-            return max(1e-6, float(self.model.predict([self.features(batch)])[0]))
-        return max(1e-6, batch.G * self.sec_per_token)
-
-    def observe(self, x: tuple[int, int, int], seconds: float, now: float) -> None:
-        """A batch ended after `seconds`; x: its size, longest input and longest actual output. As Magnus
-        does, the batch is estimated again with its actual lengths: the first k batches fit the model,
-        later ones join its training set when that estimate erred (continual learning)."""
-        self.seconds += seconds
-        self.tokens += x[2]
-        self.sec_per_token = self.seconds / max(1.0, self.tokens)
-        m = self.model
-        if len(m.X) < self.k:  # its first k batches are its training set, fitted once all are in
-            m.X.append(list(map(float, x)))
-            m.y.append(seconds)
-            if len(m.X) == self.k:
-                m.model.fit(np.array(m.X), m.y)
-            return
-        self.model.observe(x, float(self.model.predict([x])[0]), seconds)
-        self.model.maybe_refit(now)
-
-
 class Assembler:
     """What the scheduler needs of a batch assembler; `queued` holds the batches in queue order."""
 
-    def __init__(self, memory_cap: int, max_batch: int, order: str = "fcfs"):
+    def __init__(self, memory_cap: int, max_batch: int, order: str = "fcfs", estimator=None):
+        """estimator: what HRRN orders batches by, estimate(batch) -> seconds and observe(...) when one
+        ends (predictors.batch_time.BatchTimeEstimator); the hrrn order needs one."""
         if order not in BATCH_ORDERS:
             raise ValueError(f"unknown batch order {order!r}; choose from {', '.join(BATCH_ORDERS)}")
+        if order == "hrrn" and estimator is None:
+            raise ValueError("the hrrn batch order needs a batch-time estimator")
         self.memory_cap, self.max_batch, self.order = memory_cap, max_batch, order
         self.queued: list[Batch] = []
-        self.estimator = BatchTimeEstimator() if order == "hrrn" else None
+        self.estimator = estimator if order == "hrrn" else None
         self.splits = 0  # OOM splits
 
     def __len__(self) -> int:
@@ -162,8 +119,8 @@ class Vanilla(Assembler):
 
     name = "vanilla"
 
-    def __init__(self, memory_cap: int, max_batch: int, order: str = "fcfs", batch_size: int = 8):
-        super().__init__(memory_cap, max_batch, order)
+    def __init__(self, memory_cap: int, max_batch: int, order: str = "fcfs", batch_size: int = 8, estimator=None):
+        super().__init__(memory_cap, max_batch, order, estimator)
         self.batch_size = min(batch_size, max_batch)
 
     def add(self, req: Request, now: float) -> None:
@@ -181,8 +138,9 @@ class Magnus(Assembler):
 
     name = "magnus"
 
-    def __init__(self, memory_cap: int, max_batch: int, order: str = "hrrn", threshold: float = 1_000_000.0):
-        super().__init__(memory_cap, max_batch, order)
+    def __init__(self, memory_cap: int, max_batch: int, order: str = "hrrn", threshold: float = 1_000_000.0,
+                 estimator=None):
+        super().__init__(memory_cap, max_batch, order, estimator)
         self.threshold = threshold
 
     def cost(self, batch: Batch, req: Request) -> float:
