@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from servewise.config import ModelConfig
-from servewise.models import llama, opt
+from servewise.models import decoder, opt
 from servewise.models.tokenizer import load_tokenizer
 
 _TINY_LLAMA = {
@@ -63,7 +63,7 @@ CONFIG_ONLY_MODELS: dict[str, dict] = {
                    "max_position_embeddings": 16384, "layer_norm_epsilon": 1e-5, "bos_token_id": 1,
                    "eos_token_id": 2, "torch_dtype": "bfloat16"},
 }
-ARCHS = {"llama": (llama.LlamaForCausalLM, llama.hf_weight_shapes), "opt": (opt.OPTForCausalLM, opt.hf_weight_shapes)}
+ARCHS = {"llama": (decoder.DecoderForCausalLM, decoder.hf_weight_shapes), "opt": (opt.OPTForCausalLM, opt.hf_weight_shapes)}
 
 
 def hf_config(model: str) -> dict:
@@ -82,13 +82,13 @@ def hf_config(model: str) -> dict:
 
 
 def random_weights(c: ModelConfig, seed: int = 0, std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
-    """Deterministic random weights under Hugging Face names: normal(0, std), norms 1, biases 0."""
+    """Deterministic random weights under Hugging Face names: normal(0, std), norms the identity, biases 0."""
     g = torch.Generator().manual_seed(seed)
     for name, shape in ARCHS[c.arch][1](c).items():
         if name.endswith(".bias"):
             yield name, torch.zeros(shape)
-        elif len(shape) == 1:
-            yield name, torch.ones(shape)
+        elif len(shape) == 1:  # (Gemma's norms scale by 1 + weight)
+            yield name, torch.full(shape, 1.0 - c.norm_offset)
         else:
             yield name, torch.randn(shape, generator=g) * std
 
