@@ -6,6 +6,7 @@ weight (norms and biases too) is random."""
 import copy
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -280,3 +281,52 @@ def test_dynamic_ntk_frequencies_equal_the_reference():
     for row, n in zip(got, lengths):
         want, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf, "cpu", seq_len=n)
         assert torch.allclose(row, want, rtol=1e-6, atol=0)
+
+
+# --- what is not supported: one line naming the field and its value, exit status 2 ------------------
+LLAMA_BASE = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=96, vocab_size=384, max_position_embeddings=256)
+UNSUPPORTED = [
+    (dict(LLAMA_BASE, model_type="qwen2_moe"), "model_type 'qwen2_moe' is not supported"),
+    (dict(LLAMA_BASE, model_type="gemma3", text_config={}), "model_type 'gemma3' (Gemma 3 with its image encoder)"),
+    (dict(LLAMA_BASE, model_type="phi3", rope_scaling={"type": "su", "long_factor": [1.0] * 8,
+                                                       "short_factor": [1.0] * 8}),
+     "rope_scaling.type 'su' is not supported"),
+    (dict(LLAMA_BASE, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
+     "rope_parameters.rope_type 'longrope' is not supported"),
+    (dict(LLAMA_BASE, hidden_act="gelu_new"), "hidden_act 'gelu_new' is not supported"),
+    (dict(LLAMA_BASE, partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported for model_type 'llama'"),
+    (dict(LLAMA_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=8,
+          layer_types=["chunked_attention", "full_attention"]),
+     "layer_types entry 'chunked_attention' is not supported"),
+]
+
+
+@pytest.mark.parametrize("config, message", UNSUPPORTED, ids=["moe", "gemma3-vision", "phi3-longrope", "longrope",
+                                                             "gelu", "partial-rotary", "chunked-attention"])
+def test_an_unsupported_config_is_one_line_and_status_2(config, message, tmp_path, capsys):
+    from servewise.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        ModelConfig.from_hf(config)
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tmp_path), "--load-format", "dummy"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_the_command_line_itself_says_it_in_one_line(tmp_path):
+    """The installed entry point, as a user runs it: no traceback, status 2."""
+    import os
+    import subprocess
+    import sys
+
+    import servewise
+
+    (tmp_path / "config.json").write_text(json.dumps(UNSUPPORTED[2][0]))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(servewise.__file__)))
+    done = subprocess.run([sys.executable, "-m", "servewise.cli", "generate", "--model", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and done.stderr.splitlines() == [f"error: {UNSUPPORTED[2][1]} (supported: default, "
+                                                                 f"linear, dynamic, yarn, llama3)"]
