@@ -330,3 +330,24 @@ def test_the_command_line_itself_says_it_in_one_line(tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and done.stderr.splitlines() == [f"error: {UNSUPPORTED[2][1]} (supported: default, "
                                                                  f"linear, dynamic, yarn, llama3)"]
+
+
+# --- published sizes, for the simulator --------------------------------------------------------------
+def test_config_only_sizes_read_and_simulate(tmp_path):
+    from servewise.cli import main
+    from servewise.models.loader import CONFIG_ONLY_MODELS, hf_config
+
+    facts = {n: ModelConfig.from_hf(hf_config(n), dtype="bfloat16") for n in CONFIG_ONLY_MODELS}
+    c = facts["llama-3.1-8b"]  # 32 layers x 8 KV heads x 128 dims x K and V x 2 bytes
+    assert (c.kv_bytes_per_token, c.max_model_len, c.rope_scaling["factor"]) == (131072, 131072, 8.0)
+    assert facts["llama-3.2-1b"].tie_word_embeddings and facts["qwen2.5-0.5b"].tie_word_embeddings
+    assert facts["qwen2.5-72b"].window(79) is None and facts["qwen2.5-72b"].qkv_bias
+    assert (facts["qwen3-8b"].head_dim, facts["qwen3-8b"].qk_norm) == (128, True)
+    assert facts["mistral-7b"].window(0) == 4096 and facts["phi-3-mini"].window(0) == 2047
+    g = facts["gemma-2-9b"]
+    assert [g.window(i) for i in range(3)] == [4096, None, 4096] and g.num_heads * g.head_dim == 4096
+    assert [facts["gemma-3-1b"].window(i) for i in (4, 5)] == [512, None]
+    out = tmp_path / "sim.json"
+    main(["simulate", "--model", "qwen2.5-7b", "--hardware", "h100-80g", "--num-requests", "8", "--input-len", "300",
+          "--output-len", "20", "--out", str(out)])
+    assert json.loads(out.read_text())["completed"] == 8
