@@ -268,7 +268,7 @@ def _decoder_fields(hf: dict, mt: str) -> dict:
         raise UnsupportedModelError("use_bidirectional_attention true is not supported (causal decoders only)")
     rope = _rope_fields(hf, mt, head_dim)
     window, layer_types = _windows(hf, mt, layers)
-    attn_bias = bool(hf.get("attention_bias")) and mt not in ("mistral", "phi3")  # (those two ignore the key)
+    attn_bias = bool(hf.get("attention_bias")) and mt not in ("mistral", "qwen2", "phi3")  # (these ignore the key)
     return dict(
         arch="llama", family=mt, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,

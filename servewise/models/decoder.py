@@ -182,8 +182,9 @@ class DecoderForCausalLM(nn.Module):
                 layer, leaf, kind = self.layers[int(parts[1])], parts[-2], parts[-1]
                 if leaf in fused:
                     base, start, size = fused[leaf]
-                    target = getattr(layer, f"{base}_proj" if kind == "weight" else f"{base}_bias", None)
-                    target = None if target is None else target.data if size is None else target.data[start:start + size]
+                    param = getattr(layer, f"{base}_proj" if kind == "weight" else f"{base}_bias", None)
+                    if param is not None:
+                        target = param.data if size is None else param.data[start:start + size]
                 elif leaf in norms and kind == "weight":
                     target = getattr(layer, leaf).data
             elif parts[0] == "lm_head" and c.tie_word_embeddings:

@@ -105,7 +105,8 @@ CONFIG_ONLY_MODELS: dict[str, dict] = {
                    "max_position_embeddings": 16384, "layer_norm_epsilon": 1e-5, "bos_token_id": 1,
                    "eos_token_id": 2, "torch_dtype": "bfloat16"},
 }
-ARCHS = {"llama": (decoder.DecoderForCausalLM, decoder.hf_weight_shapes), "opt": (opt.OPTForCausalLM, opt.hf_weight_shapes)}
+ARCHS = {"llama": (decoder.DecoderForCausalLM, decoder.hf_weight_shapes),
+         "opt": (opt.OPTForCausalLM, opt.hf_weight_shapes)}
 
 
 def hf_config(model: str) -> dict:

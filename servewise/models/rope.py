@@ -52,7 +52,8 @@ def inv_freq(theta: float, dim: int, scaling: dict | None) -> tuple[torch.Tensor
 
 
 def _llama3(plain: torch.Tensor, s: dict) -> torch.Tensor:
-    factor, low, high, l0 = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    l0 = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / plain
     turns = l0 / wavelen  # how many times a pair turns over the trained length
     blend = ((turns - low) / (high - low)).clamp(0, 1)  # 0: slowed by factor, 1: kept
