@@ -145,11 +145,23 @@ class EngineConfig:
         return cls(**kw, **parts)
 
 
+class UnsupportedModelError(ValueError):
+    """A checkpoint's config.json asks for something servewise cannot run yet. A ValueError, so the
+    command line reports it as one line (exit status 2); raised before anything is built."""
+
+
+# model_type -> what the family changes on the Llama-style decoder (models/decoder.py runs them all)
+DECODER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
 @dataclass
 class ModelConfig:
     """The architecture facts the engine needs, read from a Hugging Face config.json."""
 
-    arch: str  # "llama" | "opt" | "bloom" (configuration only)
+    arch: str  # the module that runs it: "llama" (every decoder family), "opt", "bloom" (configuration only)
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -168,6 +180,33 @@ class ModelConfig:
     do_layer_norm_before: bool = True
     word_embed_proj_dim: int | None = None
     remove_final_layer_norm: bool = False
+    # Decoder families (arch "llama"): each family's differences from Llama, as data
+    family: str = ""  # the config's model_type
+    rope_scaling: dict | None = None  # {"rope_type": linear | dynamic | yarn | llama3, its parameters}; None: plain
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions that rotate (the first ones)
+    local_rope_theta: float | None = None  # sliding-window layers' own rotary base, unscaled (Gemma 3)
+    sliding_window: int | None = None  # keys a query sees at most (itself included) on sliding layers
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention"; () with a window: all slide
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each query and key head before rotary (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorms scale by (norm_offset + weight): Gemma stores weights around 0
+    sandwich_norm: bool = False  # norms after attention and before and after the MLP as well (Gemma)
+    embed_scale: float | None = None  # token embeddings are multiplied by this (Gemma: sqrt(hidden_size))
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" | "gelu_tanh"
+    attn_scale: float | None = None  # attention score scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the output logits (Gemma 2)
+    fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of a layer, or None where it attends to every earlier token."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, hf: dict, dtype: str | None = None) -> ModelConfig:
@@ -175,28 +214,13 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        if mt in ("llama", "mistral"):
-            rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-            if rope.get("rope_type", rope.get("type", "default")) != "default":
-                raise NotImplementedError(f"rope scaling {rope!r} is not supported yet")
-            if hf.get("attention_bias") or hf.get("mlp_bias"):
-                raise NotImplementedError("attention_bias / mlp_bias Llama variants are not supported yet")
-            if hf.get("hidden_act", "silu") != "silu":
-                raise NotImplementedError(f"hidden_act {hf['hidden_act']!r} is not supported")
-            heads = hf["num_attention_heads"]
-            return cls(
-                arch="llama", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-                num_layers=hf["num_hidden_layers"], num_heads=heads,
-                num_kv_heads=hf.get("num_key_value_heads") or heads,
-                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-                intermediate_size=hf["intermediate_size"], max_model_len=hf["max_position_embeddings"],
-                norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-                tie_word_embeddings=hf.get("tie_word_embeddings", False),
-                bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, dtype=dtype or _dtype(hf),
-            )
+        if mt in DECODER_FAMILIES:
+            return cls(**_decoder_fields(hf, mt), bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
+                       dtype=dtype or _dtype(hf))
         if mt == "opt":
             if hf.get("activation_function", "relu") != "relu":
-                raise NotImplementedError(f"activation {hf['activation_function']!r} is not supported")
+                raise UnsupportedModelError(f"activation_function {hf['activation_function']!r} is not supported "
+                                            f"for model_type 'opt' (supported: relu)")
             heads = hf["num_attention_heads"]
             return cls(
                 arch="opt", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
@@ -217,13 +241,129 @@ class ModelConfig:
                 norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_word_embeddings=True,
                 bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, dtype=dtype or _dtype(hf),
             )
-        raise NotImplementedError(f"model_type {mt!r} is not supported (supported: llama, mistral, opt)")
+        if mt == "gemma3":
+            raise UnsupportedModelError("model_type 'gemma3' (Gemma 3 with its image encoder) is not supported; "
+                                        "text-only Gemma 3 checkpoints (model_type 'gemma3_text') are")
+        raise UnsupportedModelError(f"model_type {mt!r} is not supported (supported: "
+                                    f"{', '.join(DECODER_FAMILIES)}, opt)")
 
     @property
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes one token occupies across all layers."""
         itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+def _decoder_fields(hf: dict, mt: str) -> dict:
+    """ModelConfig fields of a decoder family's config.json; anything it cannot run raises
+    UnsupportedModelError naming the field and its value."""
+    gemma = mt in ("gemma2", "gemma3_text")
+    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    act_field = "hidden_activation" if gemma and hf.get("hidden_activation") else "hidden_act"
+    act = hf.get(act_field) or ("gelu_pytorch_tanh" if gemma else "silu")
+    if act not in _ACTIVATIONS:
+        raise UnsupportedModelError(f"{act_field} {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("use_bidirectional_attention true is not supported (causal decoders only)")
+    rope = _rope_fields(hf, mt, head_dim)
+    window, layer_types = _windows(hf, mt, layers)
+    attn_bias = bool(hf.get("attention_bias")) and mt not in ("mistral", "qwen2", "phi3")  # (these ignore the key)
+    return dict(
+        arch="llama", family=mt, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=hf.get("tie_word_embeddings", gemma), **rope,
+        sliding_window=window, layer_types=layer_types,
+        qkv_bias=attn_bias or mt == "qwen2", o_bias=attn_bias, mlp_bias=mt == "llama" and bool(hf.get("mlp_bias")),
+        qk_norm=mt in ("qwen3", "gemma3_text"), norm_offset=1.0 if gemma else 0.0, sandwich_norm=gemma,
+        embed_scale=hf["hidden_size"] ** 0.5 if gemma else None, hidden_act=_ACTIVATIONS[act],
+        attn_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5 if gemma else None,
+        attn_softcap=hf.get("attn_logit_softcapping") if mt == "gemma2" else None,  # (Gemma 3 ignores it)
+        final_softcap=hf.get("final_logit_softcapping") if gemma else None, fused_checkpoint=mt == "phi3",
+    )
+
+
+def _windows(hf: dict, mt: str, layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding window, per-layer attention kinds) as each family's Hugging Face model reads them."""
+    window = None if mt == "llama" else hf.get("sliding_window")
+    if mt in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        window = None
+    if window is None or mt in ("mistral", "phi3"):  # (these two slide on every layer)
+        return window, ()
+    if hf.get("layer_types"):
+        kinds = tuple(hf["layer_types"])
+        if len(kinds) != layers:
+            raise ValueError(f"layer_types lists {len(kinds)} layers, num_hidden_layers is {layers}")
+        if bad := [k for k in kinds if k not in _LAYER_TYPES]:
+            raise UnsupportedModelError(f"layer_types entry {bad[0]!r} is not supported (supported: "
+                                        f"{', '.join(_LAYER_TYPES)})")
+        return window, kinds
+    if mt in ("qwen2", "qwen3"):
+        slides = [i >= hf.get("max_window_layers", 28) for i in range(layers)]
+    else:  # Gemma: every n-th layer global, the others local (n = 2 for Gemma 2, 6 for Gemma 3)
+        every = 2 if mt == "gemma2" else hf.get("sliding_window_pattern", 6)
+        slides = [(i + 1) % every != 0 for i in range(layers)]
+    return window, tuple(_LAYER_TYPES[0] if s else _LAYER_TYPES[1] for s in slides)
+
+
+def _rope_fields(hf: dict, mt: str, head_dim: int) -> dict:
+    """rope_theta, rope_scaling, partial_rotary_factor, local_rope_theta and max_model_len, from either
+    the older top-level keys (rope_theta, rope_scaling) or transformers 5's rope_parameters."""
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(field) or {})
+    local: dict = {}
+    if "full_attention" in params or "sliding_attention" in params:  # per layer kind (Gemma 3)
+        if mt != "gemma3_text":
+            raise UnsupportedModelError(f"{field} per layer kind is not supported for model_type {mt!r}")
+        local, params = dict(params.get("sliding_attention") or {}), dict(params.get("full_attention") or {})
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise UnsupportedModelError(f"{field}.sliding_attention.rope_type {local.get('rope_type')!r} is not "
+                                        f"supported (sliding layers take plain rotary only)")
+        field += ".full_attention"
+    default_theta = 1_000_000.0 if mt == "gemma3_text" else 10000.0
+    theta = params.get("rope_theta") or hf.get("rope_theta") or default_theta
+    kind = raw = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and mt != "phi3":
+        raise UnsupportedModelError(f"partial_rotary_factor {partial} is not supported for model_type {mt!r} "
+                                    f"(only phi3's rotary is partial)")
+    if mt == "phi3" and kind in ("su", "yarn"):  # (Phi-3's "su" and "yarn" are its longrope)
+        kind = "longrope"
+    if kind not in ROPE_TYPES:
+        key = "type" if "type" in params and "rope_type" not in params else "rope_type"
+        raise UnsupportedModelError(f"{field}.{key} {raw!r} is not supported (supported: "
+                                    f"{', '.join(ROPE_TYPES)})")
+    if int(head_dim * partial) % 2:
+        raise UnsupportedModelError(f"partial_rotary_factor {partial} leaves an odd number of rotary dimensions")
+    max_pos = hf["max_position_embeddings"]
+    original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or max_pos
+
+    def need(key: str):
+        if params.get(key) is None:
+            raise ValueError(f"{field} of rope_type {kind!r} lacks {key!r}")
+        return params[key]
+
+    scaling, max_len = None, max_pos
+    if kind == "linear":
+        scaling = {"rope_type": kind, "factor": float(need("factor"))}
+    elif kind == "dynamic":  # grows the base beyond max_position_embeddings: the model's reach is factor times it
+        scaling = {"rope_type": kind, "factor": float(need("factor")), "original_max_position_embeddings": max_pos}
+        max_len = int(max_pos * scaling["factor"])
+    elif kind == "yarn":
+        factor = params.get("factor") or max_pos / original
+        scaling = {"rope_type": kind, "factor": float(factor), "original_max_position_embeddings": original,
+                   "beta_fast": params.get("beta_fast") or 32, "beta_slow": params.get("beta_slow") or 1,
+                   "mscale": params.get("mscale"), "mscale_all_dim": params.get("mscale_all_dim"),
+                   "attention_factor": params.get("attention_factor"), "truncate": params.get("truncate", True)}
+        max_len = max(max_pos, int(original * factor))
+    elif kind == "llama3":
+        scaling = {"rope_type": kind, "factor": float(need("factor")), "low_freq_factor": need("low_freq_factor"),
+                   "high_freq_factor": need("high_freq_factor"), "original_max_position_embeddings": original}
+    return {"rope_theta": float(theta), "rope_scaling": scaling, "partial_rotary_factor": float(partial),
+            "local_rope_theta": float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0)
+            if mt == "gemma3_text" else None,
+            "max_model_len": max_len}
 
 
 def _dtype(hf: dict) -> str:

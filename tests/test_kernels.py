@@ -95,7 +95,7 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (37, 96), (300, 1024)])
 def test_layer_ops_equal_their_pytorch_twins(rows, hidden, dtype):
-    from servewise.models.llama import rms_norm
+    from servewise.models.decoder import rms_norm
 
     g = torch.Generator().manual_seed(rows + hidden)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
@@ -113,9 +113,9 @@ def test_layer_ops_equal_their_pytorch_twins(rows, hidden, dtype):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_on_a_strided_view_equals_the_pytorch_twin(dtype):
-    from servewise.models.llama import Rotary
+    from servewise.models.rope import RopeTable, inv_freq
 
-    rot = Rotary(64, 512, 10000.0).to(dtype)
+    rot = RopeTable(inv_freq(10000.0, 64, None)[0], 512).to(dtype)
     g = torch.Generator().manual_seed(3)
     # as the layer calls it: queries and keys, a view into the fused qkv output (token stride > heads * D)
     qkv = torch.randn(50, (6 + 2 + 2) * 64, generator=g).to(dtype)

@@ -31,9 +31,10 @@ from torch import nn
 from servewise.models.attention import paged_attention
 
 
-def _rebuild(kind, c, params: dict) -> nn.Module:
-    """A layer of class `kind` holding `params` (name -> tensor), prepared for running."""
-    layer = kind(c)
+def _rebuild(kind, c, params: dict, index: int | None = None) -> nn.Module:
+    """A layer of class `kind` (the `index`-th of its model, where the class asks) holding `params`
+    (name -> tensor), prepared for running."""
+    layer = kind(c) if index is None else kind(c, index)
     with torch.no_grad():
         for name, p in layer.named_parameters():
             p.copy_(params[name])
@@ -50,7 +51,7 @@ class PeerLayer(nn.Module):
 
     def __init__(self, layer: nn.Module, cache: torch.Tensor):
         super().__init__()
-        self.layer = _rebuild(type(layer), layer.c, _params(layer))
+        self.layer = _rebuild(type(layer), layer.c, _params(layer), getattr(layer, "index", None))
         self.cache = cache.clone()
         self._source = cache  # the argument the model passes for this layer's cache, replaced by the peer's
 
@@ -73,10 +74,10 @@ class HeadSplit:
         self.local = cache[:, :, :keep].contiguous()  # [2, slots, keep, D]
         self.peer = cache[:, :, keep:].contiguous()
 
-    def __call__(self, q, k, v, cache, meta):
+    def __call__(self, q, k, v, cache, meta, **opts):
         here, there = _split(q, k, v, self.keep)
-        return torch.cat([paged_attention(*here, self.local, meta), paged_attention(*there, self.peer, meta)],
-                         dim=1)  # [T, H * D], heads in order
+        return torch.cat([paged_attention(*here, self.local, meta, **opts),
+                          paged_attention(*there, self.peer, meta, **opts)], dim=1)  # [T, H * D], heads in order
 
 
 def _check(runner, first: int | None = None, heads: int | None = None, layer_ids=None) -> None:
@@ -132,19 +133,20 @@ def _peer_main(conn, c, threads: int) -> None:
 def _serve(conn, c, threads: int) -> None:
     torch.set_num_threads(threads)
     from servewise import kernels
-    from servewise.models.llama import LlamaLayer, Rotary
+    from servewise.models.decoder import DecoderLayer
     from servewise.models.opt import OPTLayer
+    from servewise.models.rope import Rotary
 
-    kind_of = LlamaLayer if c.arch == "llama" else OPTLayer
+    kind_of = DecoderLayer if c.arch == "llama" else OPTLayer
     layers, caches, heads = [], [], {}
-    rotary = Rotary(c.head_dim, c.max_model_len, c.rope_theta) if c.arch == "llama" else None
+    rotary = Rotary(c) if c.arch == "llama" else None
     kernel = None
     conn.send("ready")
     while (msg := conn.recv()) is not None:
         kind, *args = msg
         if kind == "layers":  # a migration: weights and KV of the moved layers
-            for params, cache in args[0]:
-                layers.append(_rebuild(kind_of, c, params))
+            for params, cache, index in args[0]:
+                layers.append(_rebuild(kind_of, c, params, index))
                 caches.append(cache)
             conn.send("loaded")
             continue
@@ -157,9 +159,9 @@ def _serve(conn, c, threads: int) -> None:
             kernel = kernels.cpu_ext()
         with torch.inference_mode():
             if kind == "attend":  # one layer's moved heads
-                i, q, k, v, meta, _ = args
+                i, q, k, v, opts, meta, _ = args
                 meta.kernel = kernel if use_kernel else None
-                conn.send(paged_attention(q, k, v, heads[i], meta))
+                conn.send(paged_attention(q, k, v, heads[i], meta, **opts))
                 continue
             x, rest, _ = args  # "step": the moved layers, with the layer's other arguments
             for a in rest:
@@ -229,8 +231,9 @@ class RemoteStage(nn.Module):
         super().__init__()
         model, self.peer = runner.model, peer
         self._caches = runner.kv_caches[first:]
-        payload = [(_params(model.layers[i]), runner.kv_caches[i].clone()) for i in range(first, len(model.layers))]
-        peer.load("layers", payload, [t for params, cache in payload for t in (*params.values(), cache)])
+        payload = [(_params(model.layers[i]), runner.kv_caches[i].clone(), getattr(model.layers[i], "index", None))
+                   for i in range(first, len(model.layers))]
+        peer.load("layers", payload, [t for params, cache, _ in payload for t in (*params.values(), cache)])
         for cache in self._caches:
             cache.zero_()
 
@@ -262,12 +265,12 @@ class RemoteHeads:
         self.keep, self.peer, self.layer = keep, peer, layer
         self.local = cache[:, :, :keep].contiguous()
 
-    def __call__(self, q, k, v, cache, meta):
+    def __call__(self, q, k, v, cache, meta, **opts):
         here, there = _split(q, k, v, self.keep)
         t0 = time.perf_counter()
-        self.peer.conn.send(("attend", self.layer, *there, *Peer.meta(meta)))
+        self.peer.conn.send(("attend", self.layer, *there, opts, *Peer.meta(meta)))
         t1 = time.perf_counter()
-        out_here = paged_attention(*here, self.local, meta)
+        out_here = paged_attention(*here, self.local, meta, **opts)
         t2 = time.perf_counter()
         out_there = self.peer.recv()
         self.peer.step_s += (t1 - t0) + (time.perf_counter() - t2)

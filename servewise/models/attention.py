@@ -5,6 +5,11 @@ view of the block pool). New keys and values are written at their slots. Decode 
 the compiled kernel (`servewise/kernels`), which reads each request's blocks in place through its
 block table, or, in plain PyTorch, gather the blocks (whole contiguous rows of the pool) into one
 padded batch for SDPA with a mask.
+
+Layers may also ask for a sliding window (a query sees itself and the window - 1 keys before it), a
+score scale other than head_dim ** -0.5, and soft-capped scores (cap * tanh(scores / cap), computed
+here without SDPA). The compiled decode kernel takes the scale but neither of the other two: layers
+with a window or a cap decode on the PyTorch path, gathering only the blocks their window covers.
 """
 from __future__ import annotations
 
@@ -28,32 +33,69 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
+                    meta: AttentionMetadata, window: int | None = None, scale: float | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; cache: [2, slots, KVH, D]. Returns [T, H * D]."""
     T, H, D = q.shape
     KVH = k.shape[1]
     cache[0].index_copy_(0, meta.slot_mapping, k)
     cache[1].index_copy_(0, meta.slot_mapping, v)
-    gqa = H != KVH
+    opts = Opts(window, scale, softcap)
     if meta.is_prefill and meta.prior_lens is not None:
-        return _continued(q, cache, meta)
+        return _continued(q, cache, meta, opts)
     if meta.is_prefill:
         lens = meta.seq_lens
         if len(set(lens)) == 1:  # equal lengths: one batched call
             B, n = len(lens), lens[0]
-            out = F.scaled_dot_product_attention(
-                q.view(B, n, H, D).transpose(1, 2), k.view(B, n, KVH, D).transpose(1, 2),
-                v.view(B, n, KVH, D).transpose(1, 2), is_causal=True, enable_gqa=gqa)
+            out = _attend(q.view(B, n, H, D).transpose(1, 2), k.view(B, n, KVH, D).transpose(1, 2),
+                          v.view(B, n, KVH, D).transpose(1, 2), _prompt_mask(n, opts, q.device), opts)
             return out.transpose(1, 2).reshape(T, H * D)
         outs, start = [], 0
         for n in lens:
             sl = slice(start, start + n)
-            o = F.scaled_dot_product_attention(
-                q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), is_causal=True, enable_gqa=gqa)
+            o = _attend(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
+                        _prompt_mask(n, opts, q.device), opts)
             outs.append(o.transpose(0, 1).reshape(n, H * D))
             start += n
         return torch.cat(outs)
-    return _decode(q, cache, meta)
+    return _decode(q, cache, meta, opts)
+
+
+@dataclass
+class Opts:
+    """A layer's attention beyond plain causal softmax: window, score scale, soft cap."""
+    window: int | None
+    scale: float | None  # None: head_dim ** -0.5
+    softcap: float | None
+
+
+def _causal(n: int, prior: int, window: int | None, device) -> torch.Tensor:
+    """The [n, prior + n] mask of n queries after `prior` cached keys: True where visible."""
+    visible = torch.ones(n, prior + n, dtype=torch.bool, device=device).tril(diagonal=prior)
+    return visible if window is None else visible.triu(diagonal=prior - window + 1)
+
+
+def _prompt_mask(n: int, opts: Opts, device) -> torch.Tensor | None:
+    """A whole prompt's mask; None for plain causal attention (SDPA's is_causal)."""
+    return None if opts.window is None and opts.softcap is None else _causal(n, 0, opts.window, device)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, opts: Opts) -> torch.Tensor:
+    """Attention of q [..., H, n, D] over k, v [..., KVH, L, D]; mask: bool (True: visible) or additive,
+    broadcastable to [..., H, n, L]; None: causal over n = L."""
+    gqa = q.shape[-3] != k.shape[-3]
+    if opts.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=opts.scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if opts.scale is None else opts.scale)
+    scores = torch.tanh(scores / opts.softcap) * opts.softcap
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def decode_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype) -> torch.Tensor:
@@ -65,25 +107,36 @@ def decode_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     return mask.masked_fill_(~visible.view(B, 1, 1, L), float("-inf"))
 
 
-def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, opts: Opts) -> torch.Tensor:
     """One new token per row over its cached context (the new token's KV is already written)."""
     T, H, D = q.shape
     KVH = cache.shape[2]
-    gqa = H != KVH
-    if meta.kernel is not None:
+    if meta.kernel is not None and opts.window is None and opts.softcap is None:
         out = meta.kernel.paged_decode_attention(q.contiguous(), cache[0], cache[1], meta.block_tables,
-                                                 meta.context_lens, meta.block_size, D ** -0.5)
+                                                 meta.context_lens, meta.block_size,
+                                                 D ** -0.5 if opts.scale is None else opts.scale)
         return out.view(T, H * D)
-    B, L = meta.block_tables.shape[0], meta.block_tables.shape[1] * meta.block_size
-    blocks = cache.view(2, -1, meta.block_size * KVH * D)
-    rows = meta.block_tables.view(-1)
+    bt, bs, mask = meta.block_tables, meta.block_size, meta.mask
+    if opts.window is not None:  # only the blocks the window covers: [first, last] of each row
+        first = (meta.context_lens - opts.window).clamp(min=0) // bs
+        width = int(((meta.context_lens - 1) // bs - first).max()) + 1
+        cols = (first.unsqueeze(1) + torch.arange(width, device=bt.device)).clamp(max=bt.shape[1] - 1)
+        bt = bt.gather(1, cols)
+        pos = (first * bs).unsqueeze(1) + torch.arange(width * bs, device=bt.device)  # each gathered slot's position
+        ctx = meta.context_lens.unsqueeze(1)
+        mask = ((pos < ctx) & (pos >= ctx - opts.window)).view(T, 1, 1, -1)
+    elif mask is None:  # (a layer the kernel cannot serve, in a step prepared for the kernel)
+        mask = decode_mask(bt, meta.context_lens, bs, q.dtype)
+    B, L = bt.shape[0], bt.shape[1] * bs
+    blocks = cache.view(2, -1, bs * KVH * D)
+    rows = bt.reshape(-1)
     kc = blocks[0].index_select(0, rows).view(B, L, KVH, D).transpose(1, 2)  # [B, KVH, L, D]
     vc = blocks[1].index_select(0, rows).view(B, L, KVH, D).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=meta.mask, enable_gqa=gqa)
+    out = _attend(q.unsqueeze(2), kc, vc, mask, opts)
     return out.reshape(T, H * D)
 
 
-def _continued(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def _continued(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, opts: Opts) -> torch.Tensor:
     """Rows of n new tokens after p tokens already cached (chunked prefill, reused KV, decodes in a
     mixed step): each row's queries attend to its first p + n cached keys, causally. Single-token rows
     go through the decode path together; longer rows with the same n go through one attention call
@@ -104,7 +157,7 @@ def _continued(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) ->
         sub = AttentionMetadata(False, tok, ctx.tolist(), bs, bt, None, ctx, meta.kernel)
         if meta.kernel is None:
             sub.mask = decode_mask(bt, ctx, bs, q.dtype)
-        out[tok] = _decode(q[tok], cache, sub)
+        out[tok] = _decode(q[tok], cache, sub, opts)
     done = set(single)
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(meta.seq_lens):
@@ -118,12 +171,16 @@ def _continued(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) ->
         kc = blocks[0].index_select(0, table).view(G, nb * bs, KVH, D)[:, :L].transpose(1, 2)  # [G, KVH, L, D]
         vc = blocks[1].index_select(0, table).view(G, nb * bs, KVH, D)[:, :L].transpose(1, 2)
         if len(set(prior)) == 1:
-            visible = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=prior[0])
-        else:  # query t of a row with p earlier tokens sees keys 0 .. p + t
+            visible = _causal(n, prior[0], opts.window, q.device)
+        else:  # query t of a row with p earlier tokens sees keys 0 .. p + t (and no more than the window)
             last = torch.tensor(prior, device=q.device).view(G, 1, 1) + torch.arange(n, device=q.device).view(1, n, 1)
-            visible = (torch.arange(L, device=q.device).view(1, 1, L) <= last).unsqueeze(1)
+            keys = torch.arange(L, device=q.device).view(1, 1, L)
+            visible = keys <= last
+            if opts.window is not None:
+                visible &= keys > last - opts.window
+            visible = visible.unsqueeze(1)
         idx = torch.cat([torch.arange(starts[i], starts[i + 1], device=q.device) for i in rows])
         qs = q.index_select(0, idx).view(G, n, H, D).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=visible, enable_gqa=H != KVH)
+        o = _attend(qs, kc, vc, visible, opts)
         out[idx] = o.transpose(1, 2).reshape(G * n, H * D)
     return out

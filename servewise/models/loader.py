@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from servewise.config import ModelConfig
-from servewise.models import llama, opt
+from servewise.models import decoder, opt
 from servewise.models.tokenizer import load_tokenizer
 
 _TINY_LLAMA = {
@@ -46,6 +46,26 @@ def _opt(hidden, layers, heads):
             "torch_dtype": "float16"}
 
 
+def _hf(model_type, hidden, layers, heads, kv_heads, inter, vocab, max_len, eps, theta, bos, eos, tie, **extra):
+    """A decoder family's config.json in the keys its model card uses."""
+    return {"model_type": model_type, "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": inter,
+            "vocab_size": vocab, "max_position_embeddings": max_len, "rms_norm_eps": eps, "rope_theta": theta,
+            "bos_token_id": bos, "eos_token_id": eos, "tie_word_embeddings": tie, "torch_dtype": "bfloat16", **extra}
+
+
+def _llama31(hidden, layers, heads, inter, factor=8.0, tie=False, **extra):
+    rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    return _hf("llama", hidden, layers, heads, 8, inter, 128256, 131072, 1e-5, 500000.0, 128000, 128001, tie,
+               rope_scaling=rope, **extra)
+
+
+def _qwen25(hidden, layers, heads, kv_heads, inter, window_layers, vocab=152064, tie=False):
+    return _hf("qwen2", hidden, layers, heads, kv_heads, inter, vocab, 32768, 1e-6, 1000000.0, 151643, 151645, tie,
+               use_sliding_window=False, sliding_window=32768, max_window_layers=window_layers)
+
+
 # Published configurations (the model cards' config.json values), for simulation: no weights here.
 CONFIG_ONLY_MODELS: dict[str, dict] = {
     "opt-13b": _opt(5120, 40, 40),
@@ -56,6 +76,28 @@ CONFIG_ONLY_MODELS: dict[str, dict] = {
     "llama-2-13b": _llama(5120, 40, 40, 13824, max_len=4096),
     "llama-2-70b": _llama(8192, 80, 64, 28672, kv_heads=8, max_len=4096),
     "llama-3-8b": _llama(4096, 32, 32, 14336, kv_heads=8, vocab=128256, max_len=8192),  # BanaServe's GQA example
+    "llama-3.1-8b": _llama31(4096, 32, 32, 14336),
+    "llama-3.1-70b": _llama31(8192, 80, 64, 28672),
+    "llama-3.2-1b": _llama31(2048, 16, 32, 8192, factor=32.0, tie=True, head_dim=64),
+    "llama-3.2-3b": _llama31(3072, 28, 24, 8192, factor=32.0, tie=True, head_dim=128),
+    "qwen2.5-0.5b": _qwen25(896, 24, 14, 2, 4864, 21, vocab=151936, tie=True),
+    "qwen2.5-1.5b": _qwen25(1536, 28, 12, 2, 8960, 21, vocab=151936, tie=True),
+    "qwen2.5-7b": _qwen25(3584, 28, 28, 4, 18944, 28),
+    "qwen2.5-14b": _qwen25(5120, 48, 40, 8, 13824, 48),
+    "qwen2.5-32b": _qwen25(5120, 64, 40, 8, 27648, 64),
+    "qwen2.5-72b": _qwen25(8192, 80, 64, 8, 29568, 80),
+    "qwen3-8b": _hf("qwen3", 4096, 36, 32, 8, 12288, 151936, 40960, 1e-6, 1000000.0, 151643, 151645, False,
+                    head_dim=128),
+    "mistral-7b": _hf("mistral", 4096, 32, 32, 8, 14336, 32000, 32768, 1e-5, 10000.0, 1, 2, False,
+                      sliding_window=4096),  # v0.1, the one with a sliding window
+    "gemma-2-9b": _hf("gemma2", 3584, 42, 16, 8, 14336, 256000, 8192, 1e-6, 10000.0, 2, 1, True, head_dim=256,
+                      hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096,
+                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma-3-1b": _hf("gemma3_text", 1152, 26, 4, 1, 6912, 262144, 32768, 1e-6, 1000000.0, 2, 1, True, head_dim=256,
+                      hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=512,
+                      sliding_window_pattern=6, rope_local_base_freq=10000.0),
+    "phi-3-mini": _hf("phi3", 3072, 32, 32, 32, 8192, 32064, 4096, 1e-5, 10000.0, 1, 32000, False,
+                      original_max_position_embeddings=4096, sliding_window=2047),  # the 4k-context one
     # BLOOM positions are ALiBi biases, with no learned table: its config's seq_length (2048) is the
     # training length, not a limit. Splitwise measured it on prompts up to 8192 tokens; 16384 admits
     # every request of the Azure traces (longest prompt 14,050 tokens).
@@ -63,7 +105,8 @@ CONFIG_ONLY_MODELS: dict[str, dict] = {
                    "max_position_embeddings": 16384, "layer_norm_epsilon": 1e-5, "bos_token_id": 1,
                    "eos_token_id": 2, "torch_dtype": "bfloat16"},
 }
-ARCHS = {"llama": (llama.LlamaForCausalLM, llama.hf_weight_shapes), "opt": (opt.OPTForCausalLM, opt.hf_weight_shapes)}
+ARCHS = {"llama": (decoder.DecoderForCausalLM, decoder.hf_weight_shapes),
+         "opt": (opt.OPTForCausalLM, opt.hf_weight_shapes)}
 
 
 def hf_config(model: str) -> dict:
@@ -82,13 +125,13 @@ def hf_config(model: str) -> dict:
 
 
 def random_weights(c: ModelConfig, seed: int = 0, std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
-    """Deterministic random weights under Hugging Face names: normal(0, std), norms 1, biases 0."""
+    """Deterministic random weights under Hugging Face names: normal(0, std), norms the identity, biases 0."""
     g = torch.Generator().manual_seed(seed)
     for name, shape in ARCHS[c.arch][1](c).items():
         if name.endswith(".bias"):
             yield name, torch.zeros(shape)
-        elif len(shape) == 1:
-            yield name, torch.ones(shape)
+        elif len(shape) == 1:  # (Gemma's norms scale by 1 + weight)
+            yield name, torch.full(shape, 1.0 - c.norm_offset)
         else:
             yield name, torch.randn(shape, generator=g) * std
 

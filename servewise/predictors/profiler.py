@@ -36,6 +36,7 @@ def scaled_config(base: dict, layers: int, hidden: int) -> dict:
     if (layers, hidden) == (base["num_hidden_layers"], base["hidden_size"]):
         return dict(base)
     cfg = dict(base, num_hidden_layers=layers, hidden_size=hidden)
+    cfg.pop("layer_types", None)  # (one entry per layer: the family's own rule lays out the new depth)
     heads = max(1, hidden // 64)
     cfg["num_attention_heads"] = heads
     if cfg.get("model_type") == "opt":
