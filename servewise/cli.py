@@ -386,9 +386,12 @@ def _add_bench_cluster(bsub) -> None:
                     help="synthetic requests run first on the same cluster to measure each instance's step-time "
                          "scale and loop overhead; the simulator is shown with and without them (0: without)")
     bc.add_argument("--same-decisions", type=_at_least(0), default=0, metavar="N",
-                    help="first, N of the workload's requests one every 0.25 s through the real cluster, replayed "
-                         "into the simulated one (its arrival and step times): the same routing, hand-offs, batches "
-                         "and tokens? (0: skip)")
+                    help="first, N of the workload's requests one every --decisions-gap s through the real cluster, "
+                         "replayed into the simulated one (its arrival and step times): the same routing, hand-offs, "
+                         "batches and tokens? (0: skip)")
+    bc.add_argument("--decisions-gap", type=float, default=1.0,
+                    help="seconds between those requests (wider than one request's life: batches then do not "
+                         "depend on the machine's timing)")
     bc.add_argument("--seed", type=int, default=0)
     bc.add_argument("--threads", type=_at_least(1), default=1, help="torch threads per instance")
     bc.add_argument("--out", default="results/bench_cluster.json")

@@ -192,13 +192,16 @@ def decisions(model: str, engine_kw: dict, items, gap_s: float = 0.25, threads: 
     """The same decisions, shown: `items` one every `gap_s` seconds through a real 1 prompt + 1 token
     cluster with every step traced, then through the simulated cluster with the real run's arrival
     times and each instance's measured step times (cluster.replay). Compares where each request went,
-    the hand-offs' outcomes, every step's batch per instance and the tokens per request."""
-    from servewise.cluster.replay import Replayed, compare
+    the hand-offs' outcomes, every step's batch per instance and the tokens per request. Requests that
+    overlap on an instance share its batches as the messages between the processes happened to
+    time them, which the replay does not follow: space them wider than one request's life for a
+    comparison that does not depend on the machine."""
+    from servewise.cluster.replay import Replayed, compare, step_times
     from servewise.cluster.sim import ClusterSim, Design
 
     real = run_real(model, ["prompt", "token"], threads, layerwise, engine_kw, items,
                     [gap_s * i for i in range(len(items))])
-    replays = [Replayed([(p, lens, t) for p, lens, t, _, _ in steps]) for steps in real["steps"]]
+    replays = [Replayed(step_times(steps)) for steps in real["steps"]]
     mc_dtype = engine_kw.get("dtype", "float32")
     sim = ClusterSim(model, Design({"this-cpu": 1}, {"this-cpu": 1}), cost_models=replays,
                      transfer="layerwise" if layerwise else "serialized", link_gbps=1e3, link_latency_s=0.0,
@@ -246,6 +249,8 @@ def main(a) -> None:
 
     if a.threads < 1:
         raise ValueError(f"--threads must be >= 1 (torch threads per instance), got {a.threads}")
+    if a.decisions_gap <= 0:
+        raise ValueError(f"--decisions-gap must be > 0 seconds, got {a.decisions_gap}")
     torch.set_num_threads(a.threads)  # the profile is taken with each instance's thread count
     mc, tok = load_model_config(a.model)
     engine_kw = dict(num_device_blocks=a.num_device_blocks, max_num_seqs=a.max_num_seqs, block_size=a.block_size)
@@ -272,7 +277,7 @@ def main(a) -> None:
     if a.same_decisions:
         say(f"same decisions: {min(a.same_decisions, len(items))} requests through the real cluster, then replayed ...")
         results["same_decisions"] = decisions(a.model, dict(engine_kw, max_num_batched_tokens=4096),
-                                              items[:a.same_decisions], threads=a.threads)
+                                              items[:a.same_decisions], a.decisions_gap, a.threads)
         print(format_decisions(results["same_decisions"]))
     # calibration: a different workload (random prompts of 16-256 tokens, 64 output tokens), same rate
     cal_items, cal_arrivals = build_workload("synthetic", tok, mc.vocab_size, num_requests=a.calibration_requests,

@@ -1,8 +1,8 @@
 """Replaying a real cluster's run in the simulated cluster, to show that both decide alike.
 
 A real run traces every step of every instance (cluster.serving's step_log); `Replayed` is a cost
-model that gives the simulated instance's k-th step the k-th measured step's time, whatever batch it
-prices, and remembers what it priced. Driven with the real run's arrival times, the simulated cluster
+model that gives the simulated instance's k-th step the k-th measured step's time (`step_times`: with
+the instance's own time until its next step), whatever batch it prices, and remembers what it priced. Driven with the real run's arrival times, the simulated cluster
 then meets the same moments, so any difference in where requests went, how their hand-offs ended,
 how many steps each instance took, what each step held or how many tokens each request got is a
 difference in decisions, not in speed: `compare` lists them.
@@ -10,6 +10,18 @@ difference in decisions, not in speed: `compare` lists them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+def step_times(traced: list[tuple], gap_s: float = 0.005) -> list[tuple[bool, list[int], float]]:
+    """An instance's traced steps (is_prefill, context lengths, execute s, s with the instance's work
+    after it, start) as (is_prefill, context lengths, seconds until it could start its next step): to
+    the next step's start where that followed within `gap_s` (the loop's own time between steps), else
+    the step and the instance's work after it."""
+    out = []
+    for k, (p, lens, _, work, start) in enumerate(traced):
+        nxt = traced[k + 1][4] - start if k + 1 < len(traced) else None
+        out.append((p, list(lens), nxt if nxt is not None and nxt - work < gap_s else work))
+    return out
 
 
 @dataclass
