@@ -175,6 +175,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    more_eos_token_ids: tuple[int, ...] = ()  # a config's further end-of-sequence ids (Llama 3.1: <|eot_id|>)
     dtype: str = "float32"
     # OPT only
     do_layer_norm_before: bool = True
@@ -212,11 +213,12 @@ class ModelConfig:
     def from_hf(cls, hf: dict, dtype: str | None = None) -> ModelConfig:
         mt = hf.get("model_type")
         eos = hf.get("eos_token_id")
+        more: tuple[int, ...] = ()
         if isinstance(eos, list):
-            eos = eos[0] if eos else None
+            eos, more = (eos[0], tuple(eos[1:])) if eos else (None, ())
         if mt in DECODER_FAMILIES:
             return cls(**_decoder_fields(hf, mt), bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
-                       dtype=dtype or _dtype(hf))
+                       more_eos_token_ids=more, dtype=dtype or _dtype(hf))
         if mt == "opt":
             if hf.get("activation_function", "relu") != "relu":
                 raise UnsupportedModelError(f"activation_function {hf['activation_function']!r} is not supported "

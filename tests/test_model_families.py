@@ -351,3 +351,22 @@ def test_config_only_sizes_read_and_simulate(tmp_path):
     main(["simulate", "--model", "qwen2.5-7b", "--hardware", "h100-80g", "--num-requests", "8", "--input-len", "300",
           "--output-len", "20", "--out", str(out)])
     assert json.loads(out.read_text())["completed"] == 8
+
+
+def test_every_end_of_sequence_id_of_a_list_ends_a_request():
+    """Llama 3.1 Instruct lists three end ids; a reply ends on the third as on the first."""
+    from servewise.engine.request import Request
+    from servewise.models.loader import BUILTIN_MODELS
+
+    mc = ModelConfig.from_hf(dict(BUILTIN_MODELS["tiny-llama"], eos_token_id=[7, 8, 9]))
+    assert (mc.eos_token_id, mc.more_eos_token_ids) == (7, (8, 9))
+    for end in (7, 9):
+        r = Request("r", [1, 2], SamplingParams(max_tokens=10), 0.0, eos_token_id=mc.eos_token_id,
+                    more_eos_token_ids=mc.more_eos_token_ids)
+        r.append_token(5, 0.1)
+        assert r.finish_reason is None
+        r.append_token(end, 0.2)
+        assert r.finish_reason == "stop"
+    r = Request("r", [1], SamplingParams(max_tokens=10, ignore_eos=True), 0.0, eos_token_id=7, more_eos_token_ids=(9,))
+    r.append_token(9, 0.1)
+    assert r.finish_reason is None

@@ -29,6 +29,7 @@ class Request:
     prompt: str | None = None
     seq_no: int = 0  # order of arrival at the engine; breaks ties between equal arrival times
     eos_token_id: int | None = None
+    more_eos_token_ids: tuple[int, ...] = ()  # the model's other end-of-sequence ids
     max_total_tokens: int = 2**31  # prompt + output cap from the model's maximum length
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -92,7 +93,7 @@ class Request:
             self.first_token_time = now
         self.token_times.append(now)
         p = self.params
-        if not p.ignore_eos and token == self.eos_token_id:
+        if not p.ignore_eos and (token == self.eos_token_id or token in self.more_eos_token_ids):
             self.finish_reason = "stop"
         elif p.stop_token_ids and token in p.stop_token_ids:
             self.finish_reason = "stop"
