@@ -118,6 +118,7 @@ def layer_ops(weight: torch.Tensor):
 
 
 class DecoderForCausalLM(nn.Module):
+    # set by the runner that owns the model (its KV connector, its KV store's fetch):
     after_layer = None  # called with each layer's index once its KV is in the cache
     before_layer = None  # called with each layer's index before it runs (KV still arriving may be awaited)
 

@@ -58,6 +58,7 @@ class OPTLayer(nn.Module):
 
 
 class OPTForCausalLM(nn.Module):
+    # set by the runner that owns the model (its KV connector, its KV store's fetch):
     after_layer = None  # called with each layer's index once its KV is in the cache
     before_layer = None  # called with each layer's index before it runs (KV still arriving may be awaited)
     def __init__(self, c: ModelConfig):
