@@ -137,13 +137,6 @@ class LLMEngine:
         self.scheduler.release(request_id)
         self.committed_blocks -= self._held.pop(request_id)
 
-    def keep(self, request_id: str) -> None:
-        """A request this engine handed off decodes here after all (no other instance could take it)."""
-        req = self.scheduler.held[request_id]
-        self.scheduler.keep(request_id, self.clock.now())
-        self.committed_blocks -= self._held.pop(request_id)
-        self._track(req)
-
     def receive(self, req: Request) -> None:
         """Take a request prefilled on another instance (its prompt and first token); it decodes here
         once blocks are reserved for it (reserve_incoming) and its KV has arrived (kv_arrived)."""

@@ -103,10 +103,6 @@ class Scheduler:
         self.bm.free(request_id)
         return req
 
-    def keep(self, request_id: str, now: float) -> None:
-        """A request handed off decodes here after all: its blocks and KV are already in place."""
-        self._decode_next(self.held.pop(request_id), now)
-
     def _decode_next(self, req: Request, now: float) -> None:
         """A prefilled request joins the running queue; the runner gets it whole with the next step."""
         req.status = Status.RUNNING
