@@ -620,7 +620,7 @@ def _run_cluster(a) -> None:
     import os
     import resource
 
-    from servewise.cluster.metrics import summarize
+    from servewise.metrics.slowdown import summarize
     from servewise.cluster.sim import ClusterSim, Design
     from servewise.experiments.splitwise import reference_perf_for
 

@@ -49,8 +49,9 @@ def test_a_routed_workload_on_two_instances_beats_one():
 import os  # noqa: E402
 
 from servewise.cluster.links import LinkModel, Network, transfer_end  # noqa: E402
-from servewise.cluster.metrics import percentile, summarize  # noqa: E402
 from servewise.cluster.routers import SplitwisePools  # noqa: E402
+from servewise.metrics.slowdown import summarize  # noqa: E402
+from servewise.metrics.summary import percentile  # noqa: E402
 
 TABLE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "splitwise", "perf_model.csv.gz")
 needs_table = pytest.mark.skipif(not os.path.exists(TABLE), reason="Splitwise's table (../shared/data) not present")
@@ -115,6 +116,7 @@ def test_splitwise_pools_route_and_borrow_under_load():
 
 def test_percentile_matches_linear_interpolation():
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5 and percentile(list(range(101)), 90) == 90
+    assert percentile([], 50) != percentile([], 50)  # nan: no requests, no percentile
 
 
 @needs_table

@@ -120,7 +120,7 @@ class ScaledPerf(FixedPerf):
 def test_an_unloaded_request_runs_at_slowdown_one_with_the_engines_own_time():
     """The slowdown baseline charges the engine's own time per step, as the simulated steps do: a request
     alone on the engine is exactly as slow as its baseline."""
-    from servewise.cluster.metrics import slowdowns
+    from servewise.metrics.slowdown import slowdowns
 
     (req,), _ = run_workload(sim(perf=LoopPerf(), num_device_blocks=16), [WorkloadRequest(4, 3)], [0.0])
     s = slowdowns([req], LoopPerf())

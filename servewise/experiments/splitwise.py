@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 
 from servewise.cluster.machines import get_machine
-from servewise.cluster.metrics import PERCENTILES, summarize
+from servewise.metrics.slowdown import PERCENTILES, summarize
 from servewise.cluster.sim import ClusterSim, Design
 from servewise.workloads.datasets import WorkloadRequest, load_azure_trace
 
@@ -423,7 +423,7 @@ def plot(r: dict, out_dir: str) -> list[str]:
                 for j, q in enumerate(PERCENTILES):
                     axes[i][j].plot([m["rate"] for m in ms], [m[f"{metric}_p{q}_slowdown"] for m in ms], marker=".",
                                     label=kind)
-        from servewise.cluster.metrics import SPLITWISE_SLO
+        from servewise.metrics.slowdown import SPLITWISE_SLO
 
         for i, metric in enumerate(("ttft", "tbt", "e2e")):
             for j, q in enumerate(PERCENTILES):

@@ -77,12 +77,17 @@ class SLO:
         return self.ttft_ms is None and self.tpot_ms is None and self.e2el_ms is None
 
 
+def percentile(values, q: float) -> float:
+    """The q-th percentile, linear between order statistics (numpy's default); nan for no values."""
+    return float(np.percentile(np.asarray(values, float), q)) if len(values) else float("nan")
+
+
 def _stats(name: str, values_s: list[float], out: dict) -> None:
     v = np.asarray(values_s, float) * 1e3
     out[f"mean_{name}_ms"] = float(v.mean()) if v.size else None
     for p in PERCENTILES:
         key = "median" if p == 50 else f"p{p}"
-        out[f"{key}_{name}_ms"] = float(np.percentile(v, p)) if v.size else None
+        out[f"{key}_{name}_ms"] = percentile(v, p) if v.size else None
 
 
 def compute(records: list[RequestRecord], slo: SLO | None = None, duration: float | None = None) -> dict:

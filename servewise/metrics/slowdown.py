@@ -1,7 +1,7 @@
-"""Cluster metrics in Splitwise's terms: latencies as slowdowns against an unloaded machine, and SLOs.
+"""Latencies as slowdowns against an unloaded machine, and Splitwise's SLOs on them.
 
-Per request: TTFT (arrival to first token), TBT (its mean time between tokens after the first) and
-E2E (arrival to last token). Each is divided by what the request would take alone on the reference
+Per request, in the vocabulary of metrics.summary: TTFT (arrival to first token), TBT (Splitwise's
+name for TPOT: the mean time between tokens after the first) and E2E (E2EL: arrival to last token). Each is divided by what the request would take alone on the reference
 machine (Splitwise: an uncontended DGX-A100), from the same performance model: the prompt time of
 its prompt, the token time of a batch of one, and their sum over its tokens. The SLO holds when
 every P50 / P90 / P99 slowdown is within Splitwise's limits (TTFT 2 / 3 / 6x, TBT and E2E
@@ -10,31 +10,23 @@ percentiles: the callers report them beside.
 """
 from __future__ import annotations
 
-PERCENTILES = (50, 90, 99)
+from servewise.metrics.summary import PERCENTILES, RequestRecord, percentile
+
 SPLITWISE_SLO = {"ttft": (2.0, 3.0, 6.0), "tbt": (1.25, 1.5, 5.0), "e2e": (1.25, 1.5, 5.0)}
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile with linear interpolation between order statistics (numpy's default)."""
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    pos = (len(v) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
 def latencies(requests) -> dict[str, list[float]]:
-    """Seconds per finished request: ttft, e2e, and tbt (requests with two or more output tokens)."""
+    """Seconds per finished request (engine Requests): ttft, e2e, and tbt (requests with two or more
+    output tokens), as metrics.summary.RequestRecord defines them."""
     out = {"ttft": [], "tbt": [], "e2e": []}
     for r in requests:
         if r is None or r.finish_time is None:
             continue
-        out["ttft"].append(r.first_token_time - r.arrival_time)
-        out["e2e"].append(r.finish_time - r.arrival_time)
-        if (n := len(r.output_token_ids)) > 1:
-            out["tbt"].append((r.finish_time - r.first_token_time) / (n - 1))
+        rec = RequestRecord.from_request(r)
+        out["ttft"].append(rec.ttft)
+        out["e2e"].append(rec.e2el)
+        if (tpot := rec.tpot) is not None:
+            out["tbt"].append(tpot)
     return out
 
 
