@@ -214,8 +214,18 @@ def _run_simulate(a) -> None:
     m["rejected"] = len(res.rejected)
     m["rejected_examples"] = [f"#{i}: {reason}" for i, reason in res.rejected[:10]]
     m.update(_changes(kept, res.requests, notes, eng.model_config.max_model_len))
+    bm = eng.block_manager
+    if bm.caching:  # what prefix caching saved: prompt tokens admitted, and whose KV was not computed
+        saved = bm.hit_tokens + bm.store_hit_tokens
+        m["prefix_cache"] = {"admitted_tokens": bm.admitted_tokens, "cached_tokens": bm.hit_tokens,
+                             "store_tokens": bm.store_hit_tokens, "computed_tokens": bm.admitted_tokens - saved,
+                             "hit_rate": saved / bm.admitted_tokens if bm.admitted_tokens else 0.0}
     title = f"Simulated: {a.model} on {res.perf_label}"
     print(format_table(m, title))
+    if (pc := m.get("prefix_cache")) is not None:
+        print(f"prefix cache: {pc['hit_rate']:.1%} of {pc['admitted_tokens']} admitted prompt tokens from cached "
+              f"blocks ({pc['cached_tokens']} on the device, {pc['store_tokens']} from the KV store), "
+              f"{pc['computed_tokens']} computed")
     _say_changes(m, res.rejected)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"simulation wall time {res.wall_s:.2f} s, {res.steps} steps, peak memory {peak_mb:.0f} MB")

@@ -22,3 +22,19 @@ def test_every_engine_option_is_a_flag_with_its_choices(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--policy", "nonesuch"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_simulate_reports_what_prefix_caching_saved(tmp_path, capsys):
+    """Shared system prompts: the run says how many admitted prompt tokens came from cached blocks and
+    how many were computed; without caching it says nothing of the kind."""
+    import json
+
+    args = ["simulate", "--hardware", "a100-80g", "--model", "llama-7b", "--workload", "shared_prefix",
+            "--num-requests", "40", "--num-prefixes", "2", "--prefix-len", "256", "--input-len", "32"]
+    main(args + ["--enable-prefix-caching", "--out", str(tmp_path / "on.json")])
+    pc = json.loads((tmp_path / "on.json").read_text())["prefix_cache"]
+    assert pc["admitted_tokens"] == 40 * (256 + 32) and pc["computed_tokens"] == pc["admitted_tokens"] - pc["cached_tokens"]
+    assert 0.5 < pc["hit_rate"] < 1 and "prefix cache:" in capsys.readouterr().out
+    main(args + ["--out", str(tmp_path / "off.json")])
+    assert "prefix_cache" not in json.loads((tmp_path / "off.json").read_text())
+    assert "prefix cache:" not in capsys.readouterr().out
