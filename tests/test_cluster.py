@@ -247,3 +247,20 @@ def test_calibration_counts_the_time_outside_the_runner_between_and_inside_steps
         t += 1.7e-3
     cal = calibrate(steps, Perf())
     assert cal["decode_scale"] == pytest.approx(1.5) and cal["step_overhead_s"] == pytest.approx(5e-4)
+
+
+def test_the_coordinator_keeps_only_the_latest_placements_when_told():
+    """A server's coordinator must not grow with every request it ever placed; a simulation keeps all."""
+    from servewise.cluster.coordinator import Coordinator
+    from servewise.engine.llm_engine import RequestLimits
+    from servewise.sampling_params import SamplingParams
+
+    limits = RequestLimits(32000, 2048, 2, 16, 100)
+    for keep, want in ((3, ["r7", "r8", "r9"]), (None, [f"r{i}" for i in range(10)])):
+        co = Coordinator(["mixed", "mixed"], "round_robin", keep_placed=keep)
+        for i in range(2):
+            co.report(i, load())
+        for i in range(10):
+            assert co.route(f"r{i}", [5] * 8, SamplingParams(max_tokens=4), limits) == (i % 2, i % 2)
+        assert list(co.placed) == want
+        assert [i for i, cmd in co.take()[0]] == [i % 2 for i in range(10)]  # an add for each, in turn

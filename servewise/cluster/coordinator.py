@@ -26,6 +26,7 @@ hand requests off through the same states.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from servewise.cluster.handoff import ENDED, HandoffBook
@@ -62,9 +63,12 @@ class Links:
 
 class Coordinator:
     def __init__(self, roles: list[str], router: str = "jsq", lease_s: float = 5.0, clock=time.monotonic,
-                 max_pending_tokens: int = 8192, split_router: str | None = None, links: Links | None = None):
+                 max_pending_tokens: int = 8192, split_router: str | None = None, links: Links | None = None,
+                 keep_placed: int | None = None):
         """roles: per instance, mixed, prompt or token; router: the mixed instances' (routers.ROUTERS);
-        a split uses Splitwise's pools, or a fixed split whose prompts `split_router` routes."""
+        a split uses Splitwise's pools, or a fixed split whose prompts `split_router` routes.
+        keep_placed: placements kept for inspection, the latest (None: all, as a simulation's results
+        need; a server's must not grow with every request it ever handled)."""
         if set(roles) - set(ROLES):
             raise ValueError(f"unknown roles {sorted(set(roles) - set(ROLES))}; choose from {', '.join(ROLES)}")
         self.roles, self.split = list(roles), "prompt" in roles
@@ -82,7 +86,8 @@ class Coordinator:
         self.loads: list[EngineStats | None] = [None] * len(roles)
         self.owner: dict[str, int] = {}  # request id -> the instance whose outputs reach the client
         self.moves: dict[str, Move] = {}
-        self.placed: dict[str, tuple[int, int]] = {}  # request id -> (prompt instance, token instance)
+        self.placed: OrderedDict[str, tuple[int, int]] = OrderedDict()  # request id -> (prompt, token instance)
+        self.keep_placed = keep_placed
         self.handoffs = {"committed": 0, "recomputed": 0, "expired": 0, "lost": 0}
         self.tells: list[tuple[int, tuple]] = []
         self.done: list[tuple] = []
@@ -130,6 +135,8 @@ class Coordinator:
 
     def _place(self, rid, ids, params, p: int, t: int, need: int, block_size: int) -> tuple[int, int]:
         self.owner[rid], self.placed[rid] = p, (p, t)
+        if self.keep_placed is not None and len(self.placed) > self.keep_placed:
+            self.placed.popitem(last=False)
         self._charge(p, len(ids), need if t == p else blocks_for(len(ids), block_size), True)
         if t == p:
             self._tell(p, ("add", rid, ids, params, None))

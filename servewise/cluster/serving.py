@@ -97,7 +97,7 @@ class ClusterClient(StreamingClient):
         self.members = [Member(i, r, gen=i) for i, r in enumerate(roles)]
         self.kv_dir = make_dir()
         links = ShmLinks(self.kv_dir, self.members) if transport == "shm" else GlooLinks()
-        self.co = Coordinator(roles, router, lease_s, time.monotonic, links=links)
+        self.co = Coordinator(roles, router, lease_s, time.monotonic, links=links, keep_placed=10_000)
         self.split = self.co.split
         if self.co.needs_prefix:
             raise ValueError(f"router {router!r} reads every instance's prefix cache: the simulated cluster has it, "
