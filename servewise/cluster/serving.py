@@ -157,9 +157,9 @@ class ClusterClient(StreamingClient):
             m.conn, m.pid = (proc, cmd_w, out_r), proc.pid
         _, tokenizer, limits, stats, self.co.layers, m.cache_file = msg
         m.outbox = queue.SimpleQueue()
-        m.up = True
-        with self._co:
+        with self._co:  # up for the coordinator and for the commands it sends, at once
             self.co.started(m.index, stats)
+            m.up = True
         return tokenizer, limits
 
     def _link(self, m: Member) -> tuple | None:
