@@ -202,17 +202,15 @@ def decisions(model: str, engine_kw: dict, items, gap_s: float = 0.25, threads: 
     real = run_real(model, ["prompt", "token"], threads, layerwise, engine_kw, items,
                     [gap_s * i for i in range(len(items))])
     replays = [Replayed(step_times(steps)) for steps in real["steps"]]
-    mc_dtype = engine_kw.get("dtype", "float32")
     sim = ClusterSim(model, Design({"this-cpu": 1}, {"this-cpu": 1}), cost_models=replays,
                      transfer="layerwise" if layerwise else "serialized", link_gbps=1e3, link_latency_s=0.0,
-                     **dict(engine_kw, dtype=mc_dtype))
+                     **{"dtype": "float32", **engine_kw})  # (the real engine's dtype on this CPU)
     res = sim.run(items, [r.arrival for r in real["records"]])
-    side = lambda placed, handoffs, steps, tokens: dict(placed=[tuple(p) for p in placed], steps=steps,  # noqa: E731
-                                                        handoffs=handoffs, tokens=tokens)
-    out = compare(side(real["placed"], real["handoffs"], [[(p, list(lens)) for p, lens, *_ in s] for s in real["steps"]],
-                       [r.output_tokens for r in real["records"]]),
-                  side(res.placed, res.handoffs, [r.priced for r in replays],
-                       [len(r.output_token_ids) for r in res.requests]))
+    out = compare({"placed": [tuple(p) for p in real["placed"]], "handoffs": real["handoffs"],
+                   "steps": [[(p, list(lens)) for p, lens, *_ in s] for s in real["steps"]],
+                   "tokens": [r.output_tokens for r in real["records"]]},
+                  {"placed": list(res.placed), "handoffs": res.handoffs, "steps": [r.priced for r in replays],
+                   "tokens": [len(r.output_token_ids) for r in res.requests]})
     out.update(requests=len(items), gap_s=gap_s, layerwise=layerwise)
     return out
 

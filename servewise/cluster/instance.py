@@ -84,12 +84,9 @@ class Instance(EngineInstance):
         elif kind == "expect":
             rid, ids, params, route = args
             try:
-                req = eng.make_request(ids, params, request_id=rid)
+                req = eng.expect(ids, params, rid)
             except ValueError as e:
                 return [(rid, [], None, True, f"error: {e}")]
-            req.num_computed_tokens = len(ids)
-            req.output_token_ids.append(0)  # a placeholder for the first token, never decoded from
-            eng.receive(req)
             self.loop.open[rid] = [req, 1]
             self.incoming[rid] = Incoming(route, self.layers)
         elif kind == "first":

@@ -57,7 +57,8 @@ def compare(real: dict, sim: dict) -> dict:
         out[key] = {"real": real[key], "sim": sim[key], "same": real[key] == sim[key]}
     out["steps"] = {"real": [len(s) for s in real["steps"]], "sim": [len(s) for s in sim["steps"]],
                     "same": real["steps"] == sim["steps"]}
-    firsts = [next((k for k, (a, b) in enumerate(zip(r, s)) if a != b), None) for r, s in zip(real["steps"], sim["steps"])]
-    out["steps"]["first_different_step"] = firsts
+    out["steps"]["first_different_step"] = [  # where one run's steps are a prefix of the other's: past its end
+        next((k for k, (a, b) in enumerate(zip(r, s)) if a != b), None if len(r) == len(s) else min(len(r), len(s)))
+        for r, s in zip(real["steps"], sim["steps"])]
     out["same"] = all(v["same"] for v in out.values())
     return out

@@ -62,10 +62,7 @@ class SimInstance:
             req.handoff = route is not None
         elif kind == "expect":  # its prompt and a placeholder first token, as a real instance takes it
             ids, params, _ = args
-            req = self.requests[rid] = eng.make_request(ids, params, request_id=rid)
-            req.num_computed_tokens = len(ids)
-            req.output_token_ids.append(0)
-            eng.receive(req)
+            self.requests[rid] = eng.expect(ids, params, rid)
             self.incoming[rid] = [False, False]
         elif kind == "first":
             if (inc := self.incoming.get(rid)) is not None:

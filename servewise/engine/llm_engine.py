@@ -149,6 +149,16 @@ class LLMEngine:
         self._track(req)
         self.scheduler.receive(req)
 
+    def expect(self, prompt: list[int], params: SamplingParams, request_id: str) -> Request:
+        """Receive a request another instance prefills, before its first token is known: its prompt's
+        KV will come, and a placeholder stands for its first token (never decoded from) until then.
+        Bad input raises ValueError and changes nothing."""
+        req = self.make_request(prompt, params, request_id=request_id)
+        req.num_computed_tokens = len(req.prompt_token_ids)
+        req.output_token_ids.append(0)
+        self.receive(req)
+        return req
+
     def reserve_incoming(self) -> list[str]:
         """Reserve blocks for received requests while they fit; returns their ids (their KV may come)."""
         return [r.request_id for r in self.scheduler.reserve_incoming()]
