@@ -1,7 +1,8 @@
 """The command line: engine flags come from the config dataclasses; each subcommand runs."""
 import pytest
 
-from servewise.cli import _config_fields, main
+from servewise.cli import main
+from servewise.commands.options import config_fields as _config_fields
 
 
 def test_generate_runs_with_flags_built_from_the_configs(capsys):

@@ -1,16 +1,50 @@
 """`servewise serve`: start the engine (its own process by default), wrap it in the HTTP app, run uvicorn."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import sys
 
-from servewise.builder import build_engine
-from servewise.server.app import build_app
-from servewise.server.client import ThreadEngineClient
-from servewise.server.engine_process import ProcessEngineClient
-from servewise.server.chat import ChatTemplate, find_template
+from servewise.commands import options
+from servewise.commands.options import at_least, engine_args
+
+HELP = "OpenAI-compatible HTTP server (completions, chat, metrics)"
+
+
+def arguments(p) -> None:
+    engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=at_least(0, 65535), default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--max-waiting", type=int, default=512,
+                   help="queued requests at most; beyond it requests get 429 with Retry-After")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--engine-in-thread", action="store_true",
+                   help="run the engine in a thread of the server process (default: its own process, so that "
+                        "the HTTP event loop and the engine do not share one interpreter)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="times a dead engine process is started again before the server answers 503 for good")
+    cl = p.add_argument_group("cluster (several engine instances behind one server)")
+    cl.add_argument("--instances", default=None,
+                    help="N (N mixed instances, --router picks one per request) or a Splitwise split such as "
+                         "prompt=1,token=1 (prefill on one, decode on the other, KV handed off between them); "
+                         "each instance runs --threads torch threads (default 1)")
+    cl.add_argument("--launcher", default="process", choices=["process", "ray"],
+                    help="instances as local processes, or as Ray actors (pip install -e \".[cluster]\")")
+    cl.add_argument("--router", default="jsq", choices=["round_robin", "jsq", "jsq_tokens", "load_aware"],
+                    help="how mixed instances share requests (load_aware: BanaServe's Algorithm 4-2)")
+    cl.add_argument("--kv-handoff", default="layerwise", choices=["layerwise", "serialized"],
+                    help="send each layer's KV as soon as the prompt's forward pass has written it, or all layers "
+                         "after the step")
+    cl.add_argument("--kv-transport", default="shm", choices=["shm", "gloo"],
+                    help="shm: instances on one machine share their KV caches in /dev/shm (no copy on the sending "
+                         "side); gloo: torch.distributed messages, for instances that share no memory")
+    cl.add_argument("--lease", type=float, default=5.0,
+                    help="seconds a KV transfer may take after the first token before the prompt instance frees "
+                         "its blocks and the token instance computes the request itself")
 
 
 def _special_tokens(model: str) -> tuple[str, str]:
@@ -29,6 +63,12 @@ def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = No
     """(FastAPI app, engine client), the client started: the engine in its own process, or in a thread of
     this one (engine_process=False), or several instances (cluster: ClusterClient's keyword arguments,
     with `roles`)."""
+    from servewise.builder import build_engine
+    from servewise.server.app import build_app
+    from servewise.server.chat import ChatTemplate, find_template
+    from servewise.server.client import ThreadEngineClient
+    from servewise.server.engine_process import ProcessEngineClient
+
     if cluster is not None:
         from servewise.cluster.serving import ClusterClient
 
@@ -47,7 +87,7 @@ def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = No
     return app, client
 
 
-def main(a, engine_kwargs: dict) -> None:
+def run(a: argparse.Namespace) -> None:
     import uvicorn
 
     import torch
@@ -64,7 +104,7 @@ def main(a, engine_kwargs: dict) -> None:
         cluster = dict(roles=parse_instances(a.instances), threads=a.threads or 1, launcher=a.launcher,
                        router=a.router, layerwise=a.kv_handoff == "layerwise", lease_s=a.lease,
                        transport=a.kv_transport)
-    app, engine = make_app(a.model, engine_kwargs, a.served_model_name, a.api_key, a.max_waiting, log=say,
+    app, engine = make_app(a.model, options.engine_kwargs(a), a.served_model_name, a.api_key, a.max_waiting, log=say,
                            engine_process=not a.engine_in_thread, max_restarts=a.max_restarts, cluster=cluster)
     st = engine.stats()
     if cluster is not None:

@@ -1,0 +1,1 @@
+"""`servewise bench ...`: one module per benchmark (HELP, arguments(parser), run(namespace))."""

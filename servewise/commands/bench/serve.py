@@ -1,0 +1,29 @@
+"""`servewise bench serve`."""
+from __future__ import annotations
+
+from servewise.commands.options import slo_args, workload_args
+
+HELP = "load an OpenAI-compatible server (servewise, vLLM, SGLang) and measure it"
+
+
+def arguments(p) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, with or without /v1")
+    p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--tokenizer", default="tiny-llama",
+                   help="model (built-in or directory) whose tokenizer turns texts into prompt token ids")
+    workload_args(p, rate_args=False)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="CV of the gaps between arrivals: 1 is Poisson, larger is burstier "
+                        "(vLLM's --burstiness factor is 1/CV^2)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    slo_args(p)
+    p.add_argument("--out", default="results/bench_serve.json")
+    p.set_defaults(threads=0)
+
+
+def run(a) -> None:
+    from servewise.bench.serve import main
+
+    main(a)

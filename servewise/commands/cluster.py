@@ -1,0 +1,83 @@
+"""`servewise cluster`: simulate a cluster of instances (Splitwise's prompt/token split, or not)."""
+from __future__ import annotations
+
+from servewise.commands.options import (bar, changes, engine_args, engine_kwargs, machines, say_changes, workload,
+                                        workload_args)
+
+HELP = "simulate a cluster of instances (Splitwise's prompt/token split, or not)"
+
+
+def arguments(p) -> None:
+    from servewise.cluster.links import MODES
+    from servewise.cluster.routers import ROUTERS
+
+    # Splitwise's machine-level batching: prompt batches of up to 2048 tokens, up to 512 requests
+    engine_args(p, skip=("load_format", "dtype", "device", "seed", "predictors"),
+                defaults={"model": "bloom-176b", "max_num_batched_tokens": 2048, "max_num_seqs": 512})
+    p.add_argument("--prompt", type=machines, default=None, help="prompt machines, e.g. dgx-a100:27")
+    p.add_argument("--token", type=machines, default=None, help="token machines, e.g. dgx-a100:13")
+    p.add_argument("--mixed", type=machines, default=None,
+                   help="machines running whole requests, e.g. dgx-h100:40 (a baseline without a split)")
+    p.add_argument("--router", default="jsq_tokens", choices=list(ROUTERS),
+                   help="for designs without a split (split designs use Splitwise's pools)")
+    p.add_argument("--perf-table", default=None,
+                   help="Splitwise's measured GPU table (perf_model.csv.gz); default: the analytical roofline")
+    p.add_argument("--token-axis", default="batch", choices=["batch", "tokens"],
+                   help="measured token times by batch size, or as SplitwiseSim looks them up")
+    p.add_argument("--transfer", default="layerwise", choices=list(MODES))
+    workload_args(p)
+    p.add_argument("--out", default="results/cluster.json")
+
+
+def run(a) -> None:
+    import json
+    import os
+    import resource
+
+    from servewise.cluster.sim import ClusterSim, Design
+    from servewise.experiments.splitwise import reference_perf_for
+    from servewise.metrics.slowdown import summarize
+
+    design = Design(a.prompt or {}, a.token or {}, a.mixed or {})
+    kw = {k: v for k, v in engine_kwargs(a).items() if k not in ("predictors", "model") and v is not None}
+    preds = None
+    if "this-cpu" in {m for m, _ in design.instances()}:  # this machine's profile (taken on first use)
+        from servewise.models.loader import load_model_config
+        from servewise.predictors.auto import ensure_predictors
+
+        kw.setdefault("dtype", "float32")
+        mc, _ = load_model_config(a.model, kw["dtype"])
+        preds = ensure_predictors(a.model, mc, "cpu", kw.get("block_size", 16), getattr(a, "predictors", None))
+    sim = ClusterSim(a.model, design, router=a.router, perf_table=a.perf_table, transfer=a.transfer,
+                     token_axis=a.token_axis, predictors=preds, **kw)
+    eng = sim.engines[0]
+    notes: dict = {}
+    items, arrivals = workload(a, eng.tokenizer, eng.model_config.vocab_size, notes, eng.model_config.max_model_len)
+    b = bar(len(items), "simulated requests")
+    res = sim.run(items, arrivals, progress=b.update if b else None)
+    if b:
+        b.close()
+    # slowdowns against an unloaded DGX-A100 (Splitwise's reference), or this CPU for this-cpu designs
+    ref = (sim.engines[0].runner.perf if preds is not None
+           else reference_perf_for(a.model, a.perf_table, a.token_axis))
+    m = summarize(res.requests, ref)
+    m.update(changes(items, res.requests, notes, eng.model_config.max_model_len))
+    m["rejected_examples"] = [f"#{i}: {reason}" for i, reason in res.rejected[:10]]
+    m.update(design=design.label(), **design.totals(), requests=len(items), rejected=len(res.rejected),
+             makespan_s=res.makespan, wall_s=res.wall_s, steps=sum(res.steps), transfers=res.transfers,
+             transfer_gb=res.transfer_bytes / 1e9, borrowed=res.borrowed, perf=res.perf_labels,
+             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    print(f"Cluster: {a.model}, {m['design']} (cost {m['cost']:.1f}, power {m['power']:.1f}); {', '.join(m['perf'])}")
+    print(f"{m['requests']} requests ({m['rejected']} rejected), {res.makespan:.1f} s simulated, "
+          f"{res.transfers} KV transfers ({m['transfer_gb']:.1f} GB), {res.borrowed} machines borrowed")
+    say_changes(m, res.rejected)
+    print(f"{'':<5} {'P50 s':>9} {'P90 s':>9} {'P99 s':>9}   slowdowns P50 / P90 / P99")
+    for k in ("ttft", "tbt", "e2e"):
+        print(f"{k.upper():<5} " + " ".join(f"{m[f'{k}_p{q}_s']:>9.3f}" for q in (50, 90, 99)) + "   " +
+              " / ".join(f"{m[f'{k}_p{q}_slowdown']:.2f}" + ("" if m[f"{k}_p{q}_ok"] else "!") for q in (50, 90, 99)))
+    print(f"Splitwise's SLOs {'met' if m['slo_met'] else 'missed (! marks each limit passed)'}")
+    print(f"simulation wall time {res.wall_s:.2f} s, {m['steps']} steps, peak memory {m['peak_rss_mb']:.0f} MB")
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(m, f, indent=1)
+    print(f"saved {a.out}")

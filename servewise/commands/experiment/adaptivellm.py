@@ -1,0 +1,37 @@
+"""`servewise experiment adaptivellm`."""
+from __future__ import annotations
+
+from servewise.commands.options import at_least, lengths
+
+HELP = ("AdaptiveLLM: cost-aware preemption and fair scheduling vs vLLM "
+        "baselines, on the real engine and simulated A800 GPUs")
+
+
+def arguments(p) -> None:
+    p.add_argument("--full", action="store_true",
+                   help="the paper's scale: 1,000 requests per run, both tiny models, batch sweep on the real engine too")
+    p.add_argument("--num-requests", type=int, default=None, help="requests per run (quick: 32 real, 200 simulated)")
+    p.add_argument("--real-models", default=None, help="comma-separated; '' for none (quick: tiny-llama)")
+    p.add_argument("--sim-models", default=None, help="comma-separated; '' for none (opt-13b,opt-30b,llama-13b,llama-30b)")
+    p.add_argument("--workloads", default=None, help="comma-separated presets (chatbot,alpaca,summary), or trace "
+                                                     "(with --trace)")
+    p.add_argument("--systems", default=None, help="comma-separated: vllm,vllm_s,adaptive+fcfs,recompute+fair,adaptive+fair")
+    p.add_argument("--hardware", default=None, help="simulated GPU (default a800-80g-pcie)")
+    p.add_argument("--num-device-blocks", type=at_least(1), default=None, help="device pool (default 128)")
+    p.add_argument("--num-host-blocks", type=at_least(0), default=None, help="host pool (default 64)")
+    p.add_argument("--max-output-lens", type=lengths, default=None, help="comma-separated (default 64,128,256)")
+    p.add_argument("--trace", default=None, help="Azure LLM inference trace CSV: the workload 'trace' samples "
+                                                 "its prompt and output lengths")
+    p.add_argument("--data-dir", default=None,
+                   help="directory with the ShareGPT and arXiv files for real prompt texts (default: synthetic)")
+    p.add_argument("--predictors", default=None,
+                   help="predictors for the real engine (default: this machine's cached profile, made on first use)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--out-dir", default="results/adaptivellm")
+
+
+def run(a) -> None:
+    from servewise.experiments.adaptivellm import main
+
+    main(a)

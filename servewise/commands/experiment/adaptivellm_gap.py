@@ -1,0 +1,45 @@
+"""`servewise experiment adaptivellm-gap`."""
+from __future__ import annotations
+
+from servewise.commands.options import at_least, rates
+
+HELP = ("AdaptiveLLM's throughput gap explained: vLLM 0.2.5 baselines, a "
+        "GPU swap model, swap-cost sweep, coalesced admission, arrivals")
+
+
+def arguments(p) -> None:
+    p.add_argument("--full", action="store_true",
+                   help="4 models, 3 workloads, 5 seeds of 1,000 simulated requests, 200 real (quick: opt-13b, "
+                        "chatbot and summary, 3 seeds of 300 simulated and 96 real)")
+    p.add_argument("--sections", default=None, help="comma-separated subset of table, swapcost, crossover, coalesce, "
+                                                    "arrivals (default: all)")
+    p.add_argument("--sim-models", default=None, help="comma-separated simulated models (the first runs the "
+                                                      "swapcost, coalesce and arrivals sections)")
+    p.add_argument("--real-model", default=None, help="real engine model of the arrivals section ('' for none; "
+                                                      "default tiny-llama)")
+    p.add_argument("--real-requests", type=at_least(1), default=None,
+                   help="chatbot requests per real-engine run (quick 96, full 200)")
+    p.add_argument("--workloads", default=None, help="comma-separated presets (chatbot,alpaca,summary), or trace "
+                                                     "(the --trace file's lengths)")
+    p.add_argument("--seeds", type=at_least(1), default=None, help="seeds per setting (quick 3, full 5)")
+    p.add_argument("--loads", type=rates, default=None,
+                   help="arrival rates as fractions of vllm's all-at-once capacity (quick: 0.5,1.5)")
+    p.add_argument("--trace", default=None, help="Azure LLM inference trace CSV whose arrivals (rescaled) the "
+                                                 "arrivals section also replays")
+    p.add_argument("--swap-model", default=None, choices=["pinned-overlap", "pinned-serial", "pageable"],
+                   help="GPU swap cost model of the simulated runs (default pinned-overlap: vLLM 0.2.x)")
+    p.add_argument("--hardware", default=None, help="simulated GPU (default a800-80g-pcie)")
+    p.add_argument("--num-device-blocks", type=at_least(1), default=None, help="device pool (default 128)")
+    p.add_argument("--num-host-blocks", type=at_least(0), default=None, help="host pool (default 64)")
+    p.add_argument("--max-output-len", type=at_least(1), default=None, help="maximum output length (default 64)")
+    p.add_argument("--data-dir", default=None,
+                   help="directory with the ShareGPT and arXiv files for real prompt texts (default: synthetic)")
+    p.add_argument("--predictors", default=None, help="predictors for the real engine's adaptive preemption")
+    p.add_argument("--threads", type=int, default=0, help="torch threads of the real engine (0: torch's default)")
+    p.add_argument("--out-dir", default="results/adaptive_gap")
+
+
+def run(a) -> None:
+    from servewise.experiments.adaptive_gap import main
+
+    main(a)

@@ -1,0 +1,39 @@
+"""`servewise experiment banaserve`."""
+from __future__ import annotations
+
+import argparse
+
+from servewise.commands.options import at_least, float_at_least, rates
+
+HELP = ("BanaServe's load-aware dispatch over a global KV store against cache-aware "
+        "and round-robin dispatch (simulated A100 instances); migration: not yet")
+
+
+def arguments(p) -> None:
+    p.add_argument("--model", default="llama-13b")
+    p.add_argument("--instances", type=at_least(2), default=4)
+    p.add_argument("--systems", default=None, help="comma-separated subset (default all; see the module)")
+    p.add_argument("--num-requests", type=at_least(1), default=1000)
+    p.add_argument("--prefixes", type=at_least(1), default=256, help="distinct system prompts (more than one "
+                   "instance's KV pool holds, fewer than all of them together)")
+    p.add_argument("--prefix-len", type=at_least(1), default=1536)
+    p.add_argument("--suffix-len", type=at_least(0), default=64)
+    p.add_argument("--output-len", type=at_least(1), default=128)
+    p.add_argument("--zipf", type=float_at_least(0), default=1.0, help="popularity exponent of the system prompts")
+    p.add_argument("--store-gb", type=float_at_least(0, strict=True), default=256.0,
+                   help="the global KV store's host-memory tier")
+    p.add_argument("--rates", type=rates, default="2,4,8,12",
+                   help="comma-separated request rates (Poisson, or the trace's gaps rescaled)")
+    p.add_argument("--workload", default="shared-prefix", choices=["shared-prefix", "alpaca", "longbench", "azure-conv"],
+                   help="shared system prompts (dispatch by cache vs load), or the thesis's rate-sweep workloads: "
+                        "short (alpaca), long (longbench) prompts, or the Azure conv trace (--trace)")
+    p.add_argument("--trace", default=None, help="Azure conv trace CSV, for --workload azure-conv")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", default="results/banaserve")
+
+
+def run(a) -> None:
+    from servewise.experiments.banaserve import main
+
+    main(a)

@@ -1,0 +1,29 @@
+"""`servewise experiment magnus` (and `uellm`, which takes the same flags)."""
+from __future__ import annotations
+
+from servewise.commands.options import at_least, length_data_args, rates
+
+HELP = ("Magnus: predicted output lengths, WMA batch assembly, HRRN, against static and continuous batching, "
+        "simulated (llama-7b, V100) and on the real engine (tiny-llama)")
+
+
+def arguments(p) -> None:
+    length_data_args(p)
+    p.add_argument("--train", type=at_least(10), default=1000, help="pairs that train the predictors (the "
+                                                                     "workload's requests follow them)")
+    p.add_argument("--full", action="store_true", help="more rates and requests")
+    p.add_argument("--backends", default=None, help="comma-separated: sim, real (default both)")
+    p.add_argument("--rates", type=rates, default=None, help="comma-separated request rates (default per backend)")
+    p.add_argument("--num-requests", type=at_least(1), default=None,
+                   help="requests per run (quick: 300 simulated, 60 real; full: 1,000 and 120)")
+    p.add_argument("--systems", default=None, help="comma-separated subset of the experiment's systems")
+    p.add_argument("--real-blocks", type=at_least(16), default=512,
+                   help="device KV blocks of the real engine (16 tokens each)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--out-dir", default="results/length_aware")
+
+
+def run(a) -> None:
+    from servewise.experiments.length_aware import main
+
+    main(a)

@@ -1,0 +1,35 @@
+"""`servewise experiment splitwise`."""
+from __future__ import annotations
+
+import argparse
+
+HELP = ("Splitwise: phase-split clusters, KV transfer and provisioning, "
+        "simulated on BLOOM-176B DGX machines")
+
+
+def arguments(p) -> None:
+    p.add_argument("--data-dir", required=True,
+                   help="directory with AzureLLMInferenceTrace_{code,conv}.csv.gz and splitwise/perf_model.csv.gz")
+    p.add_argument("--roofline", action="store_true", help="the analytical roofline instead of the measured table")
+    p.add_argument("--splitwisesim", action="store_true",
+                   help="SplitwiseSim's assumptions: token times by its lookup (flat in the batch size) and KV "
+                        "memory of 8 x 80 GiB less its weights figure, no reserve")
+    p.add_argument("--baseline-batching", default="chunked", choices=["chunked", "whole"],
+                   help="baselines with chunked prefill (decodes first), or whole prompts first as in the paper")
+    p.add_argument("--designs", default=None,
+                   help="comma-separated subset of Baseline-A100, Baseline-H100, Splitwise-AA, Splitwise-HH, "
+                        "Splitwise-HA, Splitwise-HHcap (default: all)")
+    p.add_argument("--sections", default=None,
+                   help="comma-separated subset of transfer, provision, sweep, iso (default: all)")
+    p.add_argument("--quick", action="store_true", help="a small version (minutes less; for checks, not results)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of each rescaled trace (default 120)")
+    p.add_argument("--jobs", type=int, default=None, help="simulations run in parallel (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", default="results/splitwise")
+
+
+def run(a) -> None:
+    from servewise.experiments.splitwise import main
+
+    main(a)

@@ -1,0 +1,28 @@
+"""`servewise experiment uellm-placement`."""
+from __future__ import annotations
+
+import argparse
+
+from servewise.commands.options import at_least, rates
+
+HELP = ("UELLM's HELR layer placement on mixed A100 / V100 / RTX 3090 sets "
+        "against even and greedy placements (analytical roofline)")
+
+
+def arguments(p) -> None:
+    p.add_argument("--models", default=None, help="comma-separated (default llama-13b,llama-30b)")
+    p.add_argument("--sets", default=None, help="comma-separated device sets (default all; see the module)")
+    p.add_argument("--workload", default="alpaca", help="a preset or loader (see `simulate --help`)")
+    p.add_argument("--data", default=None, help="the workload's file or directory (default: synthetic texts)")
+    p.add_argument("--num-requests", type=at_least(1), default=300)
+    p.add_argument("--max-output-len", type=at_least(1), default=512)
+    p.add_argument("--rates", type=rates, default="1,4,16", help="comma-separated poisson request rates")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", default="results/placement")
+
+
+def run(a) -> None:
+    from servewise.experiments.placement import main
+
+    main(a)

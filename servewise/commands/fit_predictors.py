@@ -1,0 +1,28 @@
+"""`servewise fit-predictors`: fit step-time and swap-cost predictors on a saved profile."""
+from __future__ import annotations
+
+from servewise.commands.options import fit_args
+
+HELP = "fit step-time and swap-cost predictors on a saved profile"
+
+
+def arguments(p) -> None:
+    p.add_argument("profile", help="a profile JSON written by `servewise profile`")
+    p.add_argument("--predictors", default="results/predictors.pkl", help="where to save the fitted predictors")
+    p.add_argument("--threads", type=int, default=0)
+    fit_args(p)
+
+
+def run(a) -> None:
+    import json
+
+    from servewise.predictors.fit import fit_predictors, format_report
+    from servewise.predictors.profiler import load_profile
+
+    prof = load_profile(a.profile)
+    preds = fit_predictors(prof, names=a.regressors, degrees=a.degrees, test_size=a.test_size, seed=a.seed)
+    print(format_report(preds))
+    preds.save(a.predictors)
+    with open(a.predictors + ".json", "w") as f:
+        json.dump({"meta": preds.meta, **preds.report}, f, indent=1)
+    print(f"predictors saved to {a.predictors} (report: {a.predictors}.json)")

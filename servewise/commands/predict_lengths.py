@@ -1,0 +1,21 @@
+"""`servewise predict-lengths`: train and score output-length predictors on ShareGPT pairs."""
+from __future__ import annotations
+
+from servewise.commands.options import at_least, length_data_args
+
+HELP = ("train and score output-length predictors (Magnus, buckets, linear, mean) on ShareGPT pairs; continual "
+        "learning on a stream")
+
+
+def arguments(p) -> None:
+    length_data_args(p)
+    p.add_argument("--num", type=at_least(20), default=3000, help="pairs in all (train + held out)")
+    p.add_argument("--test-share", type=float, default=0.3, help="share of the pairs held out")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--out", default="results/length_predictors.json")
+
+
+def run(a) -> None:
+    from servewise.experiments.length_aware import predict_lengths_main
+
+    predict_lengths_main(a)
