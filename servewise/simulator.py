@@ -22,7 +22,8 @@ class SimResult:
     analytical: bool
 
 
-def simulate(engine: LLMEngine, items: list[WorkloadRequest], arrivals: list[float], progress=None) -> SimResult:
+def simulate(engine: LLMEngine, items: list[WorkloadRequest], arrivals: list[float], progress=None,
+             on_step=None) -> SimResult:
     """Run the workload to the end on the engine's virtual clock. The run allocates millions of small,
     mostly long-lived objects (requests and their token lists), so the garbage collector runs less
     often meanwhile: what exists before the run is frozen out of its scans, and the youngest
@@ -32,7 +33,7 @@ def simulate(engine: LLMEngine, items: list[WorkloadRequest], arrivals: list[flo
     gc.freeze()
     gc.set_threshold(50_000, *thresholds[1:])
     try:
-        reqs, rejected = run_workload(engine, items, arrivals, progress)
+        reqs, rejected = run_workload(engine, items, arrivals, progress, on_step)
     finally:
         gc.set_threshold(*thresholds)
         gc.unfreeze()

@@ -36,6 +36,7 @@ def run(a) -> None:
 
     from servewise.cluster.sim import ClusterSim, Design
     from servewise.experiments.splitwise import reference_perf_for
+    from servewise.metrics import RequestRecord
     from servewise.metrics.slowdown import summarize
 
     design = Design(a.prompt or {}, a.token or {}, a.mixed or {})
@@ -61,7 +62,8 @@ def run(a) -> None:
     ref = (sim.engines[0].runner.perf if preds is not None
            else reference_perf_for(a.model, a.perf_table, a.token_axis))
     m = summarize(res.requests, ref)
-    m.update(changes(items, res.requests, notes, eng.model_config.max_model_len))
+    records = [RequestRecord.from_request(r) if r is not None else None for r in res.requests]
+    m.update(changes(items, records, notes, eng.model_config.max_model_len))
     m["rejected_examples"] = [f"#{i}: {reason}" for i, reason in res.rejected[:10]]
     m.update(design=design.label(), **design.totals(), requests=len(items), rejected=len(res.rejected),
              makespan_s=res.makespan, wall_s=res.wall_s, steps=sum(res.steps), transfers=res.transfers,

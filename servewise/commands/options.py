@@ -106,12 +106,12 @@ def workload(a, tokenizer, vocab_size, notes: dict | None = None, max_len: int =
                           prefix_options=prefix or None, max_len=max_len, notes=notes)
 
 
-def changes(items, reqs, notes: dict, max_model_len: int) -> dict:
-    """What the run changed about the workload, for the summary and the JSON: prompts truncated and
+def changes(items, records, notes: dict, max_model_len: int) -> dict:
+    """`records`: metrics.RequestRecord per item (None where rejected). What the run changed about the workload, for the summary and the JSON: prompts truncated and
     outputs capped by options, and outputs cut short because prompt + output pass the model's
     maximum length (the engine generates up to that length only)."""
-    short = [(it.output_len, len(r.output_token_ids)) for it, r in zip(items, reqs)
-             if r is not None and r.finish_time is not None and len(r.output_token_ids) < it.output_len]
+    short = [(it.output_len, r.output_tokens) for it, r in zip(items, records)
+             if r is not None and r.finish is not None and r.output_tokens < it.output_len]
     return {**notes, "outputs_clipped": len(short), "output_tokens_clipped": sum(w - g for w, g in short),
             "clip_reason": f"prompt + output longer than the model's maximum length {max_model_len}" if short else None}
 

@@ -22,41 +22,44 @@ def arguments(p) -> None:
 def run(a) -> None:
     import resource
 
-    from servewise.builder import build_sim_engine
-    from servewise.metrics import RequestRecord, compute, format_table, save_json
-    from servewise.simulator import simulate
+    from servewise.lab import Engine, Spec, run as run_spec
+    from servewise.lab.run import build
+    from servewise.metrics import format_table, save_json
 
     kw = {k: v for k, v in engine_kwargs(a).items() if k != "predictors"}
-    eng = build_sim_engine(a.model, a.hardware, a.predictors, tp=a.tp, **kw)
+    spec_engine = Engine("sim", a.model, a.hardware, a.predictors, options=dict(kw, tp=a.tp))
+    eng = build(spec_engine)
     notes: dict = {}
     items, arrivals = workload(a, eng.tokenizer, eng.model_config.vocab_size, notes, eng.model_config.max_model_len)
     b = bar(len(items), "simulated requests")
-    res = simulate(eng, items, arrivals, progress=b.update if b else None)
+    rec = run_spec(Spec(spec_engine, items, arrivals, slo=slo(a)), progress=b.update if b else None, engine=eng)
     if b:
         b.close()
-    m = compute([RequestRecord.from_request(r) for r in res.requests], slo(a))
-    rejected = {i for i, _ in res.rejected}
-    kept = [it for i, it in enumerate(items) if i not in rejected]  # res.requests: the others, in order
-    m["rejected"] = len(res.rejected)
-    m["rejected_examples"] = [f"#{i}: {reason}" for i, reason in res.rejected[:10]]
-    m.update(changes(kept, res.requests, notes, eng.model_config.max_model_len))
-    bm = eng.block_manager
-    if bm.caching:  # what prefix caching saved: prompt tokens admitted, and whose KV was not computed
-        saved = bm.hit_tokens + bm.store_hit_tokens
-        m["prefix_cache"] = {"admitted_tokens": bm.admitted_tokens, "cached_tokens": bm.hit_tokens,
-                             "store_tokens": bm.store_hit_tokens, "computed_tokens": bm.admitted_tokens - saved,
-                             "hit_rate": saved / bm.admitted_tokens if bm.admitted_tokens else 0.0}
-    title = f"Simulated: {a.model} on {res.perf_label}"
-    print(format_table(m, title))
-    if (pc := m.get("prefix_cache")) is not None:
+    m = dict(rec.metrics)
+    rejected = {i for i, _ in rec.rejected}
+    kept = [it for i, it in enumerate(items) if i not in rejected]  # the engine's requests: the others, in order
+    m["rejected"] = len(rec.rejected)
+    m["rejected_examples"] = [f"#{i}: {reason}" for i, reason in rec.rejected[:10]]
+    m.update(changes(kept, rec.requests, notes, eng.model_config.max_model_len))
+    if rec.prefix_cache is not None:
+        m["prefix_cache"] = pc = rec.prefix_cache
+    if rec.swap is not None:
+        m["swap"] = rec.swap
+    perf = eng.runner.perf
+    print(format_table(m, f"Simulated: {a.model} on {perf.label}"))
+    if rec.prefix_cache is not None:
         print(f"prefix cache: {pc['hit_rate']:.1%} of {pc['admitted_tokens']} admitted prompt tokens from cached "
               f"blocks ({pc['cached_tokens']} on the device, {pc['store_tokens']} from the KV store), "
               f"{pc['computed_tokens']} computed")
-    say_changes(m, res.rejected)
+    if rec.swap is not None:
+        print(f"swapped {rec.swap['out_blocks']} blocks out and {rec.swap['in_blocks']} back in "
+              f"({rec.swap['bytes'] / 1e9:.2f} GB)")
+    say_changes(m, rec.rejected)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"simulation wall time {res.wall_s:.2f} s, {res.steps} steps, peak memory {peak_mb:.0f} MB")
-    save_json(m, a.out, model=a.model, hardware=a.hardware, perf=res.perf_label, analytical=res.analytical,
-              wall_s=res.wall_s, steps=res.steps, peak_rss_mb=peak_mb, num_device_blocks=eng.block_manager.num_device_blocks,
+    steps = rec.steps["steps"]
+    print(f"simulation wall time {rec.wall_s:.2f} s, {steps} steps, peak memory {peak_mb:.0f} MB")
+    save_json(m, a.out, model=a.model, hardware=a.hardware, perf=perf.label, analytical=perf.analytical,
+              wall_s=rec.wall_s, steps=steps, peak_rss_mb=peak_mb, num_device_blocks=eng.block_manager.num_device_blocks,
               num_host_blocks=eng.block_manager.num_host_blocks, policy=a.policy, preemption=a.preemption,
               workload=a.workload, arrival=a.arrival, rate=a.rate)
     print(f"saved {a.out}")

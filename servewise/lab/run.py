@@ -1,0 +1,168 @@
+"""Run a spec on its backend and keep what its users look for."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from servewise.engine.interfaces import StepStats
+from servewise.lab.spec import Cluster, Engine, Spec
+from servewise.metrics.summary import RequestRecord, compute
+
+
+@dataclass
+class Record:
+    """What one run did. metrics: servewise.metrics.compute's figures (TTFT, TPOT, ITL, E2E, throughput,
+    preemptions, goodput with an SLO). steps: counts of the steps (prefill, decode, requests prefilled,
+    scheduling time). prefix_cache: prompt tokens admitted, served from cached blocks or the KV store and
+    computed (caching on only). swap: blocks and bytes copied out and back in. cluster: hand-offs,
+    transfers, borrowed machines (clusters only). engine: the engine (or cluster) it ran on, for
+    figures only one policy keeps."""
+
+    tags: dict
+    metrics: dict
+    requests: list[RequestRecord]
+    rejected: list[tuple[int, str]]
+    steps: dict
+    wall_s: float
+    prefix_cache: dict | None = None
+    swap: dict | None = None
+    cluster: dict | None = None
+    engine: object = field(default=None, repr=False, compare=False)
+    result: object = field(default=None, repr=False, compare=False)  # a cluster's ClusterResult
+
+    def to_dict(self) -> dict:
+        """The JSON-able part (no per-request records, no engine)."""
+        out = {**self.tags, **{k: v for k, v in self.metrics.items()}, "rejected": len(self.rejected),
+               "steps": self.steps, "wall_s": self.wall_s}
+        for k in ("prefix_cache", "swap", "cluster"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        return out
+
+
+class _Steps:
+    """Counts a run's steps as the engine reports them."""
+
+    def __init__(self, then: Callable[[StepStats], None] | None):
+        self.then = then
+        self.n = self.prefill = self.decode = self.prefill_requests = 0
+        self.schedule_s = self.busy_s = 0.0
+        self.out_blocks = self.in_blocks = 0
+
+    def __call__(self, st: StepStats) -> None:
+        self.n += 1
+        self.schedule_s += st.schedule_s
+        self.busy_s += st.elapsed
+        self.out_blocks += st.swapped_out_blocks
+        self.in_blocks += st.swapped_in_blocks
+        if st.scheduled and st.is_prefill:
+            self.prefill += 1
+            self.prefill_requests += len(st.scheduled)
+        elif st.scheduled:
+            self.decode += 1
+        if self.then:
+            self.then(st)
+
+    def as_dict(self) -> dict:
+        return {"steps": self.n, "prefill_steps": self.prefill, "decode_steps": self.decode,
+                "prefill_requests": self.prefill_requests, "schedule_s": self.schedule_s, "busy_s": self.busy_s}
+
+
+def build(e: Engine):
+    """The engine an Engine spec names, warmed up when real."""
+    from servewise.builder import build_engine, build_sim_engine
+
+    if e.backend == "sim":
+        return build_sim_engine(e.model, e.hardware, e.predictors, perf=e.perf, **e.options)
+    eng = build_engine(model=e.model, predictors=e.predictors, **e.options)
+    if e.warmup:  # compiles and touches every path once, outside the measured run
+        eng.add_request([5] * 16)
+        while eng.has_unfinished():
+            eng.step()
+    return eng
+
+
+def _counters(bm) -> tuple[int, int, int]:
+    return bm.admitted_tokens, bm.hit_tokens, bm.store_hit_tokens
+
+
+def _prefix_cache(bm, before: tuple[int, int, int]) -> dict | None:
+    if not bm.caching:
+        return None
+    admitted, cached, store = (a - b for a, b in zip(_counters(bm), before))
+    return {"admitted_tokens": admitted, "cached_tokens": cached, "store_tokens": store,
+            "computed_tokens": admitted - cached - store,
+            "hit_rate": (cached + store) / admitted if admitted else 0.0}
+
+
+def run(spec: Spec, on_step: Callable[[StepStats], None] | None = None,
+        progress: Callable[[int], None] | None = None, engine=None) -> Record:
+    """Run the spec's workload to its end. on_step sees every step's stats (single engines); progress
+    is told how many requests finished. `engine`: one `build(spec.engine)` made already (its tokenizer
+    and limits may have shaped the workload)."""
+    if isinstance(spec.engine, Cluster):
+        return _run_cluster(spec, progress)
+    from servewise.simulator import simulate
+    from servewise.workloads.driver import run_workload
+
+    eng = engine if engine is not None else build(spec.engine)
+    bm = eng.block_manager
+    before = _counters(bm)
+    steps = _Steps(on_step)
+    arrivals = spec.arrivals if spec.arrivals is not None else [0.0] * len(spec.items)
+    t0 = time.perf_counter()
+    if spec.engine.backend == "sim":
+        reqs, rejected = (res := simulate(eng, spec.items, arrivals, progress, on_step=steps)).requests, res.rejected
+    else:
+        reqs, rejected = run_workload(eng, spec.items, arrivals, progress, on_step=steps)
+    wall = time.perf_counter() - t0
+    records = [RequestRecord.from_request(r) for r in reqs]
+    mc = eng.model_config
+    block_bytes = mc.kv_bytes_per_token * bm.block_size
+    swap = {"out_blocks": steps.out_blocks, "in_blocks": steps.in_blocks,
+            "bytes": (steps.out_blocks + steps.in_blocks) * block_bytes} if steps.out_blocks else None
+    return Record(dict(spec.tags), compute(records, spec.slo), records, rejected, steps.as_dict(), wall,
+                  _prefix_cache(bm, before), swap, None, eng)
+
+
+def _run_cluster(spec: Spec, progress) -> Record:
+    from servewise.cluster.sim import ClusterSim
+
+    c = spec.engine
+    sim = ClusterSim(c.model, c.design, **c.options)
+    arrivals = spec.arrivals if spec.arrivals is not None else [0.0] * len(spec.items)
+    res = sim.run(spec.items, arrivals, progress)
+    reqs = [r for r in res.requests if r is not None]
+    records = [RequestRecord.from_request(r) for r in reqs]
+    caches = [p for e in sim.engines if (p := _prefix_cache(e.block_manager, (0, 0, 0))) is not None]
+    prefix = None
+    if caches:
+        prefix = {k: sum(p[k] for p in caches) for k in ("admitted_tokens", "cached_tokens", "store_tokens",
+                                                          "computed_tokens")}
+        prefix["hit_rate"] = ((prefix["cached_tokens"] + prefix["store_tokens"]) / prefix["admitted_tokens"]
+                              if prefix["admitted_tokens"] else 0.0)
+    steps = {"steps": sum(res.steps), "per_instance": list(res.steps), "busy_s": list(res.busy_s)}
+    cluster = {"handoffs": dict(res.handoffs), "transfers": res.transfers, "transfer_gb": res.transfer_bytes / 1e9,
+               "transfer_wait_s": res.transfer_wait_s, "borrowed": res.borrowed, "makespan_s": res.makespan,
+               "migrations": len(res.migrations), "perf": list(res.perf_labels)}
+    return Record(dict(spec.tags), compute(records, spec.slo), records, res.rejected, steps, res.wall_s, prefix,
+                  None, cluster, sim, res)
+
+
+def run_all(specs: list[Spec], say: Callable[[str], None] | None = None, line=None) -> list[Record]:
+    """Run specs in order; after each, say(line(record)) (default: its tags and main figures)."""
+    out = []
+    for i, spec in enumerate(specs, 1):
+        rec = run(spec)
+        out.append(rec)
+        if say:
+            say(f"[{i}/{len(specs)}] " + (line(rec) if line else _line(rec)))
+    return out
+
+
+def _line(r: Record) -> str:
+    m = r.metrics
+    tags = " ".join(f"{k}={v}" for k, v in r.tags.items())
+    return (f"{tags}: {m['request_throughput']:.2f} req/s, {m['output_throughput']:.0f} tok/s, mean E2E "
+            f"{(m['mean_e2el_ms'] or 0) / 1e3:.2f} s ({r.wall_s:.1f} s)")

@@ -1,0 +1,67 @@
+"""The lab layer: one call runs a spec on the real engine, the simulator or a simulated cluster."""
+import pytest
+
+from servewise.cluster.sim import Design
+from servewise.lab import Cluster, Engine, Spec, ci95, repeat, run
+from servewise.workloads.datasets import WorkloadRequest
+
+
+def _items(n=6, prompt=32, out=8, shared=0):
+    head = list(range(100, 100 + shared))
+    return [WorkloadRequest(prompt, out, head + [7 + i] * (prompt - shared)) for i in range(n)]
+
+
+def test_real_and_simulated_runs_record_the_same_workload():
+    opts = dict(num_device_blocks=64, block_size=16)
+    items = _items()
+    real = run(Spec(Engine("real", "tiny-llama", options=opts), items, tags={"backend": "real"}))
+    sim = run(Spec(Engine("sim", "tiny-llama", "a100-80g", options=opts), items, tags={"backend": "sim"}))
+    for r in (real, sim):
+        assert r.metrics["completed"] == 6 and r.metrics["total_output_tokens"] == 6 * 8
+        assert r.steps["prefill_requests"] == 6 and r.steps["decode_steps"] >= 7
+        assert r.prefix_cache is None and r.swap is None
+    assert real.to_dict()["backend"] == "real" and sim.to_dict()["completed"] == 6
+
+
+def test_a_run_reports_what_prefix_caching_saved_net_of_the_warm_up():
+    # 4 requests sharing a 32-token prefix, one at a time: each after the first finds 2 cached blocks
+    items = _items(4, prompt=48, out=4, shared=32)
+    rec = run(Spec(Engine("real", "tiny-llama", options=dict(num_device_blocks=64, enable_prefix_caching=True)),
+                   items, arrivals=[0.0, 1.0, 2.0, 3.0]))
+    pc = rec.prefix_cache
+    assert pc["admitted_tokens"] == 4 * 48
+    assert pc["cached_tokens"] == 3 * 32 and pc["computed_tokens"] == 4 * 48 - 3 * 32
+    assert pc["hit_rate"] == pytest.approx(96 / 192)
+
+
+def test_a_run_counts_the_blocks_swapping_moved():
+    items = [WorkloadRequest(16, 200, [3 + i] * 16) for i in range(8)]
+    rec = run(Spec(Engine("sim", "tiny-llama", "a100-80g",
+                          options=dict(num_device_blocks=40, num_host_blocks=200, preemption="swap")), items))
+    assert rec.metrics["preemptions"]["swap"] > 0
+    assert rec.swap["out_blocks"] == rec.swap["in_blocks"] > 0  # everything swapped out came back
+    block_bytes = rec.engine.model_config.kv_bytes_per_token * 16
+    assert rec.swap["bytes"] == 2 * rec.swap["out_blocks"] * block_bytes
+
+
+def test_a_cluster_run_reports_its_hand_offs():
+    items = [WorkloadRequest(64, 8, None) for _ in range(10)]
+    rec = run(Spec(Cluster("llama-7b", Design({"dgx-a100": 1}, {"dgx-a100": 1})), items,
+                   arrivals=[0.1 * i for i in range(10)]))
+    assert rec.metrics["completed"] == 10
+    assert rec.cluster["transfers"] == 10 and rec.cluster["handoffs"].get("committed") == 10
+    assert len(rec.steps["per_instance"]) == 2
+
+
+def test_specs_refuse_what_cannot_run():
+    with pytest.raises(ValueError, match="backend"):
+        Engine("gpu")
+    with pytest.raises(ValueError, match="arrival times"):
+        Spec(Engine(), _items(3), arrivals=[0.0])
+
+
+def test_confidence_intervals_and_repeats():
+    m, h = ci95([1.0, 2.0, 3.0])
+    assert m == 2.0 and h == pytest.approx(4.303 * 1.0 / 3 ** 0.5, rel=1e-3)  # t(0.975, 2) = 4.303
+    assert ci95([5.0]) == (5.0, 0.0)
+    assert repeat(lambda s: s * 10, range(3)) == [0, 10, 20]
