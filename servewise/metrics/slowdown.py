@@ -1,9 +1,10 @@
 """Latencies as slowdowns against an unloaded machine, and Splitwise's SLOs on them.
 
 Per request, in the vocabulary of metrics.summary: TTFT (arrival to first token), TBT (Splitwise's
-name for TPOT: the mean time between tokens after the first) and E2E (E2EL: arrival to last token). Each is divided by what the request would take alone on the reference
-machine (Splitwise: an uncontended DGX-A100), from the same performance model: the prompt time of
-its prompt, the token time of a batch of one, and their sum over its tokens. The SLO holds when
+name for TPOT: the mean time between tokens after the first) and E2E (E2EL: arrival to last token).
+Each is divided by what the request would take alone on the reference machine (Splitwise: an
+uncontended DGX-A100), from the same performance model: the prompt time of its prompt, the token
+time of a batch of one, and their sum over its tokens. The SLO holds when
 every P50 / P90 / P99 slowdown is within Splitwise's limits (TTFT 2 / 3 / 6x, TBT and E2E
 1.25 / 1.5 / 5x). Requests the instances rejected (too long for the model or a pool) are not in the
 percentiles: the callers report them beside.
@@ -15,14 +16,17 @@ from servewise.metrics.summary import PERCENTILES, RequestRecord, percentile
 SPLITWISE_SLO = {"ttft": (2.0, 3.0, 6.0), "tbt": (1.25, 1.5, 5.0), "e2e": (1.25, 1.5, 5.0)}
 
 
+def records(requests) -> list[RequestRecord]:
+    """The finished ones as RequestRecords (engine Requests are converted; None entries, rejected, skipped)."""
+    out = [r if isinstance(r, RequestRecord) else RequestRecord.from_request(r) for r in requests if r is not None]
+    return [r for r in out if r.finish is not None]
+
+
 def latencies(requests) -> dict[str, list[float]]:
-    """Seconds per finished request (engine Requests): ttft, e2e, and tbt (requests with two or more
-    output tokens), as metrics.summary.RequestRecord defines them."""
+    """Seconds per finished request (RequestRecords or engine Requests): ttft, e2e, and tbt (requests
+    with two or more output tokens), as RequestRecord defines them."""
     out = {"ttft": [], "tbt": [], "e2e": []}
-    for r in requests:
-        if r is None or r.finish_time is None:
-            continue
-        rec = RequestRecord.from_request(r)
+    for rec in records(requests):
         out["ttft"].append(rec.ttft)
         out["e2e"].append(rec.e2el)
         if (tpot := rec.tpot) is not None:
@@ -37,17 +41,14 @@ def slowdowns(requests, reference) -> dict[str, list[float]]:
     prompt_s: dict[int, float] = {}
     own = getattr(reference, "step_overhead", None) or (lambda is_prefill, rows: 0.0)
     token_s = reference.decode([1]) + own(False, 1)
-    for r in requests:
-        if r is None or r.finish_time is None:
-            continue
-        p, n = r.num_prompt_tokens, len(r.output_token_ids)
+    for r in records(requests):
+        p, n = r.prompt_tokens, r.output_tokens
         if p not in prompt_s:
             prompt_s[p] = reference.prefill([p]) + own(True, 1)
-        ttft, e2e = r.first_token_time - r.arrival_time, r.finish_time - r.arrival_time
-        out["ttft"].append(ttft / prompt_s[p])
-        out["e2e"].append(e2e / (prompt_s[p] + token_s * (n - 1)))
+        out["ttft"].append(r.ttft / prompt_s[p])
+        out["e2e"].append(r.e2el / (prompt_s[p] + token_s * (n - 1)))
         if n > 1:
-            out["tbt"].append((r.finish_time - r.first_token_time) / (n - 1) / token_s)
+            out["tbt"].append((r.finish - r.first_token) / (n - 1) / token_s)
     return out
 
 
