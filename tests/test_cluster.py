@@ -176,25 +176,6 @@ def test_split_and_mixed_clusters_finish_every_request_and_split_hands_off():
     assert mixed.transfers == 0 and all(p == t for p, t in mixed.placed)
 
 
-@needs_table
-def test_the_provisioning_search_finds_the_cheapest_feasible_design_on_its_frontier():
-    from servewise.experiments.splitwise import QUICK, Settings, provision, run_design
-
-    s = Settings(data_dir=os.path.dirname(os.path.dirname(TABLE)), **{**QUICK, "max_machines": 6})
-    res = provision(s, "Splitwise-HH")
-    best, grid = res["best"], {tuple(e["counts"]): e for e in res["evaluated"]}
-    assert best is not None and best["slo_met"]
-    ps = [p for p, _ in res["frontier"]]
-    ts = [t for _, t in res["frontier"]]
-    assert ps == sorted(ps) and ts == sorted(ts, reverse=True)  # a staircase
-    for p, t in res["frontier"]:  # each frontier point is feasible and one token machine fewer is not
-        assert grid[(p, t)]["slo_met"] and (t == 1 or not grid[(p, t - 1)]["slo_met"])
-    # nothing cheaper meets the SLOs: simulate every cheaper design of the small grid
-    p_best, t_best = best["counts"]
-    cheaper = [(p, t) for p in range(1, 7) for t in range(1, 7) if 4.76 * (p + t) < best["cost"] - 1e-9]
-    assert cheaper and all(not run_design(s, "Splitwise-HH", c, "code", s.provision_rate)["slo_met"] for c in cheaper)
-
-
 class _Costs:  # what fitted predictors give: step times in closed form (ms-scale, like a small CPU model)
     class step:
         prefill = staticmethod(lambda lens: 1e-3 + 2e-5 * sum(lens))

@@ -35,7 +35,7 @@ def run(a) -> None:
     import resource
 
     from servewise.cluster.sim import ClusterSim, Design
-    from servewise.experiments.splitwise import reference_perf_for
+    from servewise.cluster.slo import reference_perf
     from servewise.metrics import RequestRecord
     from servewise.metrics.slowdown import summarize
 
@@ -60,7 +60,7 @@ def run(a) -> None:
         b.close()
     # slowdowns against an unloaded DGX-A100 (Splitwise's reference), or this CPU for this-cpu designs
     ref = (sim.engines[0].runner.perf if preds is not None
-           else reference_perf_for(a.model, a.perf_table, a.token_axis))
+           else reference_perf(a.model, a.perf_table, a.token_axis))
     m = summarize(res.requests, ref)
     records = [RequestRecord.from_request(r) if r is not None else None for r in res.requests]
     m.update(changes(items, records, notes, eng.model_config.max_model_len))

@@ -12,12 +12,11 @@
 Workloads: the 1-hour Azure traces are rescaled to a load as Splitwise's generator does: Poisson
 arrivals at the target rate for `duration_s`, prompt and output sizes drawn independently, with
 replacement, from the trace (seeded). Designs run on BLOOM-176B, 8-GPU machines with tensor
-parallelism 8, the measured table when given (else the roofline, labelled analytical).
+parallelism 8, the measured table when given (else the roofline, labelled analytical). Every
+simulation is a servewise.lab run; the searches are servewise.cluster.provision's.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import random
 import sys
@@ -27,8 +26,10 @@ from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 
 from servewise.cluster.machines import get_machine
-from servewise.metrics.slowdown import PERCENTILES, summarize
-from servewise.cluster.sim import ClusterSim, Design
+from servewise.cluster.provision import budget_splits, highest_load, provision
+from servewise.cluster.sim import Design
+from servewise.cluster.slo import check
+from servewise.metrics.slowdown import PERCENTILES
 from servewise.workloads.datasets import WorkloadRequest, load_azure_trace
 
 A, H, HCAP = "dgx-a100", "dgx-h100", "dgx-h100-pcap"
@@ -41,6 +42,7 @@ ISO_POWER = {"Baseline-A100": 70, "Baseline-H100": 40, "Splitwise-AA": (45, 25),
              "Splitwise-HA": (25, 26), "Splitwise-HHcap": (25, 21)}
 ISO_COST = {"Baseline-A100": 86, "Baseline-H100": 40, "Splitwise-AA": (51, 35), "Splitwise-HH": (25, 15),
             "Splitwise-HA": (30, 21), "Splitwise-HHcap": (30, 10)}
+SECTIONS = ("transfer", "provision", "sweep", "iso")
 PAPER = {
     "cost_optimal_hh_code_70": "Splitwise-HH: 27 prompt + 3 token machines (Figure 12)",
     "iso_cost": "Splitwise-AA: 1.4x the throughput of Baseline-H100 at the same cost (Figure 18b); "
@@ -74,9 +76,17 @@ class Settings:
     # paper's baselines, whose iterations carried whole prompts)
     baseline_batching: str = "chunked"
     designs: tuple[str, ...] = tuple(KINDS)  # the designs provisioned and swept
-    sections: tuple[str, ...] = ("transfer", "provision", "sweep", "iso")
+    sections: tuple[str, ...] = SECTIONS
     jobs: int = 2
     seed: int = 0
+
+    def __post_init__(self):
+        if bad := set(self.designs) - set(KINDS):
+            raise ValueError(f"unknown design(s) {', '.join(sorted(bad))}; choose from {', '.join(KINDS)}")
+        if bad := set(self.sections) - set(SECTIONS):
+            raise ValueError(f"unknown section(s) {', '.join(sorted(bad))}; choose from {', '.join(SECTIONS)}")
+        if self.splitwisesim and not self.measured:
+            raise ValueError("--splitwisesim takes SplitwiseSim's measured table; it does not combine with --roofline")
 
     def trace_path(self, name: str) -> str:
         return os.path.join(self.data_dir, f"AzureLLMInferenceTrace_{name}.csv.gz")
@@ -105,6 +115,14 @@ def assumptions(s: Settings) -> dict:
     return {"token_axis": "tokens", "num_device_blocks": blocks, "watermark": 0.0}
 
 
+def options(s: Settings, kind: str) -> dict:
+    """ClusterSim's keywords for a design of `kind`: the slowdowns' reference follows their perf_table
+    and token_axis (cluster.slo.reference_for)."""
+    baseline = KINDS[kind][1] is None
+    return dict(router="jsq_tokens", perf_table=s.table, transfer=s.transfer,
+                chunked_prefill=baseline and s.baseline_batching == "chunked", **assumptions(s))
+
+
 def rescaled(s: Settings, trace: str, rate: float) -> tuple[list[WorkloadRequest], list[float]]:
     """Poisson arrivals at `rate` for s.duration_s, sizes drawn with replacement from the trace."""
     if trace not in _TRACES:
@@ -126,107 +144,44 @@ def design_of(kind: str, counts) -> Design:
     return Design({prompt: counts[0]}, {token: counts[1]})
 
 
-def run_design(s: Settings, kind: str, counts, trace: str, rate: float, transfer: str | None = None) -> dict:
+def run_design(s: Settings, kind: str, counts, trace: str, rate: float) -> dict:
     """Simulate one design on one rescaled trace; returns its summary (latencies, slowdowns, SLO)."""
-    design = design_of(kind, counts)
-    items, arrivals = rescaled(s, trace, rate)
-    baseline = KINDS[kind][1] is None
-    kw = dict(chunked_prefill=baseline and s.baseline_batching == "chunked")
-    sim = ClusterSim(s.model, design, router="jsq_tokens", perf_table=s.table, transfer=transfer or s.transfer,
-                     **kw, **assumptions(s))
-    res = sim.run(items, arrivals)
-    m = summarize(res.requests, reference_perf(s))
-    e2e = sum(r.finish_time - r.arrival_time for r in res.requests if r is not None)
-    m.update(kind=kind, counts=counts, trace=trace, rate=rate, requests=len(items), rejected=len(res.rejected),
-             wall_s=res.wall_s, steps=sum(res.steps), transfers=res.transfers, borrowed=res.borrowed,
-             transfer_share_of_e2e=res.transfer_wait_s / e2e if e2e else 0.0, perf=res.perf_labels,
-             **design.totals())
-    return m
+    return check(s.model, design_of(kind, counts), *rescaled(s, trace, rate), options=options(s, kind),
+                 tags=dict(kind=kind, counts=counts, trace=trace, rate=rate))
 
 
-def reference_perf(s: Settings):
-    return reference_perf_for(s.model, s.table, "tokens" if s.splitwisesim else "batch")
-
-
-def reference_perf_for(model: str, table: str | None, token_axis: str = "batch"):
-    """The SLOs' reference: an unloaded DGX-A100 (Splitwise's), from the same performance model."""
-    from servewise.models.loader import load_model_config
-    from servewise.predictors.perf import make_perf
-
-    machine = get_machine(A)
-    mc, _ = load_model_config(model, "float16")
-    return make_perf(machine.gpu, mc, 16, tp=machine.gpus, table=table, model=model, token_axis=token_axis)
-
-
-def _feasible(s: Settings, kind: str, counts, cache: dict) -> bool:
-    if counts not in cache:
-        cache[counts] = run_design(s, kind, counts, "code", s.provision_rate)
-    return cache[counts]["slo_met"]
-
-
-def provision(s: Settings, kind: str) -> dict:
-    """The cheapest design of `kind` meeting the SLOs on the code trace at s.provision_rate. Meeting the
-    SLOs is taken as monotone in each machine count, so only the frontier is simulated: a binary search
-    over the machine count for baselines; for split designs, a binary search for the fewest prompt
-    machines that meet the SLOs with the most token machines, then for each prompt count upwards a
-    binary search for the fewest token machines (never more than the previous count's), stopping
-    once a design can be neither cheaper nor less power-hungry than the best found. Returns the
-    cheapest ("best") and the least power-hungry ("least_power") of them."""
-    cache: dict = {}
+def _provision(args) -> dict:
+    """The cheapest design of a kind meeting the SLOs on the code trace at s.provision_rate (and the
+    least power-hungry), searched by cluster.provision within the experiment's bounds."""
+    s, kind = args
     prompt, token = KINDS[kind]
-
-    def fewest(lo: int, hi: int, ok) -> int | None:
-        if not ok(hi):
-            return None
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
-        return lo
-
-    if token is None:
-        n = fewest(1, s.max_baseline_machines, lambda n: _feasible(s, kind, n, cache))
-        return {"kind": kind, "best": cache[n] if n else None, "least_power": cache[n] if n else None,
-                "evaluated": _rows(cache)}
     bound = lambda m: s.max_machines * 7 // 4 if m == A else s.max_machines  # noqa: E731
-    top_p, top_t = bound(prompt), bound(token)
-    p0 = fewest(1, top_p, lambda p: _feasible(s, kind, (p, top_t), cache))
-    frontier, best, least, t_hi = [], None, None, top_t
-    mp, mt = get_machine(prompt), get_machine(token)
-    for p in range(p0 or top_p + 1, top_p + 1):
-        if best and p * mp.cost + mt.cost >= best["cost"] and p * mp.power + mt.power >= least["power"]:
-            break
-        t = fewest(1, t_hi, lambda t: _feasible(s, kind, (p, t), cache))
-        if t is None:  # not monotone after all: say so in the frontier, go on
-            continue
-        frontier.append((p, t))
-        t_hi = t
-        if best is None or cache[(p, t)]["cost"] < best["cost"]:
-            best = cache[(p, t)]
-        if least is None or cache[(p, t)]["power"] < least["power"]:
-            least = cache[(p, t)]
-        if t == 1:
-            break
-    return {"kind": kind, "best": best, "least_power": least, "frontier": frontier, "evaluated": _rows(cache)}
-
-
-def _rows(cache: dict) -> list[dict]:
-    return [{"counts": c, "slo_met": m["slo_met"], "cost": m["cost"], "power": m["power"]} for c, m in cache.items()]
+    split = dict(prompt=prompt, token=token, max_machines=(bound(prompt), bound(token))) if token else \
+        dict(mixed=prompt, max_machines=s.max_baseline_machines)
+    p = provision(s.model, *rescaled(s, "code", s.provision_rate), **split, options=options(s, kind),
+                  tags=dict(kind=kind, trace="code", rate=s.provision_rate))
+    evaluated = [{"counts": c, "slo_met": m["slo_met"], "cost": m["cost"], "power": m["power"]}
+                 for c, m in p.evaluated.items()]
+    return {"kind": kind, "best": p.best, "least_power": p.least_power,
+            **({"frontier": p.frontier} if token else {}), "evaluated": evaluated}
 
 
 def transfer_overheads(s: Settings) -> list[dict]:
     """A lone request per prompt size on one prompt + one token machine: the KV arrival after the
     prompt's end (what the transfer adds to the second token), serialized and layer-wise."""
+    from servewise.lab import Cluster, Spec, run
+
     rows = []
     for machine in (A, H):
         for prompt_len in s.transfer_prompts:
             row = {"machine": get_machine(machine).name, "prompt_tokens": prompt_len}
             for mode in ("serialized", "layerwise"):
-                sim = ClusterSim(s.model, Design({machine: 1}, {machine: 1}), perf_table=s.table, transfer=mode)
-                res = sim.run([WorkloadRequest(prompt_len, 2)], [0.0])
-                prompt_s = res.requests[0].first_token_time
+                pair = Cluster(s.model, Design({machine: 1}, {machine: 1}), {"perf_table": s.table, "transfer": mode})
+                rec = run(Spec(pair, [WorkloadRequest(prompt_len, 2)], [0.0]))
+                prompt_s, wait_s = rec.requests[0].first_token, rec.cluster["transfer_wait_s"]
                 row["prompt_s"] = prompt_s
-                row[f"{mode}_s"] = res.transfer_wait_s
-                row[f"{mode}_pct_of_prompt"] = 100 * res.transfer_wait_s / prompt_s
+                row[f"{mode}_s"] = wait_s
+                row[f"{mode}_pct_of_prompt"] = 100 * wait_s / prompt_s
             rows.append(row)
     return rows
 
@@ -241,38 +196,19 @@ def _sweep_point(args) -> dict:
 BUDGETS = {"iso-power": ("power", 40 * 44.0), "iso-cost": ("cost", 40 * 4.76)}  # 40 DGX-H100's
 
 
-def budget_splits(kind: str, attr: str, budget: float, step: int = 5) -> list[tuple[int, int]]:
-    """Prompt x token counts of a split design within a power or cost budget: prompt machines in steps
-    of `step`, as many token machines as the rest of the budget buys (the paper's simulator swept
-    its iso-power and iso-cost clusters this way)."""
-    mp, mt = (get_machine(m) for m in KINDS[kind])
-    out = []
-    for p in range(step, int(budget // getattr(mp, attr)) + 1, step):
-        t = math.floor((budget - p * getattr(mp, attr)) / getattr(mt, attr) + 1e-9)
-        if t >= 1:
-            out.append((p, t))
-    return out
-
-
 def _best_load(args) -> dict:
-    """The highest swept load at which one design meets the SLOs (binary search: meeting them is taken
-    as monotone in the load)."""
+    """The highest swept load at which one design meets the SLOs."""
     s, cluster, kind, counts = args
-    rates, lo, hi = sorted(s.sweep_rates), -1, len(s.sweep_rates) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if run_design(s, kind, counts, s.sweep_trace, rates[mid])["slo_met"]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return {"cluster": cluster, "kind": kind, "counts": counts, "max_rate": rates[lo] if lo >= 0 else 0.0}
+    rate = highest_load(s.model, design_of(kind, counts), s.sweep_rates, lambda r: rescaled(s, s.sweep_trace, r),
+                        options=options(s, kind))
+    return {"cluster": cluster, "kind": kind, "counts": counts, "max_rate": rate}
 
 
 def iso_search(s: Settings, pool) -> list[dict]:
     """For each budget and split design kind, the split within the budget that sustains the highest
     load (ties: the fewest machines)."""
     tasks = [(s, cluster, kind, c) for cluster, (attr, budget) in BUDGETS.items() for kind in KINDS
-             if KINDS[kind][1] is not None and kind in s.designs for c in budget_splits(kind, attr, budget)]
+             if KINDS[kind][1] is not None and kind in s.designs for c in budget_splits(*KINDS[kind], attr, budget)]
     found: dict = {}
     splits: dict = {}
     for r in pool.map(_best_load, tasks):
@@ -296,7 +232,7 @@ def run_experiment(s: Settings, progress=print) -> dict:
     with ProcessPoolExecutor(max_workers=s.jobs, mp_context=ctx) as pool:
         prov = {}
         kinds = [k for k in s.provision_kinds if k in s.designs and "provision" in s.sections]
-        for kind, res in zip(kinds, pool.map(provision, [s] * len(kinds), kinds)):
+        for kind, res in zip(kinds, pool.map(_provision, [(s, k) for k in kinds])):
             prov[kind] = res
             best = res["best"]
             progress(f"cost-optimal {kind}: {best['counts'] if best else 'none within the search bounds'} "
@@ -456,36 +392,14 @@ def plot(r: dict, out_dir: str) -> list[str]:
     return paths
 
 
-def main(a) -> None:
-    kw = dict(QUICK) if a.quick else {}
-    if a.jobs is not None:
-        kw["jobs"] = a.jobs
-    if a.duration is not None:
-        kw["duration_s"] = a.duration
-    if a.designs:
-        kw["designs"] = tuple(a.designs.split(","))
-        if bad := set(kw["designs"]) - set(KINDS):
-            raise ValueError(f"unknown design(s) {', '.join(sorted(bad))}; choose from {', '.join(KINDS)}")
-    if a.sections:
-        kw["sections"] = tuple(a.sections.split(","))
-        if bad := set(kw["sections"]) - set(Settings.sections):
-            raise ValueError(f"unknown section(s) {', '.join(sorted(bad))}; choose from {', '.join(Settings.sections)}")
-    s = Settings(data_dir=a.data_dir, measured=not a.roofline, seed=a.seed, splitwisesim=a.splitwisesim,
-                 baseline_batching=a.baseline_batching, **kw)
-    if s.splitwisesim and not s.measured:
-        raise ValueError("--splitwisesim takes SplitwiseSim's measured table; it does not combine with --roofline")
+def main(s: Settings, out_dir: str = "results/splitwise") -> None:
+    """Run the experiment, print its report and keep it (splitwise.json, .txt and the figures) under out_dir."""
+    from servewise.experiments import publish
+
     for name in ("code", "conv"):
         if not os.path.isfile(s.trace_path(name)):
             raise ValueError(f"no {s.trace_path(name)}: --data-dir must hold the Azure 2023 traces")
     if s.measured and not os.path.isfile(s.table):
         raise ValueError(f"no {s.table}: --data-dir must hold splitwise/perf_model.csv.gz (or pass --roofline)")
     r = run_experiment(s, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    text = report(r)
-    print(text)
-    os.makedirs(a.out_dir, exist_ok=True)
-    with open(os.path.join(a.out_dir, "splitwise.json"), "w") as f:
-        json.dump(r, f, indent=1, default=str)
-    with open(os.path.join(a.out_dir, "splitwise.txt"), "w") as f:
-        f.write(text + "\n")
-    paths = plot(r, a.out_dir)
-    print(f"saved {os.path.join(a.out_dir, 'splitwise.json')}, {', '.join(paths)}")
+    publish(r, report(r), out_dir, "splitwise", plot)

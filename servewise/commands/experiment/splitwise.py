@@ -30,6 +30,16 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.experiments.splitwise import main
+    from servewise.experiments.splitwise import QUICK, Settings, main
 
-    main(a)
+    kw = dict(QUICK) if a.quick else {}
+    if a.jobs is not None:
+        kw["jobs"] = a.jobs
+    if a.duration is not None:
+        kw["duration_s"] = a.duration
+    if a.designs:
+        kw["designs"] = tuple(a.designs.split(","))
+    if a.sections:
+        kw["sections"] = tuple(a.sections.split(","))
+    main(Settings(data_dir=a.data_dir, measured=not a.roofline, seed=a.seed, splitwisesim=a.splitwisesim,
+                  baseline_batching=a.baseline_batching, **kw), a.out_dir)
