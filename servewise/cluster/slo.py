@@ -37,7 +37,7 @@ def check(model: str, design, items, arrivals, *, options: dict | None = None, r
 
     reference = reference_for(model, options) if reference is None else reference
     rec = run(Spec(Cluster(model, design, options or {}), items, arrivals, tags=tags or {}))
-    m = summarize(rec.result.requests, reference, slo)
+    m = summarize(rec.requests, reference, slo)
     c, e2e = rec.cluster, sum(r.e2el for r in rec.requests)
     m.update(rec.tags)
     m.update(requests=len(items), rejected=len(rec.rejected), wall_s=rec.wall_s, steps=rec.steps["steps"],

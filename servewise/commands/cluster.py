@@ -34,9 +34,10 @@ def run(a) -> None:
     import os
     import resource
 
-    from servewise.cluster.sim import ClusterSim, Design
+    from servewise.cluster.sim import Design
     from servewise.cluster.slo import reference_perf
-    from servewise.metrics import RequestRecord
+    from servewise.lab import Cluster, Spec, run as run_spec
+    from servewise.lab.run import build
     from servewise.metrics.slowdown import summarize
 
     design = Design(a.prompt or {}, a.token or {}, a.mixed or {})
@@ -49,36 +50,44 @@ def run(a) -> None:
         kw.setdefault("dtype", "float32")
         mc, _ = load_model_config(a.model, kw["dtype"])
         preds = ensure_predictors(a.model, mc, "cpu", kw.get("block_size", 16), getattr(a, "predictors", None))
-    sim = ClusterSim(a.model, design, router=a.router, perf_table=a.perf_table, transfer=a.transfer,
-                     token_axis=a.token_axis, predictors=preds, **kw)
+    spec_cluster = Cluster(a.model, design, dict(kw, router=a.router, perf_table=a.perf_table, transfer=a.transfer,
+                                                 token_axis=a.token_axis, predictors=preds))
+    sim = build(spec_cluster)
     eng = sim.engines[0]
     notes: dict = {}
     items, arrivals = workload(a, eng.tokenizer, eng.model_config.vocab_size, notes, eng.model_config.max_model_len)
     b = bar(len(items), "simulated requests")
-    res = sim.run(items, arrivals, progress=b.update if b else None)
+    rec = run_spec(Spec(spec_cluster, items, arrivals), progress=b.update if b else None, engine=sim)
     if b:
         b.close()
+    res, c = rec.result, rec.cluster
     # slowdowns against an unloaded DGX-A100 (Splitwise's reference), or this CPU for this-cpu designs
-    ref = (sim.engines[0].runner.perf if preds is not None
-           else reference_perf(a.model, a.perf_table, a.token_axis))
-    m = summarize(res.requests, ref)
-    records = [RequestRecord.from_request(r) if r is not None else None for r in res.requests]
-    m.update(changes(items, records, notes, eng.model_config.max_model_len))
-    m["rejected_examples"] = [f"#{i}: {reason}" for i, reason in res.rejected[:10]]
-    m.update(design=design.label(), **design.totals(), requests=len(items), rejected=len(res.rejected),
-             makespan_s=res.makespan, wall_s=res.wall_s, steps=sum(res.steps), transfers=res.transfers,
-             transfer_gb=res.transfer_bytes / 1e9, borrowed=res.borrowed, perf=res.perf_labels,
+    ref = eng.runner.perf if preds is not None else reference_perf(a.model, a.perf_table, a.token_axis)
+    m = summarize(rec.requests, ref)
+    by_item = iter(rec.requests)  # the admitted ones, in item order
+    m.update(changes(items, [next(by_item) if r is not None else None for r in res.requests], notes,
+                     eng.model_config.max_model_len))
+    m["rejected_examples"] = [f"#{i}: {reason}" for i, reason in rec.rejected[:10]]
+    m.update(design=design.label(), **design.totals(), requests=len(items), rejected=len(rec.rejected),
+             makespan_s=c["makespan_s"], wall_s=rec.wall_s, steps=rec.steps["steps"], transfers=c["transfers"],
+             transfer_gb=c["transfer_gb"], borrowed=c["borrowed"], perf=c["perf"],
              peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if rec.prefix_cache is not None:
+        m["prefix_cache"] = rec.prefix_cache
     print(f"Cluster: {a.model}, {m['design']} (cost {m['cost']:.1f}, power {m['power']:.1f}); {', '.join(m['perf'])}")
-    print(f"{m['requests']} requests ({m['rejected']} rejected), {res.makespan:.1f} s simulated, "
-          f"{res.transfers} KV transfers ({m['transfer_gb']:.1f} GB), {res.borrowed} machines borrowed")
-    say_changes(m, res.rejected)
+    print(f"{m['requests']} requests ({m['rejected']} rejected), {c['makespan_s']:.1f} s simulated, "
+          f"{c['transfers']} KV transfers ({m['transfer_gb']:.1f} GB), {c['borrowed']} machines borrowed")
+    if (pc := rec.prefix_cache) is not None:
+        print(f"prefix cache: {pc['hit_rate']:.1%} of {pc['admitted_tokens']} admitted prompt tokens from cached "
+              f"blocks ({pc['cached_tokens']} on the devices, {pc['store_tokens']} from the KV store), "
+              f"{pc['computed_tokens']} computed")
+    say_changes(m, rec.rejected)
     print(f"{'':<5} {'P50 s':>9} {'P90 s':>9} {'P99 s':>9}   slowdowns P50 / P90 / P99")
     for k in ("ttft", "tbt", "e2e"):
         print(f"{k.upper():<5} " + " ".join(f"{m[f'{k}_p{q}_s']:>9.3f}" for q in (50, 90, 99)) + "   " +
               " / ".join(f"{m[f'{k}_p{q}_slowdown']:.2f}" + ("" if m[f"{k}_p{q}_ok"] else "!") for q in (50, 90, 99)))
     print(f"Splitwise's SLOs {'met' if m['slo_met'] else 'missed (! marks each limit passed)'}")
-    print(f"simulation wall time {res.wall_s:.2f} s, {m['steps']} steps, peak memory {m['peak_rss_mb']:.0f} MB")
+    print(f"simulation wall time {rec.wall_s:.2f} s, {m['steps']} steps, peak memory {m['peak_rss_mb']:.0f} MB")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(m, f, indent=1)

@@ -69,10 +69,14 @@ class _Steps:
                 "prefill_requests": self.prefill_requests, "schedule_s": self.schedule_s, "busy_s": self.busy_s}
 
 
-def build(e: Engine):
-    """The engine an Engine spec names, warmed up when real."""
+def build(e: Engine | Cluster):
+    """The engine an Engine spec names, warmed up when real; a Cluster's ClusterSim."""
     from servewise.builder import build_engine, build_sim_engine
 
+    if isinstance(e, Cluster):
+        from servewise.cluster.sim import ClusterSim
+
+        return ClusterSim(e.model, e.design, **e.options)
     if e.backend == "sim":
         return build_sim_engine(e.model, e.hardware, e.predictors, perf=e.perf, **e.options)
     eng = build_engine(model=e.model, predictors=e.predictors, **e.options)
@@ -102,7 +106,7 @@ def run(spec: Spec, on_step: Callable[[StepStats], None] | None = None,
     is told how many requests finished. `engine`: one `build(spec.engine)` made already (its tokenizer
     and limits may have shaped the workload)."""
     if isinstance(spec.engine, Cluster):
-        return _run_cluster(spec, progress)
+        return _run_cluster(spec, progress, engine)
     from servewise.simulator import simulate
     from servewise.workloads.driver import run_workload
 
@@ -126,11 +130,8 @@ def run(spec: Spec, on_step: Callable[[StepStats], None] | None = None,
                   _prefix_cache(bm, before), swap, None, eng)
 
 
-def _run_cluster(spec: Spec, progress) -> Record:
-    from servewise.cluster.sim import ClusterSim
-
-    c = spec.engine
-    sim = ClusterSim(c.model, c.design, **c.options)
+def _run_cluster(spec: Spec, progress, sim=None) -> Record:
+    sim = sim if sim is not None else build(spec.engine)
     arrivals = spec.arrivals if spec.arrivals is not None else [0.0] * len(spec.items)
     res = sim.run(spec.items, arrivals, progress)
     reqs = [r for r in res.requests if r is not None]
