@@ -20,11 +20,13 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from servewise.experiments.adaptivellm import ADAPTIVE, BASELINES, Settings, crossover, run_one, workload
+from servewise.experiments.adaptivellm import (ADAPTIVE, BASELINES, Settings, crossover, measure, measure_all, spec,
+                                               workload)
+from servewise.lab import ci95
 from servewise.policies import SYSTEMS
 from servewise.workloads.arrivals import arrival_times
 
@@ -60,6 +62,12 @@ class GapSettings:
     data_dir: str | None = None
     predictors: str | None = None
 
+    def __post_init__(self):
+        if unknown := set(self.sections) - set(SECTIONS):
+            raise ValueError(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+        if not self.sim_models:
+            raise ValueError("the experiment needs at least one simulated model (--sim-models)")
+
     def base(self, seed: int = 0) -> Settings:
         """The reproduction's settings with vLLM 0.2.5's rules and the GPU swap model."""
         return Settings(hardware=self.hardware, num_device_blocks=self.num_device_blocks,
@@ -71,16 +79,6 @@ class GapSettings:
 QUICK = GapSettings(sim_models=("opt-13b",), workloads=("chatbot", "summary"), seeds=3, num_requests_sim=300,
                     num_requests_real=96, slowdowns=(1, 10, 100), loads=(0.5, 1.5))
 FULL = GapSettings()
-
-
-def ci95(xs: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% confidence interval (Student's t; 0 for a single value)."""
-    from scipy.stats import t
-
-    a = np.asarray(xs, float)
-    if a.size < 2:
-        return float(a.mean()), 0.0
-    return float(a.mean()), float(t.ppf(0.975, a.size - 1) * a.std(ddof=1) / math.sqrt(a.size))
 
 
 def _fmt(xs: list[float], digits: int = 2) -> str:
@@ -98,52 +96,35 @@ def _shares(runs: list[dict]) -> str:
 
 
 # --- sections ------------------------------------------------------------------------------------
-def table(g: GapSettings, say) -> list[dict]:
-    out = []
-    for model in g.sim_models:
+def _workloads(g: GapSettings, models):
+    """(model, workload, seed, its settings, its requests) for every seed of every simulated workload."""
+    for model in models:
         for wl in g.workloads:
             for seed in range(g.seeds):
                 s = g.base(seed)
-                items = workload(wl, g.num_requests_sim, g.max_output_len, s)
-                for system in SYSTEMS:
-                    r = run_one("table", "sim", model, items, wl, g.max_output_len, system, 256, s)
-                    out.append(asdict(r) | {"seed": seed})
-            say(f"table: {model} {wl} done")
-    return out
+                yield model, wl, seed, s, workload(wl, g.num_requests_sim, g.max_output_len, s)
+
+
+def table(g: GapSettings, say) -> list[dict]:
+    return measure_all((spec("table", "sim", model, items, wl, g.max_output_len, x, 256, s, tags={"seed": seed})
+                        for model, wl, seed, s, items in _workloads(g, g.sim_models) for x in SYSTEMS), say)
 
 
 def swapcost(g: GapSettings, say) -> list[dict]:
     from servewise.predictors.gpu_swap import get_swap_model
 
-    out, base = [], get_swap_model(g.swap_model)
-    for model in g.sim_models[:1]:
-        for wl in g.workloads:
-            for seed in range(g.seeds):
-                s = g.base(seed)
-                items = workload(wl, g.num_requests_sim, g.max_output_len, s)
-                for k in g.slowdowns:
-                    swap = base.scaled(bandwidth=1 / k, call=k)
-                    for system in ("vllm", "vllm_s", ADAPTIVE):
-                        r = run_one("swapcost", "sim", model, items, wl, g.max_output_len, system, 256, s, swap=swap)
-                        out.append(asdict(r) | {"seed": seed, "slowdown": k})
-            say(f"swapcost: {model} {wl} done")
-    return out
+    base = get_swap_model(g.swap_model)
+    return measure_all((spec("swapcost", "sim", model, items, wl, g.max_output_len, x, 256, s,
+                             swap=base.scaled(bandwidth=1 / k, call=k), tags={"seed": seed, "slowdown": k})
+                        for model, wl, seed, s, items in _workloads(g, g.sim_models[:1])
+                        for k in g.slowdowns for x in ("vllm", "vllm_s", ADAPTIVE)), say)
 
 
 def coalesce(g: GapSettings, say) -> list[dict]:
-    out = []
-    for model in g.sim_models[:1]:
-        for wl in g.workloads:
-            for seed in range(g.seeds):
-                s = g.base(seed)
-                items = workload(wl, g.num_requests_sim, g.max_output_len, s)
-                for system in ("vllm", ADAPTIVE):
-                    for k in (g.admit_min_batch if system == ADAPTIVE else (1,)):
-                        r = run_one("coalesce", "sim", model, items, wl, g.max_output_len, system, 256, s,
-                                    admit_min_batch=k, admit_max_wait=g.admit_max_wait)
-                        out.append(asdict(r) | {"seed": seed, "admit_min_batch": k})
-            say(f"coalesce: {model} {wl} done")
-    return out
+    return measure_all((spec("coalesce", "sim", model, items, wl, g.max_output_len, x, 256, s, admit_min_batch=k,
+                             admit_max_wait=g.admit_max_wait, tags={"seed": seed, "admit_min_batch": k})
+                        for model, wl, seed, s, items in _workloads(g, g.sim_models[:1])
+                        for x in ("vllm", ADAPTIVE) for k in (g.admit_min_batch if x == ADAPTIVE else (1,))), say)
 
 
 def trace_gaps(path: str, n: int) -> list[float]:
@@ -163,33 +144,34 @@ def arrivals(g: GapSettings, say) -> list[dict]:
     """Each backend's capacity (requests/s of vllm with everything at once, seed 0), then every system on
     Poisson arrivals (and the trace's, rescaled) at each load; the trace is cut at a different offset per
     seed so that seeds differ there too."""
-    out = []
     backends = [("sim", m) for m in g.sim_models[:1]] + ([("real", g.real_model)] if g.real_model else [])
     trace = trace_gaps(g.trace, g.num_requests_sim * (g.seeds + 1)) if g.trace else None
-    for backend, model in backends:
-        n = g.num_requests_sim if backend == "sim" else g.num_requests_real
-        for wl in g.workloads[:1] if backend == "real" else g.workloads:
-            base = run_one("capacity", backend, model, workload(wl, n, g.max_output_len, g.base(0)), wl,
-                           g.max_output_len, "vllm", 256, g.base(0))
-            capacity = base.completed / base.duration_s
-            for seed in range(g.seeds):
-                s = g.base(seed)
-                items = workload(wl, n, g.max_output_len, s)
-                for process in ("poisson",) + (("trace",) if trace else ()):
-                    for load in g.loads:
-                        rate = load * capacity
-                        if process == "poisson":
-                            times = arrival_times(n, "poisson", rate, seed=seed)
-                        else:
-                            gaps = trace[seed * n:(seed + 1) * n]
-                            times = np.concatenate([[0.0], np.cumsum(gaps[:-1])]) / rate
-                        for system in SYSTEMS:
-                            r = run_one("arrivals", backend, model, items, wl, g.max_output_len, system, 256, s,
-                                        arrivals=list(times))
-                            out.append(asdict(r) | {"seed": seed, "process": process, "load": load,
-                                                    "rate": rate, "capacity": capacity})
-            say(f"arrivals: {backend} {model} {wl} done (capacity {capacity:.2f} req/s)")
-    return out
+
+    def specs():
+        for backend, model in backends:
+            n = g.num_requests_sim if backend == "sim" else g.num_requests_real
+            for wl in g.workloads[:1] if backend == "real" else g.workloads:
+                s0 = g.base(0)
+                base = measure(spec("capacity", backend, model, workload(wl, n, g.max_output_len, s0), wl,
+                                    g.max_output_len, "vllm", 256, s0))
+                capacity = base["completed"] / base["duration_s"]
+                say(f"arrivals: {backend} {model} {wl}: capacity {capacity:.2f} req/s")
+                for seed in range(g.seeds):
+                    s = g.base(seed)
+                    items = workload(wl, n, g.max_output_len, s)
+                    for process in ("poisson",) + (("trace",) if trace else ()):
+                        for load in g.loads:
+                            rate = load * capacity
+                            if process == "poisson":
+                                times = arrival_times(n, "poisson", rate, seed=seed)
+                            else:
+                                gaps = trace[seed * n:(seed + 1) * n]
+                                times = np.concatenate([[0.0], np.cumsum(gaps[:-1])]) / rate
+                            tags = {"seed": seed, "process": process, "load": load, "rate": rate, "capacity": capacity}
+                            yield from (spec("arrivals", backend, model, items, wl, g.max_output_len, x, 256, s,
+                                             arrivals=list(times), tags=tags) for x in SYSTEMS)
+
+    return measure_all(specs(), say)
 
 
 def run_experiment(g: GapSettings, progress=None) -> dict:
@@ -380,30 +362,14 @@ def plot(res: dict, out_dir: str) -> list[str]:
     return [save_figure(fig, out_dir, "adaptive_gap_swapcost.png")]
 
 
-def main(a) -> None:
+def main(g: GapSettings, out_dir: str, scale: str = "quick") -> None:
+    """Run the experiment (`scale` names its settings in the first line), print and save its report."""
     from servewise.experiments import publish
 
-    g = replace(FULL if a.full else QUICK, data_dir=a.data_dir, predictors=a.predictors, trace=a.trace)
-    for name in ("sim_models", "workloads", "sections"):
-        if (v := getattr(a, name)) is not None:
-            g = replace(g, **{name: tuple(x for x in v.split(",") if x)})
-    for name in ("seeds", "swap_model", "hardware", "num_device_blocks", "num_host_blocks", "max_output_len"):
-        if (v := getattr(a, name)) is not None:
-            g = replace(g, **{name: v})
-    if a.real_requests is not None:
-        g = replace(g, num_requests_real=a.real_requests)
-    if a.real_model is not None:
-        g = replace(g, real_model=a.real_model or None)
-    if a.loads is not None:
-        g = replace(g, loads=a.loads)
-    if unknown := set(g.sections) - set(SECTIONS):
-        raise ValueError(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
-    if not g.sim_models:
-        raise ValueError("the experiment needs at least one simulated model (--sim-models)")
-    print(f"AdaptiveLLM gap ({'full' if a.full else 'quick'}): sections {', '.join(g.sections)}; simulated "
+    print(f"AdaptiveLLM gap ({scale}): sections {', '.join(g.sections)}; simulated "
           f"{', '.join(g.sim_models)} x {g.num_requests_sim} requests, {g.seeds} seeds", file=sys.stderr)
     t0 = time.perf_counter()
     res = run_experiment(g, progress=lambda m: print(f"[{time.perf_counter() - t0:6.0f} s] {m}", file=sys.stderr,
                                                      flush=True))
     res["wall_s"] = time.perf_counter() - t0
-    publish(res, report(res), a.out_dir, "adaptive_gap", plot)
+    publish(res, report(res), out_dir, "adaptive_gap", plot)

@@ -11,20 +11,19 @@ submitted at once, maximum output lengths 64 / 128 / 256. Outputs:
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+from typing import Iterable, Iterator
 
 import torch
 
-from servewise.builder import build_engine, build_sim_engine
+from servewise import lab
 from servewise.engine.interfaces import StepStats
-from servewise.engine.llm_engine import LLMEngine
-from servewise.metrics import RequestRecord, compute
+from servewise.lab import Engine, Spec
+from servewise.models.loader import load_model_config
 from servewise.policies import SYSTEMS
-from servewise.workloads.driver import run_workload
+from servewise.predictors.perf import make_perf
 from servewise.workloads.presets import preset_workload
 
 ADAPTIVE, BASELINES = "adaptive+fair", ("vllm", "vllm_s")
@@ -60,6 +59,10 @@ class Settings:
     predictors: str | None = None  # for adaptive preemption on the real engine; None: cached, profiled on first use
     seed: int = 0
 
+    def __post_init__(self):
+        if unknown := set(self.systems) - set(SYSTEMS):
+            raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+
 
 QUICK = Settings()
 FULL = Settings(real_models=("tiny-llama", "tiny-opt"), num_requests_real=1000, num_requests_sim=1000,
@@ -93,11 +96,12 @@ class Run:
     decode_steps: int = 0
 
 
+POINT = ("kind", "backend", "model", "workload", "max_output_len", "system", "max_num_seqs")  # a spec's first tags
+
+
 def workload(name: str, n: int, max_output_len: int, s: Settings):
     """The same requests for every system and model: byte-level prompt ids under every model's vocab,
     prompts cut so that prompt + output fits the device pool."""
-    from servewise.models.loader import load_model_config
-
     _, tok = load_model_config("tiny-llama")
     if name == "trace":
         items = trace_workload(s.trace, n, max_output_len, s.seed)
@@ -127,67 +131,74 @@ def trace_workload(path: str | None, n: int, max_output_len: int, seed: int):
     return out
 
 
-def make_engine(backend: str, model: str, system: str, max_num_seqs: int, s: Settings,
-                efficiency: dict | None = None, swap=None, **extra) -> LLMEngine:
-    """An engine for one run: `swap` (a gpu_swap model or name) overrides s.swap_model; `extra` are more
-    engine options (such as admit_min_batch)."""
+def spec(kind: str, backend: str, model: str, items, wl: str, max_out: int, system: str, max_num_seqs: int,
+         s: Settings, arrivals: list[float] | None = None, efficiency: dict | None = None, swap=None,
+         tags: dict | None = None, **extra) -> Spec:
+    """One run: `system`'s policies on s's pools, all requests at once unless `arrivals` are given (seconds
+    from the start). Simulated swaps are priced by `swap` (a gpu_swap model or name; default s.swap_model,
+    None: the roofline's link) over a link with `efficiency`; `extra` are more engine options (such as
+    admit_min_batch). Tagged with its Run's first fields, then `tags` (seed, ...)."""
     policy, preemption = SYSTEMS[system]
-    kw = dict(num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks, block_size=s.block_size,
-              policy=policy, preemption=preemption, max_num_seqs=max_num_seqs, v0_rules=s.v0_rules,
-              max_num_batched_tokens=s.max_num_batched_tokens, **extra)
-    if backend == "sim":
-        if (swap := swap or s.swap_model) is None:
-            return build_sim_engine(model, s.hardware, efficiency=efficiency, **kw)
-        from servewise.models.loader import load_model_config
-        from servewise.predictors.perf import make_perf
-
+    options = dict(num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks, block_size=s.block_size,
+                   policy=policy, preemption=preemption, max_num_seqs=max_num_seqs, v0_rules=s.v0_rules,
+                   max_num_batched_tokens=s.max_num_batched_tokens, **extra)
+    if backend == "real":
+        engine = Engine("real", model, predictors=s.predictors, options=options)
+    else:
         perf = make_perf(s.hardware, load_model_config(model, "float16")[0], s.block_size, efficiency=efficiency)
-        return build_sim_engine(model, s.hardware, perf=perf.with_swap(swap), dtype="float16", **kw)
-    eng = build_engine(model=model, predictors=s.predictors, **kw)
-    eng.add_request([5] * 16)  # warm-up, outside the measured run
-    while eng.has_unfinished():
-        eng.step()
-    return eng
+        if (swap := swap or s.swap_model) is not None:
+            perf = perf.with_swap(swap)
+        engine = Engine("sim", model, s.hardware, perf=perf, options=options | {"dtype": "float16"})
+    point = (kind, backend, model, wl, max_out, system, max_num_seqs)
+    return Spec(engine, items, arrivals, dict(zip(POINT, point), **(tags or {})))
 
 
-def run_one(kind: str, backend: str, model: str, items, wl: str, max_out: int, system: str, max_num_seqs: int,
-            s: Settings, efficiency: dict | None = None, arrivals: list[float] | None = None, swap=None,
-            **extra) -> Run:
-    """One run; all requests at once unless `arrivals` are given (seconds from the start)."""
-    eng = make_engine(backend, model, system, max_num_seqs, s, efficiency, swap, **extra)
-    run = Run(kind, backend, model, wl, max_out, system, max_num_seqs)
+def measure(sp: Spec) -> dict:
+    """Run a spec in the lab: its Run (read off the record; scheduling time at >= 120 running requests
+    counted step by step; the cost-aware policy's decisions read off the engine), then its further tags."""
+    crowded = [0.0, 0]
 
     def observe(st: StepStats) -> None:
-        run.schedule_calls += 1
         if st.num_running >= 120:
-            run.schedule_s_at_128 += st.schedule_s
-            run.schedule_calls_at_128 += 1
-        if st.scheduled and st.is_prefill:
-            run.prefill_steps += 1
-            run.prefill_requests += len(st.scheduled)
-        elif st.scheduled:
-            run.decode_steps += 1
+            crowded[0] += st.schedule_s
+            crowded[1] += 1
 
-    reqs, rejected = run_workload(eng, items, arrivals or [0.0] * len(items), on_step=observe)
-    m = compute([RequestRecord.from_request(r) for r in reqs])
-    run.throughput, run.duration_s = m["output_throughput"], m["duration_s"]
-    run.mean_e2e_s = (m["mean_e2el_ms"] or 0.0) / 1e3
-    run.weighted_turnaround, run.completed, run.rejected = m["mean_weighted_turnaround"], m["completed"], len(rejected)
-    run.preemptions = m["preemptions"]
-    pre = eng.scheduler.preemption
+    rec = lab.run(sp, on_step=observe)
+    m, steps = rec.metrics, rec.steps
+    run = Run(**{k: rec.tags[k] for k in POINT}, throughput=m["output_throughput"], duration_s=m["duration_s"],
+              mean_e2e_s=(m["mean_e2el_ms"] or 0.0) / 1e3, weighted_turnaround=m["mean_weighted_turnaround"],
+              completed=m["completed"], rejected=len(rec.rejected), preemptions=m["preemptions"],
+              schedule_calls=steps["steps"], schedule_s_at_128=crowded[0], schedule_calls_at_128=crowded[1],
+              prefill_steps=steps["prefill_steps"], prefill_requests=steps["prefill_requests"],
+              decode_steps=steps["decode_steps"])
+    pre = rec.engine.scheduler.preemption
     if hasattr(pre, "decisions"):
         run.predict_s, run.decisions = pre.predict_s, len(pre.decisions)
         for d in pre.decisions:  # one example per mode; a recompute chosen on cost alone is kept apart
             run.examples.setdefault(d.mode.value if d.host_room or d.mode != "recompute" else "recompute, host full",
                                     d.why())
-    return run
+    return asdict(run) | {k: v for k, v in rec.tags.items() if k not in POINT}
+
+
+def measure_all(specs: Iterable[Spec], say=None) -> list[dict]:
+    """measure() each spec in turn, saying what each did."""
+    out = []
+    for i, sp in enumerate(specs, 1):
+        t0 = time.perf_counter()
+        out.append(r := measure(sp))
+        if say:
+            extra = "".join(f" {k}={v:.3g}" if isinstance(v, float) else f" {k}={v}"
+                            for k, v in sp.tags.items() if k not in POINT)
+            say(f"[{i}] {r['kind']} {r['backend']} {r['model']} {r['workload']} max_out={r['max_output_len']} "
+                f"{r['system']} max_seqs={r['max_num_seqs']}{extra}: {r['throughput']:.0f} tok/s "
+                f"({time.perf_counter() - t0:.1f} s)")
+    return out
 
 
 def crossover(model: str, s: Settings, link_efficiency: float | None = None,
               tokens=(16, 64, 256, 1024, 2048), swap=None) -> list[dict]:
     """Predicted recompute and swap costs of one request by length on the simulated GPU (swaps priced by
     the roofline's link, or by a gpu_swap model)."""
-    from servewise.models.loader import load_model_config
     from servewise.predictors.roofline import RooflinePerf
 
     mc, _ = load_model_config(model, "float16")
@@ -205,41 +216,34 @@ def crossover(model: str, s: Settings, link_efficiency: float | None = None,
     return rows
 
 
-def run_experiment(s: Settings, progress=None) -> dict:
-    say = progress or (lambda m: None)
-    runs: list[Run] = []
-    backends = [("real", m) for m in s.real_models] + [("sim", m) for m in s.sim_models]
-    for backend, model in backends:
+def grid(s: Settings) -> Iterator[Spec]:
+    """Every run, in order; each workload is made when its runs come up."""
+    for backend, model in [("real", m) for m in s.real_models] + [("sim", m) for m in s.sim_models]:
         n = s.num_requests_real if backend == "real" else s.num_requests_sim
-        sweep = backend == "sim" or s.real_batch_sweep
         for wl in s.workloads:
             for max_out in s.max_output_lens:
                 items = workload(wl, n, max_out, s)
-                for system in s.systems:
-                    t0 = time.perf_counter()
-                    runs.append(run_one("throughput", backend, model, items, wl, max_out, system, s.max_num_seqs, s))
-                    say(f"{backend} {model} {wl} max_out={max_out} {system}: {runs[-1].throughput:.0f} tok/s "
-                        f"({time.perf_counter() - t0:.1f} s)")
-            if sweep:
-                items = workload(wl, n, s.turnaround_output_len, s)
-                for bsz in s.batch_sizes:
-                    for system in s.systems:
-                        runs.append(run_one("sweep", backend, model, items, wl, s.turnaround_output_len, system, bsz, s))
-                say(f"{backend} {model} {wl}: batch-size sweep done")
+                yield from (spec("throughput", backend, model, items, wl, max_out, x, s.max_num_seqs, s)
+                            for x in s.systems)
+            if backend == "sim" or s.real_batch_sweep:
+                mo, items = s.turnaround_output_len, workload(wl, n, s.turnaround_output_len, s)
+                yield from (spec("sweep", backend, model, items, wl, mo, x, bsz, s)
+                            for bsz in s.batch_sizes for x in s.systems)
     for model in s.sim_models:  # the same runs over a slower host link
         for wl in s.workloads:
-            items = workload(wl, s.num_requests_sim, max(s.max_output_lens), s)
-            for system in s.slow_link_systems:
-                runs.append(run_one("slow_link", "sim", model, items, wl, max(s.max_output_lens), system,
-                                    s.max_num_seqs, s, {"link": s.slow_link_efficiency}))
-        say(f"sim {model}: slow-link runs done")
+            mo = max(s.max_output_lens)
+            items = workload(wl, s.num_requests_sim, mo, s)
+            yield from (spec("slow_link", "sim", model, items, wl, mo, x, s.max_num_seqs, s,
+                             efficiency={"link": s.slow_link_efficiency}) for x in s.slow_link_systems)
     if s.sim_models:  # one scheduling decision with 128 running requests needs a pool that holds them
         big = replace(s, num_device_blocks=None)
         items = workload("chatbot", s.decision_cost_requests, 128, big)
-        for system in (ADAPTIVE, "vllm"):
-            runs.append(run_one("decision_cost", "sim", s.sim_models[0], items, "chatbot", 128, system, 128, big))
-        say("scheduling cost at 128 running requests measured")
-    return {"settings": asdict(s), "threads": torch.get_num_threads(), "runs": [asdict(r) for r in runs],
+        yield from (spec("decision_cost", "sim", s.sim_models[0], items, "chatbot", 128, x, 128, big)
+                    for x in (ADAPTIVE, "vllm"))
+
+
+def run_experiment(s: Settings, progress=None) -> dict:
+    return {"settings": asdict(s), "threads": torch.get_num_threads(), "runs": measure_all(grid(s), progress),
             "crossover": {m: {"spec_link": crossover(m, s), "link_efficiency_0.2": crossover(m, s, 0.2)}
                           for m in s.sim_models}}
 
@@ -458,36 +462,16 @@ def plot(result: dict, out_dir: str) -> list[str]:
     return paths
 
 
-def main(a) -> None:
-    s = replace(FULL if a.full else QUICK, seed=a.seed, data_dir=a.data_dir, predictors=a.predictors, trace=a.trace)
-    for name in ("hardware", "num_device_blocks", "num_host_blocks"):
-        if (v := getattr(a, name)) is not None:
-            s = replace(s, **{name: v})
-    if a.max_output_lens is not None:
-        s = replace(s, max_output_lens=tuple(a.max_output_lens))
-    if a.num_requests:
-        s = replace(s, num_requests_real=a.num_requests, num_requests_sim=a.num_requests)
-    for name in ("real_models", "sim_models", "workloads", "systems"):
-        v = getattr(a, name)
-        if v is not None:
-            s = replace(s, **{name: tuple(x for x in v.split(",") if x)})
-    if unknown := set(s.systems) - set(SYSTEMS):
-        raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+def main(s: Settings, out_dir: str, scale: str = "quick") -> None:
+    """Run the experiment (`scale` names its settings in the first line), print and save its report."""
+    from servewise.experiments import publish
+
     if ADAPTIVE not in s.systems or not set(BASELINES) <= set(s.systems):
         print(f"note: speed-ups need {ADAPTIVE}, vllm and vllm_s among the systems", file=sys.stderr)
-    print(f"AdaptiveLLM experiment ({'full' if a.full else 'quick'}): torch threads {torch.get_num_threads()}, "
+    print(f"AdaptiveLLM experiment ({scale}): torch threads {torch.get_num_threads()}, "
           f"real models {s.real_models} x {s.num_requests_real} requests, simulated {s.sim_models} on "
           f"{s.hardware} x {s.num_requests_sim} requests", file=sys.stderr)
     t0 = time.perf_counter()
     result = run_experiment(s, progress=lambda m: print(m, file=sys.stderr, flush=True))
     result["wall_s"] = time.perf_counter() - t0
-    os.makedirs(a.out_dir, exist_ok=True)
-    text = report(result)
-    print(text)
-    with open(os.path.join(a.out_dir, "adaptivellm.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(a.out_dir, "adaptivellm.txt"), "w") as f:
-        f.write(text + "\n")
-    for p in plot(result, a.out_dir):
-        print(f"figure: {p}")
-    print(f"saved {os.path.join(a.out_dir, 'adaptivellm.json')} and .txt ({result['wall_s']:.0f} s)")
+    publish(result, report(result), out_dir, "adaptivellm", plot)

@@ -32,6 +32,18 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.experiments.adaptivellm import main
+    from dataclasses import replace
 
-    main(a)
+    from servewise.experiments.adaptivellm import FULL, QUICK, main
+
+    def names(v: str | None):
+        return None if v is None else tuple(x for x in v.split(",") if x)
+
+    given = dict(seed=a.seed, data_dir=a.data_dir, predictors=a.predictors, trace=a.trace, hardware=a.hardware,
+                 num_device_blocks=a.num_device_blocks, num_host_blocks=a.num_host_blocks,
+                 max_output_lens=None if a.max_output_lens is None else tuple(a.max_output_lens),
+                 num_requests_real=a.num_requests or None, num_requests_sim=a.num_requests or None,
+                 real_models=names(a.real_models), sim_models=names(a.sim_models), workloads=names(a.workloads),
+                 systems=names(a.systems))
+    s = replace(FULL if a.full else QUICK, **{k: v for k, v in given.items() if v is not None})
+    main(s, a.out_dir, "full" if a.full else "quick")

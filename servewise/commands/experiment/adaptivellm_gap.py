@@ -40,6 +40,18 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.experiments.adaptive_gap import main
+    from dataclasses import replace
 
-    main(a)
+    from servewise.experiments.adaptive_gap import FULL, QUICK, main
+
+    def names(v: str | None):
+        return None if v is None else tuple(x for x in v.split(",") if x)
+
+    given = dict(data_dir=a.data_dir, predictors=a.predictors, trace=a.trace, sim_models=names(a.sim_models),
+                 workloads=names(a.workloads), sections=names(a.sections), seeds=a.seeds, swap_model=a.swap_model,
+                 hardware=a.hardware, num_device_blocks=a.num_device_blocks, num_host_blocks=a.num_host_blocks,
+                 max_output_len=a.max_output_len, num_requests_real=a.real_requests, loads=a.loads)
+    g = replace(FULL if a.full else QUICK, **{k: v for k, v in given.items() if v is not None})
+    if a.real_model is not None:  # '': simulated only
+        g = replace(g, real_model=a.real_model or None)
+    main(g, a.out_dir, "full" if a.full else "quick")
