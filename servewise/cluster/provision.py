@@ -1,7 +1,7 @@
 """Provisioning a simulated cluster against Splitwise's SLOs: the fewest machines of a design that meet
 them on a workload (Splitwise's Figure 12 search), the highest load a design meets them at, and the
 splits of a cost or power budget between prompt and token machines (its iso-cost and iso-power
-clusters). Every simulation is one servewise.lab run, checked by cluster.slo.check."""
+clusters). Every simulation is one cluster.slo.check."""
 from __future__ import annotations
 
 import math

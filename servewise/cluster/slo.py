@@ -1,5 +1,5 @@
 """Splitwise's SLOs on a simulated cluster: latencies as slowdowns against an unloaded reference machine
-(metrics.slowdown), and one design checked against them on a workload (a servewise.lab run)."""
+(metrics.slowdown), and one design checked against them on a workload (one ClusterSim run)."""
 from __future__ import annotations
 
 from servewise.cluster.machines import get_machine
@@ -28,19 +28,20 @@ def reference_for(model: str, options: dict | None = None):
 
 def check(model: str, design, items, arrivals, *, options: dict | None = None, reference=None,
           slo: dict = SPLITWISE_SLO, tags: dict | None = None) -> dict:
-    """Simulate `design` (cluster.sim.Design) on the workload, a lab run of a Cluster with ClusterSim's
-    keywords `options`, and summarize it: latency and slowdown percentiles, each limit's verdict and
-    all of them (slo_met); then `tags`; requests, rejected, wall_s, steps, transfers, borrowed, the KV
-    transfers' share of end-to-end latency, the performance models; the design's machines, cost and
-    power. `reference` defaults to reference_for(model, options)."""
-    from servewise.lab import Cluster, Spec, run
+    """Simulate `design` (cluster.sim.Design) on the workload with ClusterSim's keywords `options`, and
+    summarize it: latency and slowdown percentiles, each limit's verdict and all of them (slo_met);
+    then `tags`; requests, rejected, wall_s, steps, transfers, borrowed, the KV transfers' share of
+    end-to-end latency, the performance models; the design's machines, cost and power. `reference` defaults to reference_for(model, options)."""
+    from servewise.cluster.sim import ClusterSim
+    from servewise.metrics.slowdown import records
 
     reference = reference_for(model, options) if reference is None else reference
-    rec = run(Spec(Cluster(model, design, options or {}), items, arrivals, tags=tags or {}))
-    m = summarize(rec.requests, reference, slo)
-    c, e2e = rec.cluster, sum(r.e2el for r in rec.requests)
-    m.update(rec.tags)
-    m.update(requests=len(items), rejected=len(rec.rejected), wall_s=rec.wall_s, steps=rec.steps["steps"],
-             transfers=c["transfers"], borrowed=c["borrowed"],
-             transfer_share_of_e2e=c["transfer_wait_s"] / e2e if e2e else 0.0, perf=c["perf"], **design.totals())
+    res = ClusterSim(model, design, **(options or {})).run(items, arrivals)
+    m = summarize(res.requests, reference, slo)
+    e2e = sum(r.e2el for r in records(res.requests))
+    m.update(tags or {})
+    m.update(requests=len(items), rejected=len(res.rejected), wall_s=res.wall_s, steps=sum(res.steps),
+             transfers=res.transfers, borrowed=res.borrowed,
+             transfer_share_of_e2e=res.transfer_wait_s / e2e if e2e else 0.0, perf=list(res.perf_labels),
+             **design.totals())
     return m
