@@ -16,6 +16,6 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.experiments.length_aware import predict_lengths_main
+    from servewise.experiments.length_aware import PredictSettings, predict_lengths
 
-    predict_lengths_main(a)
+    predict_lengths(PredictSettings(a.data, a.num, a.test_share, a.seed, a.cache_dir, a.out))
