@@ -34,6 +34,8 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.experiments.banaserve import main
+    from servewise.experiments.banaserve import SYSTEMS, Settings, main
 
-    main(a)
+    main(Settings(a.model, a.instances, tuple(a.systems.split(",")) if a.systems else tuple(SYSTEMS), a.num_requests,
+                  a.prefixes, a.prefix_len, a.suffix_len, a.output_len, a.zipf, a.store_gb, tuple(a.rates), a.workload,
+                  a.trace, a.seed, a.out_dir))
