@@ -18,4 +18,5 @@ def arguments(p) -> None:
 def run(a) -> None:
     from servewise.experiments.length_aware import PredictSettings, predict_lengths
 
-    predict_lengths(PredictSettings(a.data, a.num, a.test_share, a.seed, a.cache_dir, a.out))
+    predict_lengths(PredictSettings(a.data, num=a.num, test_share=a.test_share, seed=a.seed, cache_dir=a.cache_dir,
+                                    out=a.out))

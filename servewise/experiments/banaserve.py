@@ -115,7 +115,8 @@ def row(rec: lab.Record, instances: int) -> dict:
     system, m, res, pc = rec.tags["system"], rec.metrics, rec.result, rec.prefix_cache
     if rec.rejected:
         raise ValueError(f"{len(rec.rejected)} of {len(res.requests)} requests rejected, e.g. {rec.rejected[0][1]}")
-    prompt_side = instances if SYSTEMS[system][0] == "mixed" else instances // 2  # (split: skew among the prompt instances)
+    mixed = SYSTEMS[system][0] == "mixed"
+    prompt_side = instances if mixed else instances // 2  # (split: skew among the prompt instances)
     routed = [sum(1 for p in res.placed if p and p[0] == i) for i in range(prompt_side)]
     busy = [b / rec.cluster["makespan_s"] for b in rec.steps["busy_s"]]
     util = [[c + m for c, m in per] for _, per in res.loads]  # the thesis's U = compute + memory (4-28)
