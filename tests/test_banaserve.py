@@ -109,40 +109,37 @@ def test_a_block_another_instance_wrote_to_the_store_is_not_written_again():
 
 
 def test_the_rate_sweep_workloads_fit_the_context_and_the_trace_keeps_its_rhythm(tmp_path):
-    from argparse import Namespace
-
     import pytest
 
-    from servewise.experiments.banaserve import workload
+    from servewise.experiments.banaserve import Settings, workload
     from servewise.models.loader import load_model_config
 
     mc, _ = load_model_config("llama-13b", "float16")
     base = dict(num_requests=200, output_len=128, seed=0, trace=None, prefixes=4, prefix_len=64, suffix_len=8, zipf=1.0)
-    short, gaps = workload(Namespace(workload="alpaca", **base), mc)
+    short, gaps = workload(Settings(workload="alpaca", **base), mc)
     assert gaps is None and len(short) == 200 and max(it.prompt_len for it in short) <= 128
-    long_, _ = workload(Namespace(workload="longbench", **base), mc)
+    long_, _ = workload(Settings(workload="longbench", **base), mc)
     assert all(it.prompt_len + it.output_len <= mc.max_model_len for it in long_)
     assert sum(it.prompt_len for it in long_) > 20 * sum(it.prompt_len for it in short)
     csv = tmp_path / "t.csv"
     csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
         f"2023-11-16 18:15:{10 + 3 * (i % 2) + 4 * i:02d}.0000000,{5000 if i == 0 else 40},{300}\n" for i in range(10)))
-    items, gaps = workload(Namespace(workload="azure-conv", **(base | {"num_requests": 10, "trace": str(csv)})), mc)
+    items, gaps = workload(Settings(workload="azure-conv", **(base | {"num_requests": 10, "trace": str(csv)})), mc)
     assert items[0].prompt_len == mc.max_model_len - 128 and all(it.output_len == 128 for it in items)
     assert gaps[0] == 0 and sum(gaps[1:]) / 9 == pytest.approx(1.0) and len(set(round(g, 6) for g in gaps[1:])) == 2
     with pytest.raises(ValueError, match="needs --trace"):
-        workload(Namespace(workload="azure-conv", **base), mc)
+        workload(Settings(workload="azure-conv", **base), mc)
 
 
 def test_the_experiment_runs_banaserve_with_its_loads_and_figures(tmp_path):
     import json
-    from argparse import Namespace
 
-    from servewise.experiments.banaserve import main
+    from servewise.experiments.banaserve import Settings, main
 
     out = tmp_path / "out"
-    main(Namespace(model="llama-13b", instances=4, systems="pd-load-aware,banaserve", num_requests=150,
-                   prefixes=4, prefix_len=64, suffix_len=8, output_len=64, zipf=1.0, store_gb=16.0, rates=[12.0],
-                   workload="longbench", trace=None, seed=0, out_dir=str(out)))
+    main(Settings(model="llama-13b", instances=4, systems=("pd-load-aware", "banaserve"), num_requests=150,
+                  prefixes=4, prefix_len=64, suffix_len=8, output_len=64, zipf=1.0, store_gb=16.0, rates=(12.0,),
+                  workload="longbench", trace=None, seed=0, out_dir=str(out)))
     res = json.loads((out / "banaserve_longbench.json").read_text())
     plain, moved = (next(r for r in res["runs"] if r["system"] == s) for s in ("pd-load-aware", "banaserve"))
     assert plain["loads"] and not plain["migrations"] and moved["migrations"]

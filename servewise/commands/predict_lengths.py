@@ -16,6 +16,7 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.experiments.length_aware import predict_lengths_main
+    from servewise.experiments.length_aware import PredictSettings, predict_lengths
 
-    predict_lengths_main(a)
+    predict_lengths(PredictSettings(a.data, num=a.num, test_share=a.test_share, seed=a.seed, cache_dir=a.cache_dir,
+                                    out=a.out))

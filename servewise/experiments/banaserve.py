@@ -36,10 +36,11 @@ import itertools
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
+from servewise import lab
 from servewise.experiments import publish
 from servewise.metrics.plots import save_figure
-from servewise.metrics import RequestRecord, compute
 
 WORKLOADS = ("shared-prefix", "alpaca", "longbench", "azure-conv")
 LONG_MEAN = 1500  # longbench: mean prompt tokens (LongBench's inputs run to thousands; the 2,048-token models cut them)
@@ -57,9 +58,42 @@ SYSTEMS = {"round-robin": ("mixed", "round_robin", False, False),
 MONITOR_S = 2.0  # how often every run's loads are sampled (and, for banaserve, its rebalancing period)
 
 
-def run_one(model: str, system: str, instances: int, items, arrivals, store_gb: float) -> dict:
+@dataclass
+class Settings:
+    """What `servewise experiment banaserve` runs: every system at every rate on `instances` simulated A100s
+    serving `model`. The workload: `num_requests` of `workload` (shared-prefix: `prefixes` system prompts of
+    `prefix_len` tokens, Zipf `zipf`, then `suffix_len` tokens of their own; azure-conv: from `trace`),
+    outputs of `output_len` tokens (at most, for the rate sweeps); the global KV store holds `store_gb`."""
+
+    model: str = "llama-13b"
+    instances: int = 4
+    systems: tuple[str, ...] = tuple(SYSTEMS)
+    num_requests: int = 1000
+    prefixes: int = 256
+    prefix_len: int = 1536
+    suffix_len: int = 64
+    output_len: int = 128
+    zipf: float = 1.0
+    store_gb: float = 256.0
+    rates: tuple[float, ...] = (2.0, 4.0, 8.0, 12.0)
+    workload: str = "shared-prefix"
+    trace: str | None = None  # the Azure conv trace CSV, for workload azure-conv
+    seed: int = 0
+    out_dir: str = "results/banaserve"
+
+    def __post_init__(self):
+        for x in self.systems:
+            if x not in SYSTEMS:
+                raise ValueError(f"unknown system {x!r}; choose from {', '.join(SYSTEMS)}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def cluster(model: str, system: str, instances: int, store_gb: float) -> lab.Cluster:
+    """The system's cluster: `instances` one-GPU A100s with prefix caching, mixed or half prompt, half
+    token instances; loads sampled every MONITOR_S seconds (banaserve: and rebalanced)."""
     from servewise.cluster.rebalance import Rebalancing
-    from servewise.cluster.sim import ClusterSim, Design
+    from servewise.cluster.sim import Design
 
     roles, router, store, migrate = SYSTEMS[system]
     kw = dict(enable_prefix_caching=True)
@@ -70,34 +104,37 @@ def run_one(model: str, system: str, instances: int, items, arrivals, store_gb: 
     if store:
         kw.update(kv_store="simulated", kv_store_gb=store_gb)
     if roles == "mixed":
-        sim = ClusterSim(model, Design(mixed={"a100": instances}), router=router, **kw)
-    else:  # half the instances prefill, the rest decode
-        design = Design(prompt={"a100": instances // 2}, token={"a100": instances - instances // 2})
-        sim = ClusterSim(model, design, split_router=router, **kw)
-    res = sim.run(items, arrivals)
-    if res.rejected:
-        raise ValueError(f"{len(res.rejected)} of {len(items)} requests rejected, e.g. {res.rejected[0][1]}")
-    m = compute([RequestRecord.from_request(r) for r in res.requests if r is not None])
-    st = [e.stats() for e in sim.engines]
-    prompt_side = instances if roles == "mixed" else instances // 2  # (split: skew among the prompt instances)
+        return lab.Cluster(model, Design(mixed={"a100": instances}), {"router": router, **kw})
+    design = Design(prompt={"a100": instances // 2}, token={"a100": instances - instances // 2})
+    return lab.Cluster(model, design, {"split_router": router, **kw})
+
+
+def row(rec: lab.Record, instances: int) -> dict:
+    """A run's figures: the record's, and how evenly the prompt side shared the requests, the prefill
+    work and the load (from the cluster's result and its engines' counters)."""
+    system, m, res, pc = rec.tags["system"], rec.metrics, rec.result, rec.prefix_cache
+    if rec.rejected:
+        raise ValueError(f"{len(rec.rejected)} of {len(res.requests)} requests rejected, e.g. {rec.rejected[0][1]}")
+    mixed = SYSTEMS[system][0] == "mixed"
+    prompt_side = instances if mixed else instances // 2  # (split: skew among the prompt instances)
     routed = [sum(1 for p in res.placed if p and p[0] == i) for i in range(prompt_side)]
-    st_p = st[:prompt_side]
-    busy = [b / res.makespan for b in res.busy_s]
+    busy = [b / rec.cluster["makespan_s"] for b in rec.steps["busy_s"]]
     util = [[c + m for c, m in per] for _, per in res.loads]  # the thesis's U = compute + memory (4-28)
-    admitted = sum(s.admitted_tokens for s in st)
-    computed = [s.admitted_tokens - s.prefix_hit_tokens - s.store_hit_tokens for s in st_p]  # prompt tokens prefilled
+    computed = [s.admitted_tokens - s.prefix_hit_tokens - s.store_hit_tokens  # prompt tokens prefilled
+                for s in (e.stats() for e in rec.engine.engines[:prompt_side])]
+    admitted = pc["admitted_tokens"]
     return {"system": system, "completed": m["completed"], "request_throughput": m["request_throughput"],
             "mean_ttft_ms": m["mean_ttft_ms"], "p99_ttft_ms": m["p99_ttft_ms"], "mean_e2e_s": m["mean_e2el_ms"] / 1e3,
             "p99_e2e_s": m["p99_e2el_ms"] / 1e3, "mean_tpot_ms": m["mean_tpot_ms"], "routed": routed, "busy_share": busy,
             "routed_skew": max(routed) / statistics.mean(routed) if any(routed) else 0.0,
             "busy_spread": max(busy) - min(busy), "prefilled_tokens": computed,
             "prefill_skew": max(computed) / statistics.mean(computed) if any(computed) else 0.0,
-            "local_hit_rate": sum(s.prefix_hit_tokens for s in st) / admitted if admitted else 0.0,
-            "store_hit_rate": sum(s.store_hit_tokens for s in st) / admitted if admitted else 0.0,
+            "local_hit_rate": pc["cached_tokens"] / admitted if admitted else 0.0,
+            "store_hit_rate": pc["store_tokens"] / admitted if admitted else 0.0,
             "util_gap": statistics.mean(gaps) if (gaps := [max(u) - min(u) for u in util]) else 0.0,
             "loads": [[t, [[round(c, 4), round(m, 4)] for c, m in per]] for t, per in res.loads],
             "migrations": [[t, m.kind, m.src, m.dst, m.amount, m.cost_s, m.back] for t, m in res.migrations],
-            "sim_wall_s": res.wall_s}
+            "sim_wall_s": rec.wall_s, "rate": rec.tags["rate"]}
 
 
 def overlap(model: str, gpu: str = "a100-80g", prompt: int = 1000,
@@ -121,34 +158,34 @@ def overlap(model: str, gpu: str = "a100-80g", prompt: int = 1000,
     return {"model": model, "gpu": gpu, "prompt": prompt, "kv_bytes_per_token_layer": kv_layer, "rows": rows}
 
 
-def workload(a, mc) -> tuple[list, list[float] | None]:
+def workload(s: Settings, mc) -> tuple[list, list[float] | None]:
     """(requests, the trace's arrival gaps scaled to a mean of 1 s, or None for Poisson arrivals)."""
     import random
 
     from servewise.workloads.prefix import random_ids, shared_prefix
     from servewise.workloads.presets import lognormal
 
-    rng, n, out = random.Random(a.seed), a.num_requests, a.output_len
+    rng, n, out = random.Random(s.seed), s.num_requests, s.output_len
     cap = mc.max_model_len - out
-    if a.workload == "shared-prefix":
-        return shared_prefix(n, mc.vocab_size, a.prefixes, a.prefix_len, a.suffix_len, out, seed=a.seed,
-                             zipf=a.zipf), None
+    if s.workload == "shared-prefix":
+        return shared_prefix(n, mc.vocab_size, s.prefixes, s.prefix_len, s.suffix_len, out, seed=s.seed,
+                             zipf=s.zipf), None
     from servewise.workloads.datasets import WorkloadRequest
 
-    if a.workload == "azure-conv":
+    if s.workload == "azure-conv":
         import numpy as np
 
         from servewise.workloads.datasets import load_azure_trace
 
-        if not a.trace:
+        if not s.trace:
             raise ValueError("--workload azure-conv needs --trace (the Azure conv trace CSV)")
-        rows = load_azure_trace(a.trace, limit=n)
+        rows = load_azure_trace(s.trace, limit=n)
         if len(rows) < n:
-            raise ValueError(f"{a.trace} holds {len(rows)} requests; --num-requests asks for {n}")
+            raise ValueError(f"{s.trace} holds {len(rows)} requests; --num-requests asks for {n}")
         gaps = np.diff([r.arrival for r in rows], prepend=rows[0].arrival)
         gaps = (gaps / gaps[1:].mean()).tolist() if n > 1 and gaps[1:].mean() > 0 else [0.0] * n
         lens = [(min(r.prompt_len, cap), min(r.output_len, out)) for r in rows]
-    elif a.workload == "alpaca":
+    elif s.workload == "alpaca":
         from servewise.workloads.presets import PRESETS
 
         p = PRESETS["alpaca"]
@@ -254,41 +291,34 @@ def plot(res: dict, out_dir: str) -> str:
     return paths
 
 
-def main(a) -> None:
+def main(s: Settings) -> None:
     from tqdm import tqdm
 
     from servewise.models.loader import load_model_config
     from servewise.workloads.arrivals import arrival_times
 
-    systems = a.systems.split(",") if a.systems else list(SYSTEMS)
-    for s in systems:
-        if s not in SYSTEMS:
-            raise ValueError(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
-    rates = a.rates
-    mc, _ = load_model_config(a.model, "float16")
-    if a.workload not in WORKLOADS:
-        raise ValueError(f"unknown workload {a.workload!r}; choose from {', '.join(WORKLOADS)}")
-    items, gaps = workload(a, mc)
-    res = {"experiment": "banaserve-dispatch", "model": a.model, "instances": a.instances, "num_requests": a.num_requests,
-           "workload": a.workload, "mean_prompt": statistics.mean(it.prompt_len for it in items),
+    mc, _ = load_model_config(s.model, "float16")
+    items, gaps = workload(s, mc)
+    res = {"experiment": "banaserve-dispatch", "model": s.model, "instances": s.instances, "num_requests": s.num_requests,
+           "workload": s.workload, "mean_prompt": statistics.mean(it.prompt_len for it in items),
            "mean_output": statistics.mean(it.output_len for it in items),
-           "prefixes": a.prefixes, "prefix_len": a.prefix_len, "suffix_len": a.suffix_len, "output_len": a.output_len,
-           "zipf": a.zipf, "store_gb": a.store_gb, "rates": rates, "runs": []}
+           "prefixes": s.prefixes, "prefix_len": s.prefix_len, "suffix_len": s.suffix_len, "output_len": s.output_len,
+           "zipf": s.zipf, "store_gb": s.store_gb, "rates": list(s.rates), "runs": []}
     t0 = time.perf_counter()
-    bar = tqdm(total=len(rates) * len(systems), desc="simulations", unit="run", disable=not sys.stderr.isatty())
-    for rate in rates:
+    bar = tqdm(total=len(s.rates) * len(s.systems), desc="simulations", unit="run", disable=not sys.stderr.isatty())
+    for rate in s.rates:
         if gaps is None:
-            arrivals = arrival_times(len(items), "poisson", rate, seed=a.seed)
+            arrivals = arrival_times(len(items), "poisson", rate, seed=s.seed)
         else:  # the trace's gaps, rescaled: mean rate `rate`
             arrivals = list(itertools.accumulate(g / rate for g in gaps))
-        for system in systems:
-            r = run_one(a.model, system, a.instances, items, arrivals, a.store_gb)
-            r["rate"] = rate
-            res["runs"].append(r)
+        for system in s.systems:
+            spec = lab.Spec(cluster(s.model, system, s.instances, s.store_gb), items, arrivals,
+                            tags={"system": system, "rate": rate})
+            res["runs"].append(row(lab.run(spec), s.instances))
             bar.update()
     bar.close()
-    if a.workload == "shared-prefix":
-        res["overlap"] = [overlap(m) for m in dict.fromkeys((a.model, "llama-3-8b"))]
+    if s.workload == "shared-prefix":
+        res["overlap"] = [overlap(m) for m in dict.fromkeys((s.model, "llama-3-8b"))]
     res["wall_s"] = time.perf_counter() - t0
-    publish(res, report(res), a.out_dir, "banaserve_dispatch" if a.workload == "shared-prefix" else
-            f"banaserve_{a.workload}", plot)
+    publish(res, report(res), s.out_dir, "banaserve_dispatch" if s.workload == "shared-prefix" else
+            f"banaserve_{s.workload}", plot)

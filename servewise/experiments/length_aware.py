@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from servewise import lab
 from servewise.experiments import publish
-from servewise.metrics import RequestRecord, compute, save_json
+from servewise.metrics import save_json
 from servewise.metrics.plots import save_figure
 from servewise.policies.refitting import Refitting
 from servewise.predictors.output_length import (PREDICTORS, Embedder, accuracy, features, instruction_of,
@@ -99,10 +100,22 @@ def evaluate(data: LengthData, n_train: int, seed: int = 0, period_requests: int
             "predictors": rows, "stream": stream, "period_requests": period_requests}
 
 
-def predict_lengths_main(a) -> None:
-    data = load_length_data(a.data, a.num, a.cache_dir)
-    n_train = split(a.num, a.test_share)
-    res = evaluate(data, n_train, a.seed)
+@dataclass
+class PredictSettings:
+    """What `servewise predict-lengths` runs: `num` pairs of `data`, a `test_share` of them held out."""
+
+    data: str
+    num: int = 3000
+    test_share: float = 0.3
+    seed: int = 0
+    cache_dir: str | None = None  # embeddings kept between runs (None or '': nowhere)
+    out: str = "results/length_predictors.json"
+
+
+def predict_lengths(s: PredictSettings) -> None:
+    data = load_length_data(s.data, s.num, s.cache_dir)
+    n_train = split(s.num, s.test_share)
+    res = evaluate(data, n_train, s.seed)
     print(f"output-length predictors: {res['train']} ShareGPT pairs to train, {res['test']} held out; "
           f"lengths in WordPiece tokens (mean {res['mean_output']:.0f}); embedding {res['embed_ms']:.2f} ms per "
           f"request (both texts, batched)")
@@ -115,8 +128,8 @@ def predict_lengths_main(a) -> None:
     for label in ("static", "continual"):
         print(f"  {label:<10} " + " ".join(f"{m:.0f}" for m in st[label]["mae_per_period"])
               + (f"   ({st[label]['refits']} refits, {st[label]['added']} samples added)" if label == "continual" else ""))
-    save_json(res, a.out)
-    print(f"saved {a.out}")
+    save_json(res, s.out)
+    print(f"saved {s.out}")
 
 
 # --- the scheduling experiments ---------------------------------------------------------------------
@@ -175,72 +188,91 @@ def workload(data: LengthData, start: int, n: int, be: Backend, predicted: dict[
     return items
 
 
-def make_engine(be: Backend, options: dict, a):
-    from servewise.builder import build_engine, build_sim_engine
+@dataclass
+class Settings:
+    """What `servewise experiment magnus` (or `uellm`) runs. None: the plan's (quick or full) rates and
+    number of requests per backend, the experiment's systems."""
 
-    if be.name == "sim":
-        return build_sim_engine("llama-7b", hardware="v100-32g", **options)
-    return build_engine(model="tiny-llama", num_device_blocks=a.real_blocks, num_host_blocks=0, **options)
+    experiment: str  # "magnus" | "uellm"
+    data: str  # ShareGPT pairs
+    cache_dir: str | None = None  # embeddings kept between runs (None or '': nowhere)
+    seed: int = 0
+    train: int = 1000  # pairs that train the predictors; the workload's requests follow them
+    full: bool = False
+    backends: tuple[str, ...] = ("sim", "real")
+    rates: tuple[float, ...] | None = None
+    num_requests: int | None = None
+    systems: tuple[str, ...] | None = None
+    real_blocks: int = 512  # device KV blocks of the real engine
+    out_dir: str = "results/length_aware"
+
+    def __post_init__(self):
+        self.systems = tuple(self.systems or EXPERIMENTS[self.experiment])
+        if unknown := set(self.systems) - set(SYSTEMS):
+            raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+        if unknown := set(self.backends) - {"sim", "real"}:
+            raise ValueError(f"unknown backend(s) {', '.join(sorted(unknown))}; choose from sim, real")
+
+    def plan(self) -> dict[str, Backend]:
+        """Each backend's plan (its rates as planned: the runs take `rates` when given)."""
+        plan = FULL if self.full else QUICK
+        return {b: replace(plan[b], num_requests=self.num_requests or plan[b].num_requests) for b in self.backends}
 
 
-def run_one(be: Backend, system: str, rate: float, items: list[WorkloadRequest], a) -> dict:
-    from servewise.workloads.driver import run_workload
+def engine(backend: str, system: str, real_blocks: int) -> lab.Engine:
+    """Simulated llama-7b on a V100 (as Magnus's ChatGLM-6B), or the real tiny-llama with `real_blocks`
+    device blocks and no swap space; no warm-up request (it would run through the batcher and teach
+    Magnus's batch-time estimator a batch that is not the workload's)."""
+    options = SYSTEMS[system][0]
+    if backend == "sim":
+        return lab.Engine("sim", "llama-7b", hardware="v100-32g", options=options)
+    return lab.Engine("real", "tiny-llama", options={"num_device_blocks": real_blocks, "num_host_blocks": 0, **options},
+                      warmup=False)
 
-    options, _ = SYSTEMS[system]
-    eng = make_engine(be, options, a)
-    arrivals = arrival_times(len(items), "poisson", rate, seed=a.seed)
-    t0 = time.perf_counter()
-    reqs, rejected = run_workload(eng, items, arrivals)
-    wall = time.perf_counter() - t0
-    recs = [RequestRecord.from_request(r) for r in reqs]
-    m = compute(recs)
-    done = [r for r in reqs if r.finish_time is not None]
-    late = sum(r.deadline is not None and r.finish_time > r.deadline for r in done)
-    batcher = eng.scheduler.batcher
-    return {"backend": be.name, "system": system, "rate": rate, "completed": m["completed"], "rejected": len(rejected),
+
+def row(spec: lab.Spec, rec: lab.Record) -> dict:
+    """A run's figures: the record's, SLO violations among the requests that finished (a request's
+    deadline: its arrival plus its item's SLO) and the batcher's OOM splits."""
+    m = rec.metrics
+    rejected = {i for i, _ in rec.rejected}
+    kept = [it for i, it in enumerate(spec.items) if i not in rejected]  # the record's requests, in order
+    done = [(r, it) for r, it in zip(rec.requests, kept) if r.finish is not None]
+    late = sum(it.slo is not None and r.finish > r.arrival + it.slo for r, it in done)
+    batcher = rec.engine.scheduler.batcher
+    return {**rec.tags, "completed": m["completed"], "rejected": len(rec.rejected),
             "request_throughput": m["request_throughput"], "valid_token_throughput": m["output_throughput"],
             "mean_e2e_s": m["mean_e2el_ms"] / 1e3, "p99_e2e_s": m["p99_e2el_ms"] / 1e3,
             "mean_ttft_s": m["mean_ttft_ms"] / 1e3, "slo_violation_rate": late / max(1, len(done)),
             "duration_s": m["duration_s"], "preemptions": m["preemptions"]["recompute"],
-            "oom_splits": batcher.splits if batcher is not None else 0, "wall_s": wall}
+            "oom_splits": batcher.splits if batcher is not None else 0, "wall_s": rec.wall_s}
 
 
-def run_experiment(kind: str, a) -> dict:
-    systems = tuple(a.systems.split(",")) if a.systems else EXPERIMENTS[kind]
-    if unknown := set(systems) - set(SYSTEMS):
-        raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
-    backends = [b for b in (a.backends or "sim,real").split(",") if b]
-    if unknown := set(backends) - {"sim", "real"}:
-        raise ValueError(f"unknown backend(s) {', '.join(sorted(unknown))}; choose from sim, real")
-    plan = FULL if a.full else QUICK
-    if a.num_requests:
-        plan = {b: replace(be, num_requests=a.num_requests) for b, be in plan.items()}
-    need = max(plan[b].num_requests for b in backends)
-    data = load_length_data(a.data, a.train + need, a.cache_dir)
-    uses = {SYSTEMS[s][1] for s in systems} - {None, "oracle"}
+def run_experiment(s: Settings) -> dict:
+    plan = s.plan()
+    need = max(be.num_requests for be in plan.values())
+    data = load_length_data(s.data, s.train + need, s.cache_dir)
+    uses = {SYSTEMS[x][1] for x in s.systems} - {None, "oracle"}
     predicted = {"oracle": data.y, None: None}
     accuracies = {}
     for name in uses:
-        model = make_predictor(name, a.seed).fit(data.X[:a.train], data.y[:a.train])
+        model = make_predictor(name, s.seed).fit(data.X[:s.train], data.y[:s.train])
         predicted[name] = model.predict(data.X)
-        accuracies[name] = accuracy(predicted[name][a.train:], data.y[a.train:])
+        accuracies[name] = accuracy(predicted[name][s.train:], data.y[s.train:])
     runs = []
-    for b in backends:
-        be = plan[b]
-        if a.rates:
-            be = replace(be, rates=tuple(a.rates))
-        items = workload(data, a.train, be.num_requests, be, predicted, a.seed)
-        for rate in be.rates:
-            for system in systems:
-                pred = SYSTEMS[system][1]
-                r = run_one(be, system, rate, items[pred], a)
-                runs.append(r)
+    for b, be in plan.items():
+        items = workload(data, s.train, be.num_requests, be, predicted, s.seed)
+        for rate in s.rates or be.rates:
+            arrivals = arrival_times(be.num_requests, "poisson", rate, seed=s.seed)
+            for system in s.systems:
+                spec = lab.Spec(engine(b, system, s.real_blocks), items[SYSTEMS[system][1]], arrivals,
+                                tags={"backend": b, "system": system, "rate": rate})
+                runs.append(r := row(spec, lab.run(spec)))
                 print(f"{b:<4} {rate:>5g} req/s {system:<14} {r['request_throughput']:7.2f} req/s  mean E2E "
                       f"{r['mean_e2e_s']:8.2f} s  p99 {r['p99_e2e_s']:8.2f} s  SLO viol. {r['slo_violation_rate']:.0%}"
                       f"  ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    return {"experiment": kind, "train": a.train, "accuracy": accuracies, "runs": runs,
-            "backends": {b: plan[b].__dict__ for b in backends}, "seed": a.seed,
-            "systems": {s: {"options": SYSTEMS[s][0], "prediction": SYSTEMS[s][1]} for s in systems}}
+    return {"experiment": s.experiment, "train": s.train, "accuracy": accuracies, "runs": runs,
+            "backends": {b: be.__dict__ for b, be in plan.items()}, "seed": s.seed,
+            "systems": {x: {"options": SYSTEMS[x][0], "prediction": SYSTEMS[x][1]} for x in s.systems}}
 
 
 def report(res: dict) -> str:
@@ -284,15 +316,15 @@ def plot(res: dict, out_dir: str) -> list[str]:
     return paths
 
 
-def main(a) -> None:
+def main(s: Settings) -> None:
     import torch
 
     from servewise.kernels import cpu_flags
 
-    print(f"{a.experiment} experiment ({'full' if a.full else 'quick'}): torch threads {torch.get_num_threads()}, "
+    print(f"{s.experiment} experiment ({'full' if s.full else 'quick'}): torch threads {torch.get_num_threads()}, "
           f"CPU {cpu_flags()}", file=sys.stderr)
     t0 = time.perf_counter()
-    res = run_experiment(a.experiment, a)
+    res = run_experiment(s)
     res["wall_s"] = time.perf_counter() - t0
     res["threads"] = torch.get_num_threads()
-    publish(res, report(res), a.out_dir, a.experiment, plot)
+    publish(res, report(res), s.out_dir, s.experiment, plot)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
+from servewise import lab
 from servewise.cluster.placement import MODES, Device, PipelinePerf, Planner, Topology, Workload
 from servewise.experiments import publish
 from servewise.metrics.plots import save_figure
-from servewise.metrics import RequestRecord, compute
 
 PIX, NODE = (20.0, 5e-6), (10.0, 15e-6)
 SETS = {
@@ -40,10 +41,31 @@ def thesis_topology(devices: list[Device]) -> Topology:
                     [[link(i, j)[1] for j in range(n)] for i in range(n)])
 
 
-def run(model: str, set_name: str, items, arrivals_by_rate: dict, progress=None) -> dict:
-    from servewise.builder import build_sim_engine
+@dataclass
+class Settings:
+    """What `servewise experiment uellm-placement` runs: every model on every device set, each placement's
+    engine fed `num_requests` of `workload` (a preset or loader, from `data` when given) at every rate."""
+
+    models: tuple[str, ...] = MODELS
+    sets: tuple[str, ...] = tuple(SETS)
+    workload: str = "alpaca"
+    data: str | None = None
+    num_requests: int = 300
+    max_output_len: int = 512
+    rates: tuple[float, ...] = (1.0, 4.0, 16.0)
+    seed: int = 0
+    out_dir: str = "results/placement"
+
+    def __post_init__(self):
+        for s in self.sets:
+            if s not in SETS:
+                raise ValueError(f"unknown device set {s!r}; choose from {', '.join(SETS)}")
+
+
+def case(model: str, set_name: str, items, arrivals_by_rate: dict, progress=None) -> dict:
+    """Every placement mode on one device set: the plan, its analytical pass time and, when feasible, a
+    simulated run per rate on the pipeline it makes."""
     from servewise.models.loader import load_model_config
-    from servewise.simulator import simulate
 
     mc, _ = load_model_config(model, "float16")
     topo = thesis_topology(SETS[set_name])
@@ -58,10 +80,9 @@ def run(model: str, set_name: str, items, arrivals_by_rate: dict, progress=None)
         if p.feasible:
             perf = PipelinePerf(planner, p)
             row["kv_blocks"] = perf.device_blocks()
+            engine = lab.Engine("sim", model, perf=perf, options={"dtype": "float16", "max_num_seqs": 256})
             for rate, arrivals in arrivals_by_rate.items():
-                eng = build_sim_engine(model, perf=perf, dtype="float16", max_num_seqs=256)
-                res = simulate(eng, items, arrivals)
-                m = compute([RequestRecord.from_request(r) for r in res.requests])
+                m = lab.run(lab.Spec(engine, items, arrivals)).metrics
                 row["runs"].append({"rate": rate, "output_throughput": m["output_throughput"],
                                     "request_throughput": m["request_throughput"], "mean_e2e_s": m["mean_e2el_ms"] / 1e3,
                                     "mean_tpot_ms": m["mean_tpot_ms"], "mean_ttft_ms": m["mean_ttft_ms"],
@@ -123,31 +144,25 @@ def plot(res: dict, out_dir: str) -> list[str]:
     return [save_figure(fig, out_dir, "uellm_placement.png")]
 
 
-def main(a) -> None:
+def main(s: Settings) -> None:
     from tqdm import tqdm
 
     from servewise.models.loader import load_model_config
     from servewise.workloads.arrivals import arrival_times
     from servewise.workloads.build import build_workload
 
-    sets = a.sets.split(",") if a.sets else list(SETS)
-    models = a.models.split(",") if a.models else list(MODELS)
-    for s in sets:
-        if s not in SETS:
-            raise ValueError(f"unknown device set {s!r}; choose from {', '.join(SETS)}")
-    rates = a.rates
-    res = {"experiment": "uellm-placement", "workload": a.workload, "num_requests": a.num_requests, "rates": rates,
-           "assumptions": __doc__.split("Assumptions")[1].strip(), "cases": []}
+    res = {"experiment": "uellm-placement", "workload": s.workload, "num_requests": s.num_requests,
+           "rates": list(s.rates), "assumptions": __doc__.split("Assumptions")[1].strip(), "cases": []}
     t0 = time.perf_counter()
-    bar = tqdm(total=len(sets) * len(models) * len(MODES) * len(rates), desc="simulations", unit="run",
+    bar = tqdm(total=len(s.sets) * len(s.models) * len(MODES) * len(s.rates), desc="simulations", unit="run",
                disable=not sys.stderr.isatty())
-    for model in models:
+    for model in s.models:
         mc, tok = load_model_config(model, "float16")
-        items, _ = build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
-                                  max_output_len=a.max_output_len, seed=a.seed)
-        arrivals = {r: arrival_times(len(items), "poisson", r, seed=a.seed) for r in rates}
-        for s in sets:
-            res["cases"].append(run(model, s, items, arrivals, bar.update))
+        items, _ = build_workload(s.workload, tok, mc.vocab_size, data=s.data, num_requests=s.num_requests,
+                                  max_output_len=s.max_output_len, seed=s.seed)
+        arrivals = {r: arrival_times(len(items), "poisson", r, seed=s.seed) for r in s.rates}
+        for name in s.sets:
+            res["cases"].append(case(model, name, items, arrivals, bar.update))
     bar.close()
     res["wall_s"] = time.perf_counter() - t0
-    publish(res, report(res), a.out_dir, "uellm_placement", plot)
+    publish(res, report(res), s.out_dir, "uellm_placement", plot)

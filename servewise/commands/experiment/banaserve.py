@@ -34,6 +34,10 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.experiments.banaserve import main
+    from servewise.experiments.banaserve import SYSTEMS, Settings, main
 
-    main(a)
+    main(Settings(model=a.model, instances=a.instances,
+                  systems=tuple(a.systems.split(",")) if a.systems else tuple(SYSTEMS), num_requests=a.num_requests,
+                  prefixes=a.prefixes, prefix_len=a.prefix_len, suffix_len=a.suffix_len, output_len=a.output_len,
+                  zipf=a.zipf, store_gb=a.store_gb, rates=tuple(a.rates), workload=a.workload, trace=a.trace,
+                  seed=a.seed, out_dir=a.out_dir))

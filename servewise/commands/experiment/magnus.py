@@ -24,6 +24,10 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.experiments.length_aware import main
+    from servewise.experiments.length_aware import Settings, main
 
-    main(a)
+    main(Settings(a.experiment, a.data, cache_dir=a.cache_dir, seed=a.seed, train=a.train, full=a.full,
+                  backends=tuple(b for b in (a.backends or "sim,real").split(",") if b),
+                  rates=tuple(a.rates) if a.rates else None, num_requests=a.num_requests,
+                  systems=tuple(a.systems.split(",")) if a.systems else None, real_blocks=a.real_blocks,
+                  out_dir=a.out_dir))

@@ -23,6 +23,8 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.experiments.placement import main
+    from servewise.experiments.placement import Settings, main
 
-    main(a)
+    lists = {k: tuple(getattr(a, k).split(",")) for k in ("models", "sets") if getattr(a, k)}
+    main(Settings(**lists, workload=a.workload, data=a.data, num_requests=a.num_requests,
+                  max_output_len=a.max_output_len, rates=tuple(a.rates), seed=a.seed, out_dir=a.out_dir))
