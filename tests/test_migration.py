@@ -237,13 +237,12 @@ def test_migration_to_another_process_keeps_greedy_outputs(model, kind):
 
 def test_bench_migration_reports_the_move_and_checks_outputs(tmp_path, capsys):
     import json
-    from argparse import Namespace
 
-    from servewise.bench.migration import main
+    from servewise.bench.migration import Settings, main
 
     out = tmp_path / "m.json"
-    main(Namespace(model="tiny-llama", kind="layers", batch=2, prompt_len=8, steps=3, first=0, heads=0, threads=1,
-                   out=str(out)))
+    main(Settings(model="tiny-llama", kind="layers", batch=2, prompt_len=8, steps=3, first=0, heads=0, threads=1,
+                  out=str(out)))
     res = json.loads(out.read_text())
     assert res["outputs_identical"] and res["moved"]["what"] == "layers 2-3" and res["moved"]["bytes"] > 0
     assert "greedy outputs identical to the run without the move: True" in capsys.readouterr().out

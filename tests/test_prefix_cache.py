@@ -345,3 +345,21 @@ def test_attention_over_cached_context_matches_dense_attention():
     meta = AttentionMetadata(True, torch.cat(slots), [n for n, _ in rows], bs, tables, prior_lens=[p for _, p in rows])
     out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta)
     assert torch.allclose(out, torch.cat(full), atol=1e-5)
+
+
+def test_bench_prefix_compares_caching_off_and_on_on_the_real_engine():
+    """`bench prefix`'s real runs: the same greedy outputs; with caching off every admitted prompt token
+    is computed, with it on each request after the first finds the shared prefix's 2 blocks (net of the
+    warm-up)."""
+    from servewise.bench.prefix import compare
+    from servewise.workloads.datasets import WorkloadRequest
+
+    items = [WorkloadRequest(48, 4, list(range(100, 132)) + [7 + i] * 16) for i in range(4)]
+    runs = compare("tiny-llama", items, [0.0, 0.5, 1.0, 1.5], dict(device="cpu", num_device_blocks=64), None,
+                   say=lambda m: None)
+    off, on = runs["real_off"], runs["real_on"]
+    assert runs["same_outputs"] and set(runs) == {"real_off", "real_on", "same_outputs"}
+    assert off["admitted_tokens"] == on["admitted_tokens"] == 4 * 48
+    assert off["hit_tokens"] == 0 and off["prefill_tokens"] == 4 * 48 and off["hit_rate_pct"] == 0
+    assert on["hit_tokens"] == 3 * 32 and on["prefill_tokens"] == 4 * 48 - 3 * 32
+    assert on["hit_rate_pct"] == pytest.approx(50.0) and on["completed"] == off["completed"] == 4

@@ -12,7 +12,6 @@ counts it within the instance's time per step outside the runner.)
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import multiprocessing as mp
 import os
@@ -20,18 +19,54 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from servewise.bench.fidelity import format_steps, step_check
 from servewise.kernels import cpu_flags
-from servewise.metrics import RequestRecord, compute
+from servewise.lab import Cluster, Spec, run
+from servewise.lab.run import build
+from servewise.metrics import RequestRecord
 from servewise.predictors.fit import LOOP_INTERRUPTION_S
 from servewise.predictors.perf import make_perf
-from servewise.workloads.driver import params_for
 
 COMPARED = (("duration_s", "makespan (s)"), ("mean_ttft_ms", "mean TTFT (ms)"), ("mean_tpot_ms", "mean TBT (ms)"),
             ("mean_e2el_ms", "mean E2E (ms)"), ("p99_ttft_ms", "p99 TTFT (ms)"))
+
+
+@dataclass
+class Settings:
+    """The workload (`workload` from `data`, poisson at `rate`), the instances' engine options and torch
+    `threads` each, the hand-off modes compared, `calibration_requests` run first on each cluster, the
+    one-instance run (`single`) and the same-decisions check (`same_decisions` requests, one every
+    `decisions_gap` s). `predictors`: this machine's at `threads` (None: the cached profile)."""
+
+    model: str = "tiny-llama"
+    predictors: str | None = None
+    workload: str = "sharegpt"
+    data: str | None = None
+    num_requests: int = 200
+    max_prompt_len: int = 256
+    max_output_len: int = 128
+    rate: float = 6.0
+    num_device_blocks: int = 1024
+    block_size: int = 16
+    max_num_seqs: int = 256
+    kv_handoff: list[str] = field(default_factory=lambda: ["layerwise", "serialized"])
+    single: bool = True
+    calibration_requests: int = 60
+    same_decisions: int = 0
+    decisions_gap: float = 1.0
+    seed: int = 0
+    threads: int = 1
+    out: str = "results/bench_cluster.json"
+
+    def __post_init__(self):
+        if self.threads < 1:
+            raise ValueError(f"--threads must be >= 1 (torch threads per instance), got {self.threads}")
+        if self.decisions_gap <= 0:
+            raise ValueError(f"--decisions-gap must be > 0 seconds, got {self.decisions_gap}")
 
 
 def _echo(conn) -> None:
@@ -92,66 +127,22 @@ def copy_gbps(layers: int, blocks: int, cache_shape: tuple[int, ...], dtype: tor
         remove_dir(d)
 
 
-async def _drive(client, items, arrivals, rids: list | None = None) -> list[RequestRecord]:
-    """Submit each request at its arrival time; time every token as the client receives it. rids: filled
-    with each request's id."""
-    t0 = time.monotonic()
-    if rids is not None:
-        rids[:] = [None] * len(items)
-
-    async def one(i: int) -> RequestRecord:
-        await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.monotonic()))
-        item = items[i]
-        sent = time.monotonic() - t0
-        handle, q = client.submit(item.prompt, params_for(item))
-        if rids is not None:
-            rids[i] = handle.request_id
-        times: list[float] = []
-        reason = None
-        while True:
-            d = await q.get()
-            now = time.monotonic() - t0
-            if d.error:
-                raise RuntimeError(f"request {i} failed: {d.error}")
-            times += [now] * len(d.token_ids)
-            if d.finished:
-                reason = d.finish_reason
-                break
-        return RequestRecord(sent, item.prompt_len, len(times), times[0], times[-1], None, times, reason)
-
-    return list(await asyncio.gather(*(one(i) for i in range(len(items)))))
-
-
 def run_real(model: str, roles: list[str], threads: int, layerwise: bool, engine_kw: dict, items, arrivals,
              calibration=None, pin: bool = False) -> dict:
     """The workload through a real cluster, every instance's steps traced. calibration: a separate
-    (items, arrivals) run first, whose traced steps are returned as "calibration_steps"."""
-    from servewise.cluster.serving import ClusterClient
-
-    client = ClusterClient(dict(engine_kw, model=model), roles, threads=threads, layerwise=layerwise,
-                           max_waiting=len(items) + 1, pin=pin)
-    client.start()
+    (items, arrivals) run first on the same instances, whose traced steps are returned as "calibration_steps"."""
+    c = Cluster(model, roles, dict(engine_kw, threads=threads, layerwise=layerwise, pin=pin, trace=True,
+                                   max_waiting=len(items) + 1), backend="real")
+    client = build(c)
     out: dict = {}
     try:
-        warm = [type(items[0])(16, 4, [5] * 16)] * 2  # the first steps of each instance, outside the run
-        asyncio.run(_drive(client, warm, [0.0, 0.0]))
-        client.trace(True)
         if calibration is not None:
-            asyncio.run(_drive(client, *calibration))
-            out["calibration_steps"] = [list(s) for s in client.step_log]
-            for log in client.step_log:
-                log.clear()
-        before = dict(client.handoffs)
-        t0 = time.perf_counter()
-        rids: list = []
-        records = asyncio.run(_drive(client, items, arrivals, rids))
-        wall = time.perf_counter() - t0
-        handoffs = {k: v - before[k] for k, v in client.handoffs.items()}
-        placed = [client.co.placed[rid] for rid in rids]
+            out["calibration_steps"] = run(Spec(c, *calibration), engine=client).result.steps
+        rec = run(Spec(c, items, arrivals), engine=client)
     finally:
         client.shutdown()
-    return dict(out, metrics=compute(records), handoff_gap_ms=_gap_ms(records), handoffs=handoffs,
-                steps=client.step_log, wall_s=wall, records=records, placed=placed)
+    return dict(out, metrics=rec.metrics, handoff_gap_ms=_gap_ms(rec.requests), handoffs=rec.cluster["handoffs"],
+                steps=rec.result.steps, wall_s=rec.wall_s, records=rec.requests, placed=rec.result.placed)
 
 
 def same_batches(steps: list[tuple], perf, wall: float) -> dict:
@@ -197,15 +188,15 @@ def decisions(model: str, engine_kw: dict, items, gap_s: float = 0.25, threads: 
     time them, which the replay does not follow: space them wider than one request's life for a
     comparison that does not depend on the machine."""
     from servewise.cluster.replay import Replayed, compare, step_times
-    from servewise.cluster.sim import ClusterSim, Design
+    from servewise.cluster.sim import Design
 
     real = run_real(model, ["prompt", "token"], threads, layerwise, engine_kw, items,
                     [gap_s * i for i in range(len(items))])
     replays = [Replayed(step_times(steps)) for steps in real["steps"]]
-    sim = ClusterSim(model, Design({"this-cpu": 1}, {"this-cpu": 1}), cost_models=replays,
-                     transfer="layerwise" if layerwise else "serialized", link_gbps=1e3, link_latency_s=0.0,
-                     **{"dtype": "float32", **engine_kw})  # (the real engine's dtype on this CPU)
-    res = sim.run(items, [r.arrival for r in real["records"]])
+    sim = Cluster(model, Design({"this-cpu": 1}, {"this-cpu": 1}),
+                  dict(cost_models=replays, transfer="layerwise" if layerwise else "serialized", link_gbps=1e3,
+                       link_latency_s=0.0, **{"dtype": "float32", **engine_kw}))  # (the real engine's dtype on this CPU)
+    res = run(Spec(sim, items, [r.arrival for r in real["records"]])).result
     out = compare({"placed": [tuple(p) for p in real["placed"]], "handoffs": real["handoffs"],
                    "steps": [[(p, list(lens)) for p, lens, *_ in s] for s in real["steps"]],
                    "tokens": [r.output_tokens for r in real["records"]]},
@@ -229,70 +220,66 @@ def format_decisions(d: dict) -> str:
 
 def run_sim(model: str, predictors, layerwise: bool, link: dict, engine_kw: dict, items, arrivals,
             calibration: dict | None = None) -> dict:
-    from servewise.cluster.sim import ClusterSim, Design
+    from servewise.cluster.sim import Design
 
-    sim = ClusterSim(model, Design({"this-cpu": 1}, {"this-cpu": 1}), predictors=predictors,
-                     transfer="layerwise" if layerwise else "serialized", link_gbps=link["gbps"],
-                     link_latency_s=link["latency_per_layer_s"], calibration=calibration, **engine_kw)
-    res = sim.run(items, arrivals)
-    records = [RequestRecord.from_request(r) for r in res.requests if r is not None]
-    return {"metrics": compute(records), "handoff_gap_ms": _gap_ms(records), "wall_s": res.wall_s,
-            "transfers": res.transfers}
+    sim = Cluster(model, Design({"this-cpu": 1}, {"this-cpu": 1}),
+                  dict(predictors=predictors, transfer="layerwise" if layerwise else "serialized",
+                       link_gbps=link["gbps"], link_latency_s=link["latency_per_layer_s"], calibration=calibration,
+                       **engine_kw))
+    rec = run(Spec(sim, items, arrivals))
+    return {"metrics": rec.metrics, "handoff_gap_ms": _gap_ms(rec.requests), "wall_s": rec.wall_s,
+            "transfers": rec.cluster["transfers"]}
 
 
-def main(a) -> None:
+def main(s: Settings) -> None:
     from servewise.models.loader import load_model_config
     from servewise.predictors.auto import ensure_predictors
     from servewise.workloads.build import build_workload
 
-    if a.threads < 1:
-        raise ValueError(f"--threads must be >= 1 (torch threads per instance), got {a.threads}")
-    if a.decisions_gap <= 0:
-        raise ValueError(f"--decisions-gap must be > 0 seconds, got {a.decisions_gap}")
-    torch.set_num_threads(a.threads)  # the profile is taken with each instance's thread count
-    mc, tok = load_model_config(a.model)
-    engine_kw = dict(num_device_blocks=a.num_device_blocks, max_num_seqs=a.max_num_seqs, block_size=a.block_size)
-    preds = ensure_predictors(a.model, mc, "cpu", a.block_size, a.predictors)
-    perf = make_perf("profile", mc, a.block_size, predictors=preds)
-    items, arrivals = build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
-                                     max_output_len=a.max_output_len, max_prompt_len=a.max_prompt_len,
-                                     arrival="poisson", rate=a.rate, seed=a.seed)
+    torch.set_num_threads(s.threads)  # the profile is taken with each instance's thread count
+    mc, tok = load_model_config(s.model)
+    engine_kw = dict(num_device_blocks=s.num_device_blocks, max_num_seqs=s.max_num_seqs, block_size=s.block_size)
+    preds = ensure_predictors(s.model, mc, "cpu", s.block_size, s.predictors)
+    perf = make_perf("profile", mc, s.block_size, predictors=preds)
+    items, arrivals = build_workload(s.workload, tok, mc.vocab_size, data=s.data, num_requests=s.num_requests,
+                                     max_output_len=s.max_output_len, max_prompt_len=s.max_prompt_len,
+                                     arrival="poisson", rate=s.rate, seed=s.seed)
     flags = cpu_flags()
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     mean_prompt = statistics.mean(i.prompt_len for i in items)
-    say(f"{a.model}: {len(items)} {a.workload} requests, mean prompt {mean_prompt:.0f} "
-        f"tokens, mean output {statistics.mean(i.output_len for i in items):.0f}, poisson {a.rate} req/s; "
-        f"{a.threads} torch thread(s) per instance, {os.cpu_count()} cores ({flags})")
+    say(f"{s.model}: {len(items)} {s.workload} requests, mean prompt {mean_prompt:.0f} "
+        f"tokens, mean output {statistics.mean(i.output_len for i in items):.0f}, poisson {s.rate} req/s; "
+        f"{s.threads} torch thread(s) per instance, {os.cpu_count()} cores ({flags})")
     hop = message_latency_s()
-    n_blocks = -(-int(mean_prompt) // a.block_size)
-    cache_shape = (mc.num_layers, 2, a.num_device_blocks, a.block_size, mc.num_kv_heads, mc.head_dim)
+    n_blocks = -(-int(mean_prompt) // s.block_size)
+    cache_shape = (mc.num_layers, 2, s.num_device_blocks, s.block_size, mc.num_kv_heads, mc.head_dim)
     link = copy_gbps(mc.num_layers, n_blocks, cache_shape, getattr(torch, mc.dtype))
     link.update(gbps=link["receive_gbps"], message_latency_s=hop, latency_per_layer_s=2 * hop / mc.num_layers)
     say(f"hand-off measured on a mean prompt's KV: sender's checksums {link['send_gbps']:.2f} GB/s, receiver's "
         f"copy and checksums {link['receive_gbps']:.2f} GB/s, {hop * 1e6:.0f} us per message")
-    sim_kw = dict(engine_kw, dtype=mc.dtype, max_num_batched_tokens=4096, max_num_seqs=a.max_num_seqs)
+    sim_kw = dict(engine_kw, dtype=mc.dtype, max_num_batched_tokens=4096, max_num_seqs=s.max_num_seqs)
     results: dict = {}
-    if a.same_decisions:
-        say(f"same decisions: {min(a.same_decisions, len(items))} requests through the real cluster, then replayed ...")
-        results["same_decisions"] = decisions(a.model, dict(engine_kw, max_num_batched_tokens=4096),
-                                              items[:a.same_decisions], a.decisions_gap, a.threads)
+    if s.same_decisions:
+        say(f"same decisions: {min(s.same_decisions, len(items))} requests through the real cluster, then replayed ...")
+        results["same_decisions"] = decisions(s.model, dict(engine_kw, max_num_batched_tokens=4096),
+                                              items[:s.same_decisions], s.decisions_gap, s.threads)
         print(format_decisions(results["same_decisions"]))
     # calibration: a different workload (random prompts of 16-256 tokens, 64 output tokens), same rate
-    cal_items, cal_arrivals = build_workload("synthetic", tok, mc.vocab_size, num_requests=a.calibration_requests,
-                                             input_len=256, output_len=64, arrival="poisson", rate=a.rate,
-                                             seed=a.seed + 1) if a.calibration_requests else ([], [])
-    rng = random.Random(a.seed + 1)
+    cal_items, cal_arrivals = build_workload("synthetic", tok, mc.vocab_size, num_requests=s.calibration_requests,
+                                             input_len=256, output_len=64, arrival="poisson", rate=s.rate,
+                                             seed=s.seed + 1) if s.calibration_requests else ([], [])
+    rng = random.Random(s.seed + 1)
     cal_items = [type(i)(n, i.output_len, i.prompt[:n])
                  for i, n in zip(cal_items, (rng.randint(16, 256) for _ in cal_items))]
-    for mode in a.kv_handoff:
+    for mode in s.kv_handoff:
         lw = mode == "layerwise"
         say(f"[{mode}] real cluster: 1 prompt + 1 token instance, {len(cal_items)} calibration requests first ...")
-        real = run_real(a.model, ["prompt", "token"], a.threads, lw, engine_kw, items, arrivals,
-                        calibration=(cal_items, cal_arrivals) if a.calibration_requests else None)
+        real = run_real(s.model, ["prompt", "token"], s.threads, lw, engine_kw, items, arrivals,
+                        calibration=(cal_items, cal_arrivals) if s.calibration_requests else None)
         cal = {role: calibrate(steps, perf)
                for role, steps in zip(("prompt", "token"), real.pop("calibration_steps", []))}
-        sim = run_sim(a.model, preds, lw, link, sim_kw, items, arrivals)
-        simc = run_sim(a.model, preds, lw, link, sim_kw, items, arrivals, cal) if cal else None
+        sim = run_sim(s.model, preds, lw, link, sim_kw, items, arrivals)
+        simc = run_sim(s.model, preds, lw, link, sim_kw, items, arrivals, cal) if cal else None
         rows = {}
         for key, label in COMPARED + (("handoff_gap_ms", "first -> second token (ms)"),):
             r = real["metrics"][key] if key in real["metrics"] else real[key]
@@ -313,19 +300,19 @@ def main(a) -> None:
         for role, c in checks.items():
             extra = f"\n  hand-off checksums after its steps: {c['handoff_writes_s'] * 1e3:.0f} ms"
             print(f"{role} instance: " + format_steps(c).replace("\n", "\n  ") + (extra if role == "prompt" else ""))
-    if a.single:
-        say(f"one instance with {2 * a.threads} threads ...")
-        one = run_real(a.model, ["mixed"], 2 * a.threads, True, engine_kw, items, arrivals)
+    if s.single:
+        say(f"one instance with {2 * s.threads} threads ...")
+        one = run_real(s.model, ["mixed"], 2 * s.threads, True, engine_kw, items, arrivals)
         one.pop("steps")
         results["one_instance"] = one
-        print(f"\none instance, {2 * a.threads} torch threads (same cores): " + ", ".join(
+        print(f"\none instance, {2 * s.threads} torch threads (same cores): " + ", ".join(
             f"{label} {one['metrics'][key]:.1f}" for key, label in COMPARED))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"model": a.model, "workload": a.workload, "num_requests": len(items), "rate": a.rate,
-                   "threads_per_instance": a.threads, "cpu_flags": flags, "link": link, "predictors": preds.meta,
+    os.makedirs(os.path.dirname(os.path.abspath(s.out)), exist_ok=True)
+    with open(s.out, "w") as f:
+        json.dump({"model": s.model, "workload": s.workload, "num_requests": len(items), "rate": s.rate,
+                   "threads_per_instance": s.threads, "cpu_flags": flags, "link": link, "predictors": preds.meta,
                    "results": results}, f, indent=1, default=str)
-    print(f"saved {a.out}")
+    print(f"saved {s.out}")
 
 
 def _table(title: str, rows: dict) -> str:

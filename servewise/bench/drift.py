@@ -12,6 +12,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,20 @@ from servewise.predictors.profiler import DECODE_WARM_RUNS
 # (kind, rows, tokens per row); the largest decode batch is the one the others are set against
 BATCHES = (("decode", 2, 64), ("decode", 8, 128), ("decode", 64, 128), ("prefill", 1, 256), ("prefill", 4, 64))
 ANCHOR = "decode 64 x 128"
+
+
+@dataclass
+class Settings:
+    """Rounds of every batch for `seconds` (median of `reps` runs each), reported per `window` s, on an
+    engine with `num_device_blocks`; the figure beside `out` unless `plot` is off."""
+
+    model: str = "tiny-llama"
+    seconds: float = 60.0
+    window: float = 5.0
+    reps: int = 3
+    num_device_blocks: int = 1024
+    plot: bool = True
+    out: str = "results/bench_drift.json"
 
 
 def _batches(engine) -> list[tuple[str, bool, object]]:
@@ -136,19 +151,19 @@ def plot(res: dict, path: str) -> str:
     return save_figure(fig, os.path.dirname(os.path.abspath(path)), os.path.basename(path))
 
 
-def main(a) -> None:
+def main(s: Settings) -> None:
     from servewise.builder import build_engine
 
-    engine = build_engine(model=a.model, num_device_blocks=a.num_device_blocks, num_host_blocks=16)
-    print(f"torch threads: {torch.get_num_threads()}; CPU flags: {cpu_flags()}; {a.seconds:g} s of rounds",
+    engine = build_engine(model=s.model, num_device_blocks=s.num_device_blocks, num_host_blocks=16)
+    print(f"torch threads: {torch.get_num_threads()}; CPU flags: {cpu_flags()}; {s.seconds:g} s of rounds",
           file=sys.stderr)
     tty = sys.stderr.isatty()
-    res = measure(engine, a.seconds, a.reps, a.window, progress=lambda t, n: print(
+    res = measure(engine, s.seconds, s.reps, s.window, progress=lambda t, n: print(
         f"{t:.0f}/{n:g} s", end="\r" if tty else "\n", file=sys.stderr, flush=True))
-    res.update(model=a.model, threads=torch.get_num_threads(), cpu_flags=cpu_flags(), window_s=a.window,
+    res.update(model=s.model, threads=torch.get_num_threads(), cpu_flags=cpu_flags(), window_s=s.window,
                ended=time.strftime("%Y-%m-%d %H:%M:%S"))
-    print(format_report(res, a.window))
-    save_json(res, a.out)
-    print(f"saved {a.out}")
-    if a.plot:
-        print(f"figure: {plot(res, os.path.splitext(a.out)[0] + '.png')}")
+    print(format_report(res, s.window))
+    save_json(res, s.out)
+    print(f"saved {s.out}")
+    if s.plot:
+        print(f"figure: {plot(res, os.path.splitext(s.out)[0] + '.png')}")

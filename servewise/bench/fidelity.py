@@ -12,18 +12,17 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from servewise.builder import build_engine, build_sim_engine
 from servewise.engine.clock import VirtualClock
-from servewise.metrics import RequestRecord, compute
+from servewise.lab import Engine, Spec, run
+from servewise.lab.run import build
 from servewise.predictors import drift
 from servewise.predictors.fit import LOOP_INTERRUPTION_S
 from servewise.predictors.perf import PROFILE, Calibrated, make_perf
 from servewise.predictors.profiler import decode_layout, time_decode
-from servewise.simulator import simulate
-from servewise.workloads.driver import run_workload
 
 # the simulations of a run: on the profile as it is, scaled by the drift its reference batches measured
 # right before the run, scaled by the run's own first fifth of steps, and following the run's own steps
@@ -33,17 +32,39 @@ COMPARED = (("duration_s", "makespan (s)"), ("mean_e2el_ms", "mean E2E (ms)"), (
             ("mean_ttft_ms", "mean TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"))
 
 
+@dataclass
+class Settings:
+    """The workload (`workload` from `data`, poisson at each of `rate`), the engine's pools and
+    `preemption` modes, all of it `repeat` times `interval` s apart; `replay`: decode batches timed
+    again after each run. The predictors file (profiled on this machine) sets the torch threads."""
+
+    model: str = "tiny-llama"
+    predictors: str = "results/predictors.pkl"
+    workload: str = "sharegpt"
+    data: str | None = None
+    num_requests: int = 300
+    max_prompt_len: int = 256
+    max_output_len: int = 128
+    rate: list[float] = field(default_factory=lambda: [8.0])
+    num_device_blocks: int = 96
+    num_host_blocks: int = 256
+    max_num_seqs: int = 256
+    preemption: list[str] = field(default_factory=lambda: ["recompute", "swap"])
+    seed: int = 0
+    repeat: int = 1
+    interval: float = 0.0
+    replay: int = 0
+    out: str = "results/bench_fidelity.json"
+
+
 def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None, replay: int = 0) -> dict:
     """The workload through the real engine, then through the simulator four times (MODELS): on the
     profiled predictors as they are, corrected by the machine's drift (predictors.drift) measured right
     before the run, corrected by the run's own first fifth of steps, and following the run's own steps as
     they went (Following).
     `replay`: that many of the run's decode batches are timed again afterwards (replay_decode)."""
-    real = build_engine(model=model, **engine_kw)
-    # warm-up outside the measured run
-    real.add_request([5] * 16, None)
-    while real.has_unfinished():
-        real.step()
+    spec = Spec(Engine("real", model, options=engine_kw), items, arrivals)
+    real = build(spec.engine)  # warmed up
     perf = make_perf(PROFILE, real.model_config, real.block_manager.block_size, predictors)
     before = drift.measure(real, perf)
     steps = []  # (is_prefill, token counts, measured seconds) of every real step that ran a batch
@@ -65,12 +86,11 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
                     decode_tables.append((st.batch_tokens, [list(tables[r]) for r in st.scheduled], st.execute_s))
         last[0] = time.perf_counter() if real.has_unfinished() else None  # else the driver waits for an arrival
 
-    t0, start = time.perf_counter(), real.clock.now()
-    reqs, rejected = run_workload(real, items, arrivals, progress, on_step=logged)
-    wall = time.perf_counter() - t0
+    start = real.clock.now()
+    rec = run(spec, on_step=logged, progress=progress, engine=real)
+    wall, m_real = rec.wall_s, rec.metrics
     after = drift.measure(real, perf)
-    m_real = compute([RequestRecord.from_request(r) for r in reqs])
-    out = {"real": m_real, "rejected": len(rejected), "drift_before": before.as_dict(), "drift_after": after.as_dict(),
+    out = {"real": m_real, "rejected": len(rec.rejected), "drift_before": before.as_dict(), "drift_after": after.as_dict(),
            "loop": loop_check(loop, perf)}
     if replay:
         out["replay"] = replay_decode(real, perf, decode_tables, replay)
@@ -88,16 +108,16 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     clock = VirtualClock()
     following = Following(perf, schedule, clock)
     for name, p in zip(MODELS, (perf, corrected, early, following)):
-        res = simulate(build_sim_engine(model, perf=p, clock=clock if p is following else None, **engine_kw),
-                       items, arrivals)
-        m_sim = compute([RequestRecord.from_request(r) for r in res.requests])
+        kw = dict(engine_kw, clock=clock) if p is following else engine_kw
+        sim = run(Spec(Engine("sim", model, perf=p, options=kw), items, arrivals))
+        m_sim = sim.metrics
         if p is following:  # its predictions depend on the moment: judged one step ahead, as the run went
             outside = out["profiled"]["steps"]["outside_runner"], out["profiled"]["later_steps"]["outside_runner"]
             checks = [dict(out["online_steps"], outside_runner=outside[0]),
                       dict(online_totals(ahead[k:]), outside_runner=outside[1])]
         else:
             checks = [step_check(steps, p, wall), step_check(steps[k:], p, wall)]
-        out[name] = {"rows": compare_rows(m_real, m_sim), "sim": m_sim, "sim_wall_s": res.wall_s,
+        out[name] = {"rows": compare_rows(m_real, m_sim), "sim": m_sim, "sim_wall_s": sim.wall_s,
                      "steps": checks[0], "later_steps": checks[1]}
     return out
 
@@ -360,37 +380,37 @@ def format_summary(title: str, summary: dict, runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(a) -> None:
+def main(s: Settings) -> None:
     from servewise.models.loader import load_model_config
     from servewise.predictors.fit import Predictors
     from servewise.workloads.build import build_workload
 
-    preds = Predictors.load(a.predictors)
+    preds = Predictors.load(s.predictors)
     threads = preds.meta.get("threads")
     if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-    print(f"torch threads: {torch.get_num_threads()} (the profile's); predictors: {a.predictors}", file=sys.stderr)
-    mc, tok = load_model_config(a.model)
-    workloads = {rate: build_workload(a.workload, tok, mc.vocab_size, data=a.data, num_requests=a.num_requests,
-                                      max_output_len=a.max_output_len, max_prompt_len=a.max_prompt_len,
-                                      arrival="poisson", rate=rate, seed=a.seed) for rate in a.rate}
+    print(f"torch threads: {torch.get_num_threads()} (the profile's); predictors: {s.predictors}", file=sys.stderr)
+    mc, tok = load_model_config(s.model)
+    workloads = {rate: build_workload(s.workload, tok, mc.vocab_size, data=s.data, num_requests=s.num_requests,
+                                      max_output_len=s.max_output_len, max_prompt_len=s.max_prompt_len,
+                                      arrival="poisson", rate=rate, seed=s.seed) for rate in s.rate}
     results = {}  # "rate/mode" -> list of runs
-    for rep in range(a.repeat):
+    for rep in range(s.repeat):
         if rep:
-            print(f"\nwaiting {a.interval:.0f} s before run {rep + 1}/{a.repeat}", file=sys.stderr)
-            time.sleep(a.interval)
+            print(f"\nwaiting {s.interval:.0f} s before run {rep + 1}/{s.repeat}", file=sys.stderr)
+            time.sleep(s.interval)
         for rate, (items, arrivals) in workloads.items():
-            print(f"workload: {len(items)} {a.workload} requests, mean prompt "
+            print(f"workload: {len(items)} {s.workload} requests, mean prompt "
                   f"{sum(i.prompt_len for i in items) / len(items):.0f} tokens, mean output "
                   f"{sum(i.output_len for i in items) / len(items):.0f}, poisson {rate} req/s", file=sys.stderr)
-            for mode in a.preemption:
-                kw = dict(num_device_blocks=a.num_device_blocks, num_host_blocks=a.num_host_blocks, preemption=mode,
-                          max_num_seqs=a.max_num_seqs)
-                r = run_pair(a.model, items, arrivals, preds, kw, replay=a.replay)
+            for mode in s.preemption:
+                kw = dict(num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks, preemption=mode,
+                          max_num_seqs=s.max_num_seqs)
+                r = run_pair(s.model, items, arrivals, preds, kw, replay=s.replay)
                 r["ended"] = time.strftime("%H:%M:%S")
                 results.setdefault(f"{rate:g}/{mode}", []).append(r)
-                head = f"\n[run {rep + 1}/{a.repeat}, {rate:g} req/s, {mode}] {a.num_device_blocks} device / " \
-                       f"{a.num_host_blocks} host blocks"
+                head = f"\n[run {rep + 1}/{s.repeat}, {rate:g} req/s, {mode}] {s.num_device_blocks} device / " \
+                       f"{s.num_host_blocks} host blocks"
                 for name in MODELS:
                     print(format_rows(f"{head}; simulated on the {name.replace('_', '-')} predictors", r[name]["rows"]))
                     print(format_steps(r[name]["steps"]))
@@ -408,12 +428,12 @@ def main(a) -> None:
                 print(f"drift, before / after the run: prefill x{b['prefill_scale']:.3f} / x{e['prefill_scale']:.3f}, "
                       f"decode x{b['decode_scale']:.3f} / x{e['decode_scale']:.3f} (measured / profiled, reference batches)")
     summaries = {key: summarise(runs) for key, runs in results.items()}
-    if a.repeat > 1:
+    if s.repeat > 1:
         for key, runs in results.items():
             print("\n" + format_summary(f"[{key}] over {len(runs)} runs", summaries[key], runs))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"model": a.model, "workload": a.workload, "num_requests": a.num_requests, "rates": a.rate,
-                   "repeat": a.repeat, "interval_s": a.interval, "threads": torch.get_num_threads(),
+    os.makedirs(os.path.dirname(os.path.abspath(s.out)), exist_ok=True)
+    with open(s.out, "w") as f:
+        json.dump({"model": s.model, "workload": s.workload, "num_requests": s.num_requests, "rates": s.rate,
+                   "repeat": s.repeat, "interval_s": s.interval, "threads": torch.get_num_threads(),
                    "predictors": preds.meta, "results": results, "summary": summaries}, f, indent=1)
-    print(f"saved {a.out}")
+    print(f"saved {s.out}")

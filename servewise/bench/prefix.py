@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
-import time
-from types import SimpleNamespace
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from servewise.builder import build_engine, build_sim_engine
-from servewise.metrics import RequestRecord, compute
-from servewise.models.loader import load_model_config
-from servewise.predictors.auto import ensure_predictors
-from servewise.predictors.fit import Predictors
-from servewise.simulator import simulate
-from servewise.workloads.driver import run_workload
-from servewise.workloads.prefix import save_text_workload
+from servewise.lab import Cluster, Engine, Record, Spec, run
+from servewise.lab.run import build
 
 ROWS = (("mean_ttft_ms", "mean TTFT (ms)"), ("p99_ttft_ms", "p99 TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"),
         ("mean_e2el_ms", "mean E2E (ms)"), ("duration_s", "makespan (s)"),
@@ -31,22 +27,37 @@ ROWS = (("mean_ttft_ms", "mean TTFT (ms)"), ("p99_ttft_ms", "p99 TTFT (ms)"), ("
         ("hit_rate_pct", "prefix hit rate (%)"))
 
 
-def _summary(records, st, before: dict | None = None) -> dict:
-    """Metrics of a run's records, with the prompt tokens computed and the hit rate from engine stats
-    `st` (less the counters `before` it, if given)."""
-    m = compute(records)
-    b = before or {}
-    m["admitted_tokens"] = st.admitted_tokens - b.get("admitted", 0)
-    m["hit_tokens"] = st.prefix_hit_tokens - b.get("hit", 0)
-    m["store_hit_tokens"] = st.store_hit_tokens - b.get("store", 0)
+@dataclass
+class Settings:
+    """`workload(tokenizer, vocab size, max length)` -> (items, arrival times), named `workload_name`;
+    `engine`: the engine options (caching is what the bench sets); `predictors`: the simulator's (None:
+    this machine's at this thread count, profiled on first use); `instances` > 0: real whole-request
+    instances behind `router` instead of one engine; `save_text`: only write the prompts there."""
+
+    workload: Callable
+    model: str = "tiny-llama"
+    workload_name: str = "shared_prefix"
+    engine: dict = field(default_factory=dict)
+    threads: int = 0
+    sim: bool = True
+    predictors: str | None = None
+    instances: int = 0
+    router: str = "round_robin"
+    save_text: str | None = None
+    out: str = "results/bench_prefix.json"
+
+
+def _summary(rec: Record, admitted: int = 0) -> dict:
+    """A run's metrics with the prompt tokens it computed and its hit rate (with caching off, where the
+    record has no prefix-cache figures, the `admitted` tokens were all computed)."""
+    m = dict(rec.metrics)
+    pc = rec.prefix_cache or {"admitted_tokens": admitted, "cached_tokens": 0, "store_tokens": 0}
+    m["admitted_tokens"], m["hit_tokens"], m["store_hit_tokens"] = \
+        pc["admitted_tokens"], pc["cached_tokens"], pc["store_tokens"]
     m["prefill_tokens"] = m["admitted_tokens"] - m["hit_tokens"] - m["store_hit_tokens"]
     done = m["hit_tokens"] + m["store_hit_tokens"]
     m["hit_rate_pct"] = 100 * done / m["admitted_tokens"] if m["admitted_tokens"] else 0.0
     return m
-
-
-def _counters(st) -> dict:
-    return {"admitted": st.admitted_tokens, "hit": st.prefix_hit_tokens, "store": st.store_hit_tokens}
 
 
 def _sim_kw(engine_kw: dict) -> dict:
@@ -54,91 +65,53 @@ def _sim_kw(engine_kw: dict) -> dict:
     return {k: v for k, v in engine_kw.items() if k not in ("device", "load_format", "dtype")}
 
 
-def run_real(model: str, items, arrivals, engine_kw: dict, progress=None) -> tuple[dict, list[list[int]]]:
-    """Metrics of one real run and every request's output tokens (greedy: equal with and without caching)."""
-    eng = build_engine(model=model, **engine_kw)
-    eng.add_request([5] * 16, None)  # warm-up outside the measured run
-    while eng.has_unfinished():
-        eng.step()
-    before = _counters(eng.stats())
-    t0 = time.perf_counter()
-    reqs, rejected = run_workload(eng, items, arrivals, progress)
-    wall = time.perf_counter() - t0
-    if rejected:
-        raise ValueError(f"{len(rejected)} requests rejected, e.g. #{rejected[0][0]}: {rejected[0][1]}")
-    m = _summary([RequestRecord.from_request(r) for r in reqs], eng.stats(), before)
-    m["wall_s"] = wall
+def _kept(eng) -> list:
+    """The requests the engine takes from now on, in the order it takes them (a record keeps their
+    figures, not their tokens)."""
+    kept, enqueue = [], eng.enqueue
+    eng.enqueue = lambda req: kept.append(req) or enqueue(req)
+    return kept
+
+
+def run_engine(e: Engine, items, arrivals) -> tuple[dict, list[list[int]]]:
+    """One engine's run: its metrics and prefix-cache figures, and every request's output tokens
+    (greedy: equal with and without caching)."""
+    eng = build(e)
+    before = eng.block_manager.admitted_tokens  # the warm-up's
+    reqs = _kept(eng)
+    rec = run(Spec(e, items, arrivals), engine=eng)
+    if rec.rejected and e.backend == "real":
+        i, why = rec.rejected[0]
+        raise ValueError(f"{len(rec.rejected)} requests rejected, e.g. #{i}: {why}")
+    m = _summary(rec, eng.block_manager.admitted_tokens - before)
+    if e.backend == "real":
+        m["wall_s"] = rec.wall_s
+    else:
+        m["sim_wall_s"], m["perf"] = rec.wall_s, eng.runner.perf.label
     return m, [r.output_token_ids for r in reqs]
 
 
-def run_sim(model: str, items, arrivals, engine_kw: dict, predictors: Predictors) -> dict:
-    eng = build_sim_engine(model, "profile", predictors, **_sim_kw(engine_kw))
-    res = simulate(eng, items, arrivals)
-    m = _summary([RequestRecord.from_request(r) for r in res.requests], eng.stats())
-    m["sim_wall_s"], m["perf"] = res.wall_s, res.perf_label
-    return m
-
-
-def compare(model: str, items, arrivals, engine_kw: dict, predictors: Predictors | None, say=print) -> dict:
+def compare(model: str, items, arrivals, engine_kw: dict, predictors, say=print) -> dict:
     """Caching off and on, on the real engine and (with predictors) in the simulator."""
     runs, outputs = {}, {}
     for caching in (False, True):
         key = "on" if caching else "off"
         kw = dict(engine_kw, enable_prefix_caching=caching)
         say(f"real engine, prefix caching {key} ...")
-        runs[f"real_{key}"], outputs[key] = run_real(model, items, arrivals, kw)
+        runs[f"real_{key}"], outputs[key] = run_engine(Engine("real", model, options=kw), items, arrivals)
         if predictors is not None:
             say(f"simulator, prefix caching {key} ...")
-            runs[f"sim_{key}"] = run_sim(model, items, arrivals, kw, predictors)
+            runs[f"sim_{key}"], _ = run_engine(Engine("sim", model, "profile", predictors, options=_sim_kw(kw)),
+                                               items, arrivals)
     runs["same_outputs"] = outputs["off"] == outputs["on"]
     return runs
 
 
-def run_real_cluster(model: str, items, arrivals, engine_kw: dict, instances: int, router: str, threads: int) -> dict:
-    """The workload through `instances` real whole-request instances (processes) behind `router`."""
-    import asyncio
-
-    from servewise.bench.cluster import _drive
-    from servewise.cluster.serving import ClusterClient
-
-    client = ClusterClient(dict(engine_kw, model=model), ["mixed"] * instances, threads=threads, router=router,
-                           max_waiting=len(items) + 1)
-    client.start()
-    try:
-        asyncio.run(_drive(client, [type(items[0])(16, 4, [5] * 16)] * instances, [0.0] * instances))  # warm-up
-        time.sleep(0.5)  # the instances' reports of it
-        before = _counters(client.stats())
-        t0 = time.perf_counter()
-        records = asyncio.run(_drive(client, items, arrivals))
-        wall = time.perf_counter() - t0
-        time.sleep(0.5)
-        m = _summary(records, client.stats(), before)
-    finally:
-        client.shutdown()
-    m["wall_s"] = wall
-    return m
-
-
-def run_sim_cluster(model: str, items, arrivals, engine_kw: dict, instances: int, router: str, predictors) -> dict:
-    from servewise.cluster.sim import ClusterSim, Design
-
-    sim = ClusterSim(model, Design(mixed={"this-cpu": instances}), router=router, predictors=predictors,
-                     dtype="float32", **_sim_kw(engine_kw))
-    res = sim.run(items, arrivals)
-    st = [e.stats() for e in sim.engines]
-    total = SimpleNamespace(**{k: sum(getattr(s, k) for s in st)  # the instances' counters, summed
-                               for k in ("admitted_tokens", "prefix_hit_tokens", "store_hit_tokens")})
-    m = _summary([RequestRecord.from_request(r) for r in res.requests if r is not None], total)
-    m["sim_wall_s"] = res.wall_s
-    return m
-
-
 def compare_cluster(model: str, items, arrivals, engine_kw: dict, instances: int, router: str, threads: int,
-                    predictors: Predictors | None, say=print) -> dict:
+                    predictors, say=print) -> dict:
     """Caching off, on (each instance its own cache), and on with one global KV store for all, on real
     instances and in the cluster simulator."""
-    import shutil
-    import tempfile
+    from servewise.cluster.sim import Design
 
     runs = {}
     for mode in ("off", "on", "store"):
@@ -149,13 +122,19 @@ def compare_cluster(model: str, items, arrivals, engine_kw: dict, instances: int
             kw["kv_store"] = store_dir
         try:
             say(f"{instances} real instances ({router}), prefix caching {mode} ...")
-            runs[f"real_{mode}"] = run_real_cluster(model, items, arrivals, kw, instances, router, threads)
+            real = Cluster(model, ["mixed"] * instances, dict(kw, threads=threads, router=router), backend="real")
+            rec = run(Spec(real, items, arrivals))
+            runs[f"real_{mode}"] = dict(_summary(rec), wall_s=rec.wall_s)
         finally:
             if store_dir:
                 shutil.rmtree(store_dir, ignore_errors=True)
         if predictors is not None:
             say(f"cluster simulator, prefix caching {mode} ...")
-            runs[f"sim_{mode}"] = run_sim_cluster(model, items, arrivals, kw, instances, router, predictors)
+            sim = Cluster(model, Design(mixed={"this-cpu": instances}),
+                          dict(router=router, predictors=predictors, dtype="float32", **_sim_kw(kw)))
+            rec = run(Spec(sim, items, arrivals))
+            admitted = sum(e.block_manager.admitted_tokens for e in rec.engine.engines)
+            runs[f"sim_{mode}"] = dict(_summary(rec, admitted), sim_wall_s=rec.wall_s)
     return runs
 
 
@@ -197,34 +176,36 @@ def format_compare(runs: dict) -> str:
     return "\n".join(lines)
 
 
-def main(a, engine_kwargs: dict, workload) -> None:
-    """engine_kwargs: the engine options set; workload(tokenizer, vocab size, max length) -> (items, arrivals)."""
+def main(s: Settings) -> None:
     from servewise.kernels import cpu_flags
+    from servewise.models.loader import load_model_config
+    from servewise.predictors.auto import ensure_predictors
+    from servewise.workloads.prefix import save_text_workload
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    kw = {k: v for k, v in engine_kwargs.items() if k not in ("enable_prefix_caching", "predictors")}
-    mc, tok = load_model_config(a.model)
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    kw = {k: v for k, v in s.engine.items() if k not in ("enable_prefix_caching", "predictors")}
+    mc, tok = load_model_config(s.model)
     max_len = min(mc.max_model_len, kw.get("max_model_len") or mc.max_model_len)
-    items, arrivals = workload(tok, mc.vocab_size, max_len)
-    if a.save_text:
-        print(f"wrote {save_text_workload(items, a.save_text, tok)} prompts to {a.save_text}")
+    items, arrivals = s.workload(tok, mc.vocab_size, max_len)
+    if s.save_text:
+        print(f"wrote {save_text_workload(items, s.save_text, tok)} prompts to {s.save_text}")
         return
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    say(f"{len(items)} {a.workload} requests, mean prompt {sum(i.prompt_len for i in items) / len(items):.0f} tokens, "
-        f"mean output {sum(i.output_len for i in items) / len(items):.0f}, over {arrivals[-1]:.1f} s; torch threads "
-        f"{torch.get_num_threads()}; CPU {cpu_flags()}")
+    say(f"{len(items)} {s.workload_name} requests, mean prompt {sum(i.prompt_len for i in items) / len(items):.0f} "
+        f"tokens, mean output {sum(i.output_len for i in items) / len(items):.0f}, over {arrivals[-1]:.1f} s; torch "
+        f"threads {torch.get_num_threads()}; CPU {cpu_flags()}")
     # the simulator's predictors: this machine's at this thread count (profiled on first use), or a file
-    preds = ensure_predictors(a.model, mc, "cpu", kw.get("block_size", 16), a.predictors, say) if a.sim else None
-    if a.instances:
-        runs = compare_cluster(a.model, items, arrivals, kw, a.instances, a.router, torch.get_num_threads(), preds, say)
+    preds = ensure_predictors(s.model, mc, "cpu", kw.get("block_size", 16), s.predictors, say) if s.sim else None
+    if s.instances:
+        runs = compare_cluster(s.model, items, arrivals, kw, s.instances, s.router, torch.get_num_threads(), preds, say)
         print(format_cluster(runs))
     else:
-        runs = compare(a.model, items, arrivals, kw, preds, say)
+        runs = compare(s.model, items, arrivals, kw, preds, say)
         print(format_compare(runs))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"model": a.model, "workload": a.workload, "num_requests": len(items), "threads": torch.get_num_threads(),
-                   "instances": a.instances, "router": a.router, "cpu": cpu_flags(), "engine": kw, "runs": runs}, f,
-                  indent=1)
-    print(f"saved {a.out}")
+    os.makedirs(os.path.dirname(os.path.abspath(s.out)), exist_ok=True)
+    with open(s.out, "w") as f:
+        json.dump({"model": s.model, "workload": s.workload_name, "num_requests": len(items),
+                   "threads": torch.get_num_threads(), "instances": s.instances, "router": s.router, "cpu": cpu_flags(),
+                   "engine": kw, "runs": runs}, f, indent=1)
+    print(f"saved {s.out}")

@@ -13,10 +13,37 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 
 import httpx
 
 from servewise.metrics import SLO, RequestRecord, compute, format_table, save_json
+
+
+@dataclass
+class Settings:
+    """The server (`base_url`, with or without /v1; `model`: None for its first), the workload
+    (`workload`, prompts tokenized by `tokenizer`'s model) sent at `request_rate` (inf: all at once) with
+    gaps of CV `burstiness`, or as `arrival` says; `max_concurrency` in flight at most."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None
+    api_key: str | None = None
+    tokenizer: str = "tiny-llama"
+    workload: str = "synthetic"
+    data: str | None = None
+    num_requests: int | None = None
+    input_len: int = 128
+    output_len: int = 128
+    max_output_len: int | None = None
+    max_prompt_len: int | None = None
+    arrival: str | None = None
+    seed: int = 0
+    request_rate: float = float("inf")
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    slo: SLO = field(default_factory=SLO)
+    out: str = "results/bench_serve.json"
 
 
 async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict, rec: RequestRecord, t0: float) -> None:
@@ -91,44 +118,44 @@ def _served_model(base_url: str, api_key: str | None) -> str:
     return r.json()["data"][0]["id"]
 
 
-def main(a) -> None:
+def main(s: Settings) -> None:
     from servewise.models.loader import load_model_config
     from servewise.workloads.build import build_workload
 
-    base = a.base_url.rstrip("/")
+    base = s.base_url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
     try:
-        model = a.model or _served_model(base, a.api_key)
+        model = s.model or _served_model(base, s.api_key)
     except httpx.HTTPError as e:
         raise ValueError(f"cannot reach {base}/models: {e}") from e
-    mc, tok = load_model_config(a.tokenizer)
-    rate = a.request_rate
-    arrival = a.arrival or ("all" if math.isinf(rate) else ("poisson" if a.burstiness == 1.0 else "gamma"))
-    items, arrivals = build_workload(a.workload, tok, mc.vocab_size,
-                                     data=a.data, num_requests=a.num_requests, input_len=a.input_len,
-                                     output_len=a.output_len, max_output_len=a.max_output_len,
-                                     max_prompt_len=a.max_prompt_len, arrival=arrival,
-                                     rate=None if math.isinf(rate) else rate, cv=a.burstiness, seed=a.seed)
-    print(f"{len(items)} {a.workload} requests to {base} (model {model}), arrivals {arrival}"
-          f"{'' if arrival in ('all', 'trace') else f' at {rate} req/s, CV {a.burstiness}'}, "
-          f"max concurrency {a.max_concurrency or 'unlimited'}", file=sys.stderr)
+    mc, tok = load_model_config(s.tokenizer)
+    rate = s.request_rate
+    arrival = s.arrival or ("all" if math.isinf(rate) else ("poisson" if s.burstiness == 1.0 else "gamma"))
+    items, arrivals = build_workload(s.workload, tok, mc.vocab_size,
+                                     data=s.data, num_requests=s.num_requests, input_len=s.input_len,
+                                     output_len=s.output_len, max_output_len=s.max_output_len,
+                                     max_prompt_len=s.max_prompt_len, arrival=arrival,
+                                     rate=None if math.isinf(rate) else rate, cv=s.burstiness, seed=s.seed)
+    print(f"{len(items)} {s.workload} requests to {base} (model {model}), arrivals {arrival}"
+          f"{'' if arrival in ('all', 'trace') else f' at {rate} req/s, CV {s.burstiness}'}, "
+          f"max concurrency {s.max_concurrency or 'unlimited'}", file=sys.stderr)
     bar = None
     if sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(total=len(items), desc="requests", unit="req")
-    records, wall = asyncio.run(run_bench(base, model, items, arrivals, a.max_concurrency, a.api_key,
+    records, wall = asyncio.run(run_bench(base, model, items, arrivals, s.max_concurrency, s.api_key,
                                           progress=bar.update if bar else None))
     if bar:
         bar.close()
-    m = compute(records, SLO(a.slo_ttft_ms, a.slo_tpot_ms, a.slo_e2el_ms), duration=wall)
+    m = compute(records, s.slo, duration=wall)
     for server_side in ("mean_weighted_turnaround", "preemptions"):  # the client cannot observe these
         del m[server_side]
     failures = [r.finish_reason for r in records if not r.completed]
     print(format_table(m, f"Serving benchmark: {model}"))
     if failures:
         print(f"{len(failures)} requests failed, e.g.: {failures[0]}")
-    save_json(m, a.out, base_url=base, model=model, workload=a.workload, arrival=arrival, request_rate=rate,
-              burstiness_cv=a.burstiness, max_concurrency=a.max_concurrency, num_requests=len(items),
+    save_json(m, s.out, base_url=base, model=model, workload=s.workload, arrival=arrival, request_rate=rate,
+              burstiness_cv=s.burstiness, max_concurrency=s.max_concurrency, num_requests=len(items),
               failures=failures[:20])
-    print(f"saved {a.out}")
+    print(f"saved {s.out}")

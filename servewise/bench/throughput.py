@@ -11,11 +11,33 @@ import os
 import random
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
 from servewise import LLM, SamplingParams
 from servewise.kernels import cpu_flags
+
+
+@dataclass
+class Settings:
+    """`num_prompts` random prompts of `input_len` tokens (`seed`), `output_len` tokens each, through
+    servewise (its engine options) and, unless `no_hf` or dummy weights, Hugging Face `generate` in
+    static batches of `hf_batch_size`. `out`: the JSON (None: not saved)."""
+
+    model: str = "tiny-llama"
+    num_prompts: int = 200
+    input_len: int = 128
+    output_len: int = 64
+    seed: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    load_format: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    hf_batch_size: int = 16
+    no_hf: bool = False
+    out: str | None = "results/bench_throughput.json"
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -68,43 +90,43 @@ def run_hf(model: str, prompts, output_len: int, batch_size: int) -> dict:
             "requests_s": len(prompts) / elapsed, "token_ids": token_ids}
 
 
-def main(args) -> dict:
+def main(s: Settings) -> dict:
     """Run the benchmark; the CLI has already applied --threads."""
     from servewise.models.loader import hf_config
 
-    vocab = hf_config(args.model)["vocab_size"]
-    prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
-    print(f"workload: {args.num_prompts} prompts x {args.input_len} random tokens (seed {args.seed}), "
-          f"{args.output_len} output tokens, greedy, ignore_eos; model {args.model}; "
+    vocab = hf_config(s.model)["vocab_size"]
+    prompts = make_prompts(s.num_prompts, s.input_len, vocab, s.seed)
+    print(f"workload: {s.num_prompts} prompts x {s.input_len} random tokens (seed {s.seed}), "
+          f"{s.output_len} output tokens, greedy, ignore_eos; model {s.model}; "
           f"torch threads {torch.get_num_threads()}; CPU flags: {cpu_flags()}")
-    engine_kw = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                 "load_format": args.load_format, "device": args.device, "dtype": args.dtype}
-    ours = run_servewise(args.model, prompts, args.output_len, **engine_kw)
+    engine_kw = {"max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
+                 "load_format": s.load_format, "device": s.device, "dtype": s.dtype}
+    ours = run_servewise(s.model, prompts, s.output_len, **engine_kw)
     print(f"servewise   : {ours['output_tok_s']:8.1f} output tok/s  ({ours['elapsed_s']:.2f} s, "
-          f"max_num_seqs {args.max_num_seqs}; {ours['paths']})")
-    result = {"model": args.model, "threads": torch.get_num_threads(), "cpu_flags": cpu_flags(),
-              "paths": ours.pop("paths"), "num_prompts": args.num_prompts,
-              "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
+          f"max_num_seqs {s.max_num_seqs}; {ours['paths']})")
+    result = {"model": s.model, "threads": torch.get_num_threads(), "cpu_flags": cpu_flags(),
+              "paths": ours.pop("paths"), "num_prompts": s.num_prompts,
+              "input_len": s.input_len, "output_len": s.output_len, "seed": s.seed,
               "servewise": {k: v for k, v in ours.items() if k != "token_ids"}, **engine_kw}
-    if args.load_format == "dummy":
+    if s.load_format == "dummy":
         print("random weights (--load-format dummy): no Hugging Face baseline")
-    elif not args.no_hf:
+    elif not s.no_hf:
         try:
-            ref = run_hf(args.model, prompts, args.output_len, args.hf_batch_size)
+            ref = run_hf(s.model, prompts, s.output_len, s.hf_batch_size)
         except ImportError:
             print("transformers is not installed: skipping the Hugging Face baseline (pip install -e '.[hf]')")
         else:
             same = sum(a == b for a, b in zip(ours["token_ids"], ref["token_ids"]))
             ratio = ours["output_tok_s"] / ref["output_tok_s"]
             print(f"HF generate : {ref['output_tok_s']:8.1f} output tok/s  ({ref['elapsed_s']:.2f} s, "
-                  f"static batches of {args.hf_batch_size}, left padding)")
+                  f"static batches of {s.hf_batch_size}, left padding)")
             print(f"ratio       : {ratio:.2f}x   (identical greedy outputs: {same}/{len(prompts)})")
-            result["hf"] = {k: v for k, v in ref.items() if k != "token_ids"} | {"batch_size": args.hf_batch_size}
+            result["hf"] = {k: v for k, v in ref.items() if k != "token_ids"} | {"batch_size": s.hf_batch_size}
             result["ratio"] = ratio
             result["identical_outputs"] = same
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    if s.out:
+        os.makedirs(os.path.dirname(os.path.abspath(s.out)), exist_ok=True)
+        with open(s.out, "w") as f:
             json.dump(result, f, indent=1)
-        print(f"saved {args.out}")
+        print(f"saved {s.out}")
     return result

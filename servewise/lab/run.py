@@ -73,6 +73,10 @@ def build(e: Engine | Cluster):
     """The engine an Engine spec names, warmed up when real; a Cluster's ClusterSim."""
     from servewise.builder import build_engine, build_sim_engine
 
+    if isinstance(e, Cluster) and e.backend == "real":  # a started cluster: run(spec, engine=it), then shut it down
+        from servewise.lab.real_cluster import start
+
+        return start(e)
     if isinstance(e, Cluster):
         from servewise.cluster.sim import ClusterSim
 
@@ -105,6 +109,10 @@ def run(spec: Spec, on_step: Callable[[StepStats], None] | None = None,
     """Run the spec's workload to its end. on_step sees every step's stats (single engines); progress
     is told how many requests finished. `engine`: one `build(spec.engine)` made already (its tokenizer
     and limits may have shaped the workload)."""
+    if isinstance(spec.engine, Cluster) and spec.engine.backend == "real":
+        from servewise.lab.real_cluster import run as run_real_cluster
+
+        return run_real_cluster(spec, progress, engine)
     if isinstance(spec.engine, Cluster):
         return _run_cluster(spec, progress, engine)
     from servewise.simulator import simulate

@@ -34,11 +34,17 @@ class Engine:
 class Cluster:
     """A simulated cluster (cluster.sim.ClusterSim): `design` names its machines by role; `options` are
     ClusterSim's keywords (router, perf_table, transfer, lease_s, rebalance, ...) and the engine options
-    every instance takes."""
+    every instance takes. backend "real": instances in processes on this machine (lab.real_cluster:
+    `design` is their roles in order, `options` ClusterClient's keywords, trace, and engine options)."""
 
     model: str
     design: object
     options: dict = field(default_factory=dict)
+    backend: str = "sim"
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose from {', '.join(BACKENDS)}")
 
 
 @dataclass

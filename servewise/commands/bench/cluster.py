@@ -42,6 +42,7 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.bench.cluster import main
+    from servewise.bench.cluster import Settings, main
+    from servewise.commands.bench import settings
 
-    main(a)
+    main(settings(Settings, a))

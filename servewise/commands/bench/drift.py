@@ -20,6 +20,7 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.bench.drift import main
+    from servewise.bench.drift import Settings, main
+    from servewise.commands.bench import settings
 
-    main(a)
+    main(settings(Settings, a))

@@ -32,6 +32,7 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.bench.fidelity import main
+    from servewise.bench.fidelity import Settings, main
+    from servewise.commands.bench import settings
 
-    main(a)
+    main(settings(Settings, a))

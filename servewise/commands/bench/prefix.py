@@ -26,6 +26,8 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.bench.prefix import main
+    from servewise.bench.prefix import Settings, main
+    from servewise.commands.bench import settings
 
-    main(a, engine_kwargs(a), lambda tok, vocab, max_len: workload(a, tok, vocab, max_len=max_len))
+    main(settings(Settings, a, workload=lambda tok, vocab, max_len: workload(a, tok, vocab, max_len=max_len),
+                  workload_name=a.workload, engine=engine_kwargs(a)))

@@ -1,7 +1,7 @@
 """`servewise bench serve`."""
 from __future__ import annotations
 
-from servewise.commands.options import slo_args, workload_args
+from servewise.commands.options import slo, slo_args, workload_args
 
 HELP = "load an OpenAI-compatible server (servewise, vLLM, SGLang) and measure it"
 
@@ -24,6 +24,7 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.bench.serve import main
+    from servewise.bench.serve import Settings, main
+    from servewise.commands.bench import settings
 
-    main(a)
+    main(settings(Settings, a, slo=slo(a)))

@@ -25,6 +25,7 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    from servewise.bench.throughput import main
+    from servewise.bench.throughput import Settings, main
+    from servewise.commands.bench import settings
 
-    main(a)
+    main(settings(Settings, a))
