@@ -1,5 +1,6 @@
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -29,3 +30,12 @@ def data_dir():
     if not os.path.isfile(os.path.join(DATA_DIR, "AzureLLMInferenceTrace_conv.csv.gz")):
         pytest.skip("the shared workload data is not beside the repository")
     return os.path.normpath(DATA_DIR)
+
+
+def wait_until(cond, timeout: float = 60.0, what: str = "the condition") -> None:
+    """Wait for cond() to hold, polling. The timeout only guards against a hang: it fails the test, and
+    is never what a test measures."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(0.01)

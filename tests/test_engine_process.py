@@ -7,7 +7,8 @@ import threading
 
 import httpx
 
-from test_server import ENGINE, running_server, wait_until
+from conftest import wait_until
+from test_server import ENGINE, running_server
 
 PROMPTS = ["Paged attention is", "The scheduler", "KV blocks move between pools when", "x"]
 

@@ -7,7 +7,6 @@ import random
 import signal
 import socket
 import threading
-import time
 
 import httpx
 import openai
@@ -20,25 +19,28 @@ from servewise import LLM, SamplingParams
 from servewise.server.client import wait_idle
 from servewise.commands.serve import make_app
 
+from conftest import wait_until
+
 ENGINE = dict(num_device_blocks=64, num_host_blocks=32, max_model_len=96, preemption="swap")
 
 
 @contextlib.contextmanager
 def running_server(engine_kwargs=ENGINE, **kw):
     app, engine = make_app("tiny-llama", dict(engine_kwargs), **kw)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = socket.socket()  # bound here and handed to uvicorn: no other process can take the port meanwhile
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.01)
     try:
+        wait_until(lambda: server.started or not thread.is_alive(), 60, "the server to start")
+        assert server.started, "the server did not start"
         yield f"http://127.0.0.1:{port}", engine
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        sock.close()
         engine.shutdown()
 
 
@@ -203,14 +205,6 @@ def held(engine):
         yield
     finally:
         os.kill(engine.pid, signal.SIGCONT)
-
-
-def wait_until(cond, timeout: float = 60.0, what: str = "the condition") -> None:
-    """Wait for cond() to hold; the timeout only guards against a hang (it is never what is tested)."""
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def test_overload_gets_429_with_retry_after_and_nothing_is_lost():
