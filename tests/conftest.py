@@ -4,8 +4,16 @@ import time
 
 import pytest
 import torch
+from hypothesis import settings
 
 torch.set_num_threads(1)  # tests are correctness checks; one thread keeps them steady on a shared machine
+
+# Property-based tests draw the same examples on every run ("ci", the default): a run cannot fail on an
+# example the previous one never drew, and no example is timed (no deadline). HYPOTHESIS_PROFILE=explore
+# draws fresh examples each run, to look for new failures on purpose.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("explore", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 30000) -> list[list[int]]:

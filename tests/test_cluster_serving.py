@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from servewise.builder import build_engine
-from servewise.cluster.serving import ClusterClient, parse_instances
+from servewise.cluster.serving import ClusterClient
 from servewise.sampling_params import SamplingParams
 
 from conftest import wait_until
@@ -24,6 +24,9 @@ PROMPTS = [[5 + (7 * i + j) % 300 for i in range(n)] for j, n in enumerate((9, 2
 WORK = [(p, GREEDY) for p in PROMPTS] + [(PROMPTS[1], SEEDED),
                                          (PROMPTS[2], SamplingParams(max_tokens=1, temperature=0.0)),
                                          (PROMPTS[4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))]
+
+
+pytestmark = pytest.mark.process
 
 
 def alone(work):
@@ -216,6 +219,7 @@ def test_a_prompt_instance_killed_after_commit_does_not_stop_the_decode(transpor
         c.shutdown()
 
 
+@pytest.mark.server
 def test_the_server_serves_through_a_cluster_and_survives_a_dead_instance():
     from test_server import running_server
 
@@ -261,14 +265,6 @@ def test_a_client_that_goes_away_mid_decode_frees_both_instances():
         c.shutdown()
 
 
-def test_instance_specs_are_checked():
-    assert parse_instances("3") == ["mixed"] * 3
-    assert parse_instances("prompt=2,token:1") == ["prompt", "prompt", "token"]
-    for bad in ("0", "prompt=1", "prompt=1,token=1,mixed=1", "gpu=2", "prompt=x,token=1", ""):
-        with pytest.raises(ValueError):
-            parse_instances(bad)
-
-
 def test_bench_cluster_runs_real_and_simulated_side_by_side(tmp_path):
     """The command end to end on a few requests: real hand-offs all commit, and every compared figure
     has a simulated and a calibrated value."""
@@ -312,6 +308,7 @@ def test_the_simulated_cluster_makes_the_real_clusters_decisions():
     assert d["tokens"]["real"] == [6, 1, 11, 3, 1, 8]
 
 
+@pytest.mark.server
 def test_a_sigterm_stops_the_server_and_its_instances_and_removes_their_files():
     """uvicorn re-raises a SIGTERM once it has shut down; the instances must be stopped before that. Their
     shared directory is the one their KV caches are mapped from (not whatever else appeared in /dev/shm

@@ -6,9 +6,12 @@ import signal
 import threading
 
 import httpx
+import pytest
 
 from conftest import wait_until
 from test_server import ENGINE, running_server
+
+pytestmark = pytest.mark.process
 
 PROMPTS = ["Paged attention is", "The scheduler", "KV blocks move between pools when", "x"]
 
@@ -24,6 +27,7 @@ def completions(url: str, body: dict) -> list:
     return outs
 
 
+@pytest.mark.server
 def test_process_client_is_token_identical_to_the_in_process_one():
     with running_server(engine_process=False) as (url, _):
         in_thread = [completions(url, {"temperature": 0}), completions(url, {"temperature": 0.9, "top_p": 0.9})]
@@ -62,6 +66,7 @@ async def _streams_until_killed(url: str, engine, n: int) -> list:
     return results[1:]
 
 
+@pytest.mark.server
 def test_killing_the_engine_process_fails_open_requests_at_once_and_the_server_recovers():
     """The restart is held until the streams have their errors: they hear of the death from the dead
     pipe, not from a timeout nor from the restart; meanwhile the server answers 503 with the reason."""
@@ -88,6 +93,7 @@ def test_killing_the_engine_process_fails_open_requests_at_once_and_the_server_r
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
+@pytest.mark.server
 def test_an_engine_out_of_restarts_stays_down_and_answers_503():
     with running_server(max_restarts=0) as (url, engine):
         os.kill(engine.pid, signal.SIGKILL)
@@ -100,8 +106,6 @@ def test_an_engine_out_of_restarts_stays_down_and_answers_503():
 
 
 def test_an_engine_that_cannot_be_built_is_a_clear_value_error():
-    import pytest
-
     from servewise.commands.serve import make_app
 
     with pytest.raises(ValueError, match="unknown model"):

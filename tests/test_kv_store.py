@@ -113,6 +113,7 @@ def test_a_leased_entry_is_not_evicted_until_its_lease_ends(tmp_path):
     held.close()
 
 
+@pytest.mark.process
 def test_a_crashed_readers_lease_is_void(tmp_path):
     s = store(tmp_path, blocks=4, high=0.75, low=0.25, lease_s=3600)
     s.put(b"\0" * 16, block(0))

@@ -21,8 +21,9 @@ from servewise.commands.serve import make_app
 
 from conftest import wait_until
 
-ENGINE = dict(num_device_blocks=64, num_host_blocks=32, max_model_len=96, preemption="swap")
+pytestmark = [pytest.mark.server, pytest.mark.process]
 
+ENGINE = dict(num_device_blocks=64, num_host_blocks=32, max_model_len=96, preemption="swap")
 
 @contextlib.contextmanager
 def running_server(engine_kwargs=ENGINE, **kw):
