@@ -1,10 +1,19 @@
 import os
 import random
+import time
 
 import pytest
 import torch
+from hypothesis import settings
 
 torch.set_num_threads(1)  # tests are correctness checks; one thread keeps them steady on a shared machine
+
+# Property-based tests draw the same examples on every run ("ci", the default): a run cannot fail on an
+# example the previous one never drew, and no example is timed (no deadline). HYPOTHESIS_PROFILE=explore
+# draws fresh examples each run, to look for new failures on purpose.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("explore", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 30000) -> list[list[int]]:
@@ -29,3 +38,12 @@ def data_dir():
     if not os.path.isfile(os.path.join(DATA_DIR, "AzureLLMInferenceTrace_conv.csv.gz")):
         pytest.skip("the shared workload data is not beside the repository")
     return os.path.normpath(DATA_DIR)
+
+
+def wait_until(cond, timeout: float = 60.0, what: str = "the condition") -> None:
+    """Wait for cond() to hold, polling. The timeout only guards against a hang: it fails the test, and
+    is never what a test measures."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(0.01)

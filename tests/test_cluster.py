@@ -29,6 +29,16 @@ def test_routers_on_crafted_loads():
         make_router("nearest")
 
 
+def test_instance_specs_are_checked():
+    from servewise.cluster.serving import parse_instances
+
+    assert parse_instances("3") == ["mixed"] * 3
+    assert parse_instances("prompt=2,token:1") == ["prompt", "prompt", "token"]
+    for bad in ("0", "prompt=1", "prompt=1,token=1,mixed=1", "gpu=2", "prompt=x,token=1", ""):
+        with pytest.raises(ValueError):
+            parse_instances(bad)
+
+
 def test_a_routed_workload_on_two_instances_beats_one():
     items = [WorkloadRequest(8 + 5 * (i % 7), 6 + i % 5) for i in range(80)]
     arrivals = [0.05 * i for i in range(80)]

@@ -34,14 +34,23 @@ def test_predict_lengths_scores_every_predictor(pairs, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kind", ["magnus", "uellm"])
-def test_experiment_runs_every_system_on_both_backends(kind, pairs, tmp_path):
+def test_experiment_runs_every_system_on_both_backends(kind, pairs, tmp_path, capsys):
+    from servewise.experiments.length_aware import report
+
     main(["experiment", kind, "--data", pairs, "--train", "60", "--num-requests", "12", "--rates", "20",
           "--cache-dir", str(tmp_path), "--real-blocks", "64", "--out-dir", str(tmp_path)])
     res = json.loads((tmp_path / f"{kind}.json").read_text())
     systems = set(res["systems"])
     assert {(r["backend"], r["system"]) for r in res["runs"]} == {(b, s) for b in ("sim", "real") for s in systems}
-    assert all(r["completed"] == 12 and r["request_throughput"] > 0 for r in res["runs"])
-    assert (tmp_path / f"{kind}_sim.png").stat().st_size > 0 and (tmp_path / f"{kind}_real.png").exists()
+    for r in res["runs"]:
+        assert r["completed"] == 12 and r["rejected"] == 0
+        # the rates and latencies are those of one run: completed over its makespan, TTFT within E2E
+        assert r["request_throughput"] == pytest.approx(12 / r["duration_s"])
+        assert 0 < r["mean_ttft_s"] <= r["mean_e2e_s"] <= r["p99_e2e_s"] and 0 <= r["slo_violation_rate"] <= 1
+    text = report(res)  # printed and kept beside the JSON, from the same figures
+    assert text in capsys.readouterr().out and (tmp_path / f"{kind}.txt").read_text() == text + "\n"
+    for backend in ("sim", "real"):
+        assert (tmp_path / f"{kind}_{backend}.png").stat().st_size > 10_000
 
 
 def test_experiment_rejects_unknown_systems(pairs, tmp_path, capsys):

@@ -77,15 +77,35 @@ def test_tiers_keep_the_most_recently_used_and_demote_then_drop(tmp_path):
     assert s.tier(on_disk) == "memory" and not os.path.exists(entry_file(s.dirs["disk"], on_disk))
 
 
+class FakeClock:
+    """Seconds that move only when a test moves them (from the wall clock's now: lease files hold times
+    that other processes compare with their own clock)."""
+
+    def __init__(self):
+        self.t = time.time()
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s
+
+
 def test_a_leased_entry_is_not_evicted_until_its_lease_ends(tmp_path):
-    s = store(tmp_path, blocks=4, high=0.75, low=0.25, lease_s=0.5)
+    clock = FakeClock()
+    s = store(tmp_path, blocks=4, high=0.75, low=0.25, lease_s=30, clock=clock)
     s.put(b"\0" * 16, block(0))
     held = s.open(b"\0" * 16)
     os.utime(entry_file(s.dirs["memory"], b"\0" * 16), (1000, 1000))  # the oldest (the open made it the newest)
     for i in range(1, 4):
         s.put(bytes([i]) * 16, block(i))
-    assert b"\0" * 16 in s  # leased: passed over
-    time.sleep(0.6)  # the reader stalled past its lease
+    assert b"\0" * 16 in s and s.stats["dropped"] > 0  # leased: passed over, others went instead
+    clock.advance(29.9)  # a slow reader, still within its lease
+    for i in range(4, 7):
+        s.put(bytes([i]) * 16, block(i))
+    assert b"\0" * 16 in s and s.leased() == {(b"\0" * 16).hex()}
+    clock.advance(0.2)  # the reader stalled past its lease
+    assert s.leased() == set() and not os.listdir(s.lease_dir)  # a dead lease is removed where it is found
     for i in range(9, 12):  # over the high watermark again
         s.put(bytes([i]) * 16, block(i))
     assert b"\0" * 16 not in s
@@ -93,6 +113,7 @@ def test_a_leased_entry_is_not_evicted_until_its_lease_ends(tmp_path):
     held.close()
 
 
+@pytest.mark.process
 def test_a_crashed_readers_lease_is_void(tmp_path):
     s = store(tmp_path, blocks=4, high=0.75, low=0.25, lease_s=3600)
     s.put(b"\0" * 16, block(0))
@@ -231,14 +252,20 @@ def test_a_store_that_cannot_write_logs_and_goes_on(tmp_path, monkeypatch, caplo
 
 
 def test_writers_in_other_processes_count_toward_the_capacity(tmp_path):
-    a = store(tmp_path, blocks=10, high=0.95, low=0.8)
-    b = store(tmp_path, blocks=10, high=0.95, low=0.8)  # another engine's view of the same directory
+    """Each store counts what it writes itself, and counts the directory again (others' writes) once a
+    second: within the second it does not see them, after it evicts down to its low watermark."""
+    clock = FakeClock()
+    a = store(tmp_path, blocks=10, high=0.95, low=0.8, clock=clock)
+    b = store(tmp_path, blocks=10, high=0.95, low=0.8, clock=clock)  # another engine's view of the same directory
     for i in range(8):
         a.put(bytes([i]) * 16, block(i))
-    time.sleep(1.1)  # b counts the tier again at its next write
-    for i in range(8, 12):
+    for i in range(8, 10):
         b.put(bytes([i]) * 16, block(i))
-    assert b.usage()["memory"] <= 0.95 * b.capacity["memory"] and b.stats["dropped"] > 0
+    # 10 entries, over the high watermark (9.5): b has counted its own 2 only
+    assert len([f for f in os.listdir(tmp_path / "mem") if f.endswith(".kv")]) == 10 and b.stats["dropped"] == 0
+    clock.advance(1.01)  # b counts the tier again at its next write
+    b.put(bytes([10]) * 16, block(10))
+    assert b.stats["dropped"] == 3 and b.usage()["memory"] == 8 * b.file_bytes  # 11 down to the low watermark (8)
 
 
 def test_a_simulated_block_is_readable_once_its_step_has_ended():

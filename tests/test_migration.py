@@ -217,6 +217,7 @@ def test_simulated_rebalancing_moves_prefill_work_to_decode_instances():
         sum(r.first_token_time - r.arrival_time for r in plain.requests)  # and the queue of prompts
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-opt"])
 @pytest.mark.parametrize("kind", ["layers", "heads"])
 def test_migration_to_another_process_keeps_greedy_outputs(model, kind):
@@ -235,6 +236,7 @@ def test_migration_to_another_process_keeps_greedy_outputs(model, kind):
         peers[0].close()
 
 
+@pytest.mark.process
 def test_bench_migration_reports_the_move_and_checks_outputs(tmp_path, capsys):
     import json
 
@@ -244,10 +246,24 @@ def test_bench_migration_reports_the_move_and_checks_outputs(tmp_path, capsys):
     main(Settings(model="tiny-llama", kind="layers", batch=2, prompt_len=8, steps=3, first=0, heads=0, threads=1,
                   out=str(out)))
     res = json.loads(out.read_text())
-    assert res["outputs_identical"] and res["moved"]["what"] == "layers 2-3" and res["moved"]["bytes"] > 0
-    assert "greedy outputs identical to the run without the move: True" in capsys.readouterr().out
+    assert res["outputs_identical"] and res["moved"]["what"] == "layers 2-3"
+    # what moved: layers 2 and 3's weights and their KV caches (the bench's pool: per request, the blocks of
+    # 8 prompt + 2 x 3 steps + 4 tokens, and one more)
+    from servewise.builder import build_engine
+
+    eng = build_engine(model="tiny-llama", num_device_blocks=2 * (-(-(8 + 2 * 3 + 4) // 16) + 1), num_host_blocks=0,
+                       block_size=16)
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    want = sum(nbytes(p) for layer in eng.runner.model.layers[2:] for p in layer.parameters()) + \
+        sum(nbytes(c) for c in eng.runner.kv_caches[2:])
+    assert res["moved"]["bytes"] == want
+    printed = capsys.readouterr().out
+    assert f"move of layers 2-3 to a new process: {want / 1e6:.2f} MB of weights and KV" in printed
+    assert "greedy outputs identical to the run without the move: True" in printed
+    assert set(res["step_ms_with_move"]) == set(res["step_ms_without_move"]) == {"before", "after"}
 
 
+@pytest.mark.process
 def test_a_failing_peer_raises_instead_of_hanging():
     from servewise.cluster.migration import Peer
     from servewise.models.loader import load_model_config

@@ -316,6 +316,7 @@ def test_an_unsupported_config_is_one_line_and_status_2(config, message, tmp_pat
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err
 
 
+@pytest.mark.process
 def test_the_command_line_itself_says_it_in_one_line(tmp_path):
     """The installed entry point, as a user runs it: no traceback, status 2."""
     import os

@@ -33,6 +33,7 @@ def computed(bm: BlockManager, req: Request, tokens: int | None = None) -> list[
     return table
 
 
+@pytest.mark.process
 def test_names_are_chained_deterministic_and_keyed():
     a, b = BlockManager(8, 0, BS, prefix_key="m|float32"), BlockManager(8, 0, BS, prefix_key="m|float32")
     r1, r2 = request("1", [1, 2, 3, 4, 5, 6, 7, 8]), request("2", [1, 2, 3, 4, 5, 6, 7, 8])

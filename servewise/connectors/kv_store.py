@@ -28,6 +28,7 @@ import struct
 import tempfile
 import time
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 
@@ -128,7 +129,10 @@ class KVStore(ReadCosts):
 
     def __init__(self, memory_dir: str, shape: tuple[int, ...], dtype: torch.dtype, memory_bytes: int,
                  disk_dir: str | None = None, disk_bytes: int = 0, high: float = 0.95, low: float = 0.8,
-                 lease_s: float = 30.0):
+                 lease_s: float = 30.0, clock: Callable[[], float] | None = None):
+        """clock: seconds, for tests to drive leases and recounts by hand; by default lease expiries (which
+        other processes read) and the age of abandoned temporary files are on the wall clock (time.time) and
+        the interval between recounts of a tier on time.monotonic."""
         if not 0 < low < high <= 1:
             raise ValueError(f"watermarks must satisfy 0 < low < high <= 1, got {low} and {high}")
         if memory_bytes <= 0 or (disk_dir is not None and disk_bytes <= 0):
@@ -139,13 +143,14 @@ class KVStore(ReadCosts):
         self.dirs = {"memory": memory_dir, "disk": disk_dir}
         self.capacity = {"memory": memory_bytes, "disk": disk_bytes if disk_dir else 0}
         self.high, self.low, self.lease_s = high, low, lease_s
+        self._wall, self._monotonic = clock or time.time, clock or time.monotonic
         self.lease_dir = os.path.join(memory_dir, "leases")
         for d in (memory_dir, disk_dir, self.lease_dir):
             if d:
                 os.makedirs(d, exist_ok=True)
         self._written = dict.fromkeys(TIERS, 0)  # bytes this process added since it last counted a tier
         self._used = {t: self._scan(t)[1] for t in TIERS}
-        self._scanned_at = dict.fromkeys(TIERS, time.monotonic())
+        self._scanned_at = dict.fromkeys(TIERS, self._monotonic())
         self._nonce = itertools.count()
         self.stats = {"puts": 0, "hits": 0, "misses": 0, "corrupt": 0, "demoted": 0, "dropped": 0, "put_errors": 0}
 
@@ -184,9 +189,9 @@ class KVStore(ReadCosts):
         """Count an entry this process added; evict past the high watermark. Other processes write too:
         the tier is counted again at least once a second."""
         self._written[tier] += self.file_bytes
-        if time.monotonic() - self._scanned_at[tier] > 1.0:
+        if self._monotonic() - self._scanned_at[tier] > 1.0:
             self._used[tier], self._written[tier] = self._scan(tier)[1], 0
-            self._scanned_at[tier] = time.monotonic()
+            self._scanned_at[tier] = self._monotonic()
         if self._used[tier] + self._written[tier] > self.high * self.capacity[tier]:
             self.evict(tier)
 
@@ -282,13 +287,13 @@ class KVStore(ReadCosts):
         path = os.path.join(self.lease_dir, f"{name.hex()}.{os.getpid()}.{next(self._nonce)}")
         fd, tmp = tempfile.mkstemp(dir=self.lease_dir, prefix=".new-")
         with os.fdopen(fd, "w") as f:
-            f.write(repr(time.time() + self.lease_s))
+            f.write(repr(self._wall() + self.lease_s))
         os.replace(tmp, path)
         return path
 
     def leased(self) -> set[str]:
         """Names (hex) with a live lease; dead ones (their process gone, or past their expiry) are removed."""
-        live, now = set(), time.time()
+        live, now = set(), self._wall()
         for e in os.scandir(self.lease_dir):
             if e.name.startswith("."):  # being written
                 continue
@@ -320,7 +325,7 @@ class KVStore(ReadCosts):
                     pass
             elif e.name.startswith(".put-"):  # a writer that died mid-write left this
                 try:
-                    if e.stat().st_mtime < time.time() - self.lease_s:
+                    if e.stat().st_mtime < self._wall() - self.lease_s:
                         os.unlink(e.path)
                 except FileNotFoundError:
                     pass
@@ -331,7 +336,7 @@ class KVStore(ReadCosts):
         """Bring a tier down to its low watermark, least recently used first, passing over leased
         entries: memory entries move to the disk tier (when there is one), disk entries are dropped."""
         rows, used = self._scan(tier)
-        self._written[tier], self._scanned_at[tier] = 0, time.monotonic()
+        self._written[tier], self._scanned_at[tier] = 0, self._monotonic()
         goal = self.low * self.capacity[tier]
         if used > self.high * self.capacity[tier]:
             busy = self.leased()
