@@ -5,6 +5,8 @@ from servewise.lab import Cluster, Spec, run
 from servewise.lab.run import build
 from servewise.workloads.datasets import WorkloadRequest
 
+pytestmark = pytest.mark.process  # starts instance processes
+
 
 def test_a_real_cluster_runs_specs_one_after_another_and_counts_each_on_its_own():
     """One prompt and one token instance, started once, two runs of 4 requests sharing a 32-token
