@@ -134,7 +134,7 @@ def test_the_rate_sweep_workloads_fit_the_context_and_the_trace_keeps_its_rhythm
 def test_the_experiment_runs_banaserve_with_its_loads_and_figures(tmp_path):
     import json
 
-    from servewise.experiments.banaserve import Settings, main
+    from servewise.experiments.banaserve import Settings, main, report
 
     out = tmp_path / "out"
     main(Settings(model="llama-13b", instances=4, systems=("pd-load-aware", "banaserve"), num_requests=150,
@@ -142,7 +142,11 @@ def test_the_experiment_runs_banaserve_with_its_loads_and_figures(tmp_path):
                   workload="longbench", trace=None, seed=0, out_dir=str(out)))
     res = json.loads((out / "banaserve_longbench.json").read_text())
     plain, moved = (next(r for r in res["runs"] if r["system"] == s) for s in ("pd-load-aware", "banaserve"))
+    assert plain["completed"] == moved["completed"] == 150
     assert plain["loads"] and not plain["migrations"] and moved["migrations"]
     assert moved["util_gap"] < plain["util_gap"]
-    assert (out / "banaserve_longbench_loads.png").stat().st_size > 0
-    assert "U gap" in (out / "banaserve_longbench.txt").read_text()
+    for r in (plain, moved):  # the gap is the mean over the saved load samples of max U - min U (U = compute + memory)
+        gaps = [max(c + m for c, m in per) - min(c + m for c, m in per) for _, per in r["loads"]]
+        assert r["util_gap"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-3)  # (the samples are saved rounded)
+    assert (out / "banaserve_longbench.txt").read_text() == report(res) + "\n" and "U gap" in report(res)
+    assert (out / "banaserve_longbench_loads.png").stat().st_size > 10_000

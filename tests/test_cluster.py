@@ -248,7 +248,7 @@ def test_the_coordinator_keeps_only_the_latest_placements_when_told():
 
     limits = RequestLimits(32000, 2048, 2, 16, 100)
     for keep, want in ((3, ["r7", "r8", "r9"]), (None, [f"r{i}" for i in range(10)])):
-        co = Coordinator(["mixed", "mixed"], "round_robin", keep_placed=keep)
+        co = Coordinator(["mixed", "mixed"], "round_robin", clock=lambda: 0.0, keep_placed=keep)
         for i in range(2):
             co.report(i, load())
         for i in range(10):

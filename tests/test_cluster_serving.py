@@ -265,11 +265,12 @@ def test_a_client_that_goes_away_mid_decode_frees_both_instances():
         c.shutdown()
 
 
-def test_bench_cluster_runs_real_and_simulated_side_by_side(tmp_path):
+def test_bench_cluster_runs_real_and_simulated_side_by_side(tmp_path, capsys):
     """The command end to end on a few requests: real hand-offs all commit, and every compared figure
-    has a simulated and a calibrated value."""
+    is the real, the simulated and the calibrated run's own."""
     import json
 
+    from servewise.bench.cluster import COMPARED
     from servewise.cli import main
     from servewise.models.loader import hf_config
     from servewise.predictors.fit import fit_predictors
@@ -285,9 +286,17 @@ def test_bench_cluster_runs_real_and_simulated_side_by_side(tmp_path):
           "--no-single", "--num-device-blocks", "256", "--out", str(out)])
     r = json.loads(out.read_text())["results"]["serialized"]
     assert r["real"]["handoffs"] == {"committed": 6, "recomputed": 0, "expired": 0, "lost": 0}  # the run's own
-    for row in r["rows"].values():
-        assert row["real"] > 0 and row["sim"] > 0 and row["calibrated"] > 0
     assert set(r["calibration"]) == {"prompt", "token"} and r["sim"]["transfers"] == 6
+    runs = {"real": r["real"], "sim": r["sim"], "calibrated": r["calibrated_sim"]}
+    assert all(x["metrics"]["completed"] == 6 for x in runs.values())
+    # each compared figure is the runs' own, its error the simulated against the real one
+    for key, label in COMPARED + (("handoff_gap_ms", "first -> second token (ms)"),):
+        row = r["rows"][label]
+        for name, x in runs.items():
+            assert row[name] == (x["metrics"][key] if key in x["metrics"] else x[key]) and row[name] > 0
+        for name in ("sim", "calibrated"):
+            assert row[f"{name}_error_pct"] == pytest.approx((row[name] - row["real"]) / row["real"] * 100)
+    assert f"saved {out}" in capsys.readouterr().out
 
 
 def test_the_simulated_cluster_makes_the_real_clusters_decisions():

@@ -2,10 +2,13 @@
 requests to completion, the policies behave as named, and the report and figures are produced."""
 from dataclasses import replace
 
+import pytest
+
 from servewise.experiments.adaptivellm import QUICK, plot, report, run_experiment
 from servewise.predictors.auto import CACHE_ENV
 
 
+@pytest.mark.slow
 def test_small_experiment_runs_every_system_and_reports(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     s = replace(QUICK, num_requests_real=10, num_requests_sim=40, workloads=("chatbot",), sim_models=("opt-13b",),

@@ -21,6 +21,7 @@ def pairs(data_dir, tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_predict_lengths_scores_every_predictor(pairs, tmp_path, capsys):
     out = tmp_path / "p.json"
     main(["predict-lengths", "--data", pairs, "--num", "100", "--cache-dir", str(tmp_path), "--out", str(out)])
@@ -33,6 +34,7 @@ def test_predict_lengths_scores_every_predictor(pairs, tmp_path, capsys):
     assert "magnus" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["magnus", "uellm"])
 def test_experiment_runs_every_system_on_both_backends(kind, pairs, tmp_path, capsys):
     from servewise.experiments.length_aware import report

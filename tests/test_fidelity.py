@@ -38,6 +38,7 @@ def _decisions(st) -> tuple:
             st.swapped_out_blocks, st.swapped_in_blocks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_the_simulator_makes_the_real_engines_decisions_and_times_them_by_the_perf_model(predictors, preemption):
     """Every request there from the start (no arrival waits on the machine's speed): the simulated engine
@@ -114,6 +115,7 @@ def len_all(model: dict, key: str = "steps") -> int:
     return model[key]["prefill"]["steps"] + model[key]["decode"]["steps"]
 
 
+@pytest.mark.slow
 def test_bench_fidelity_repeats_and_summarises_every_simulation(predictors, tmp_path, capsys):
     """The figures the benchmark prints and saves hang together: its simulations of each run, the
     corrections, the replayed batches, and the summary over the runs."""

@@ -1,9 +1,12 @@
 """The cluster hand-off on real engines: prefill on one, copy the KV blocks, decode on another; the
 tokens are those of one engine doing both."""
+import pytest
+
 from servewise.builder import build_engine
 from servewise.sampling_params import SamplingParams
 
 
+@pytest.mark.slow
 def test_a_request_prefilled_on_one_real_engine_decodes_on_another_token_for_token():
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[5 + (7 * i) % 300 for i in range(n)] for n in (9, 23, 40)]
@@ -42,8 +45,6 @@ def test_a_request_prefilled_on_one_real_engine_decodes_on_another_token_for_tok
 
 
 # --- the protocol: nothing leaks, nothing decodes from wrong data ------------------------------------
-import pytest  # noqa: E402
-
 from servewise.cluster.handoff import HandoffBook, State, combine, layer_checksum, settle  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -167,6 +167,7 @@ def run(eng, ps):
     return [r.output_token_ids for r in reqs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_a_second_engine_fetches_what_the_first_stored(tmp_path, reference, layerwise):
     first = engine(tmp_path)
@@ -179,6 +180,7 @@ def test_a_second_engine_fetches_what_the_first_stored(tmp_path, reference, laye
     assert st.store_hit_tokens >= 48 and second.runner.store.stats["hits"] >= 3
 
 
+@pytest.mark.slow
 def test_missing_or_corrupt_entries_are_computed_again(tmp_path, reference):
     first = engine(tmp_path)
     run(first, prompts()[:1])
@@ -221,6 +223,7 @@ def test_simulated_engines_share_a_simulated_store():
     assert b.stats().prefix_hit_tokens == 128 * 8
 
 
+@pytest.mark.slow
 def test_a_failed_fetch_voids_only_its_own_row(tmp_path):
     """Two requests fetch different prefixes in one step; one entry is gone: the other request's tokens
     are its own (rows and sampled tokens stay aligned), and the failed one is computed again."""

@@ -11,6 +11,7 @@ from conftest import random_prompts
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])
 def test_greedy_outputs_equal_transformers(name, hf_dirs):
     path = hf_dirs[name]
@@ -25,6 +26,7 @@ def test_greedy_outputs_equal_transformers(name, hf_dirs):
         assert out.token_ids == ref[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens differs"
 
 
+@pytest.mark.slow
 def test_builtin_and_checkpoint_give_same_outputs(hf_dirs):
     prompts = random_prompts(4, 5, 40, seed=3)
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -22,6 +22,7 @@ def small_profile():
                    max_decode_tokens=4096, max_copy_blocks=128, validation_requests=4, reps=1)
 
 
+@pytest.mark.slow
 def test_profile_has_every_sample(small_profile):
     p = small_profile
     assert p["arch"] == "llama" and [m["layers"] for m in p["models"]] == [1, 2]
@@ -49,6 +50,7 @@ def test_loop_overhead_fit_recovers_a_line_and_leaves_interruptions_out():
     assert fits[(2, 64)]["prefill"] == (pytest.approx(3e-4 - 1e-6 * 7 / 3), 0.0)  # a slope below 0: the mean
 
 
+@pytest.mark.slow
 def test_fit_compare_and_persist(small_profile, tmp_path):
     preds = fit_predictors(small_profile, names=["linear", "random_forest", "knn"], degrees=[1, 2])
     table = preds.report["mape_tables"]["decode"]
@@ -118,6 +120,7 @@ def test_profiled_decode_batches_are_laid_out_as_an_engine_lays_them_out():
     assert bench._requests(5, 40, decode=True).context_lens == [40] * 5
 
 
+@pytest.mark.slow
 def test_profile_interleaves_the_rounds_of_every_size_and_kind(monkeypatch):
     """Round k of every model size and kind runs before round k + 1 of any: each point's rounds span the
     whole profile, not the minute its own size happened to be timed in; without interleaving, one size's

@@ -1,4 +1,6 @@
 """Preemption under a small device pool leaves greedy outputs unchanged and loses no block."""
+import functools
+
 import pytest
 
 from servewise import LLM, SamplingParams
@@ -14,6 +16,7 @@ def reference():
     return [o.token_ids for o in LLM("tiny-llama").generate(PROMPTS, PARAMS)]
 
 
+@functools.cache  # the same run is looked at by more than one test
 def run(**kw):
     llm = LLM("tiny-llama", num_device_blocks=16, **kw)
     outs = llm.generate(PROMPTS, PARAMS)
@@ -28,6 +31,7 @@ def assert_all_blocks_returned(bm):
     assert not bm.device_tables and not bm.host_tables
 
 
+@pytest.mark.slow
 def test_recompute_preemption_keeps_outputs(reference):
     bm, outs, counts = run(preemption="recompute", num_host_blocks=0)
     assert counts["recompute"] >= 50 and counts["swap"] == 0
@@ -35,6 +39,7 @@ def test_recompute_preemption_keeps_outputs(reference):
     assert_all_blocks_returned(bm)
 
 
+@pytest.mark.slow
 def test_swap_preemption_keeps_outputs(reference):
     bm, outs, counts = run(preemption="swap", num_host_blocks=64)
     assert counts["swap"] >= 50 and counts["recompute"] == 0
@@ -42,6 +47,7 @@ def test_swap_preemption_keeps_outputs(reference):
     assert_all_blocks_returned(bm)
 
 
+@pytest.mark.slow
 def test_swap_falls_back_to_recompute_when_host_pool_is_full(reference):
     bm, outs, counts = run(preemption="swap", num_host_blocks=5)
     assert counts["swap"] > 0 and counts["swap_fallback"] > 0
@@ -50,6 +56,7 @@ def test_swap_falls_back_to_recompute_when_host_pool_is_full(reference):
     assert_all_blocks_returned(bm)
 
 
+@pytest.mark.slow
 def test_timestamps_are_ordered():
     _, outs, _ = run(preemption="swap", num_host_blocks=64)
     for o in outs:
@@ -59,6 +66,7 @@ def test_timestamps_are_ordered():
         assert r.token_times[-1] == r.finish_time
 
 
+@pytest.mark.slow
 def test_seeded_sampling_survives_recompute_and_swap():
     """A seeded request's random stream lives in the runner's copy of the request, which a preemption
     keeps: its tokens are those of a run without preemption. A swap restores the KV bit for bit; a
@@ -77,6 +85,7 @@ def test_seeded_sampling_survives_recompute_and_swap():
         assert set(llm.engine.runner.seqs) <= {o.request_id for o in outs if o.request.finish_time == last}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["compiled", "torch"])
 def test_chunked_prefill_keeps_outputs(reference, kernels, monkeypatch):
     """Prompts split into chunks of a 24-token budget, decodes first in mixed steps, under preemption

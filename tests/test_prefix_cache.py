@@ -232,6 +232,7 @@ def reference():
     return run(shared_prompts())[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, dict(num_device_blocks=14), dict(num_device_blocks=14, preemption="swap",
                                                                       num_host_blocks=40),
                                 dict(chunked_prefill=True, max_num_batched_tokens=24)],
@@ -248,6 +249,7 @@ def test_greedy_outputs_are_the_same_with_caching(reference, kw):
     assert bm.num_free_device == bm.num_device_blocks and not bm.device_tables and st_.cached_blocks > 0
 
 
+@pytest.mark.slow
 def test_caching_computes_fewer_prompt_tokens():
     _, _, off = run(shared_prompts())
     _, _, on = run(shared_prompts(), enable_prefix_caching=True)

@@ -45,6 +45,7 @@ def test_provision_names_either_whole_request_machines_or_both_pools():
 
 
 @needs_table
+@pytest.mark.slow
 def test_the_provisioning_search_finds_the_cheapest_feasible_design_on_its_frontier():
     import os
 
