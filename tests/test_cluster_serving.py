@@ -26,7 +26,7 @@ WORK = [(p, GREEDY) for p in PROMPTS] + [(PROMPTS[1], SEEDED),
                                          (PROMPTS[4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))]
 
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def alone(work):
