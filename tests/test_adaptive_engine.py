@@ -33,7 +33,8 @@ def test_adaptive_fair_matches_an_unconstrained_run(tmp_path, monkeypatch, capfd
     pre = llm.engine.scheduler.preemption
     recompute, swap = pre.costs(60, 4)  # the profiled model prices both ways
     assert 0 < recompute < float("inf") and 0 < swap < float("inf")
-    # Which way is cheaper is this machine's to say (`servewise experiment adaptivellm-gap` reports it); here
+    # Which way is cheaper is this machine's to say (`servewise experiment adaptivellm` prints example decisions
+    # with their predicted costs on the real engine and the swap/recompute crossover); here
     # the run is priced by fixed costs, so that both ways the policy can go are taken on any machine.
     pre.perf = CheapCopies()
     outs = llm.generate(prompts, params)

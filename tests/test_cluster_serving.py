@@ -26,7 +26,7 @@ WORK = [(p, GREEDY) for p in PROMPTS] + [(PROMPTS[1], SEEDED),
                                          (PROMPTS[4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))]
 
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def alone(work):
@@ -55,10 +55,11 @@ async def _collect(q, first=None):
             return tokens
 
 
-def generate(client, work):
+def generate(client, work, timeout: float = 120.0):
+    """Every request's tokens (or its error); the timeout only guards against a hang."""
     async def go():
         handles = [client.submit(p, q) for p, q in work]
-        return await asyncio.gather(*[_collect(q) for _, q in handles])
+        return await asyncio.wait_for(asyncio.gather(*[_collect(q) for _, q in handles]), timeout)
     return asyncio.run(go())
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import wait_until
 from test_server import ENGINE, running_server
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 PROMPTS = ["Paged attention is", "The scheduler", "KV blocks move between pools when", "x"]
 

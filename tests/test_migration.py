@@ -217,6 +217,7 @@ def test_simulated_rebalancing_moves_prefill_work_to_decode_instances():
         sum(r.first_token_time - r.arrival_time for r in plain.requests)  # and the queue of prompts
 
 
+@pytest.mark.slow
 @pytest.mark.process
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-opt"])
 @pytest.mark.parametrize("kind", ["layers", "heads"])
@@ -236,6 +237,7 @@ def test_migration_to_another_process_keeps_greedy_outputs(model, kind):
         peers[0].close()
 
 
+@pytest.mark.slow
 @pytest.mark.process
 def test_bench_migration_reports_the_move_and_checks_outputs(tmp_path, capsys):
     import json

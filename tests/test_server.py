@@ -187,6 +187,7 @@ def test_bad_chat_requests(server):
     assert httpx.post(url, json={"model": "tiny-llama", "messages": [{"role": "user"}], "max_tokens": -1}).status_code == 400
 
 
+@pytest.mark.slow
 def test_api_key_is_required_when_set():
     with running_server(api_key="sekret") as (url, _):
         with pytest.raises(openai.AuthenticationError):
@@ -208,6 +209,7 @@ def held(engine):
         os.kill(engine.pid, signal.SIGCONT)
 
 
+@pytest.mark.slow
 def test_overload_gets_429_with_retry_after_and_nothing_is_lost():
     """max_waiting 2: with one request running (it has its first token) and the engine held, exactly the
     two next requests are admitted and every later one gets a 429 at once; released, every admitted one
@@ -254,6 +256,7 @@ def test_overload_gets_429_with_retry_after_and_nothing_is_lost():
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.slow
 def test_a_non_streaming_client_that_gives_up_has_its_request_aborted():
     """The engine is held, so the request cannot finish before its client gives up; once the server has
     seen the client go and sent the abort, the engine runs on and frees the request's blocks."""
@@ -285,6 +288,7 @@ def aborted_count(url: str) -> float:
     return outcome_count(url, "abort")
 
 
+@pytest.mark.slow
 def test_200_streams_with_a_third_disconnecting_leave_every_block_free(server):
     url, engine = server
     rng = random.Random(0)
@@ -344,6 +348,7 @@ _bodies = st.dictionaries(st.sampled_from(sorted(_fields)), st.just(None), max_s
     lambda keys: st.fixed_dictionaries({k: _fields[k] for k in keys}))
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=_bodies, chat=st.booleans())
 def test_fuzzed_bodies_never_get_a_5xx(server, body, chat):
