@@ -3,7 +3,8 @@ a simulated cluster; its options; the workload; tags naming the point) and `run`
 (servewise.metrics figures, step counts, what prefix caching, swapping and hand-offs did, wall time).
 Experiments build grids of specs, report and plot the records; none keeps its own engine factory or run
 loop. `ci95` and `repeat` put seeds and confidence intervals in one place."""
-from servewise.lab.run import Record, run, run_all
+from servewise.lab.record import Record
+from servewise.lab.run import run, run_all
 from servewise.lab.spec import Cluster, Engine, Spec
 from servewise.lab.stats import ci95, mean, repeat
 

@@ -63,7 +63,7 @@ def _counters(client) -> tuple[int, int, int]:
 def run(spec: Spec, progress=None, engine=None):
     """Run the spec's workload on a real cluster: `engine`, one `start` made already, else one started
     for this run and shut down after it."""
-    from servewise.lab.run import Record
+    from servewise.lab.record import Record
 
     c = spec.engine
     client = engine if engine is not None else start(c, len(spec.items) + 1)

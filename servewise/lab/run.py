@@ -2,43 +2,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from servewise.engine.interfaces import StepStats
+from servewise.lab.record import Record
 from servewise.lab.spec import Cluster, Engine, Spec
 from servewise.metrics.summary import RequestRecord, compute
-
-
-@dataclass
-class Record:
-    """What one run did. metrics: servewise.metrics.compute's figures (TTFT, TPOT, ITL, E2E, throughput,
-    preemptions, goodput with an SLO). steps: counts of the steps (prefill, decode, requests prefilled,
-    scheduling time). prefix_cache: prompt tokens admitted, served from cached blocks or the KV store and
-    computed (caching on only). swap: blocks and bytes copied out and back in. cluster: hand-offs,
-    transfers, borrowed machines (clusters only). engine: the engine (or cluster) it ran on, for
-    figures only one policy keeps."""
-
-    tags: dict
-    metrics: dict
-    requests: list[RequestRecord]
-    rejected: list[tuple[int, str]]
-    steps: dict
-    wall_s: float
-    prefix_cache: dict | None = None
-    swap: dict | None = None
-    cluster: dict | None = None
-    engine: object = field(default=None, repr=False, compare=False)
-    result: object = field(default=None, repr=False, compare=False)  # a cluster's ClusterResult
-
-    def to_dict(self) -> dict:
-        """The JSON-able part (no per-request records, no engine)."""
-        out = {**self.tags, **{k: v for k, v in self.metrics.items()}, "rejected": len(self.rejected),
-               "steps": self.steps, "wall_s": self.wall_s}
-        for k in ("prefix_cache", "swap", "cluster"):
-            if getattr(self, k) is not None:
-                out[k] = getattr(self, k)
-        return out
 
 
 class _Steps:
