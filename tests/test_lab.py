@@ -65,3 +65,13 @@ def test_confidence_intervals_and_repeats():
     assert m == 2.0 and h == pytest.approx(4.303 * 1.0 / 3 ** 0.5, rel=1e-3)  # t(0.975, 2) = 4.303
     assert ci95([5.0]) == (5.0, 0.0)
     assert repeat(lambda s: s * 10, range(3)) == [0, 10, 20]
+
+
+def test_a_record_pairs_its_requests_with_the_items_the_engine_took():
+    items = [WorkloadRequest(n, 4, [7] * n) for n in (20, 30, 40)]
+    items.insert(1, WorkloadRequest(5000, 4, [9] * 5000))  # longer than tiny-llama's context: rejected
+    rec = run(Spec(Engine("sim", "tiny-llama", "a100-80g", options=dict(num_device_blocks=64)), items))
+    assert [i for i, _ in rec.rejected] == [1]
+    kept = rec.kept(items)
+    assert kept == [items[0], items[2], items[3]] and len(rec.requests) == 3
+    assert [r.prompt_tokens for r in rec.requests] == [20, 30, 40]

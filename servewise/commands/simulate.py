@@ -36,8 +36,7 @@ def run(a) -> None:
     if b:
         b.close()
     m = dict(rec.metrics)
-    rejected = {i for i, _ in rec.rejected}
-    kept = [it for i, it in enumerate(items) if i not in rejected]  # the engine's requests: the others, in order
+    kept = rec.kept(items)
     m["rejected"] = len(rec.rejected)
     m["rejected_examples"] = [f"#{i}: {reason}" for i, reason in rec.rejected[:10]]
     m.update(changes(kept, rec.requests, notes, eng.model_config.max_model_len))

@@ -234,9 +234,7 @@ def row(spec: lab.Spec, rec: lab.Record) -> dict:
     """A run's figures: the record's, SLO violations among the requests that finished (a request's
     deadline: its arrival plus its item's SLO) and the batcher's OOM splits."""
     m = rec.metrics
-    rejected = {i for i, _ in rec.rejected}
-    kept = [it for i, it in enumerate(spec.items) if i not in rejected]  # the record's requests, in order
-    done = [(r, it) for r, it in zip(rec.requests, kept) if r.finish is not None]
+    done = [(r, it) for r, it in zip(rec.requests, rec.kept(spec.items)) if r.finish is not None]
     late = sum(it.slo is not None and r.finish > r.arrival + it.slo for r, it in done)
     batcher = rec.engine.scheduler.batcher
     return {**rec.tags, "completed": m["completed"], "rejected": len(rec.rejected),

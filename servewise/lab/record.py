@@ -27,6 +27,11 @@ class Record:
     engine: object = field(default=None, repr=False, compare=False)
     result: object = field(default=None, repr=False, compare=False)  # a cluster's ClusterResult
 
+    def kept(self, items: list) -> list:
+        """The workload items the engine took, in the order of `requests` (the rejected ones left out)."""
+        rejected = {i for i, _ in self.rejected}
+        return [it for i, it in enumerate(items) if i not in rejected]
+
     def to_dict(self) -> dict:
         """The JSON-able part (no per-request records, no engine)."""
         out = {**self.tags, **{k: v for k, v in self.metrics.items()}, "rejected": len(self.rejected),

@@ -5,8 +5,8 @@ import argparse
 
 from servewise.commands.options import at_least, float_at_least, rates
 
-HELP = ("BanaServe's load-aware dispatch over a global KV store against cache-aware "
-        "and round-robin dispatch (simulated A100 instances); migration: not yet")
+HELP = ("BanaServe's load-aware dispatch over a global KV store, and its layer- and head-level "
+        "migration, against cache-aware and round-robin dispatch (simulated A100 instances)")
 
 
 def arguments(p) -> None:
