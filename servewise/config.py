@@ -61,7 +61,8 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = option(256, "requests in the running batch at most")
     max_num_batched_tokens: int = option(4096, "tokens one step computes at most (a longer prompt runs alone)")
-    policy: str = option("fcfs", "request ordering (policies.ORDERING_POLICIES)")
+    policy: str = option("fcfs", "request ordering (policies.ORDERING_POLICIES); priority: vLLM's priority "
+                                 "scheduling, by each request's priority (lower first)")
     preemption: str = option("recompute", "what happens to a preempted request's KV (policies.PREEMPTION_POLICIES)")
     chunked_prefill: bool = option(False, "mix decodes and prompt chunks in one step under the token budget, "
                                           "decodes first, instead of alternating prefill and decode steps")
@@ -92,6 +93,9 @@ class SchedulerConfig:
                                            "stays at or below this")
 
     def __post_init__(self) -> None:
+        if self.batching != "continuous" and self.policy == "priority":
+            raise ValueError("the priority policy ranks continuous batching; request-level batching (--batching) "
+                             "keeps its own order")
         if self.batching != "continuous" and self.chunked_prefill:
             raise ValueError("request-level batching (--batching) does not combine with chunked prefill")
         if self.batch_size < 1:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from servewise.builder import build_engine
 from servewise.config import EngineConfig
@@ -44,18 +44,23 @@ class LLM:
         return self.engine.block_manager.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, priority: list[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. Outputs keep the prompts' order.
 
         Every prompt is validated before any runs, so one bad prompt raises ValueError and loses nothing.
         A request with stop strings ends where one first appears (finish_reason "stop"); its text stops
-        before it, and its token ids run to the token that completed it.
+        before it, and its token ids run to the token that completed it. priority: one rank per prompt
+        for the `priority` scheduling policy (lower first), as vLLM's argument.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if priority is not None:  # vLLM's argument: one rank per prompt, for the priority policy
+            if len(priority) != len(prompts):
+                raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+            params = [replace(sp, priority=r) for sp, r in zip(params, priority)]
         eng = self.engine
         reqs = [eng.make_request(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:

@@ -15,7 +15,9 @@ class SamplingParams:
     occurrence; repetition_penalty (> 0, 1 is off) divides positive and multiplies negative logits of
     tokens seen in the prompt or the output. logprobs N returns, for every generated token, its
     log-probability and the N most likely tokens' (0-20; None: none). stop: strings that end the
-    output where they first appear in the decoded text (the text stops before them).
+    output where they first appear in the decoded text (the text stops before them). priority: the
+    request's rank under the `priority` scheduling policy, lower first (vLLM's `priority` argument;
+    any other policy takes only the default, 0).
     """
 
     max_tokens: int = 16
@@ -31,6 +33,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -53,6 +56,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not _integer(self.priority):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)

@@ -165,6 +165,7 @@ BAD = [
     ("token id outside the vocabulary", {"model": "tiny-llama", "prompt": [1, 99999]}, 400, "prompt"),
     ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
     ("stream as a string", {"model": "tiny-llama", "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("priority without the priority policy", {"model": "tiny-llama", "prompt": "hi", "priority": 1}, 400, "priority"),
 ]
 
 
@@ -254,6 +255,47 @@ def test_overload_gets_429_with_retry_after_and_nothing_is_lost():
         # the queue drained: a new request is admitted again
         r = httpx.post(url + "/v1/completions", json=body(8, max_tokens=2), timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.slow
+def test_priorities_through_the_api_preempt_at_max_num_seqs():
+    """--policy priority, one request at a time: with R (priority 3) running and the engine held, L (5) and
+    then H (0) arrive; released, H preempts R at once (vLLM #40004), R comes back before L (it keeps its
+    rank, vLLM #41951), and every request gets all its tokens."""
+    ranked = dict(num_device_blocks=64, num_host_blocks=0, max_model_len=96, max_num_seqs=1, policy="priority")
+    with running_server(ranked) as (url, engine):
+        body = lambda p, n, **kw: {"model": "tiny-llama", "prompt": f"rank {p}", "max_tokens": n,  # noqa: E731
+                                   "temperature": 0, "ignore_eos": True, "priority": p, **kw}
+        order = []
+
+        async def finish(name, coro):
+            r = await coro
+            order.append(name)
+            return r
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=120) as client:
+                async with client.stream("POST", url + "/v1/completions", json=body(3, 40, stream=True)) as first:
+                    lines = first.aiter_lines()
+                    async for line in lines:  # R runs: its first token came
+                        if line.startswith("data: "):
+                            break
+                    with held(engine):
+                        low = asyncio.ensure_future(finish("L", client.post(url + "/v1/completions", json=body(5, 8))))
+                        await asyncio.to_thread(wait_until, lambda: engine.num_queued() == 1, 60, "L to be queued")
+                        high = asyncio.ensure_future(finish("H", client.post(url + "/v1/completions", json=body(0, 8))))
+                        await asyncio.to_thread(wait_until, lambda: engine.num_queued() == 2, 60, "H to be queued")
+                    rest = [line async for line in lines]
+                    order.append("R")
+                return rest, await high, await low
+
+        rest, high, low = asyncio.run(scenario())
+        assert order == ["H", "R", "L"]
+        assert high.status_code == low.status_code == 200
+        assert high.json()["usage"]["completion_tokens"] == low.json()["usage"]["completion_tokens"] == 8
+        chunks = [json.loads(line[6:]) for line in rest if line.startswith("data: ") and line != "data: [DONE]"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert 'servewise_preemptions_total{kind="recompute"} 1.0' in httpx.get(url + "/metrics").text
 
 
 @pytest.mark.slow

@@ -35,7 +35,8 @@ def engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = (), defaults
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
             continue
         choices = f.metadata["choices"] or registries.get(f.name)
-        p.add_argument(flag, type={"int": int, "float": float}.get(kind, str), default=default, choices=choices,
+        flags = (flag, "--scheduling-policy") if f.name == "policy" else (flag,)  # vLLM's name too
+        p.add_argument(*flags, type={"int": int, "float": float}.get(kind, str), default=default, choices=choices,
                        help=f.metadata["help"] + (f" (default: {default})" if default is not None else ""))
     threads_arg(p)
 

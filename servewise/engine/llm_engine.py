@@ -28,11 +28,15 @@ class RequestLimits:
     eos_token_id: int | None
     block_size: int
     usable_blocks: int  # device blocks a single request may hold (the pool less the admission watermark)
+    priorities: bool = False  # the scheduling policy ranks requests by priority
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming what is wrong with a prompt (as token ids) and its parameters."""
         if not ids:
             raise ValueError("prompt is empty")
+        if params.priority != 0 and not self.priorities:
+            raise ValueError(f"priority {params.priority} needs the priority scheduling policy "
+                             f"(--policy priority); this engine orders requests otherwise")
         if not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
@@ -57,7 +61,8 @@ class LLMEngine:
         self.owns_clock = owns_clock
         bm = block_manager
         self.limits = RequestLimits(model_config.vocab_size, model_config.max_model_len, model_config.eos_token_id,
-                                    bm.block_size, bm.num_device_blocks - bm.watermark_blocks)
+                                    bm.block_size, bm.num_device_blocks - bm.watermark_blocks,
+                                    getattr(scheduler.ordering, "ranked", False))
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self.committed_blocks = 0  # blocks of self.requests at their longest: a load measure for routers
@@ -102,7 +107,7 @@ class LLMEngine:
         mc = self.model_config
         return Request(rid, ids, params, self.clock.now() if arrival_time is None else arrival_time, prompt=text,
                        seq_no=seq, eos_token_id=mc.eos_token_id, more_eos_token_ids=mc.more_eos_token_ids,
-                       max_total_tokens=mc.max_model_len)
+                       max_total_tokens=mc.max_model_len, priority=params.priority)
 
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a request and free its blocks; reason becomes its finish_reason ("stop" when the

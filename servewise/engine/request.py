@@ -52,6 +52,7 @@ class Request:
     store_failed: bool = False  # a fetch from the KV store failed for it: it computes its KV from now on
     predicted_len: int | None = None  # its output length as predicted on arrival (length-aware scheduling)
     deadline: float | None = None  # when it should be finished, on the engine's clock (its SLO)
+    priority: int = 0  # under the priority policy: lower values are served first (vLLM's convention)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -54,6 +54,7 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.static = getattr(ordering, "static", False)
         self.group_admission = getattr(ordering, "group_admission", False)
+        self.ranked = getattr(ordering, "ranked", False)  # waiting requests may preempt lower-ranked running ones
         # vLLM 0.2.5's checks (config.v0_rules): a swap-in leaves one block for the request's next token and
         # the watermark free (vllm/core/block_manager.py, BlockSpaceManager.can_swap_in)
         self.v0 = config.v0_rules
@@ -170,16 +171,44 @@ class Scheduler:
             out = self._schedule_batch(now)
         elif self.group_admission:
             out = self._schedule_by_groups(now)
-        elif self.config.chunked_prefill:
-            out = self._schedule_chunked(now)
         else:
-            out = None
-            if not self.swapped:
-                out = self._schedule_prefill(now)
-            if out is None or not out.scheduled:
-                out = self._schedule_decode(now)
+            # ranked orderings preempt for a better-ranked waiting request first; the step's output starts
+            # with those preemptions (and their swap-outs, copied before anything reuses the blocks)
+            ahead = self._make_room(now) if self.ranked else SchedulerOutput(False)
+            if self.config.chunked_prefill:
+                out = self._schedule_chunked(now, ahead)
+            else:
+                out = None
+                if self._may_admit():
+                    out = self._schedule_prefill(now, out=ahead)
+                if out is None or not out.scheduled:
+                    out = self._schedule_decode(now, out=ahead)
         if self._forget:
             out.finished_ids, self._forget = self._forget, []
+        return out
+
+    def _may_admit(self) -> bool:
+        """Whether new requests may be admitted: not while requests are swapped out (vLLM's rule), unless the
+        ordering is ranked and the first waiting request outranks every swapped one."""
+        return not self.swapped or (bool(self.waiting) and self._admissible(self.waiting[0]))
+
+    def _admissible(self, req: Request) -> bool:
+        return not self.swapped or (self.ranked and self._outranks(req, self.swapped[0]))
+
+    def _outranks(self, a: Request, b: Request) -> bool:
+        return self.ordering.key(a, 0.0) < self.ordering.key(b, 0.0)
+
+    def _make_room(self, now: float) -> SchedulerOutput:
+        """Ranked orderings: while the first waiting request cannot be admitted (no place in the batch, or
+        too few free blocks) and the lowest-ranked running request is strictly below it, preempt that one
+        (in the preemption policy's way). Returns the preemptions (and their swap-outs) as a partial output."""
+        out = SchedulerOutput(False)
+        if not self.waiting or not self._may_admit():
+            return out
+        head, bm = self.waiting[0], self.bm
+        while self.running and self._outranks(head, self.running[-1]) and (
+                len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(head.num_tokens, bm.match(head))):
+            self._preempt(self.running.pop(), now, out)
         return out
 
     def _drop_from_runner(self, req: Request) -> None:
@@ -381,13 +410,15 @@ class Scheduler:
         left = req.max_tokens - len(req.output_token_ids) if self.config.reserve == "max" else req.predicted_left
         return req.num_tokens + left
 
-    def _schedule_prefill(self, now: float, limit: int | None = None) -> SchedulerOutput:
+    def _schedule_prefill(self, now: float, limit: int | None = None, out: SchedulerOutput | None = None) -> SchedulerOutput:
         self._sorted(self.waiting, now)
         batch: list[Request] = []
         tokens = longest = 0
         limit = self.config.max_num_seqs - len(self.running) if limit is None else limit
         while self.waiting and len(batch) < limit:
             req = self.waiting[0]
+            if self.ranked and not self._admissible(req):  # swapped requests of a better rank come back first
+                break
             hits = self.bm.match(req)
             n = req.num_tokens - len(hits) * self.bm.block_size
             if not self._joins(len(batch), tokens, longest, n) or not self._admit(now, hits, batch):
@@ -397,10 +428,15 @@ class Scheduler:
             longest = max(longest, n)
         for req in batch:
             self._enqueue(self.running, req, now)
-        return self._rows(SchedulerOutput(True), batch)
+        if out is None:
+            out = SchedulerOutput(True)
+        out.is_prefill = True
+        return self._rows(out, batch)
 
-    def _schedule_decode(self, now: float, swap_in_limit: int | None = None) -> SchedulerOutput:
-        out = SchedulerOutput(False)
+    def _schedule_decode(self, now: float, swap_in_limit: int | None = None,
+                         out: SchedulerOutput | None = None) -> SchedulerOutput:
+        out = SchedulerOutput(False) if out is None else out
+        out.is_prefill = False
         self._sorted(self.running, now)
         running = self.running
         tables, bs, bm = self.bm.device_tables, self.bm.block_size, self.bm
@@ -430,11 +466,12 @@ class Scheduler:
         # running requests all came through a prefill: the runner holds them; each decodes one token
         return self._rows(out, list(running), [1] * len(running), fresh=False)
 
-    def _schedule_chunked(self, now: float) -> SchedulerOutput:
+    def _schedule_chunked(self, now: float, out: SchedulerOutput) -> SchedulerOutput:
         """One mixed step under the token budget: running requests first (a decode's one token, or the
         next chunk of a prompt), then swapped requests back, then waiting requests admitted with as much
-        of their prompt as the budget leaves. A prompt's blocks are all allocated when it is admitted."""
-        out = SchedulerOutput(False)
+        of their prompt as the budget leaves. A prompt's blocks are all allocated when it is admitted.
+        `out` may hold preemptions made for a better-ranked waiting request: they stop swap-ins, not admission."""
+        ahead = len(out.preempted)
         budget = self.config.max_num_batched_tokens
         self._sorted(self.running, now)
         running = self.running
@@ -470,11 +507,11 @@ class Scheduler:
                 batch.append(req)
                 counts.append(n)
                 budget -= n
-        if not out.preempted and not self.swapped:
+        if len(out.preempted) == ahead and self._may_admit():
             self._sorted(self.waiting, now)
             while self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                if not self._admit(now):
+                if not self._admissible(req) or not self._admit(now):
                     break
                 self._enqueue(running, req, now)
                 n = min(req.num_tokens - req.num_computed_tokens, budget)

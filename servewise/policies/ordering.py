@@ -69,5 +69,21 @@ class HighestResponseRatio:
         return (-(now - req.arrival_time) / req.predicted_left, req.arrival_time, req.seq_no)
 
 
+class Priority:
+    """vLLM's priority scheduling: the lowest `priority` value first, then the earliest arrival; the
+    highest value (latest among equals) is preempted first. `ranked`: a waiting request that cannot
+    be admitted preempts running requests of a strictly higher value (also when the batch is at
+    max_num_seqs), and it is admitted before swapped requests of a higher value. A preempted request
+    keeps its priority."""
+
+    name = "priority"
+    static = True
+    group_admission = False
+    ranked = True
+
+    def key(self, req: Request, now: float) -> tuple:
+        return (req.priority, req.arrival_time, req.seq_no)
+
+
 ORDERING_POLICIES: dict[str, type] = {"fcfs": FCFS, "fair": Fair, "spf": ShortestPredictedFirst,
-                                      "hrrn": HighestResponseRatio}
+                                      "hrrn": HighestResponseRatio, "priority": Priority}

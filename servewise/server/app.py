@@ -40,7 +40,8 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "seed", "n", "stop", "prompt", "logprobs", "top_logprobs", "echo", "messages"}
+          "repetition_penalty", "seed", "n", "stop", "prompt", "logprobs", "top_logprobs", "echo", "messages",
+          "priority"}
 
 
 def _bad_value(e: ValueError) -> APIError:
