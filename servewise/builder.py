@@ -48,6 +48,10 @@ def build_engine(config: EngineConfig | None = None, clock=None, connector=None,
 
     config = config or EngineConfig.from_kwargs(**kwargs)
     check_policies(config)
+    if config.length_predictor is not None:  # a missing or foreign file stops us before the weights load
+        from servewise.predictors.length_service import load
+
+        load(config.length_predictor)
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = config.dtype if config.dtype != "auto" else ("float32" if device == "cpu" else None)
     model, mc, tokenizer = load_model(config.model, config.load_format, dtype, device, config.seed)
@@ -63,7 +67,12 @@ def build_engine(config: EngineConfig | None = None, clock=None, connector=None,
         cost_model = profiled_perf(config.model, mc, device, cc.block_size, config.predictors)
         log.info("servewise: cost model for %s: %s", f"{config.scheduler.preemption} preemption"
                  if needs_costs(config) else "KV store fetches", cost_model.label)
-    return assemble(config, mc, tokenizer, runner, cost_model, clock or WallClock())
+    engine = assemble(config, mc, tokenizer, runner, cost_model, clock or WallClock())
+    if config.length_predictor is not None:
+        from servewise.predictors.length_service import LengthService
+
+        engine.lengths = LengthService(config.length_predictor, tokenizer)
+    return engine
 
 
 def build_sim_engine(model: str = "tiny-llama", hardware: str = PROFILE, predictors=None,
@@ -79,6 +88,9 @@ def build_sim_engine(model: str = "tiny-llama", hardware: str = PROFILE, predict
     engine_kw.setdefault("dtype", "float32" if hardware == PROFILE or perf is not None else "float16")
     config = EngineConfig.from_kwargs(model=model, **engine_kw)
     check_policies(config)
+    if config.length_predictor is not None:
+        raise ValueError("length_predictor guesses lengths on the real engine, in real time; simulations take "
+                         "predicted lengths from their workload")
     mc, tokenizer = load_model_config(model, config.dtype)
     limit_length(config, mc)
     cc = config.cache

@@ -133,6 +133,10 @@ class EngineConfig:
     max_model_len: int | None = option(None, "cap on prompt + output tokens (default: the model's)")
     predictors: str | None = option(None, "fitted cost predictors for --preemption adaptive (default: this "
                                           "machine's cached profile of the model, made on first use)")
+    length_predictor: str | None = option(None, "a saved output-length predictor (servewise predict-lengths --save): "
+                                                "each request's output length is guessed in a worker thread, for "
+                                                "--policy spf or hrrn and --reserve predicted, and learnt from when "
+                                                "it finishes (real engine only)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

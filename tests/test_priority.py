@@ -129,3 +129,24 @@ def test_the_offline_api_serves_the_best_rank_first_and_outputs_do_not_change():
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     order = sorted(outs, key=lambda o: o.request.finish_time)
     assert [prompts.index(o.prompt_token_ids) for o in order] == [1, 3, 2, 0]
+
+
+def test_the_engine_counts_the_recompute_tax_and_the_swap_bytes():
+    sp = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)
+    llm = LLM("tiny-llama", num_device_blocks=12, preemption="recompute")
+    llm.generate([[5] * 20] * 6, sp)
+    st = llm.engine.stats()
+    assert st.preemptions["recompute"] > 0 and st.swap_bytes == (0, 0)
+    # each re-admission computes the dropped tokens again plus the one token sampled but not yet computed
+    assert st.admitted_tokens - 6 * 20 == st.dropped_tokens + st.preemptions["recompute"]
+    llm = LLM("tiny-llama", num_device_blocks=12, num_host_blocks=64, preemption="swap")
+    eng, moved = llm.engine, [0, 0]
+    for _ in range(6):
+        eng.add_request([5] * 20, sp)
+    while eng.has_unfinished():
+        s = eng.step()
+        moved[0] += s.swapped_out_blocks
+        moved[1] += s.swapped_in_blocks
+    block_bytes = eng.model_config.kv_bytes_per_token * eng.block_manager.block_size
+    assert moved[0] > 0 and eng.stats().swap_bytes == (moved[0] * block_bytes, moved[1] * block_bytes)
+    assert eng.stats().dropped_tokens == 0

@@ -295,7 +295,11 @@ def test_priorities_through_the_api_preempt_at_max_num_seqs():
         assert high.json()["usage"]["completion_tokens"] == low.json()["usage"]["completion_tokens"] == 8
         chunks = [json.loads(line[6:]) for line in rest if line.startswith("data: ") and line != "data: [DONE]"]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert 'servewise_preemptions_total{kind="recompute"} 1.0' in httpx.get(url + "/metrics").text
+        text = httpx.get(url + "/metrics").text
+        assert 'servewise_preemptions_total{kind="recompute"} 1.0' in text
+        assert 'servewise_preemptions_by_priority_total{priority="3"} 1.0' in text  # R, preempted for H
+        tax = float(next(line.split()[1] for line in text.splitlines() if line.startswith("servewise_recomputed_tokens_total")))
+        assert tax > 0  # R's prompt and the tokens it had made were computed again
 
 
 @pytest.mark.slow

@@ -338,6 +338,10 @@ class ClusterClient(StreamingClient):
         for s in sts:
             for k, v in s.preemptions.items():
                 pre[k] = pre.get(k, 0) + v
+        by_priority: dict[int, int] = {}
+        for s in sts:
+            for k, v in s.preemptions_by_priority.items():
+                by_priority[k] = by_priority.get(k, 0) + v
         total = lambda f: sum(f(s) for s in sts)  # noqa: E731
         return EngineStats(total(lambda s: s.running), total(lambda s: s.waiting), total(lambda s: s.swapped),
                            PoolStats(total(lambda s: s.device_blocks.total), total(lambda s: s.device_blocks.free)),
@@ -345,7 +349,9 @@ class ClusterClient(StreamingClient):
                            pre, total(lambda s: s.queued_tokens), total(lambda s: s.incoming),
                            total(lambda s: s.committed_blocks), total(lambda s: s.inflight_tokens),
                            total(lambda s: s.admitted_tokens), total(lambda s: s.prefix_hit_tokens),
-                           total(lambda s: s.cached_blocks), total(lambda s: s.store_hit_tokens))
+                           total(lambda s: s.cached_blocks), total(lambda s: s.store_hit_tokens),
+                           total(lambda s: s.dropped_tokens),
+                           (total(lambda s: s.swap_bytes[0]), total(lambda s: s.swap_bytes[1])), by_priority)
 
     def fault(self, i: int, name: str) -> None:
         """Inject a failure into instance i (tests): see instance.FAULTS."""

@@ -12,7 +12,7 @@ def arguments(p) -> None:
     from servewise.cluster.routers import ROUTERS
 
     # Splitwise's machine-level batching: prompt batches of up to 2048 tokens, up to 512 requests
-    engine_args(p, skip=("load_format", "dtype", "device", "seed", "predictors"),
+    engine_args(p, skip=("load_format", "dtype", "device", "seed", "predictors", "length_predictor"),
                 defaults={"model": "bloom-176b", "max_num_batched_tokens": 2048, "max_num_seqs": 512})
     p.add_argument("--prompt", type=machines, default=None, help="prompt machines, e.g. dgx-a100:27")
     p.add_argument("--token", type=machines, default=None, help="token machines, e.g. dgx-a100:13")

@@ -13,10 +13,14 @@ def arguments(p) -> None:
     p.add_argument("--test-share", type=float, default=0.3, help="share of the pairs held out")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default="results/length_predictors.json")
+    p.add_argument("--save", default=None, metavar="PATH",
+                   help="also write a predictor fitted on the training pairs, for serve --length-predictor")
+    p.add_argument("--save-kind", default="magnus", choices=["magnus", "buckets", "linear", "mean"],
+                   help="which predictor --save writes")
 
 
 def run(a) -> None:
     from servewise.experiments.length_aware import PredictSettings, predict_lengths
 
     predict_lengths(PredictSettings(a.data, num=a.num, test_share=a.test_share, seed=a.seed, cache_dir=a.cache_dir,
-                                    out=a.out))
+                                    out=a.out, save=a.save, save_kind=a.save_kind))

@@ -8,7 +8,7 @@ HELP = "run a workload through the engine on a virtual clock"
 
 
 def arguments(p) -> None:
-    engine_args(p, skip=("load_format", "dtype", "device", "seed", "predictors"))
+    engine_args(p, skip=("load_format", "dtype", "device", "seed", "predictors", "length_predictor"))
     p.add_argument("--hardware", default="profile",
                    help="'profile' (this machine, from --predictors) or an analytical GPU: a100-80g, "
                         "a800-80g-pcie, h100-80g, v100-32g, rtx3090")

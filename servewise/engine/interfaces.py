@@ -174,6 +174,11 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of those, the tokens whose KV cached blocks supplied (prefix caching)
     cached_blocks: int = 0  # device blocks that hold named KV nobody references (prefix caching; counted free)
     store_hit_tokens: int = 0  # admitted tokens whose KV was fetched from the global KV store
+    dropped_tokens: int = 0  # computed tokens whose KV was thrown away to compute again (recompute preemptions,
+    # failed KV transfers): the recompute tax, since start
+    swap_bytes: tuple[int, int] = (0, 0)  # KV bytes swapped out to the host pool and back in, since start
+    preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # under the priority policy
+    lengths: dict | None = None  # the output-length predictor's figures (LengthService.stats), when there is one
 
     @property
     def pending_tokens(self) -> int:

@@ -68,6 +68,7 @@ class LLMEngine:
         self.committed_blocks = 0  # blocks of self.requests at their longest: a load measure for routers
         self._inflight = (0.0, 0)  # (end, prompt tokens) of the last step
         self._held: dict[str, int] = {}  # handed-off requests -> the blocks they hold until released
+        self.lengths = None  # predictors.length_service.LengthService: output lengths guessed off the loop
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -79,6 +80,8 @@ class LLMEngine:
         """Queue a request built (and validated) by make_request."""
         self._track(req)
         self.scheduler.add(req, self.clock.now())
+        if self.lengths is not None:
+            self.lengths.submit(req)
         return req
 
     def _track(self, req: Request) -> None:
@@ -118,6 +121,8 @@ class LLMEngine:
         req = self.scheduler.abort(request_id, self.clock.now(), reason)
         if req is not None:
             self._untrack(request_id)
+            if self.lengths is not None:
+                self.lengths.forget(request_id)
         return req is not None
 
     def has_unfinished(self) -> bool:
@@ -134,7 +139,10 @@ class LLMEngine:
                            PoolStats(bm.num_host_blocks, bm.num_free_host), dict(s.preemption_counts), queued,
                            len(s.incoming) + len(s.receiving), self.committed_blocks,
                            self._inflight[1] if self.clock.now() < self._inflight[0] else 0,
-                           bm.admitted_tokens, bm.hit_tokens, len(bm.evictable), bm.store_hit_tokens)
+                           bm.admitted_tokens, bm.hit_tokens, len(bm.evictable), bm.store_hit_tokens,
+                           s.dropped_tokens, tuple(n * self.model_config.kv_bytes_per_token * bm.block_size
+                                                   for n in s.swapped_blocks),
+                           dict(s.preemptions_by_priority), self.lengths.stats() if self.lengths else None)
 
     # --- cluster hand-off (see scheduler): prefill here, decode elsewhere, or the other way round ----
     def release(self, request_id: str) -> None:
@@ -175,12 +183,20 @@ class LLMEngine:
         """The request's KV will not come, or came wrong: compute it here instead."""
         self.scheduler.kv_failed(request_id, self.clock.now())
 
+    def _take_guesses(self) -> None:
+        """Put the length predictor's new guesses on their requests (those still here)."""
+        for rid, n in self.lengths.ready():
+            if (req := self.requests.get(rid)) is not None:
+                req.predicted_len = n
+
     # --- the loop ----------------------------------------------------------------------------
     def step(self) -> StepStats:
         """One iteration at the clock's current time; returns what it did (finished requests by id in
         `finished`; the Request objects stay readable through the caller's references). The stats
         share their lists with the step's SchedulerOutput: read them, do not change them."""
         start = self.clock.now()
+        if self.lengths is not None:
+            self._take_guesses()
         t0 = time.perf_counter()
         out = self.scheduler.schedule(start)
         schedule_s = time.perf_counter() - t0
@@ -207,6 +223,9 @@ class LLMEngine:
             stats.finished = [r.request_id for r in finished]
             for rid in stats.finished:
                 self._untrack(rid)
+            if self.lengths is not None:
+                for req in finished:
+                    self.lengths.finished(req)
             if self.scheduler.handed_off:
                 stats.handed_off = [r.request_id for r in self.scheduler.handed_off]
                 for rid in stats.handed_off:  # its blocks stay committed until released

@@ -62,6 +62,9 @@ class Scheduler:
         if config.chunked_prefill and self.group_admission:
             raise ValueError(f"chunked prefill does not combine with the {config.policy!r} policy's group admission yet")
         self.preemption_counts = preemption_counts()  # since start, for monitoring
+        self.preemptions_by_priority: dict[int, int] = {}  # since start, under a ranked ordering
+        self.dropped_tokens = 0  # tokens whose KV recompute preemptions dropped, since start
+        self.swapped_blocks = [0, 0]  # blocks copied out to the host pool and back in, since start
         self._batch: list[Request] = []  # the last step's rows, for postprocess
         self._forget: list[str] = []  # requests the runner holds that ended since the last step
         self._known_blocks: dict[str, int] = {}  # blocks of each request's table the runner has (-1: a new table)
@@ -525,12 +528,16 @@ class Scheduler:
 
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         mode = self.preemption.choose(req, self.bm, now)
+        if self.ranked:
+            self.preemptions_by_priority[req.priority] = self.preemptions_by_priority.get(req.priority, 0) + 1
         for counts in (req.preemptions, self.preemption_counts):
             counts[mode.value] += 1
             if mode is Preemption.SWAP_FALLBACK:  # a fallback is a recompute too
                 counts[Preemption.RECOMPUTE.value] += 1
         if mode is Preemption.SWAP:
-            _move(out, Pool.DEVICE, Pool.HOST, self.bm.swap_out(req.request_id))
+            pairs = self.bm.swap_out(req.request_id)
+            self.swapped_blocks[0] += len(pairs)
+            _move(out, Pool.DEVICE, Pool.HOST, pairs)
             req.status = Status.SWAPPED
             self._enqueue(self.swapped, req, now)
         else:
@@ -547,7 +554,9 @@ class Scheduler:
             req = self.swapped[0]
             if not self.bm.can_swap_in(req.request_id, req.num_tokens, self._swap_spare):
                 break
-            _move(out, Pool.HOST, Pool.DEVICE, self.bm.swap_in(req.request_id))
+            pairs = self.bm.swap_in(req.request_id)
+            self.swapped_blocks[1] += len(pairs)
+            _move(out, Pool.HOST, Pool.DEVICE, pairs)
             self.bm.append_slots(req.request_id, req.num_tokens)
             self._known_blocks[req.request_id] = -1
             self._changed[req.request_id] = req
@@ -606,6 +615,7 @@ class Scheduler:
         """Free a request's blocks, if any; it will be computed in full from its tokens. The runner keeps
         its copy of the request (tokens, seeded generator) and gets a new table when it is admitted again."""
         self.bm.free(req.request_id)
+        self.dropped_tokens += req.num_computed_tokens
         req.num_computed_tokens = 0
         if req.in_runner:
             self._known_blocks[req.request_id] = -1

@@ -110,6 +110,8 @@ class PredictSettings:
     seed: int = 0
     cache_dir: str | None = None  # embeddings kept between runs (None or '': nowhere)
     out: str = "results/length_predictors.json"
+    save: str | None = None  # where to write a predictor for serving (`serve --length-predictor`)
+    save_kind: str = "magnus"  # which predictor, fitted on the training pairs
 
 
 def predict_lengths(s: PredictSettings) -> None:
@@ -130,6 +132,13 @@ def predict_lengths(s: PredictSettings) -> None:
               + (f"   ({st[label]['refits']} refits, {st[label]['added']} samples added)" if label == "continual" else ""))
     save_json(res, s.out)
     print(f"saved {s.out}")
+    if s.save:
+        from servewise.predictors import length_service
+
+        model = make_predictor(s.save_kind, s.seed).fit(data.X[:n_train], data.y[:n_train])
+        length_service.save(s.save, s.save_kind, model, data.X[:n_train], data.y[:n_train])
+        print(f"saved the {s.save_kind} predictor (fitted on the {n_train} training pairs) to {s.save}; serve with "
+              f"it: servewise serve --length-predictor {s.save} --policy spf")
 
 
 # --- the scheduling experiments ---------------------------------------------------------------------

@@ -13,10 +13,12 @@ class Refitting:
     observed samples it got badly wrong: error above `abs_tol` and above `rel_tol` of the truth.
     Magnus: lengths every 3 minutes, 10 tokens and 10%; batch times every 2 minutes, 2 s and 20%.
     With `background`, a refit runs in a thread and the old model serves until the new one is ready
-    (off the request path); without, it runs in the call (simulations, tests)."""
+    (off the request path); without, it runs in the call (simulations, tests). fit=False: the model comes
+    fitted on X and y already (a saved predictor)."""
 
-    def __init__(self, model, X, y, period: float, abs_tol: float, rel_tol: float, background: bool = False):
-        self.model = model.fit(np.asarray(X, float), np.asarray(y, float)) if len(y) else model
+    def __init__(self, model, X, y, period: float, abs_tol: float, rel_tol: float, background: bool = False,
+                 fit: bool = True):
+        self.model = model.fit(np.asarray(X, float), np.asarray(y, float)) if len(y) and fit else model
         self.X, self.y = [list(r) for r in np.asarray(X, float)], list(map(float, y))
         self.period, self.abs_tol, self.rel_tol, self.background = period, abs_tol, rel_tol, background
         self.pending: list[tuple[list[float], float]] = []

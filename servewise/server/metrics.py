@@ -34,6 +34,28 @@ class _EngineState:
         for kind, n in st.preemptions.items():
             pre.add_metric([kind], n)
         yield pre
+        if st.preemptions_by_priority:
+            by = CounterMetricFamily("servewise_preemptions_by_priority", "Preemptions by the preempted request's "
+                                     "priority (--policy priority)", labels=["priority"])
+            for rank, n in sorted(st.preemptions_by_priority.items()):
+                by.add_metric([str(rank)], n)
+            yield by
+        yield CounterMetricFamily("servewise_recomputed_tokens", "Computed tokens whose KV was dropped to be "
+                                  "computed again (recompute preemptions): the recompute tax", value=st.dropped_tokens)
+        swap = CounterMetricFamily("servewise_kv_swap_bytes", "KV bytes copied to the host pool (out) and back (in)",
+                                   labels=["direction"])
+        swap.add_metric(["out"], st.swap_bytes[0])
+        swap.add_metric(["in"], st.swap_bytes[1])
+        yield swap
+        if (lengths := st.lengths) is not None:
+            yield CounterMetricFamily("servewise_length_predictions", "Requests whose output length was predicted",
+                                      value=lengths["predictions"])
+            yield CounterMetricFamily("servewise_length_predictions_observed", "Finished requests compared with "
+                                      "their predicted length", value=lengths["observed"])
+            yield GaugeMetricFamily("servewise_length_prediction_mae_tokens", "Mean absolute error of the predicted "
+                                    "output lengths (the predictor's WordPiece tokens)", value=lengths["mae_wordpiece"])
+            yield CounterMetricFamily("servewise_length_predictor_refits", "Continual-learning refits of the "
+                                      "length predictor", value=lengths["refits"])
         prefix = CounterMetricFamily("servewise_prefix_cache_tokens", "Tokens of the requests admitted to compute "
                                      "(admitted) and of those, the tokens whose KV cached prefix blocks supplied (hit) "
                                      "or the global KV store did (store)", labels=["kind"])
