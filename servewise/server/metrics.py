@@ -54,6 +54,9 @@ class _EngineState:
                                       "their predicted length", value=lengths["observed"])
             yield GaugeMetricFamily("servewise_length_prediction_mae_tokens", "Mean absolute error of the predicted "
                                     "output lengths (the predictor's WordPiece tokens)", value=lengths["mae_wordpiece"])
+            yield CounterMetricFamily("servewise_length_prediction_seconds", "Worker time spent predicting output "
+                                      "lengths (embedding included)",
+                                      value=lengths["mean_predict_ms"] * lengths["predictions"] / 1e3)
             yield CounterMetricFamily("servewise_length_predictor_refits", "Continual-learning refits of the "
                                       "length predictor", value=lengths["refits"])
         prefix = CounterMetricFamily("servewise_prefix_cache_tokens", "Tokens of the requests admitted to compute "
