@@ -158,6 +158,12 @@ class ClusterClient(StreamingClient):
         _, tokenizer, limits, stats, self.co.layers, m.cache_file = msg
         m.outbox = queue.SimpleQueue()
         with self._co:  # up for the coordinator and for the commands it sends, at once
+            if m.restarts and self.split and self.transport == "gloo":
+                # its peers pair with the new generation before anything is routed to it: a command queued
+                # after this one (a hand-off's "expect") then finds the new pair group, not the dead one's
+                for x in self.members:
+                    if x is not m:
+                        self._tell(x.index, ("connect", m.index, m.gen))
             self.co.started(m.index, stats)
             m.up = True
         return tokenizer, limits
@@ -309,10 +315,6 @@ class ClusterClient(StreamingClient):
             self._log(f"servewise: instance {m.index} could not restart: {e}")
             return
         self._start_io(m)
-        if self.split and self.transport == "gloo":
-            for x in self.members:
-                if x is not m:
-                    self._tell(x.index, ("connect", m.index, m.gen))
 
     # --- the client protocol -----------------------------------------------------------------
     @property
