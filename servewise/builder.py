@@ -48,10 +48,11 @@ def build_engine(config: EngineConfig | None = None, clock=None, connector=None,
 
     config = config or EngineConfig.from_kwargs(**kwargs)
     check_policies(config)
+    saved_lengths = None
     if config.length_predictor is not None:  # a missing or foreign file stops us before the weights load
         from servewise.predictors.length_service import load
 
-        load(config.length_predictor)
+        saved_lengths = load(config.length_predictor)
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = config.dtype if config.dtype != "auto" else ("float32" if device == "cpu" else None)
     model, mc, tokenizer = load_model(config.model, config.load_format, dtype, device, config.seed)
@@ -68,10 +69,10 @@ def build_engine(config: EngineConfig | None = None, clock=None, connector=None,
         log.info("servewise: cost model for %s: %s", f"{config.scheduler.preemption} preemption"
                  if needs_costs(config) else "KV store fetches", cost_model.label)
     engine = assemble(config, mc, tokenizer, runner, cost_model, clock or WallClock())
-    if config.length_predictor is not None:
+    if saved_lengths is not None:
         from servewise.predictors.length_service import LengthService
 
-        engine.lengths = LengthService(config.length_predictor, tokenizer)
+        engine.lengths = LengthService(config.length_predictor, tokenizer, saved=saved_lengths)
     return engine
 
 

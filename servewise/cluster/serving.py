@@ -336,14 +336,14 @@ class ClusterClient(StreamingClient):
 
     def _aggregate(self) -> EngineStats:
         sts = [s for s, up in zip(self.co.loads, self.co.up) if up and s is not None]
-        pre: dict[str, int] = {}
-        for s in sts:
-            for k, v in s.preemptions.items():
-                pre[k] = pre.get(k, 0) + v
-        by_priority: dict[int, int] = {}
-        for s in sts:
-            for k, v in s.preemptions_by_priority.items():
-                by_priority[k] = by_priority.get(k, 0) + v
+        def merged(f) -> dict:  # per-key sums of a dict of counts (zero counts kept)
+            out: dict = {}
+            for s in sts:
+                for k, v in f(s).items():
+                    out[k] = out.get(k, 0) + v
+            return out
+
+        pre, by_priority = merged(lambda s: s.preemptions), merged(lambda s: s.preemptions_by_priority)
         total = lambda f: sum(f(s) for s in sts)  # noqa: E731
         return EngineStats(total(lambda s: s.running), total(lambda s: s.waiting), total(lambda s: s.swapped),
                            PoolStats(total(lambda s: s.device_blocks.total), total(lambda s: s.device_blocks.free)),

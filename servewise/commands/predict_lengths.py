@@ -15,7 +15,9 @@ def arguments(p) -> None:
     p.add_argument("--out", default="results/length_predictors.json")
     p.add_argument("--save", default=None, metavar="PATH",
                    help="also write a predictor fitted on the training pairs, for serve --length-predictor")
-    p.add_argument("--save-kind", default="magnus", choices=["magnus", "buckets", "linear", "mean"],
+    from servewise.predictors.output_length import PREDICTORS
+
+    p.add_argument("--save-kind", default="magnus", choices=list(PREDICTORS),
                    help="which predictor --save writes")
 
 

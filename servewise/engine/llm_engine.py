@@ -62,7 +62,7 @@ class LLMEngine:
         bm = block_manager
         self.limits = RequestLimits(model_config.vocab_size, model_config.max_model_len, model_config.eos_token_id,
                                     bm.block_size, bm.num_device_blocks - bm.watermark_blocks,
-                                    getattr(scheduler.ordering, "ranked", False))
+                                    scheduler.ranked)
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self.committed_blocks = 0  # blocks of self.requests at their longest: a load measure for routers

@@ -56,14 +56,15 @@ class LengthService:
 
     submit(req) and finished(req) only queue work; ready() returns the guesses made since the last call
     as (request id, tokens of the served model). period_s, abs_tol, rel_tol: Magnus's refit period and
-    its thresholds for a badly wrong guess (3 minutes, 10 tokens and 10%)."""
+    its thresholds for a badly wrong guess (3 minutes, 10 tokens and 10%). saved: the file's contents, when
+    the caller has read them already (load)."""
 
     def __init__(self, path: str, tokenizer, period_s: float = 180.0, abs_tol: float = 10, rel_tol: float = 0.1,
-                 embedder=None):
+                 embedder=None, saved: dict | None = None):
         from servewise.policies.refitting import Refitting
         from servewise.predictors.output_length import Embedder, length_tokenizer
 
-        saved = load(path)
+        saved = load(path) if saved is None else saved
         self.kind = saved["kind"]
         self.tokenizer = tokenizer
         self.embedder = embedder or Embedder()
@@ -99,6 +100,7 @@ class LengthService:
 
     def stats(self) -> dict:
         return {"kind": self.kind, "predictions": self.predictions,
+                "predict_s": self.predict_s,
                 "mean_predict_ms": self.predict_s / self.predictions * 1e3 if self.predictions else 0.0,
                 "observed": self.observed, "mae_wordpiece": self.abs_error / self.observed if self.observed else 0.0,
                 "refits": self.model.refits, "learnt": self.model.added, "error": self.error}

@@ -56,7 +56,7 @@ class _EngineState:
                                     "output lengths (the predictor's WordPiece tokens)", value=lengths["mae_wordpiece"])
             yield CounterMetricFamily("servewise_length_prediction_seconds", "Worker time spent predicting output "
                                       "lengths (embedding included)",
-                                      value=lengths["mean_predict_ms"] * lengths["predictions"] / 1e3)
+                                      value=lengths["predict_s"])
             yield CounterMetricFamily("servewise_length_predictor_refits", "Continual-learning refits of the "
                                       "length predictor", value=lengths["refits"])
         prefix = CounterMetricFamily("servewise_prefix_cache_tokens", "Tokens of the requests admitted to compute "
