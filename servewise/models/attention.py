@@ -2,14 +2,16 @@
 
 KV lives in a per-layer cache of shape [2, num_blocks * block_size, kv_heads, head_dim] (a flat
 view of the block pool). New keys and values are written at their slots. Decode steps either run
-the compiled kernel (`servewise/kernels`), which reads each request's blocks in place through its
-block table, or, in plain PyTorch, gather the blocks (whole contiguous rows of the pool) into one
+a compiled kernel (`servewise/kernels`: C++ on CPU, Triton on GPU), which reads each request's blocks
+in place through its block table, or, in plain PyTorch, gather the blocks (whole contiguous rows of the pool) into one
 padded batch for SDPA with a mask.
 
 Layers may also ask for a sliding window (a query sees itself and the window - 1 keys before it), a
 score scale other than head_dim ** -0.5, and soft-capped scores (cap * tanh(scores / cap), computed
-here without SDPA). The compiled decode kernel takes the scale but neither of the other two: layers
-with a window or a cap decode on the PyTorch path, gathering only the blocks their window covers.
+here without SDPA). The compiled CPU decode kernel takes the scale but neither of the other two: such
+layers decode on the PyTorch path there, gathering only the blocks their window covers. The Triton
+kernels take all three, and serve prefills too (whole prompts, chunks, prompts after a prefix-cache
+hit, mixed steps): every prefill then reads its keys from the cache through the block tables.
 """
 from __future__ import annotations
 
@@ -41,6 +43,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     cache[0].index_copy_(0, meta.slot_mapping, k)
     cache[1].index_copy_(0, meta.slot_mapping, v)
     opts = Opts(window, scale, softcap)
+    if meta.is_prefill and meta.prior_lens is not None and hasattr(meta.kernel, "paged_prefill_attention"):
+        out = meta.kernel.paged_prefill_attention(q.contiguous(), cache[0], cache[1], meta.block_tables, meta.seq_lens,
+                                                  meta.prior_lens, meta.block_size, _scale(D, scale), window, softcap)
+        return out.view(T, H * D)
     if meta.is_prefill and meta.prior_lens is not None:
         return _continued(q, cache, meta, opts)
     if meta.is_prefill:
@@ -67,6 +73,10 @@ class Opts:
     window: int | None
     scale: float | None  # None: head_dim ** -0.5
     softcap: float | None
+
+
+def _scale(head_dim: int, scale: float | None) -> float:
+    return head_dim ** -0.5 if scale is None else scale
 
 
 def _causal(n: int, prior: int, window: int | None, device) -> torch.Tensor:
@@ -111,10 +121,14 @@ def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, opts:
     """One new token per row over its cached context (the new token's KV is already written)."""
     T, H, D = q.shape
     KVH = cache.shape[2]
+    if meta.kernel is not None and getattr(meta.kernel, "full", False):  # (Triton: windows and caps too)
+        out = meta.kernel.paged_decode_attention(q.contiguous(), cache[0], cache[1], meta.block_tables,
+                                                 meta.context_lens, meta.block_size, _scale(D, opts.scale),
+                                                 opts.window, opts.softcap)
+        return out.view(T, H * D)
     if meta.kernel is not None and opts.window is None and opts.softcap is None:
         out = meta.kernel.paged_decode_attention(q.contiguous(), cache[0], cache[1], meta.block_tables,
-                                                 meta.context_lens, meta.block_size,
-                                                 D ** -0.5 if opts.scale is None else opts.scale)
+                                                 meta.context_lens, meta.block_size, _scale(D, opts.scale))
         return out.view(T, H * D)
     bt, bs, mask = meta.block_tables, meta.block_size, meta.mask
     if opts.window is not None:  # only the blocks the window covers: [first, last] of each row

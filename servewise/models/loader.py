@@ -70,7 +70,9 @@ def _qwen25(hidden, layers, heads, kv_heads, inter, window_layers, vocab=152064,
 CONFIG_ONLY_MODELS: dict[str, dict] = {
     "opt-13b": _opt(5120, 40, 40),
     "opt-30b": _opt(7168, 48, 56),
+    "llama-200m": _llama(1024, 12, 16, 2816, kv_heads=4),  # the peer comparisons' model (GPU bench too)
     "llama-7b": _llama(4096, 32, 32, 11008),  # the size of Magnus's ChatGLM-6B
+    "llama-2-7b": _llama(4096, 32, 32, 11008, max_len=4096),
     "llama-13b": _llama(5120, 40, 40, 13824),
     "llama-30b": _llama(6656, 60, 52, 17920),  # "Llama-32.5B" in AdaptiveLLM
     "llama-2-13b": _llama(5120, 40, 40, 13824, max_len=4096),

@@ -46,35 +46,62 @@ def keep_freed_memory() -> str:
 
 class TorchRunner:
     def __init__(self, model: torch.nn.Module, mc: ModelConfig, num_device_blocks: int, num_host_blocks: int,
-                 block_size: int, device: str = "cpu", store=None, connector: KVConnector | None = None):
+                 block_size: int, device: str = "cpu", store=None, connector: KVConnector | None = None,
+                 graphs: tuple[int, int] | None = None):
         """store: a global KV store (connectors.kv_store.KVStore) for moves to and from Pool.STORE;
-        connector: what moves KV across this runner's boundary during a step (connectors.base)."""
+        connector: what moves KV across this runner's boundary during a step (connectors.base);
+        graphs: (largest batch, longest sequence) to capture decode steps as CUDA graphs for, on CUDA."""
         self.model, self.mc, self.bs, self.device = model, mc, block_size, torch.device(device)
         self.capacity = (num_device_blocks, num_host_blocks)
         self.seqs: dict[str, SeqState] = {}  # the requests this runner holds, by id
         dtype = next(model.parameters()).dtype
         per_block = (block_size, mc.num_kv_heads, mc.head_dim)
-        # [layer, k/v, block, slot-in-block, kv head, head dim]
-        self.device_cache = torch.zeros(mc.num_layers, 2, num_device_blocks, *per_block, dtype=dtype, device=self.device)
+        self.attn_kernel, attn_path = kernels.attention_kernel(self.device.type)
+        graphs = graphs if self._graphs_apply(model, connector, store) else None
+        # [layer, k/v, block, slot-in-block, kv head, head dim]; CUDA graphs' padding rows use one more block
+        self.device_cache = torch.zeros(mc.num_layers, 2, num_device_blocks + (graphs is not None), *per_block,
+                                        dtype=dtype, device=self.device)
         self.connector = connector
         if connector is not None:  # (it may keep the cache where other processes can map it)
             self.device_cache = connector.register_kv_cache(self.device_cache)
             model.after_layer = connector.save_kv_layer
         self.host_cache = torch.zeros(mc.num_layers, 2, num_host_blocks, *per_block, dtype=dtype,
                                       pin_memory=self.device.type == "cuda")
-        flat = self.device_cache.view(mc.num_layers, 2, num_device_blocks * block_size, *per_block[1:])
+        flat = self.device_cache.view(mc.num_layers, 2, -1, *per_block[1:])
         self.kv_caches = list(flat.unbind(0))
-        self.attn_kernel = kernels.cpu_ext() if self.device.type == "cpu" else None
+        self.prefill_kernel = hasattr(self.attn_kernel, "paged_prefill_attention")  # every prefill reads the cache
         self.paths = "; ".join((describe_linears(model.linears()) if hasattr(model, "linears") else "linear layers: F.linear",
-                                kernels.status() if self.device.type == "cpu" else "decode attention: PyTorch gather + SDPA",
-                                keep_freed_memory() if self.device.type == "cpu" else "malloc: system defaults"))
+                                attn_path, keep_freed_memory() if self.device.type == "cpu" else "malloc: system defaults"))
         log.info("servewise: %s", self.paths)
         self.store = store
         self.layerwise_fetch = True  # fetched KV arrives layer by layer while the step computes
         self._fetch: _Fetch | None = None  # the step's fetch from the store
+        # CUDA: swaps between the device and the pinned host pool run on a stream of their own; layer i
+        # of the step waits only for layer i's copies (vLLM 0.2.x's cache events)
+        self.swap_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._swap_events: list | None = None
+        self.graphs = None
+        if graphs is not None:
+            from servewise.runners.cuda_graphs import DecodeGraphs
+
+            max_batch, max_len = graphs
+            self.graphs = DecodeGraphs(model, self.kv_caches, self.attn_kernel, block_size, max_batch,
+                                       -(-max_len // block_size), num_device_blocks, self.device)
+            took = self.graphs.capture()
+            self.paths += f"; CUDA graphs for decode batches up to {max_batch} ({len(self.graphs.sizes)} " \
+                          f"captured in {took:.1f} s)"
+            log.info("servewise: decode CUDA graphs captured for %d batch sizes in %.1f s", len(self.graphs.sizes), took)
+
+    def _graphs_apply(self, model, connector, store) -> bool:
+        """CUDA graphs need the Triton kernels, no per-layer hooks, and a model with no host-side
+        decisions in its forward (dynamic NTK rotary looks at the positions on the host)."""
+        return (self.device.type == "cuda" and self.attn_kernel is not None and connector is None and store is None
+                and not getattr(getattr(model, "rotary", None), "dynamic", False) and hasattr(model, "compute_logits"))
 
     def _before_layer(self, layer: int) -> None:
-        """Layer `layer` computes once its KV is in: fetched from the store, or loaded by the connector."""
+        """Layer `layer` computes once its KV is in: swapped, fetched from the store, or loaded by the connector."""
+        if self._swap_events is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._swap_events[layer])
         if self._fetch is not None:
             self._fetch.wait(layer)
         if self.connector is not None:
@@ -107,6 +134,8 @@ class TorchRunner:
             return time.perf_counter() - t0
         pools = {Pool.DEVICE: self.device_cache, Pool.HOST: self.host_cache}
         src_pool, dst_pool = pools[move.src], pools[move.dst]
+        if self.swap_stream is not None:
+            return self._swap_async(src_pool, dst_pool, move.pairs, t0)
         block_bytes = self.device_cache[:, :, 0].numel() * self.device_cache.element_size()
         group = max(1, (8 << 20) // block_bytes)
         for i in range(0, len(move.pairs), group):
@@ -116,6 +145,32 @@ class TorchRunner:
             dst_pool.index_copy_(2, dst, src_pool.index_select(2, src).to(dst_pool.device, non_blocking=False))
         self._sync()
         return time.perf_counter() - t0
+
+    def _swap_async(self, src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs, t0: float) -> float:
+        """Issue a swap's copies on the swap stream, layer by layer (one copy per run of consecutive
+        blocks, per layer, for K and for V), with an event after each layer; returns the host time
+        spent issuing them. The copies start after the work already queued on the compute stream (a
+        swap-out reads what the last step wrote) and the next step's layers wait for them."""
+        runs = _runs(pairs)
+        cur = torch.cuda.current_stream(self.device)
+        self.swap_stream.wait_stream(cur)
+        events = self._swap_events or [torch.cuda.Event() for _ in range(src_pool.shape[0])]
+        with torch.cuda.stream(self.swap_stream):
+            for layer, event in enumerate(events):
+                for kv in (0, 1):
+                    src, dst = src_pool[layer, kv], dst_pool[layer, kv]
+                    for s, d, n in runs:
+                        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+                event.record(self.swap_stream)
+        self._swap_events = events
+        self.model.before_layer = self._before_layer
+        return time.perf_counter() - t0
+
+    def finish_moves(self) -> None:
+        """Wait for copies still in flight (a swap on its stream)."""
+        if self._swap_events is not None:
+            self.swap_stream.synchronize()
+            self._swap_events = None
 
     def _apply(self, out: SchedulerOutput) -> None:
         """Bring the runner's own request state up to date with the step's diffs."""
@@ -135,8 +190,15 @@ class TorchRunner:
         t0 = time.perf_counter()
         self._apply(out)
         if not out.scheduled:
+            self.finish_moves()
             return StepResult([], 0.0)
         rows = [self.seqs[rid] for rid in out.scheduled]
+        if self._graph_step(out, rows):
+            self.model.before_layer = None
+            sampled = sample(self.graphs.run(rows, out.context_lens), rows)
+            for seq, tok in zip(rows, sampled.tokens):
+                seq.output_token_ids.append(tok)
+            return StepResult(list(sampled.tokens), time.perf_counter() - t0, sampled.logprobs)
         ids, positions, meta, last, sampling = self._prepare(out, rows)
         if self.connector is not None:
             self.connector.start_step([(rid, seq.block_ids, c, len(seq.prompt_token_ids))
@@ -168,7 +230,16 @@ class TorchRunner:
                 if logprobs is not None:
                     logprobs[i] = sampled.logprobs[j]
         self._sync()
+        self._swap_events = None
         return StepResult(tokens, time.perf_counter() - t0, logprobs, failed)
+
+    def _graph_step(self, out: SchedulerOutput, rows) -> bool:
+        """Whether this step replays a CUDA graph: every row decodes one token and samples, the batch
+        fits a bucket, and no copy is in flight that a layer would have to wait for."""
+        if self.graphs is None or self._swap_events is not None or self._fetch is not None:
+            return False
+        return (len(rows) <= self.graphs.sizes[-1] and all(n == 1 for n in out.num_scheduled_tokens)
+                and not out.partial)
 
     def _slots(self, seq: SeqState, start: int, end: int) -> torch.Tensor:
         bs = self.bs
@@ -193,7 +264,7 @@ class TorchRunner:
         last = ends[sampling] if len(sampling) < len(rows) else ends
         prior = [c - n for n, c in zip(counts, ctx)]
         meta = AttentionMetadata(True, torch.cat(slots), list(counts), bs)
-        if any(prior):  # chunks that continue earlier KV: attention reads it through the block tables
+        if any(prior) or self.prefill_kernel:  # chunks that continue earlier KV: read through the block tables
             meta.prior_lens = prior
             meta.block_tables = self._block_tables(rows)
             meta.kernel = self.attn_kernel
@@ -215,6 +286,17 @@ class TorchRunner:
         ids = torch.tensor([s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in rows],
                            device=dev)
         return ids, pos, meta
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) block pairs as runs (src start, dst start, count) where both sides are consecutive."""
+    runs: list[list[int]] = []
+    for s, d in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
 
 
 class _Fetch:

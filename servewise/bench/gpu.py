@@ -1,0 +1,395 @@
+"""`servewise bench gpu`: what the GPU path does on the GPU at hand, in one command.
+
+Sections (each recorded on its own; one that fails is reported and the rest still run):
+- device: the GPU, and its memory bandwidth and bf16 matrix throughput as measured here (a
+  device-to-device copy; an 8192^3 matmul): the roofline the other sections are held against;
+- tests: the test suite on this machine (so on CUDA);
+- attention: the Triton decode kernel against the PyTorch path (gather + SDPA), time and bandwidth;
+- roofline: offline decode and prefill on dummy weights of each model shape in bf16 at each batch
+  size, against the roofline (weights and KV read once per step at the measured bandwidth, or the
+  step's FLOPs at the measured matmul rate, whichever is longer), CUDA graphs on and off;
+- swap: swap-out and swap-in times of a Llama-2-7B-shaped KV cache between the GPU and the pinned
+  host pool over many sizes, AdaptiveLLM's swap-cost model (fixed + per-copy + bytes / bandwidth)
+  fitted on half of them and its error on the other half.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+SECTIONS = ("device", "tests", "attention", "roofline", "swap")
+
+
+@dataclass
+class Settings:
+    models: list[str] = field(default_factory=lambda: ["llama-200m", "llama-2-7b", "llama-3-8b"])
+    batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128, 256])
+    input_len: int = 128
+    output_len: int = 128
+    sections: list[str] = field(default_factory=lambda: list(SECTIONS))
+    test_args: str = "-q --timeout 300"
+    test_workers: int = 8
+    out: str = "results/bench_gpu.json"
+
+
+def _timed(fn, reps: int = 10, warm: int = 3) -> float:
+    """Median seconds of fn() on the GPU, each rep bracketed by CUDA events."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def _graph_timed(fn, reps: int = 20) -> float:
+    """Median GPU seconds of fn() replayed from a CUDA graph: the kernels' time without the host's
+    launch overhead (which a decode step's graph removes the same way)."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return _timed(g.replay, reps)
+
+
+def device_section() -> dict:
+    p = torch.cuda.get_device_properties(0)
+    n = 1 << 30  # 1 GiB each way
+    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    copy_s = _timed(lambda: dst.copy_(src))
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_s = _timed(lambda: a @ b)
+    del a, b
+    torch.cuda.empty_cache()
+    import triton
+
+    return {"name": p.name, "sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2**30, 1),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "python": platform.python_version(),
+            "hbm_gbs": 2 * n / copy_s / 1e9, "bf16_tflops": 2 * 8192 ** 3 / mm_s / 1e12}
+
+
+def tests_section(s: Settings) -> dict:
+    args = [sys.executable, "-m", "pytest", *s.test_args.split(), "-p", "no:cacheprovider"]
+    try:
+        import xdist  # noqa: F401
+
+        if s.test_workers > 1:
+            args += ["-n", str(s.test_workers), "--dist", "loadfile"]
+    except ImportError:
+        pass
+    t0 = time.perf_counter()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(args, cwd=root, capture_output=True, text=True)
+    tail = proc.stdout.strip().splitlines()[-40:]
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)",
+                                                tail[-1] if tail else "")}
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in tail if line.startswith(("FAILED", "ERROR"))]
+    return {"command": " ".join(args[1:]), "exit": proc.returncode, "seconds": time.perf_counter() - t0,
+            "counts": counts, "failed": failed, "tail": tail[-15:]}
+
+
+def attention_section() -> dict:
+    """The decode kernel against the PyTorch path at Llama-2-7B (MHA) and Llama-3-8B (GQA) heads."""
+    from servewise.kernels.triton_attention import TritonAttention
+    from servewise.models.attention import AttentionMetadata, Opts, _decode, decode_mask
+
+    rows = []
+    kernel = TritonAttention()
+    for name, H, KVH in (("llama-2-7b", 32, 32), ("llama-3-8b", 32, 8)):
+        for B, ctx in ((1, 1024), (64, 512), (64, 2048), (256, 512)):
+            bs, D = 16, 128
+            nblocks = B * ctx // bs
+            cache = torch.randn(2, nblocks * bs, KVH, D, dtype=torch.bfloat16, device="cuda")
+            table = torch.randperm(nblocks, device="cuda").view(B, ctx // bs)
+            lens = torch.full((B,), ctx, device="cuda")
+            q = torch.randn(B, H, D, dtype=torch.bfloat16, device="cuda")
+            meta_k = AttentionMetadata(False, None, [ctx] * B, bs, table, None, lens, kernel)
+            meta_t = AttentionMetadata(False, None, [ctx] * B, bs, table, decode_mask(table, lens, bs, q.dtype), lens)
+            opts = Opts(None, None, None)
+            t_k = _graph_timed(lambda: _decode(q, cache, meta_k, opts))
+            t_t = _graph_timed(lambda: _decode(q, cache, meta_t, opts))
+            err = (_decode(q, cache, meta_k, opts).float() - _decode(q, cache, meta_t, opts).float()).abs().max().item()
+            kv_bytes = 2 * B * ctx * KVH * D * 2
+            rows.append({"shape": name, "batch": B, "context": ctx, "triton_us": t_k * 1e6, "torch_us": t_t * 1e6,
+                         "speedup": t_t / t_k, "triton_gbs": kv_bytes / t_k / 1e9, "max_abs_diff": err})
+            if B == 64:  # the decode kernel's tile and split settings around the defaults
+                for bn, warps, split in ((32, 4, 128), (128, 4, 128), (64, 8, 128), (128, 8, 128), (64, 4, 512)):
+                    alt = TritonAttention(bn, warps, split)
+                    meta_a = AttentionMetadata(False, None, [ctx] * B, bs, table, None, lens, alt)
+                    t_a = _graph_timed(lambda: _decode(q, cache, meta_a, opts))
+                    rows[-1].setdefault("variants", []).append({"block_n": bn, "warps": warps, "min_split": split,
+                                                                "us": t_a * 1e6})
+            del cache
+    torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+def _param_bytes(llm) -> tuple[int, int]:
+    """(parameters, bytes a decode step reads of them: all but the embedding table, of which it reads
+    a row per request; a tied table is read whole as the output projection)."""
+    model = llm.engine.runner.model
+    total = sum(p.numel() for p in model.parameters())
+    elt = next(model.parameters()).element_size()
+    embed = model.embed_tokens.numel() if not model.c.tie_word_embeddings else 0
+    return total, (total - embed) * elt
+
+
+def roofline_section(s: Settings, dev: dict, progress=print) -> dict:
+    from servewise import LLM, SamplingParams
+
+    bw, peak = dev["hbm_gbs"] * 1e9, dev["bf16_tflops"] * 1e12
+    out = []
+    for name in s.models:
+        B_max = max(s.batches)
+        total_len = s.input_len + s.output_len
+        blocks = B_max * -(-total_len // 16) + 64
+        t0 = time.perf_counter()
+        llm = LLM(name, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=B_max,
+                  max_num_batched_tokens=max(8192, s.input_len), num_device_blocks=blocks, num_host_blocks=0,
+                  max_model_len=total_len + 16)
+        build_s = time.perf_counter() - t0
+        mc = llm.engine.model_config
+        n_params, w_bytes = _param_bytes(llm)
+        kv_tok = mc.kv_bytes_per_token
+        flop_tok = 2 * (n_params - (mc.vocab_size * mc.hidden_size if not mc.tie_word_embeddings else 0))
+        attn_flop = 4 * mc.num_layers * mc.num_heads * mc.head_dim  # per (query, key) pair
+        rng = random.Random(0)
+        runner = llm.engine.runner
+        graphs = runner.graphs
+        entry = {"model": name, "params": n_params, "weight_bytes": w_bytes, "build_s": build_s,
+                 "paths": runner.paths, "rows": []}
+        for B in s.batches:
+            prompts = [[rng.randrange(10, mc.vocab_size) for _ in range(s.input_len)] for _ in range(B)]
+            row = {"batch": B}
+            for mode in ("graphs", "eager") if graphs is not None else ("eager",):
+                if mode == "eager" and graphs is not None and B not in (1, 64, B_max):
+                    continue  # (eager at a few sizes: the graphs' gain)
+                runner.graphs = graphs if mode == "graphs" else None
+                gen = lambda k: llm.generate(prompts, SamplingParams(max_tokens=k, temperature=0, ignore_eos=True),
+                                             use_tqdm=False)
+                gen(2)  # warm-up at this batch size
+                t1 = time.perf_counter()
+                gen(1)
+                t_pre = time.perf_counter() - t1
+                t1 = time.perf_counter()
+                gen(s.output_len)
+                t_all = time.perf_counter() - t1
+                step = (t_all - t_pre) / (s.output_len - 1)
+                row[mode] = {"prefill_s": t_pre, "decode_step_ms": step * 1e3, "total_s": t_all,
+                             "output_tok_s": B * s.output_len / t_all}
+            runner.graphs = graphs
+            ctx = s.input_len + s.output_len / 2
+            dec_bytes = w_bytes + B * ctx * kv_tok
+            dec_roof = max(dec_bytes / bw, (B * flop_tok + B * ctx * attn_flop) / peak)
+            pre_flops = B * s.input_len * flop_tok + B * s.input_len ** 2 / 2 * attn_flop
+            pre_roof = max(pre_flops / peak, (w_bytes + B * s.input_len * kv_tok) / bw)
+            best = row.get("graphs", row.get("eager"))
+            row.update(decode_roofline_ms=dec_roof * 1e3, decode_x_roofline=best["decode_step_ms"] / 1e3 / dec_roof,
+                       prefill_roofline_s=pre_roof, prefill_x_roofline=best["prefill_s"] / pre_roof)
+            entry["rows"].append(row)
+            progress(f"  {name} B={B}: decode step {best['decode_step_ms']:.2f} ms "
+                     f"({row['decode_x_roofline']:.2f}x roofline), prefill {best['prefill_s'] * 1e3:.1f} ms "
+                     f"({row['prefill_x_roofline']:.2f}x)" + (f", eager step {row['eager']['decode_step_ms']:.2f} ms"
+                                                              if "eager" in row and "graphs" in row else ""))
+        out.append(entry)
+        del llm, runner, graphs
+        torch.cuda.empty_cache()
+    return {"models": out, "input_len": s.input_len, "output_len": s.output_len}
+
+
+def swap_section(progress=print) -> dict:
+    """Swaps of a Llama-2-7B-shaped KV cache (32 layers, 32 KV heads, head dim 128, blocks of 16
+    tokens: 8 MiB a block) through the runner's own swap path (its stream, per-layer copies)."""
+    from servewise.engine.interfaces import KVMove, Pool
+    from servewise.runners.torch_runner import TorchRunner
+
+    class Stub(torch.nn.Module):  # the runner needs a model only for its dtype and per-layer hooks
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16, device="cuda"))
+
+    from servewise.config import ModelConfig
+    from servewise.models.loader import hf_config
+
+    mc = ModelConfig.from_hf(hf_config("llama-2-7b"), dtype="bfloat16")
+    n = 520
+    runner = TorchRunner(Stub(), mc, n, n, 16, "cuda")
+    block_bytes = mc.kv_bytes_per_token * 16
+    points = []
+    rng = random.Random(0)
+    for b in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        for layout in ("consecutive", "scattered"):
+            if layout == "consecutive":
+                src, dst = list(range(b)), list(range(n - b, n))
+            else:
+                src, dst = sorted(rng.sample(range(0, n, 2), b)), sorted(rng.sample(range(1, n, 2), b))
+            for to_host in (True, False):
+                pairs = list(zip(src, dst)) if to_host else list(zip(dst, src))
+                move = KVMove(Pool.DEVICE, Pool.HOST, pairs) if to_host else KVMove(Pool.HOST, Pool.DEVICE, pairs)
+                times = []
+                for _ in range(7):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    runner.move_blocks(move)
+                    runner.finish_moves()
+                    times.append(time.perf_counter() - t0)
+                from servewise.runners.torch_runner import _runs
+
+                points.append({"blocks": b, "layout": layout, "to_host": to_host, "runs": len(_runs(pairs)),
+                               "copies": 2 * mc.num_layers * len(_runs(pairs)), "bytes": b * block_bytes,
+                               "seconds": statistics.median(times)})
+    fit = _fit_swap(points)
+    progress(f"  swap model: {fit['fixed_us']:.0f} us + max({fit['per_copy_us']:.2f} us/copy, bytes / "
+             f"{fit['gbs']:.1f} GB/s); held-out error mean {fit['heldout_mean_err'] * 100:.1f}%, "
+             f"max {fit['heldout_max_err'] * 100:.1f}%")
+    del runner
+    torch.cuda.empty_cache()
+    return {"block_bytes": block_bytes, "points": points, "fit": fit}
+
+
+def _fit_swap(points: list[dict]) -> dict:
+    """The swap-cost model  seconds = fixed + max(copies x per_copy, bytes / bandwidth)  fitted on every
+    other point (ordered by size) for least relative error, and its error on the rest. The max: the
+    host issues the copies (one per run of consecutive blocks, per layer, for K and for V) while the
+    DMA engine moves the ones already issued, so a swap of many scattered blocks is bound by the host
+    and one of few long runs by the link (what servewise.predictors.gpu_swap models as host time and
+    transfer)."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    copies = np.array([p["copies"] for p in points], float)
+    nbytes = np.array([p["bytes"] for p in points], float)
+    y = np.array([p["seconds"] for p in points])
+    order = sorted(range(len(points)), key=lambda i: (nbytes[i], copies[i], points[i]["to_host"]))
+    train, test = np.array(order[::2]), np.array(order[1::2])
+
+    def model(th, i):  # th: fixed us, us per copy, GB/s
+        return th[0] * 1e-6 + np.maximum(th[1] * 1e-6 * copies[i], nbytes[i] / (th[2] * 1e9))
+
+    th = least_squares(lambda th: (model(th, train) - y[train]) / y[train], [500.0, 10.0, 25.0],
+                       bounds=([0, 0, 0.1], [1e5, 1e4, 1e4])).x
+    err = np.abs(model(th, test) - y[test]) / y[test]
+    every = np.arange(len(points))
+    return {"form": "fixed + max(copies x per_copy, bytes / bandwidth)", "fixed_us": float(th[0]), "per_copy_us": float(th[1]),
+            "gbs": float(th[2]), "heldout_mean_err": float(err.mean()), "heldout_max_err": float(err.max()),
+            "all_mean_err": float((np.abs(model(th, every) - y) / y).mean()), "train_points": len(train),
+            "test_points": len(test)}
+
+
+def report(r: dict) -> str:
+    """The results as a short Markdown report."""
+    lines = ["# servewise on a GPU: `servewise bench gpu`", ""]
+    d = r.get("device")
+    if isinstance(d, dict) and "name" in d:
+        lines += [f"{d['name']} ({d['sms']} SMs, {d['memory_gib']} GiB), torch {d['torch']} (CUDA {d['cuda']}), "
+                  f"Triton {d['triton']}, Python {d['python']}. Measured here: memory bandwidth "
+                  f"{d['hbm_gbs']:.0f} GB/s (device-to-device copy, bytes read + written), bf16 matmul "
+                  f"{d['bf16_tflops']:.0f} TFLOP/s (8192^3). The roofline below uses these two figures.", ""]
+    t = r.get("tests")
+    if isinstance(t, dict) and "counts" in t:
+        lines += ["## Tests on CUDA", "", f"`{t['command']}`: {t['counts']} in {t['seconds']:.0f} s (exit {t['exit']})."]
+        lines += [f"- failed: {f}" for f in t["failed"]] + [""]
+    a = r.get("attention")
+    if isinstance(a, dict) and "rows" in a:
+        lines += ["## Decode attention: Triton kernel vs PyTorch gather + SDPA (bf16, blocks of 16)", "",
+                  "One layer's decode attention, GPU time of a CUDA-graph replay (no launch overhead); GB/s: the "
+                  "KV bytes read over that time.", "",
+                  "| shape | batch | context | Triton us | PyTorch us | speed-up | Triton GB/s | max abs diff |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {x['shape']} | {x['batch']} | {x['context']} | {x['triton_us']:.0f} | {x['torch_us']:.0f} | "
+                  f"{x['speedup']:.1f}x | {x['triton_gbs']:.0f} | {x['max_abs_diff']:.1e} |" for x in a["rows"]] + [""]
+        for x in a["rows"]:
+            if x.get("variants"):
+                lines.append(f"- {x['shape']} B={x['batch']} context {x['context']}, other decode settings (keys per "
+                             "iteration, warps, shortest split: us): " + ", ".join(
+                                 f"{v['block_n']}/{v['warps']}/{v['min_split']}: {v['us']:.0f}" for v in x["variants"]))
+        lines.append("")
+    f = r.get("roofline")
+    if isinstance(f, dict) and "models" in f:
+        lines += [f"## Offline decode and prefill vs the roofline ({f['input_len']} prompt tokens, {f['output_len']} "
+                  "output tokens, bf16 dummy weights)", "",
+                  "| model | batch | decode step ms | roofline ms | x roofline | eager step ms | output tok/s | "
+                  "prefill ms | x roofline |", "|---|---|---|---|---|---|---|---|---|"]
+        for m in f["models"]:
+            for x in m["rows"]:
+                best = x.get("graphs", x.get("eager"))
+                eager = f"{x['eager']['decode_step_ms']:.2f}" if "eager" in x and "graphs" in x else "-"
+                lines.append(f"| {m['model']} | {x['batch']} | {best['decode_step_ms']:.2f} | "
+                             f"{x['decode_roofline_ms']:.2f} | {x['decode_x_roofline']:.2f} | {eager} | "
+                             f"{best['output_tok_s']:,.0f} | {best['prefill_s'] * 1e3:.1f} | {x['prefill_x_roofline']:.2f} |")
+        lines.append("")
+    s = r.get("swap")
+    if isinstance(s, dict) and "fit" in s:
+        fit = s["fit"]
+        lines += ["## Swaps between the GPU and pinned host memory (Llama-2-7B KV blocks of 8 MiB)", "",
+                  f"Fitted on {fit['train_points']} points: {fit['fixed_us']:.0f} us + max({fit['per_copy_us']:.2f} us "
+                  f"per copy, bytes / {fit['gbs']:.1f} GB/s). Error on the {fit['test_points']} held-out points: mean "
+                  f"{fit['heldout_mean_err'] * 100:.1f}%, max {fit['heldout_max_err'] * 100:.1f}%.", ""]
+    for k in SECTIONS:
+        if isinstance(r.get(k), dict) and "error" in r[k]:
+            lines.append(f"- section {k} failed: {r[k]['error']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(s: Settings) -> dict:
+    if not torch.cuda.is_available():
+        raise SystemExit("servewise bench gpu needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    unknown = set(s.sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    result: dict = {"settings": s.__dict__}
+    t_start = time.perf_counter()
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(s.out)) or ".", exist_ok=True)
+        with open(s.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        with open(os.path.splitext(s.out)[0] + ".md", "w") as f:
+            f.write(report(result))
+
+    for name in SECTIONS:
+        if name not in s.sections and name != "device":
+            continue
+        print(f"[{time.perf_counter() - t_start:6.0f} s] {name} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            if name == "device":
+                result[name] = device_section()
+            elif name == "tests":
+                result[name] = tests_section(s)
+            elif name == "attention":
+                result[name] = attention_section()
+            elif name == "roofline":
+                result[name] = roofline_section(s, result["device"], progress=lambda m: print(m, flush=True))
+            elif name == "swap":
+                result[name] = swap_section(progress=lambda m: print(m, flush=True))
+        except Exception as e:  # one section's failure is a finding; the others still run
+            import traceback
+
+            result[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            print(result[name]["traceback"], flush=True)
+        result.setdefault("seconds", {})[name] = time.perf_counter() - t0
+        save()
+    print(report(result))
+    print(f"saved {s.out} and {os.path.splitext(s.out)[0]}.md")
+    return result

@@ -1,0 +1,29 @@
+"""`servewise bench gpu`."""
+from __future__ import annotations
+
+from servewise.commands.options import lengths, threads_arg
+
+HELP = "the GPU path on the GPU at hand: tests, attention kernels, decode/prefill vs roofline, swap-cost fit"
+
+
+def arguments(p) -> None:
+    from servewise.bench.gpu import SECTIONS
+
+    p.add_argument("--models", type=lambda t: t.split(","), default=["llama-200m", "llama-2-7b", "llama-3-8b"],
+                   help="model shapes (config names or directories), comma-separated; run on dummy weights in bf16")
+    p.add_argument("--batches", type=lengths, default=[1, 8, 32, 64, 128, 256], help="batch sizes, comma-separated")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--sections", type=lambda t: t.split(","), default=list(SECTIONS),
+                   help=f"comma-separated, from {', '.join(SECTIONS)} (device always runs)")
+    p.add_argument("--test-args", default="-q --timeout 300", help="pytest's arguments for the tests section")
+    p.add_argument("--test-workers", type=int, default=8, help="pytest-xdist workers, where it is installed")
+    threads_arg(p)
+    p.add_argument("--out", default="results/bench_gpu.json", help="the JSON; the report goes beside it (.md)")
+
+
+def run(a) -> None:
+    from servewise.bench.gpu import Settings, main
+    from servewise.commands.bench import settings
+
+    main(settings(Settings, a))
