@@ -103,7 +103,8 @@ def tests_section(s: Settings) -> dict:
     tail = proc.stdout.strip().splitlines()[-40:]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)",
                                                 tail[-1] if tail else "")}
-    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in tail if line.startswith(("FAILED", "ERROR"))]
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in proc.stdout.splitlines()
+              if line.startswith(("FAILED ", "ERROR "))]
     return {"command": " ".join(args[1:]), "exit": proc.returncode, "seconds": time.perf_counter() - t0,
             "counts": counts, "failed": failed, "tail": tail[-15:]}
 
