@@ -221,16 +221,15 @@ def roofline_section(s: Settings, dev: dict, progress=print) -> dict:
 def swap_section(progress=print) -> dict:
     """Swaps of a Llama-2-7B-shaped KV cache (32 layers, 32 KV heads, head dim 128, blocks of 16
     tokens: 8 MiB a block) through the runner's own swap path (its stream, per-layer copies)."""
+    from servewise.config import ModelConfig
     from servewise.engine.interfaces import KVMove, Pool
-    from servewise.runners.torch_runner import TorchRunner
+    from servewise.models.loader import hf_config
+    from servewise.runners.torch_runner import TorchRunner, _runs
 
     class Stub(torch.nn.Module):  # the runner needs a model only for its dtype and per-layer hooks
         def __init__(self):
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16, device="cuda"))
-
-    from servewise.config import ModelConfig
-    from servewise.models.loader import hf_config
 
     mc = ModelConfig.from_hf(hf_config("llama-2-7b"), dtype="bfloat16")
     n = 520
@@ -254,10 +253,9 @@ def swap_section(progress=print) -> dict:
                     runner.move_blocks(move)
                     runner.finish_moves()
                     times.append(time.perf_counter() - t0)
-                from servewise.runners.torch_runner import _runs
-
-                points.append({"blocks": b, "layout": layout, "to_host": to_host, "runs": len(_runs(pairs)),
-                               "copies": 2 * mc.num_layers * len(_runs(pairs)), "bytes": b * block_bytes,
+                runs = len(_runs(pairs))
+                points.append({"blocks": b, "layout": layout, "to_host": to_host, "runs": runs,
+                               "copies": 2 * mc.num_layers * runs, "bytes": b * block_bytes,
                                "seconds": statistics.median(times)})
     fit = _fit_swap(points)
     progress(f"  swap model: {fit['fixed_us']:.0f} us + max({fit['per_copy_us']:.2f} us/copy, bytes / "

@@ -36,29 +36,6 @@ def _tanh(x):
 
 
 @triton.jit
-def _decode_tile(q, k_ptr, v_ptr, bt_row, start, hi, kvh, m_i, l_i, acc, scale, softcap, d, dmask,
-                 KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SOFTCAP: tl.constexpr, PREC: tl.constexpr):
-    """Keys start .. start + BLOCK_N (those below hi) into the running softmax of one (request, KV head)."""
-    n = start + tl.arange(0, BLOCK_N)
-    valid = n < hi
-    blk = tl.load(bt_row + n // BS, mask=valid, other=0).to(tl.int64)
-    off = ((blk * BS + n % BS) * KVH + kvh) * D
-    kv_mask = valid[:, None] & dmask[None, :]
-    k = tl.load(k_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-    if SOFTCAP:
-        sc = softcap * _tanh(sc / softcap)
-    sc = tl.where(valid[None, :], sc, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(sc, 1))
-    p = tl.exp(sc - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
-    v = tl.load(v_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
-
-
-@triton.jit
 def _decode_split(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, scale, softcap, window,
                   stride_bt, split_len,
                   H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
@@ -68,7 +45,7 @@ def _decode_split(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, s
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     lo = s * split_len
     hi = tl.minimum(lo + split_len, ctx)
-    if WINDOW:
+    if WINDOW:  # (the keys a split reads are then all inside the window)
         lo = tl.maximum(lo, ctx - window)
     g, d = tl.arange(0, GP), tl.arange(0, DP)
     dmask = d < D
@@ -81,13 +58,13 @@ def _decode_split(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, s
     if WHILE:  # (the interpreter cannot take a loaded value as a range bound)
         start = lo
         while start < hi:
-            m_i, l_i, acc = _decode_tile(q, k_ptr, v_ptr, bt_row, start, hi, kvh, m_i, l_i, acc, scale, softcap, d,
-                                         dmask, KVH, D, BS, BLOCK_N, SOFTCAP, PREC)
+            m_i, l_i, acc = _tile(q, k_ptr, v_ptr, bt_row, start, hi, hi, kvh, m_i, l_i, acc, scale, softcap, window,
+                                  d, dmask, KVH, D, BS, BLOCK_N, SOFTCAP, False, False, PREC)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _decode_tile(q, k_ptr, v_ptr, bt_row, start, hi, kvh, m_i, l_i, acc, scale, softcap, d,
-                                         dmask, KVH, D, BS, BLOCK_N, SOFTCAP, PREC)
+            m_i, l_i, acc = _tile(q, k_ptr, v_ptr, bt_row, start, hi, hi, kvh, m_i, l_i, acc, scale, softcap, window,
+                                  d, dmask, KVH, D, BS, BLOCK_N, SOFTCAP, False, False, PREC)
     row = (b * H + heads) * S + s
     gm = g < G
     tl.store(m_ptr + row, m_i, mask=gm)
@@ -111,10 +88,12 @@ def _decode_merge(m_ptr, l_ptr, acc_ptr, o_ptr, H: tl.constexpr, D: tl.constexpr
 
 
 @triton.jit
-def _prefill_tile(q, k_ptr, v_ptr, bt_row, start, hi, pos, kvh, m_i, l_i, acc, scale, softcap, window, d, dmask,
-                  KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr):
-    """Keys start .. start + BLOCK_N (those below hi) into the running softmax of a tile of queries."""
+def _tile(q, k_ptr, v_ptr, bt_row, start, hi, pos, kvh, m_i, l_i, acc, scale, softcap, window, d, dmask,
+          KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+          CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr):
+    """Keys start .. start + BLOCK_N (those below hi) into the running softmax of a tile of queries: a
+    KV head's query heads in decode (every key below hi visible: CAUSAL off), a row's queries at
+    positions `pos` in prefill (keys up to each query's position, and within the window)."""
     nk = start + tl.arange(0, BLOCK_N)
     valid = nk < hi
     blk = tl.load(bt_row + nk // BS, mask=valid, other=0).to(tl.int64)
@@ -124,9 +103,11 @@ def _prefill_tile(q, k_ptr, v_ptr, bt_row, start, hi, pos, kvh, m_i, l_i, acc, s
     sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     if SOFTCAP:
         sc = softcap * _tanh(sc / softcap)
-    vis = valid[None, :] & (nk[None, :] <= pos[:, None])
-    if WINDOW:
-        vis = vis & (nk[None, :] > pos[:, None] - window)
+    vis = valid[None, :]
+    if CAUSAL:
+        vis = vis & (nk[None, :] <= pos[:, None])
+        if WINDOW:
+            vis = vis & (nk[None, :] > pos[:, None] - window)
     sc = tl.where(vis, sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, 1))
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row that has seen no key yet
@@ -165,13 +146,13 @@ def _prefill(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, tile_row_ptr, tile_q0_ptr, qsta
     if WHILE:
         start = lo
         while start < hi:
-            m_i, l_i, acc = _prefill_tile(q, k_ptr, v_ptr, bt_row, start, hi, pos, kvh, m_i, l_i, acc, scale, softcap,
-                                          window, d, dmask, KVH, D, BS, BLOCK_N, SOFTCAP, WINDOW, PREC)
+            m_i, l_i, acc = _tile(q, k_ptr, v_ptr, bt_row, start, hi, pos, kvh, m_i, l_i, acc, scale, softcap, window,
+                                  d, dmask, KVH, D, BS, BLOCK_N, SOFTCAP, True, WINDOW, PREC)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _prefill_tile(q, k_ptr, v_ptr, bt_row, start, hi, pos, kvh, m_i, l_i, acc, scale, softcap,
-                                          window, d, dmask, KVH, D, BS, BLOCK_N, SOFTCAP, WINDOW, PREC)
+            m_i, l_i, acc = _tile(q, k_ptr, v_ptr, bt_row, start, hi, pos, kvh, m_i, l_i, acc, scale, softcap, window,
+                                  d, dmask, KVH, D, BS, BLOCK_N, SOFTCAP, True, WINDOW, PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + ((q0 + i) * H + h)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=qmask[:, None] & dmask[None, :])

@@ -121,14 +121,11 @@ def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, opts:
     """One new token per row over its cached context (the new token's KV is already written)."""
     T, H, D = q.shape
     KVH = cache.shape[2]
-    if meta.kernel is not None and getattr(meta.kernel, "full", False):  # (Triton: windows and caps too)
+    full = getattr(meta.kernel, "full", False)  # (Triton's kernels take windows and caps too; the CPU one does not)
+    if meta.kernel is not None and (full or opts.window is None and opts.softcap is None):
         out = meta.kernel.paged_decode_attention(q.contiguous(), cache[0], cache[1], meta.block_tables,
                                                  meta.context_lens, meta.block_size, _scale(D, opts.scale),
-                                                 opts.window, opts.softcap)
-        return out.view(T, H * D)
-    if meta.kernel is not None and opts.window is None and opts.softcap is None:
-        out = meta.kernel.paged_decode_attention(q.contiguous(), cache[0], cache[1], meta.block_tables,
-                                                 meta.context_lens, meta.block_size, _scale(D, opts.scale))
+                                                 *((opts.window, opts.softcap) if full else ()))
         return out.view(T, H * D)
     bt, bs, mask = meta.block_tables, meta.block_size, meta.mask
     if opts.window is not None:  # only the blocks the window covers: [first, last] of each row

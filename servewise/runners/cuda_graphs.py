@@ -14,6 +14,8 @@ kernels/triton_attention.py), which is what makes the capture valid for every la
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from servewise.models.attention import AttentionMetadata
@@ -42,7 +44,7 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}
 
     def _meta(self, b: int) -> AttentionMetadata:
-        ids, pos, slot, ctx = self.vec[:, :b]
+        slot, ctx = self.vec[2, :b], self.vec[3, :b]
         return AttentionMetadata(False, slot, [1] * b, self.bs, self.table[:b], None, ctx, self.kernel)
 
     def _forward(self, b: int) -> torch.Tensor:
@@ -52,8 +54,6 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> float:
         """Capture every bucket, largest first, in one memory pool; returns seconds taken."""
-        import time
-
         t0 = time.perf_counter()
         self._fill([], [])  # every row a padding row: reads and writes the scratch block only
         pool = None
