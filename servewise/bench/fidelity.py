@@ -57,13 +57,16 @@ class Settings:
     out: str = "results/bench_fidelity.json"
 
 
-def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None, replay: int = 0) -> dict:
+def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None, replay: int = 0,
+             predictors_path: str | None = None) -> dict:
     """The workload through the real engine, then through the simulator four times (MODELS): on the
     profiled predictors as they are, corrected by the machine's drift (predictors.drift) measured right
     before the run, corrected by the run's own first fifth of steps, and following the run's own steps as
     they went (Following).
-    `replay`: that many of the run's decode batches are timed again afterwards (replay_decode)."""
-    spec = Spec(Engine("real", model, options=engine_kw), items, arrivals)
+    `replay`: that many of the run's decode batches are timed again afterwards (replay_decode).
+    `predictors_path`: the file `predictors` came from, for the real engine's cost-aware preemption (both
+    sides then price a preemption alike)."""
+    spec = Spec(Engine("real", model, predictors=predictors_path, options=engine_kw), items, arrivals)
     real = build(spec.engine)  # warmed up
     perf = make_perf(PROFILE, real.model_config, real.block_manager.block_size, predictors)
     before = drift.measure(real, perf)
@@ -406,7 +409,7 @@ def main(s: Settings) -> None:
             for mode in s.preemption:
                 kw = dict(num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks, preemption=mode,
                           max_num_seqs=s.max_num_seqs)
-                r = run_pair(s.model, items, arrivals, preds, kw, replay=s.replay)
+                r = run_pair(s.model, items, arrivals, preds, kw, replay=s.replay, predictors_path=s.predictors)
                 r["ended"] = time.strftime("%H:%M:%S")
                 results.setdefault(f"{rate:g}/{mode}", []).append(r)
                 head = f"\n[run {rep + 1}/{s.repeat}, {rate:g} req/s, {mode}] {s.num_device_blocks} device / " \

@@ -10,7 +10,11 @@ Sections (each recorded on its own; one that fails is reported and the rest stil
   step's FLOPs at the measured matmul rate, whichever is longer), CUDA graphs on and off;
 - swap: swap-out and swap-in times of a Llama-2-7B-shaped KV cache between the GPU and the pinned
   host pool over many sizes, AdaptiveLLM's swap-cost model (fixed + per-copy + bytes / bandwidth)
-  fitted on half of them and its error on the other half.
+  fitted on half of them and its error on the other half;
+- fidelity: a GPU profile of one model shape (its step times with CUDA graphs, as the engine runs them,
+  and its swap copies), the predictors fitted on it (the swap-cost model that prices `--preemption
+  adaptive`, checked on real-KV swaps it was not fitted on), and one workload through the real GPU engine
+  and through the simulator on those predictors (bench fidelity's comparison), per rate and preemption mode.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SECTIONS = ("device", "tests", "attention", "roofline", "swap")
+SECTIONS = ("device", "tests", "attention", "roofline", "swap", "fidelity")
 
 
 @dataclass
@@ -39,6 +43,11 @@ class Settings:
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
     test_args: str = "-q --timeout 300"
     test_workers: int = 8
+    fidelity_model: str = "llama-200m"
+    fidelity_workload: str = "chatbot"
+    fidelity_requests: int = 400
+    fidelity_rates: list[float] = field(default_factory=lambda: [16.0, 64.0])
+    fidelity_blocks: int = 512
     out: str = "results/bench_gpu.json"
 
 
@@ -295,6 +304,51 @@ def _fit_swap(points: list[dict]) -> dict:
             "test_points": len(test)}
 
 
+def fidelity_section(s: Settings, progress=print) -> dict:
+    """Profile `fidelity_model` (bf16, random weights) on this GPU, fit its predictors, and run the
+    workload through the real engine and the simulator on them (servewise.bench.fidelity.run_pair)."""
+    from servewise.bench.fidelity import MODELS, run_pair
+    from servewise.models.loader import hf_config, load_model_config
+    from servewise.predictors.fit import fit_predictors
+    from servewise.predictors.profiler import profile
+    from servewise.workloads.build import build_workload
+
+    hf = hf_config(s.fidelity_model)
+    size = (hf["num_hidden_layers"], hf["hidden_size"])
+    t0 = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: to check the section here)
+    prof = profile(hf, [size], dtype="bfloat16", device=device, reps=5, progress=progress)
+    profile_s = time.perf_counter() - t0
+    preds = fit_predictors(prof)
+    saved = os.path.splitext(s.out)[0] + "_predictors.pkl"
+    os.makedirs(os.path.dirname(os.path.abspath(saved)) or ".", exist_ok=True)
+    preds.save(saved)
+    rep = preds.report
+    progress(f"  profile {profile_s:.0f} s; held-out step-time MAPE {rep['held_out_mape']}; swap validation "
+             f"MAPE {rep['swap_validation_mape']}")
+    mc, tok = load_model_config(s.fidelity_model)
+    runs = {}
+    for rate in s.fidelity_rates:
+        items, arrivals = build_workload(s.fidelity_workload, tok, mc.vocab_size, num_requests=s.fidelity_requests,
+                                         arrival="poisson", rate=rate, seed=0)
+        for mode in ("recompute", "swap", "adaptive"):
+            kw = dict(num_device_blocks=s.fidelity_blocks, num_host_blocks=4 * s.fidelity_blocks, preemption=mode,
+                      load_format="dummy", dtype="bfloat16")
+            r = run_pair(s.fidelity_model, items, arrivals, preds, kw, predictors_path=saved)
+            kept = {name: {"rows": r[name]["rows"], "steps": r[name]["steps"]} for name in MODELS}
+            runs[f"{rate:g}/{mode}"] = {"real": {k: r["real"][k] for k in ("duration_s", "mean_ttft_ms", "mean_tpot_ms",
+                                                                             "mean_e2el_ms", "preemptions")},
+                                        "loop": r["loop"], **kept}
+            rows = r["profiled"]["rows"]
+            progress(f"  {rate:g} req/s, {mode}: " + ", ".join(
+                f"{label} {v['error_pct']:+.1f}%" for label, v in rows.items() if v["error_pct"] is not None)
+                + f"; preemptions {r['real']['preemptions']}")
+    return {"model": s.fidelity_model, "size": list(size), "profile_s": profile_s, "workload": s.fidelity_workload,
+            "requests": s.fidelity_requests, "blocks": s.fidelity_blocks,
+            "held_out_mape": rep["held_out_mape"], "swap_links": rep["swap_links"],
+            "swap_validation_mape": rep["swap_validation_mape"], "loop_fit": rep.get("loop"), "runs": runs}
+
+
 def report(r: dict) -> str:
     """The results as a short Markdown report."""
     lines = ["# servewise on a GPU: `servewise bench gpu`", ""]
@@ -344,6 +398,26 @@ def report(r: dict) -> str:
                   f"Fitted on {fit['train_points']} points: {fit['fixed_us']:.0f} us + max({fit['per_copy_us']:.2f} us "
                   f"per copy, bytes / {fit['gbs']:.1f} GB/s). Error on the {fit['test_points']} held-out points: mean "
                   f"{fit['heldout_mean_err'] * 100:.1f}%, max {fit['heldout_max_err'] * 100:.1f}%.", ""]
+    f = r.get("fidelity")
+    if isinstance(f, dict) and "runs" in f:
+        lines += [f"## Simulator fidelity on this GPU ({f['model']}, bf16, {f['requests']} {f['workload']} requests, "
+                  f"{f['blocks']} KV blocks)", "",
+                  f"Profiled here in {f['profile_s']:.0f} s (decode steps on CUDA graphs). Held-out step-time MAPE: "
+                  + ", ".join(f"{k} {v:.1f}%" for k, v in f["held_out_mape"].items())
+                  + "; swap-cost model on real-KV swaps it was not fitted on (MAPE): "
+                  + ", ".join(f"{k}: " + ", ".join(f"{d} {e:.1f}%" for d, e in v.items())
+                              for k, v in f["swap_validation_mape"].items()) + ".", "",
+                  "Simulated on the profile as it is, against the real engine (error of the simulation):", "",
+                  "| rate / preemption | makespan | mean TTFT | mean TPOT | mean E2E | prefill steps | decode steps | "
+                  "preemptions (real) |", "|---|---|---|---|---|---|---|---|"]
+        pct = lambda v: "-" if v is None else f"{v:+.1f}%"  # noqa: E731
+        for key, x in f["runs"].items():
+            rows, st = x["profiled"]["rows"], x["profiled"]["steps"]
+            lines.append(f"| {key} | {pct(rows['makespan (s)']['error_pct'])} | {pct(rows['mean TTFT (ms)']['error_pct'])} | "
+                         f"{pct(rows['mean TPOT (ms)']['error_pct'])} | {pct(rows['mean E2E (ms)']['error_pct'])} | "
+                         f"{pct(st['prefill']['error_pct'])} | {pct(st['decode']['error_pct'])} | "
+                         f"{x['real']['preemptions']} |")
+        lines.append("")
     for k in SECTIONS:
         if isinstance(r.get(k), dict) and "error" in r[k]:
             lines.append(f"- section {k} failed: {r[k]['error']}")
@@ -382,6 +456,8 @@ def main(s: Settings) -> dict:
                 result[name] = roofline_section(s, result["device"], progress=lambda m: print(m, flush=True))
             elif name == "swap":
                 result[name] = swap_section(progress=lambda m: print(m, flush=True))
+            elif name == "fidelity":
+                result[name] = fidelity_section(s, progress=lambda m: print(m, flush=True))
         except Exception as e:  # one section's failure is a finding; the others still run
             import traceback
 

@@ -107,13 +107,14 @@ def decode_layout(mean: int, rows: int, num_blocks: int, block_size: int, seed: 
 class _Bench:
     """One model on a TorchRunner with pools big enough for the sweep."""
 
-    def __init__(self, cfg: ModelConfig, device: str, block_size: int, num_device_blocks: int, num_host_blocks: int):
+    def __init__(self, cfg: ModelConfig, device: str, block_size: int, num_device_blocks: int, num_host_blocks: int,
+                 graphs: tuple[int, int] | None = None):
         from servewise.models.loader import build_model
         from servewise.runners.torch_runner import TorchRunner
 
         self.cfg = cfg
         self.runner = TorchRunner(build_model(cfg, device=device), cfg, num_device_blocks, num_host_blocks,
-                                  block_size, device)
+                                  block_size, device, graphs=graphs)
         self.block_size = block_size
         self.num_device_blocks, self.num_host_blocks = num_device_blocks, num_host_blocks
         self.rng = random.Random(0)
@@ -204,13 +205,15 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
             block_size: int = 16, prefill_points: int = 64, decode_points: int = 96, max_batch: int = 128,
             max_prefill_len: int = 512, max_decode_ctx: int = 1024, max_prefill_tokens: int = 2048, max_decode_tokens: int = 16384,
             max_copy_blocks: int = 256, validation_requests: int = 40, context_points: int = 16, reps: int = 7,
-            loop_requests: int = 256, seed: int = 0, interleave: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+            loop_requests: int = 256, seed: int = 0, interleave: bool = True, graphs: bool = True,
+            progress: Callable[[str], None] | None = None) -> dict:
     """Profile every (layers, hidden) size of base_config's architecture; returns the profile dict.
 
     Lengths stay within the model's max_position_embeddings: batches spread their prompts and contexts
     up to 1.5x the point's length, so points stop at two thirds of it. `interleave`: every size is held
     at once (its weights and KV pools) and their rounds alternate (see _Sweep); False: one size at a time,
-    for sizes whose pools do not fit in memory together."""
+    for sizes whose pools do not fit in memory together. `graphs`: on CUDA, decode steps replay CUDA graphs
+    as the engine's do (up to max_batch requests), so the profile times the steps the engine runs."""
     limit = base_config.get("max_position_embeddings")
     if limit:
         max_prefill_len = min(max_prefill_len, limit * 2 // 3)
@@ -231,7 +234,8 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
         result["models"].append({"layers": layers, "hidden": hidden, "heads": cfg.num_heads,
                                  "kv_heads": cfg.num_kv_heads, "intermediate": cfg.intermediate_size,
                                  "vocab": cfg.vocab_size, "kv_bytes_per_token": cfg.kv_bytes_per_token})
-        bench = _Bench(cfg, device, block_size, n_dev, n_host)
+        capture = (max_batch, cfg.max_model_len) if graphs and device.startswith("cuda") else None
+        bench = _Bench(cfg, device, block_size, n_dev, n_host, capture)
         result["decode_attention"] = IN_PLACE if bench.runner.attn_kernel is not None else PADDED
         # context: the same prompt chunks with and without earlier context (what attending to a cached prefix costs)
         chunks = [bench._chunks(b, n, p) for b, n, p in context_pts] + [bench._chunks(b, n, 0) for b, n, _ in context_pts]

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from servewise.commands.options import lengths, threads_arg
 
-HELP = "the GPU path on the GPU at hand: tests, attention kernels, decode/prefill vs roofline, swap-cost fit"
+HELP = ("the GPU path on the GPU at hand: tests, attention kernels, decode/prefill vs roofline, swap-cost fit, "
+        "simulator fidelity")
 
 
 def arguments(p) -> None:
@@ -18,6 +19,12 @@ def arguments(p) -> None:
                    help=f"comma-separated, from {', '.join(SECTIONS)} (device always runs)")
     p.add_argument("--test-args", default="-q --timeout 300", help="pytest's arguments for the tests section")
     p.add_argument("--test-workers", type=int, default=8, help="pytest-xdist workers, where it is installed")
+    p.add_argument("--fidelity-model", default="llama-200m", help="the model shape the fidelity section profiles and runs")
+    p.add_argument("--fidelity-workload", default="chatbot", help="its workload (a preset or 'synthetic')")
+    p.add_argument("--fidelity-requests", type=int, default=400)
+    p.add_argument("--fidelity-rates", type=lambda t: [float(x) for x in t.split(",")], default=[16.0, 64.0],
+                   help="Poisson rates (req/s), comma-separated")
+    p.add_argument("--fidelity-blocks", type=int, default=512, help="KV blocks of the engine (host pool: 4x)")
     threads_arg(p)
     p.add_argument("--out", default="results/bench_gpu.json", help="the JSON; the report goes beside it (.md)")
 
