@@ -9,10 +9,11 @@ and the KV of those layers for `kv_tokens` tokens (the thesis's reservation T) w
 The thesis's dynamic program keeps dp[mark][i] over device subsets, but its recurrence never grows
 the mark and never forces the layer counts to add up to the model's. The one here is exact:
 state (devices used, last device, layers placed); a transition hands the next k layers to a device
-not yet used. Its objective is additive per stage, a1 x latency / latency_ref + a2 x devices / n:
-- "LR" (a2 = 0): the lowest per-token latency;
-- "HE" (a1 ~ 0): the fewest devices, latency breaking ties;
-- "HELR" (a1 : a2 = 10 : 1, the thesis's example): latency, with a price per device used.
+not yet used. Its objective is additive per stage, a1 x latency / latency_ref + a2 x devices / n, with
+the thesis's modes (section 3.5.3):
+- "LR", low latency (a1 >> a2, the thesis's example 10 : 1): latency first, a small price per device;
+- "HE", high efficiency (a1 = 0; here 1e-6 so that latency breaks ties): the fewest devices;
+- "HELR", balanced (both weighed; the thesis gives no numbers: 1 : 1 on the normalised terms here).
 It takes O(2^n n^2 L) vector operations of length L for n devices and L layers (n <= 12 here).
 
 Baselines: "even" (every device, in the given order, an equal share) and "greedy" (the thesis's
@@ -29,7 +30,7 @@ from servewise.config import ModelConfig
 from servewise.predictors.roofline import Efficiency, RooflinePerf, get_hardware
 
 MODES = ("HELR", "LR", "HE", "even", "greedy")
-WEIGHTS = {"HELR": (10.0, 1.0), "LR": (1.0, 0.0), "HE": (1e-6, 1.0)}  # (a1, a2)
+WEIGHTS = {"LR": (10.0, 1.0), "HELR": (1.0, 1.0), "HE": (1e-6, 1.0)}  # (a1, a2)
 
 
 @dataclass(frozen=True)
