@@ -21,6 +21,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
     }),
     "profile": "profile",
     "fit-predictors": "fit_predictors",
+    "calibrate": "calibrate",
     "simulate": "simulate",
     "cluster": "cluster",
     "serve": "serve",

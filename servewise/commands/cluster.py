@@ -21,7 +21,8 @@ def arguments(p) -> None:
     p.add_argument("--router", default="jsq_tokens", choices=list(ROUTERS),
                    help="for designs without a split (split designs use Splitwise's pools)")
     p.add_argument("--perf-table", default=None,
-                   help="Splitwise's measured GPU table (perf_model.csv.gz); default: the analytical roofline")
+                   help="Splitwise's measured GPU table (perf_model.csv.gz), or a calibration (.json, from "
+                        "`servewise calibrate`) pricing each operation; default: the analytical roofline")
     p.add_argument("--token-axis", default="batch", choices=["batch", "tokens"],
                    help="measured token times by batch size, or as SplitwiseSim looks them up")
     p.add_argument("--transfer", default="layerwise", choices=list(MODES))

@@ -14,6 +14,9 @@ def arguments(p) -> None:
                         "a800-80g-pcie, h100-80g, v100-32g, rtx3090")
     p.add_argument("--predictors", default="results/predictors.pkl", help="fitted predictors for --hardware profile")
     p.add_argument("--tp", type=at_least(1), default=1, help="GPUs per instance, tensor parallel (analytical GPUs only)")
+    p.add_argument("--perf-table", default=None,
+                   help="for an analytical GPU: a calibration (.json, from `servewise calibrate`) pricing each "
+                        "operation, or Splitwise's measured table (perf_model.csv.gz; its two models only)")
     workload_args(p)
     slo_args(p)
     p.add_argument("--out", default="results/simulate.json")
@@ -27,7 +30,7 @@ def run(a) -> None:
     from servewise.metrics import format_table, save_json
 
     kw = {k: v for k, v in engine_kwargs(a).items() if k != "predictors"}
-    spec_engine = Engine("sim", a.model, a.hardware, a.predictors, options=dict(kw, tp=a.tp))
+    spec_engine = Engine("sim", a.model, a.hardware, a.predictors, options=dict(kw, tp=a.tp, perf_table=a.perf_table))
     eng = build(spec_engine)
     notes: dict = {}
     items, arrivals = workload(a, eng.tokenizer, eng.model_config.vocab_size, notes, eng.model_config.max_model_len)

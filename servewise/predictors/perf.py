@@ -77,7 +77,8 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
               table: str | dict | None = None, model: str | None = None, token_axis: str = "batch"):
     """hardware 'profile': this machine, from fitted predictors (a Predictors or a path); with `table`
     (Splitwise's measured perf_model.csv, a path), that table's runs of `model` on `hardware` with `tp`
-    GPUs (predictors.measured, with its `token_axis`); otherwise a roofline GPU by name, with `efficiency` overriding its
+    GPUs (predictors.measured, with its `token_axis`); with `table` a calibration (.json, written by
+    `servewise calibrate`), any model on `hardware` priced per operation (predictors.operations); otherwise a roofline GPU by name, with `efficiency` overriding its
     assumed efficiencies (roofline.Efficiency), over `tp` GPUs."""
     if hardware == PROFILE:
         if predictors is None:
@@ -88,6 +89,11 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
 
         preds = Predictors.load(predictors) if isinstance(predictors, str) else predictors
         return ProfiledPerf(preds, mc.num_layers, mc.hidden_size, mc.kv_bytes_per_token, block_size)
+    if isinstance(table, str) and table.endswith(".json"):  # a per-operation calibration (servewise calibrate)
+        from servewise.predictors.operations import OperationPerf, load_calibration
+
+        return OperationPerf(mc, hardware, block_size, load_calibration(table, hardware), tp,
+                             label=f"per-operation model calibrated on measured steps ({hardware}, TP {tp}; {table})")
     if table is not None:
         from servewise.predictors.measured import MeasuredPerf
 

@@ -1,0 +1,30 @@
+"""`servewise calibrate`."""
+from __future__ import annotations
+
+from servewise.commands.options import threads_arg
+
+HELP = "calibrate the per-operation GPU model on measured steps; leave-one-out errors beside the roofline's"
+
+
+def arguments(p) -> None:
+    p.add_argument("--table", required=True, help="Splitwise's measured table (perf_model.csv.gz)")
+    p.add_argument("--gpus", type=lambda t: t.split(","), default=None,
+                   help="the table's GPUs to calibrate, comma-separated (default: all of them)")
+    p.add_argument("--out", default="results/calibration.json",
+                   help="the calibrations and their errors (give it to simulate or cluster as --perf-table)")
+    threads_arg(p)
+
+
+def run(a) -> None:
+    import json
+    import os
+
+    from servewise.predictors.operations import calibrate_table, format_report, worst
+
+    result = calibrate_table(a.table, a.gpus, progress=lambda m: print(m, flush=True))
+    print(format_report(result))
+    print(f"largest leave-one-out error: {worst(result):.1f}%")
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"table": a.table, "gpus": result}, f, indent=1)
+    print(f"saved {a.out}")

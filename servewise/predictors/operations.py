@@ -1,0 +1,286 @@
+"""A per-operation GPU step model, calibrated on measured steps (Vidur's approach, on the data we have).
+
+A step's time is the sum of its operations rather than one roofline for the whole step:
+- per layer, four GEMMs (QKV, attention output, MLP up (and gate), MLP down), each split over the
+  `tp` GPUs and priced as max(FLOPs / (peak x e(m)), bytes / (bandwidth x memory efficiency)), where
+  e(m) = gemm_eff x m / (m + gemm_knee) rises with the GEMM's rows m (a small-M GEMM cannot fill the
+  tensor cores: the knee between memory- and compute-bound);
+- per layer, attention: prefill over its (query, key) pairs at attn_eff of peak, decode reading its KV
+  tokens at the memory efficiency;
+- per layer under TP, two all-reduces of the step's activations: allreduce_s + a ring's bytes over NVLink;
+- the LM head (a GEMM over the rows that sample);
+- the engine's own time: step_s per step, layer_s per layer (launches, synchronisation), and per request
+  of the step, prompt_request_s for a prompt and decode_request_s for a decoding request.
+
+`fit` calibrates the parameters of one GPU on measured prompt and token times (Splitwise's table:
+servewise.predictors.measured) by least squares on log times, so every point weighs by its relative
+error; `leave_one_out` refits without one model, one TP degree or one batch-size range and reports the
+error on what was left out, beside the uncalibrated roofline's (predictors.roofline) on the same points.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from servewise.config import ModelConfig
+from servewise.predictors.roofline import Hardware, RooflinePerf, get_hardware
+
+# The measured table's names for the GPUs (a power-capped H100 has the H100's peaks and its own calibration).
+TABLE_GPUS = {"a100-80gb": "a100-80g", "h100-80gb": "h100-80g", "h100-80gb-pcap": "h100-80g"}
+TABLE_MODELS = {"llama2-70b": "llama-2-70b", "bloom-176b": "bloom-176b"}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One GPU's fitted constants (defaults: the roofline's assumptions, before any fit)."""
+
+    gemm_eff: float = 0.6  # fraction of the tensor peak a GEMM with many rows reaches
+    gemm_knee: float = 1.0  # rows at which a GEMM reaches half of gemm_eff
+    mem_eff: float = 0.75  # fraction of the HBM bandwidth weight and KV reads reach
+    attn_eff: float = 0.3  # fraction of the tensor peak prefill attention reaches
+    step_s: float = 2e-3  # the engine's own time per step
+    layer_s: float = 1e-6  # per layer per step (kernel launches, synchronisation)
+    allreduce_s: float = 10e-6  # per all-reduce
+    nvlink_eff: float = 0.8  # fraction of the NVLink bandwidth an all-reduce's ring reaches
+    prompt_request_s: float = 1e-5  # per prompt in a step
+    decode_request_s: float = 1e-5  # per decoding request in a step
+
+
+
+NAMES = [f.name for f in fields(Calibration)]
+
+
+def load_calibration(path: str, hardware: str) -> Calibration:
+    """The calibration of `hardware` (a servewise GPU name: a100-80g, h100-80g, h100-80g-pcap) in a file
+    written by `servewise calibrate`."""
+    from servewise.predictors.measured import HARDWARE_NAMES
+
+    try:
+        with open(path) as f:
+            gpus = json.load(f)["gpus"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{path}: not a calibration file written by `servewise calibrate` ({e})") from None
+    name = HARDWARE_NAMES.get(hardware, hardware)
+    if name not in gpus:
+        raise ValueError(f"{path} has no calibration for {hardware}; it has {', '.join(sorted(gpus))}")
+    return Calibration(**gpus[name]["calibration"])
+
+
+class OperationPerf(RooflinePerf):
+    """RooflinePerf's interface (prefill, decode, mixed, copy, device_blocks) with steps priced per operation."""
+
+    analytical = True
+
+    def __init__(self, c: ModelConfig, hw: Hardware | str, block_size: int, calibration: Calibration | None = None,
+                 tp: int = 1, label: str | None = None):
+        super().__init__(c, hw.removesuffix("-pcap") if isinstance(hw, str) else hw, block_size, tp=tp)
+        self.cal = calibration or Calibration()
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        up = (2 if c.arch == "llama" else 1) * c.intermediate_size
+        # (k, n) of each layer GEMM, split over tp GPUs along n (QKV, up) or k (output, down)
+        self.gemms = [(c.hidden_size, (q + 2 * kv) / tp), (q / tp, c.hidden_size), (c.hidden_size, up / tp),
+                      (c.intermediate_size / tp, c.hidden_size)]
+        self.peak = self.hw.fp16_tflops * 1e12
+        self.bw = self.hw.hbm_gbps * 1e9
+        self.label = label or f"per-operation model ({self.hw.name}{f' x{tp} TP' if tp > 1 else ''})"
+
+    def gemm(self, m: float, k: float, n: float) -> float:
+        """One GEMM of m rows on one GPU."""
+        if m <= 0:
+            return 0.0
+        cal = self.cal
+        eff = cal.gemm_eff * m / (m + cal.gemm_knee)
+        return max(2 * m * k * n / (self.peak * eff), (k * n + m * (k + n)) * self.itemsize / (self.bw * cal.mem_eff))
+
+    def span(self, layers: int, tokens: int, pairs: int, kv_tokens: int, heads: int) -> float:
+        c, cal, tp = self.c, self.cal, self.tp
+        per_layer = sum(self.gemm(tokens, k, n) for k, n in self.gemms)
+        attn_flops = 4 * c.num_heads / tp * c.head_dim * pairs
+        kv_bytes = kv_tokens * c.kv_bytes_per_token / c.num_layers / tp
+        per_layer += max(attn_flops / (self.peak * cal.attn_eff), kv_bytes / (self.bw * cal.mem_eff))
+        if tp > 1:
+            ring = 2 * (tp - 1) / tp * tokens * c.hidden_size * self.itemsize
+            per_layer += 2 * (cal.allreduce_s + ring / (self.hw.nvlink_gbps * 1e9 * cal.nvlink_eff))
+        head = self.gemm(heads, c.hidden_size, c.vocab_size / tp) if heads else 0.0
+        return layers * (per_layer + cal.layer_s) + head
+
+    def _time(self, span_s: float, tokens: int) -> float:
+        return span_s + self.cal.step_s  # (the all-reduces are in span)
+
+    def prefill(self, lens: list[int]) -> float:
+        return super().prefill(lens) + self.cal.prompt_request_s * len(lens)
+
+    def decode(self, ctx_lens: list[int]) -> float:
+        return super().decode(ctx_lens) + self.cal.decode_request_s * len(ctx_lens)
+
+    def mixed(self, chunks: list[int], ctx_lens: list[int]) -> float:
+        return super().mixed(chunks, ctx_lens) + self.cal.prompt_request_s * len(chunks) + \
+            self.cal.decode_request_s * len(ctx_lens)
+
+    def prior_context(self, pairs: int) -> float:
+        return self.c.num_layers * 4 * self.c.num_heads / self.tp * self.c.head_dim * pairs / (self.peak * self.cal.attn_eff)
+
+
+# ---- calibration on measured steps -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Point:
+    """One measured step: `phase` prompt (a batch of `batch` prompts of `prompt` tokens) or token (a decode
+    step of `batch` requests at context `prompt` + half the output), `seconds` its median."""
+
+    model: str  # servewise name
+    gpu: str  # the table's name
+    tp: int
+    phase: str
+    prompt: int
+    batch: int
+    seconds: float
+
+
+def table_points(table) -> list[Point]:
+    """The measured table's prompt and token times as points (prompt sweep at batch 1 and batch sweep at
+    512 tokens; token times of the batch sweep), with the monotone cleaning measured.MeasuredPerf applies."""
+    from servewise.predictors.measured import _monotone, load_table
+
+    table = load_table(table) if isinstance(table, str) else table
+    out = []
+    for (model, gpu, tp), runs in sorted(table.items()):
+        if model not in TABLE_MODELS or gpu not in TABLE_GPUS:
+            continue
+        name = TABLE_MODELS[model]
+        prompt = _monotone([(p * b, pt) for (p, b, t), (pt, _) in runs.items() if t == 128 and (b == 1 or p == 512)])
+        kept = set(prompt)
+        for (p, b, t), (pt, tt) in sorted(runs.items()):
+            if t != 128 or not (b == 1 or p == 512):
+                continue
+            if (p * b, pt) in kept:
+                out.append(Point(name, gpu, tp, "prompt", p, b, pt))
+                kept.discard((p * b, pt))
+        for b, tt in _monotone([(b, tt) for (p, b, t), (_, tt) in runs.items() if p == 512 and t == 128]):
+            out.append(Point(name, gpu, tp, "token", 512, b, tt))
+    return out
+
+
+_CONFIGS: dict = {}
+
+
+def _config(model: str) -> ModelConfig:
+    if model not in _CONFIGS:
+        from servewise.models.loader import load_model_config
+
+        _CONFIGS[model] = load_model_config(model, "float16")[0]
+    return _CONFIGS[model]
+
+
+def predict(p: Point, cal: Calibration | None, block_size: int = 16) -> float:
+    """The point's time by the per-operation model with `cal`, or by the uncalibrated roofline (cal None)."""
+    mc, hw = _config(p.model), TABLE_GPUS[p.gpu]
+    perf = OperationPerf(mc, hw, block_size, cal, p.tp) if cal is not None else RooflinePerf(mc, hw, block_size, tp=p.tp)
+    if p.phase == "prompt":
+        return perf.prefill([p.prompt] * p.batch)
+    return perf.decode([p.prompt + 64] * p.batch)
+
+
+# fitted in log space within these bounds
+BOUNDS = {"gemm_eff": (0.05, 1.0), "gemm_knee": (0.01, 4096.0), "mem_eff": (0.05, 1.0), "attn_eff": (0.01, 1.0),
+          "step_s": (1e-6, 0.2), "layer_s": (1e-8, 2e-3), "allreduce_s": (1e-7, 2e-3), "nvlink_eff": (0.02, 1.0),
+          "prompt_request_s": (1e-7, 1.0), "decode_request_s": (1e-7, 0.1)}
+
+
+def fit(points: list[Point], start: Calibration | None = None) -> Calibration:
+    """Least squares of log(predicted / measured) over the points (one GPU's), all constants at once."""
+    from scipy.optimize import least_squares
+
+    if not points:
+        raise ValueError("no measured points to calibrate on")
+    start = start or Calibration()
+    lo = np.log([BOUNDS[n][0] for n in NAMES])
+    hi = np.log([BOUNDS[n][1] for n in NAMES])
+    x0 = np.clip(np.log([getattr(start, n) for n in NAMES]), lo + 1e-9, hi - 1e-9)
+    y = np.log([p.seconds for p in points])
+
+    def residuals(x):
+        cal = Calibration(*np.exp(x))
+        return np.log([predict(p, cal) for p in points]) - y
+
+    res = least_squares(residuals, x0, bounds=(lo, hi), x_scale=1.0)
+    return Calibration(*(float(v) for v in np.exp(res.x)))
+
+
+def errors(points: list[Point], cal: Calibration | None) -> dict:
+    """Per phase: signed mean and mean absolute percentage error of the predictions against the points."""
+    out = {}
+    for phase in ("prompt", "token"):
+        e = [(predict(p, cal) - p.seconds) / p.seconds * 100 for p in points if p.phase == phase]
+        if e:
+            out[phase] = {"points": len(e), "bias_pct": statistics.fmean(e), "mape_pct": statistics.fmean(map(abs, e)),
+                          "max_pct": max(map(abs, e))}
+    return out
+
+
+def folds(points: list[Point]) -> list[tuple[str, list[Point], list[Point]]]:
+    """Leave-one-out splits of one GPU's points: one model, one TP degree, one batch-size range out."""
+    out = []
+    for m in sorted({p.model for p in points}):
+        out.append((f"model {m} left out", [p for p in points if p.model != m], [p for p in points if p.model == m]))
+    for tp in sorted({p.tp for p in points}):
+        train = [p for p in points if p.tp != tp]
+        if {p.model for p in train} == {p.model for p in points}:  # (a model with only this degree is the model fold)
+            out.append((f"TP {tp} left out", train, [p for p in points if p.tp == tp]))
+    big = [p for p in points if p.batch >= 16]
+    if big:
+        out.append(("batches 16-64 left out", [p for p in points if p.batch < 16], big))
+    return out
+
+
+def calibrate_table(table, gpus: list[str] | None = None, progress=None) -> dict:
+    """Per GPU of the table: the calibration on all its points, its in-sample error, the roofline's error,
+    and each leave-one-out fold's error on what it left out."""
+    pts = table_points(table)
+    result = {}
+    for gpu in gpus or sorted({p.gpu for p in pts}):
+        mine = [p for p in pts if p.gpu == gpu]
+        if not mine:
+            raise ValueError(f"the table has no runs on {gpu}; it has {', '.join(sorted({p.gpu for p in pts}))}")
+        cal = fit(mine)
+        entry = {"calibration": asdict(cal), "points": len(mine), "fitted": errors(mine, cal),
+                 "roofline": errors(mine, None), "folds": []}
+        if progress:
+            progress(f"{gpu}: fitted on {len(mine)} points")
+        for name, train, test in folds(mine):
+            fcal = fit(train, cal)
+            entry["folds"].append({"fold": name, "train": len(train), "test": len(test),
+                                   "error": errors(test, fcal), "roofline": errors(test, None)})
+            if progress:
+                progress(f"{gpu}: {name}")
+        result[gpu] = entry
+    return result
+
+
+def format_report(result: dict) -> str:
+    lines = ["per-operation model calibrated per GPU; mean absolute % error (signed mean) on the points shown,",
+             "prompt / token steps; the uncalibrated roofline on the same points beside it", ""]
+    row = "{:<16}{:<28}{:>7}  {:>22}  {:>22}"
+    lines.append(row.format("GPU", "points", "count", "calibrated", "roofline"))
+
+    def cell(e):
+        return " / ".join(f"{e[k]['mape_pct']:.1f} ({e[k]['bias_pct']:+.0f})" if k in e else "-" for k in ("prompt", "token"))
+
+    for gpu, r in result.items():
+        lines.append(row.format(gpu, "all (in sample)", r["points"], cell(r["fitted"]), cell(r["roofline"])))
+        for f in r["folds"]:
+            lines.append(row.format("", f["fold"], f["test"], cell(f["error"]), cell(f["roofline"])))
+        c = r["calibration"]
+        lines.append("  constants: " + ", ".join(
+            f"{k} {v * 1e6:.1f} us" if k.endswith("_s") else f"{k} {v:.3g}" for k, v in c.items()))
+    return "\n".join(lines)
+
+
+def worst(result: dict) -> float:
+    """The largest leave-one-out MAPE over GPUs, folds and phases (what the goal is judged on)."""
+    return max((e["mape_pct"] for r in result.values() for f in r["folds"] for e in f["error"].values()),
+               default=math.nan)

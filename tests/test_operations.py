@@ -1,0 +1,88 @@
+"""The per-operation GPU model: its operations, its calibration on measured steps, its plumbing."""
+import json
+import os
+
+import pytest
+
+from servewise.predictors.operations import (Calibration, OperationPerf, Point, calibrate_table, errors, fit, folds,
+                                              load_calibration, predict, table_points)
+from servewise.predictors.perf import make_perf
+
+
+def _mc(name):
+    from servewise.models.loader import load_model_config
+
+    return load_model_config(name, "float16")[0]
+
+
+def test_operations_add_up_and_scale_as_their_shapes_say():
+    mc = _mc("llama-2-70b")
+    cal = Calibration(gemm_eff=0.8, gemm_knee=64.0, mem_eff=0.9, attn_eff=0.5, step_s=1e-3, layer_s=2e-6,
+                      allreduce_s=5e-6, nvlink_eff=0.7, prompt_request_s=1e-4, decode_request_s=2e-5)
+    perf = OperationPerf(mc, "a100-80g", 16, cal, tp=4)
+    # a GEMM with many rows is compute-bound at gemm_eff x rows / (rows + knee) of the peak
+    m, k, n = 8192, 8192, 7168
+    assert perf.gemm(m, k, n) == pytest.approx(2 * m * k * n / (312e12 * 0.8 * m / (m + 64)))
+    # one row is bound by reading the weights
+    assert perf.gemm(1, k, n) == pytest.approx((k * n + k + n) * 2 / (2039e9 * 0.9))
+    # a step: its layers' spans, the LM head, the fixed and per-request costs
+    step = perf.prefill([512, 256])
+    assert step == pytest.approx(perf.span(mc.num_layers, 768, 512 * 513 // 2 + 256 * 257 // 2, 768, 2)
+                                 + 1e-3 + 2 * 1e-4)
+    assert perf.decode([600] * 8) == pytest.approx(perf.span(mc.num_layers, 8, 4800, 4800, 8) + 1e-3 + 8 * 2e-5)
+    # two all-reduces a layer with more than one GPU, none with one
+    slow = Calibration(**{**vars(cal), "allreduce_s": cal.allreduce_s + 1e-3})
+    for tp, extra in ((1, 0.0), (2, 2 * mc.num_layers * 1e-3)):
+        a, b = (OperationPerf(mc, "a100-80g", 16, c, tp=tp).decode([100]) for c in (cal, slow))
+        assert b - a == pytest.approx(extra, abs=1e-12)
+
+
+def test_the_fit_recovers_the_times_of_a_known_calibration():
+    truth = Calibration(gemm_eff=0.7, gemm_knee=32.0, mem_eff=0.8, attn_eff=0.4, step_s=3e-3, layer_s=20e-6,
+                        allreduce_s=30e-6, nvlink_eff=0.5, prompt_request_s=2e-3, decode_request_s=1e-4)
+    shapes = [("llama-2-70b", tp, "prompt", p, 1) for tp in (2, 4, 8) for p in (128, 512, 2048, 8192)] + \
+        [("llama-2-70b", tp, "token", 512, b) for tp in (2, 4, 8) for b in (1, 4, 16, 64)] + \
+        [("bloom-176b", 8, "prompt", 512, b) for b in (1, 2, 8, 32)] + [("bloom-176b", 8, "token", 512, b) for b in (1, 8, 64)]
+    pts = [Point(m, "a100-80gb", tp, ph, p, b, 1.0) for m, tp, ph, p, b in shapes]
+    pts = [Point(p.model, p.gpu, p.tp, p.phase, p.prompt, p.batch, predict(p, truth)) for p in pts]
+    cal = fit(pts)
+    e = errors(pts, cal)
+    assert e["prompt"]["max_pct"] < 1.0 and e["token"]["max_pct"] < 1.0
+    assert e["prompt"]["points"] == 16 and e["token"]["points"] == 15
+
+
+def test_folds_leave_out_a_model_a_tp_degree_and_the_large_batches():
+    pts = [Point("llama-2-70b", "g", tp, "token", 512, b, 1.0) for tp in (2, 8) for b in (1, 32)] + \
+        [Point("bloom-176b", "g", 8, "token", 512, 1, 1.0)]
+    names = {name: (train, test) for name, train, test in folds(pts)}
+    # (leaving TP 8 out would leave BLOOM, which has only TP 8, out too: that is the model fold)
+    assert set(names) == {"model bloom-176b left out", "model llama-2-70b left out", "TP 2 left out",
+                          "batches 16-64 left out"}
+    train, test = names["TP 2 left out"]
+    assert all(p.tp != 2 for p in train) and {p.tp for p in test} == {2}
+    train, test = names["batches 16-64 left out"]
+    assert all(p.batch < 16 for p in train) and all(p.batch >= 16 for p in test)
+
+
+def test_calibration_files_plug_into_the_simulators_performance_models(tmp_path):
+    cal = Calibration(step_s=5e-3)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"table": "t", "gpus": {"h100-80gb": {"calibration": vars(cal)}}}))
+    perf = make_perf("h100-80g", _mc("llama-2-13b"), 16, table=str(path), tp=2)
+    assert isinstance(perf, OperationPerf) and perf.cal == cal and "per-operation" in perf.label
+    with pytest.raises(ValueError, match="no calibration for a100-80g; it has h100-80gb"):
+        load_calibration(str(path), "a100-80g")
+    with pytest.raises(ValueError, match="not a calibration file"):
+        load_calibration(str(tmp_path / "missing.json"), "h100-80g")
+
+
+def test_calibrated_on_splitwises_table_it_beats_the_roofline(data_dir):
+    table = os.path.join(data_dir, "splitwise", "perf_model.csv.gz")
+    pts = table_points(table)
+    assert {p.gpu for p in pts} == {"a100-80gb", "h100-80gb", "h100-80gb-pcap"}
+    r = calibrate_table(table, ["a100-80gb"])["a100-80gb"]
+    for phase in ("prompt", "token"):  # in sample, and on every left-out fold but the one fitted on BLOOM alone
+        assert r["fitted"][phase]["mape_pct"] < r["roofline"][phase]["mape_pct"]
+        for f in r["folds"]:
+            if f["fold"] != "model llama-2-70b left out":
+                assert f["error"][phase]["mape_pct"] < max(25.0, f["roofline"][phase]["mape_pct"])
