@@ -18,6 +18,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
         "migration": "bench.migration",
         "drift": "bench.drift",
         "gpu": "bench.gpu",
+        "peer": "bench.peer",
     }),
     "profile": "profile",
     "fit-predictors": "fit_predictors",

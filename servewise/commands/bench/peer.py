@@ -1,0 +1,42 @@
+"""`servewise bench peer`."""
+from __future__ import annotations
+
+from servewise.commands.options import at_least
+
+HELP = "servewise and vLLM side by side, one server at a time: same model, KV pool bytes, threads and client"
+
+
+def arguments(p) -> None:
+    from servewise.bench.peer import WORKLOADS
+
+    p.add_argument("--model", default="tiny-llama", help="a model directory both servers load (or a built-in name, "
+                   "servewise alone)")
+    p.add_argument("--vllm", default=None, help="how to run vLLM's command line, e.g. 'PYTHON path/to/vllm_cli.py' "
+                   "(its `serve` and `bench serve`); without it, only servewise servers, with servewise's client")
+    p.add_argument("--servers", type=lambda t: t.split(","), default=None,
+                   help="comma-separated: vllm, sw:PREEMPTION:POLICY (default: vllm (with --vllm), "
+                        "sw:recompute:fcfs, sw:swap:fcfs, sw:adaptive:fcfs, sw:adaptive:fair)")
+    p.add_argument("--workloads", type=lambda t: t.split(","), default=list(WORKLOADS),
+                   help="comma-separated, from " + "; ".join(
+                       f"{k}: {i} -> {o} tokens at {'once' if r == float('inf') else f'{r:g} req/s'}"
+                       for k, (i, o, _, r) in WORKLOADS.items()))
+    p.add_argument("--num-prompts", type=at_least(1), default=100, help="requests per workload")
+    p.add_argument("--kv-blocks", type=at_least(1), default=256, help="KV blocks of both servers' pools")
+    p.add_argument("--block-size", type=at_least(1), default=32, help="tokens per block (vLLM's CPU backend: a "
+                   "multiple of 32)")
+    p.add_argument("--host-blocks", type=at_least(0), default=1024, help="servewise's host (swap) pool")
+    p.add_argument("--threads", type=at_least(1), default=2, help="compute threads of each server")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=at_least(1), default=2048)
+    p.add_argument("--port", type=int, default=8040)
+    p.add_argument("--out", default="results/bench_peer.json")
+
+
+def run(a) -> None:
+    from servewise.bench.peer import Settings, main
+    from servewise.commands.bench import settings
+
+    if a.servers is None:
+        a.servers = (["vllm"] if a.vllm else []) + ["sw:recompute:fcfs", "sw:swap:fcfs", "sw:adaptive:fcfs",
+                                                    "sw:adaptive:fair"]
+    main(settings(Settings, a))

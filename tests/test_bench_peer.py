@@ -1,0 +1,72 @@
+"""`servewise bench peer`: the servers' command lines, the clients' results under one set of names, the
+metrics' deltas, and one real run of a servewise server under KV pressure."""
+import json
+import sys
+
+import pytest
+
+from servewise.bench import peer
+from servewise.bench.peer import Settings, client_side, parse_server, server_command, server_side
+
+
+def test_both_servers_get_the_same_pool_model_and_threads():
+    s = Settings(model="/m", vllm="py vllm_cli.py", kv_blocks=77, block_size=32, threads=2, port=9)
+    sw, _ = server_command(s, "sw:adaptive:fair")
+    vl, env = server_command(s, "vllm")
+    assert sw[:2] == [sys.executable, "-m"] and vl[:3] == ["py", "vllm_cli.py", "serve"]
+    flag = lambda argv, f: argv[argv.index(f) + 1]  # noqa: E731
+    assert flag(sw, "--num-device-blocks") == flag(vl, "--num-gpu-blocks-override") == "77"
+    assert flag(sw, "--block-size") == flag(vl, "--block-size") == "32"
+    assert flag(sw, "--model") == "/m" and vl[3] == "/m"
+    assert flag(sw, "--preemption") == "adaptive" and flag(sw, "--policy") == "fair"
+    assert flag(sw, "--threads") == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    with pytest.raises(ValueError, match="sw:PREEMPTION:POLICY"):
+        parse_server("sw:swap")
+    with pytest.raises(ValueError, match="needs the vLLM command"):
+        server_command(Settings(vllm=None), "vllm")
+
+
+def test_the_two_clients_results_read_alike(tmp_path):
+    vllm_json = {"completed": 10, "duration": 2.0, "output_throughput": 500.0, "request_throughput": 5.0,
+                 "p50_ttft_ms": 10.0, "p99_ttft_ms": 30.0, "p50_tpot_ms": 4.0, "p99_tpot_ms": 6.0, "mean_e2el_ms": 900.0}
+    sw_json = {"completed": 10, "duration_s": 2.0, "output_throughput": 500.0, "request_throughput": 5.0,
+               "median_ttft_ms": 10.0, "p99_ttft_ms": 30.0, "median_tpot_ms": 4.0, "p99_tpot_ms": 6.0,
+               "mean_e2el_ms": 900.0}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(vllm_json))
+    b.write_text(json.dumps(sw_json))
+    assert client_side(str(a)) == client_side(str(b)) == {
+        "completed": 10, "duration_s": 2.0, "output_tok_s": 500.0, "req_s": 5.0, "ttft_p50_ms": 10.0,
+        "ttft_p99_ms": 30.0, "tpot_p50_ms": 4.0, "tpot_p99_ms": 6.0, "mean_e2el_ms": 900.0}
+
+
+def test_server_side_figures_are_the_metrics_changes():
+    before = {'servewise_preemptions_total{kind="recompute"}': 2.0, 'servewise_preemptions_total{kind="swap"}': 1.0,
+              "servewise_recomputed_tokens_total": 100.0, 'servewise_kv_swap_bytes_total{direction="out"}': 10.0}
+    after = {'servewise_preemptions_total{kind="recompute"}': 5.0, 'servewise_preemptions_total{kind="swap"}': 1.0,
+             'servewise_preemptions_total{kind="swap_fallback"}': 1.0, "servewise_recomputed_tokens_total": 400.0,
+             'servewise_kv_swap_bytes_total{direction="out"}': 30.0,
+             'servewise_kv_swap_bytes_total{direction="in"}': 20.0}
+    assert server_side(False, before, after) == {"preemptions": {"recompute": 3.0, "swap": 0.0, "swap_fallback": 1.0},
+                                                 "recomputed_tokens": 300.0, "swapped_bytes": 40.0}
+    v0 = {'vllm:num_preemptions_total{engine="0"}': 1.0, 'vllm:iteration_tokens_total_sum{engine="0"}': 1000.0,
+          'vllm:prompt_tokens_total{engine="0"}': 600.0, 'vllm:generation_tokens_total{engine="0"}': 300.0}
+    v1 = {'vllm:num_preemptions_total{engine="0"}': 3.0, 'vllm:iteration_tokens_total_sum{engine="0"}': 2500.0,
+          'vllm:prompt_tokens_total{engine="0"}': 1400.0, 'vllm:generation_tokens_total{engine="0"}': 800.0}
+    assert server_side(True, v0, v1) == {"preemptions": {"recompute": 2.0}, "recomputed_tokens": 200.0,
+                                         "swapped_bytes": 0.0}
+
+
+@pytest.mark.server
+@pytest.mark.process
+def test_a_servewise_server_under_kv_pressure_counts_what_it_recomputed(tmp_path):
+    # five 512 -> 256 requests at once on 64 blocks of 32 tokens (2,048 tokens; the five need 3,840): preemptions
+    s = Settings(servers=["sw:recompute:fcfs"], workloads=["burst"], num_prompts=5, kv_blocks=64, threads=1,
+                 port=8047, out=str(tmp_path / "peer.json"))
+    rows = peer.main(s)
+    (r,) = rows
+    assert r["completed"] == 5 and r["server"] == "sw:recompute:fcfs" and r["workload"] == "burst"
+    assert r["preemptions"]["recompute"] > 0 and r["preemptions"]["swap"] == 0
+    assert r["recomputed_tokens"] > 0 and r["swapped_bytes"] == 0
+    saved = json.loads((tmp_path / "peer.json").read_text())
+    assert saved["rows"] == rows
