@@ -78,8 +78,9 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
     """hardware 'profile': this machine, from fitted predictors (a Predictors or a path); with `table`
     (Splitwise's measured perf_model.csv, a path), that table's runs of `model` on `hardware` with `tp`
     GPUs (predictors.measured, with its `token_axis`); with `table` a calibration (.json, written by
-    `servewise calibrate`), any model on `hardware` priced per operation (predictors.operations); otherwise a roofline GPU by name, with `efficiency` overriding its
-    assumed efficiencies (roofline.Efficiency), over `tp` GPUs."""
+    `servewise calibrate`), any model on `hardware` priced per operation (predictors.operations);
+    otherwise a roofline GPU by name, with `efficiency` overriding its assumed efficiencies
+    (roofline.Efficiency), over `tp` GPUs."""
     if hardware == PROFILE:
         if predictors is None:
             raise ValueError("hardware 'profile' needs fitted predictors (run `servewise profile` first)")
