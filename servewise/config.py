@@ -74,6 +74,11 @@ class SchedulerConfig:
                                      "(the running batch decodes meanwhile) until more blocks free up or "
                                      "--admit-max-wait passes; 1: admit whatever fits at once (the paper's Algorithm 2)")
     admit_max_wait: float = option(0.5, "seconds a prefill group smaller than --admit-min-batch may be held back")
+    group_priority: str = option("groups", "with group admission (--policy fair), what the paper's Algorithm 2 compares: "
+                                           "the mean priority of the group of waiting requests that fits against that "
+                                           "of the swapped requests that fit (groups; its line 8), or of the whole "
+                                           "waiting queue against the whole swapped queue (queues; its definition of "
+                                           "a queue's priority)", ("groups", "queues"))
     reserve: str = option("none", "blocks a request must find free at admission besides its prompt's: none (vLLM), "
                                   "its max_tokens' (conservative continuous batching) or its predicted output's",
                           ("none", "max", "predicted"))

@@ -135,6 +135,21 @@ def test_fair_swaps_in_when_the_swapped_group_has_the_higher_priority():
     assert out.moved_blocks(Pool.DEVICE) == 2 and new.status is Status.WAITING
 
 
+@pytest.mark.parametrize("compare", ["groups", "queues"])
+def test_fair_compares_the_fitting_groups_or_the_whole_queues(compare):
+    # swapped: ~1.1; waiting: one short request (4.5) that fits, and four long ones that arrived just before
+    # t=10 (14 tokens each, ~0.007; none fits beside it): the fitting group's mean is 4.5, the queue's 0.91
+    s, victim, new = swapped_and_waiting(2, 1.0)
+    s.config.group_priority = compare
+    for i in range(4):
+        s.add(req(3 + i, 14, 9.9), 10.0)
+    out = s.schedule(10.0)
+    if compare == "groups":
+        assert out.is_prefill and out.scheduled == [new.request_id]
+    else:
+        assert not out.is_prefill and out.scheduled == [victim.request_id] and out.moved_blocks(Pool.DEVICE) == 2
+
+
 def test_vllm_rule_swaps_in_first_regardless_of_priority():
     s = Scheduler(SchedulerConfig(), BlockManager(4, 8, block_size=4), ORDERING_POLICIES["fcfs"](),
                   PREEMPTION_POLICIES["swap"]())

@@ -4,32 +4,42 @@ from collections import Counter
 
 import pytest
 
-from servewise.cluster.routers import CacheAware, LoadAware, StaticSplit, make_router, utilisation
+from servewise.cluster.routers import CacheAware, ComputeMeter, LoadAware, StaticSplit, make_router, memory_use
 from servewise.cluster.sim import ClusterSim, Design
 from servewise.engine.interfaces import EngineStats, PoolStats
 from servewise.workloads.arrivals import arrival_times
 from servewise.workloads.prefix import shared_prefix
 
 
-def snap(running=0, waiting=0, queued=0, used=0, total=100) -> EngineStats:
-    return EngineStats(running, waiting, 0, PoolStats(total, total - used), PoolStats(0, 0), {}, queued_tokens=queued)
+def snap(running=0, waiting=0, queued=0, used=0, total=100, busy=0.0, at=0.0) -> EngineStats:
+    return EngineStats(running, waiting, 0, PoolStats(total, total - used), PoolStats(0, 0), {}, queued_tokens=queued,
+                       busy_s=busy, at_s=at)
 
 
-def test_utilisation_is_compute_plus_memory():
-    assert utilisation(snap(), 2048) == 0.0
-    assert utilisation(snap(running=48, queued=976, used=25), 2048) == pytest.approx(0.5 + 0.25)
-    assert utilisation(snap(running=10, queued=9000, used=100), 2048) == pytest.approx(2.0)  # both capped at 1
+def test_compute_utilisation_is_the_busy_share_of_the_last_window():
+    meter = ComputeMeter(window_s=1.0)
+    assert meter(0, snap(at=0.0)) == 0.0  # nothing measured yet
+    assert meter(0, snap(busy=0.3, at=0.5)) == pytest.approx(0.6)  # 0.3 s of steps in 0.5 s
+    assert meter(0, snap(busy=0.3, at=0.5)) == pytest.approx(0.6)  # the same moment: the last figure
+    assert meter(0, snap(busy=1.3, at=1.5)) == pytest.approx(1.0 / 1.0)  # the window: from 0.5 s on
+    assert meter(0, snap(busy=1.4, at=2.5)) == pytest.approx(0.1)  # idle since: 0.1 s in the last second
+    assert meter(1, snap(busy=0.2, at=0.0)) == 0.0  # each instance on its own clock
+    assert meter(1, snap(busy=0.2, at=0.4)) == 0.0
+    assert meter(0, snap(busy=0.05, at=0.1)) == 0.0  # a restarted instance starts over
+    assert memory_use(snap(used=25)) == 0.25 and memory_use(snap(used=0, total=0)) == 0.0
 
 
 def test_load_aware_takes_the_least_utilised_then_the_shortest_queue():
-    route = LoadAware(threshold=1.5, token_budget=1000)
-    loads = [snap(running=4, queued=500, used=50), snap(running=30, used=10), snap(running=2, queued=900, used=90)]
-    assert route(100, loads) == 1  # 0.03 + 0.1 against 0.504 + 0.5 and 0.902 + 0.9
-    busy = [snap(running=5, waiting=9, queued=2000, used=80), snap(running=3, waiting=1, queued=1500, used=95),
-            snap(running=9, waiting=0, queued=1000, used=60)]  # all past 1.5: the shortest queue
-    assert all(utilisation(s, 1000) >= 1.5 for s in busy) and route(100, busy) == 1
-    # ties in utilisation go to the shorter queue
-    assert route(1, [snap(running=8, used=10), snap(running=2, waiting=6, used=10), snap(waiting=1, used=10)]) in (1, 2)
+    route = LoadAware(threshold=1.5)
+    t0 = [snap(), snap(), snap()]
+    route(1, t0)  # the first snapshots: nothing measured
+    loads = [snap(running=4, used=50, busy=0.5, at=1.0), snap(running=30, used=10, busy=0.03, at=1.0),
+             snap(running=2, used=90, busy=0.9, at=1.0)]
+    assert route.utilisation(loads) == pytest.approx([1.0, 0.13, 1.8])
+    assert route(100, loads) == 1
+    busy = [snap(running=5, waiting=9, used=80, busy=1.8, at=2.0), snap(running=3, waiting=1, used=95, busy=1.0, at=2.0),
+            snap(running=9, waiting=0, used=60, busy=1.9, at=2.0)]  # all past 1.5: the shortest queue
+    assert all(u >= 1.5 for u in route.utilisation(busy)) and route(100, busy) == 1
 
 
 def test_cache_aware_follows_the_prefix_until_its_queue_is_too_long():

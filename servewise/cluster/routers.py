@@ -7,7 +7,8 @@ and real instances. Ties go to the lowest index.
 - jsq_tokens: join the shortest queue counted in prompt tokens still to prefill, queued or in the
   step under way (a long prompt weighs what it costs), then in requests.
 - load_aware: BanaServe's dispatch (the thesis, Algorithm 4-2): the least utilised instance, compute
-  plus memory (`utilisation`), unless even it is past a threshold, then the shortest queue.
+  plus memory (formula 4-33; compute measured as the share of the last second the instance spent
+  running steps), unless even it is past a threshold, then the shortest queue.
 - cache_aware: the cache-locality baseline BanaServe argues against: the instance holding the longest
   cached prefix of the prompt, unless its queue is too long (`CacheAware`).
 - SplitwisePools: Splitwise's cluster-level scheduler over prompt and token pools (below).
@@ -41,25 +42,50 @@ def jsq_tokens(prompt_len: int, loads: list[EngineStats]) -> int:
     return min(range(len(loads)), key=lambda i: (loads[i].pending_tokens, queue(loads[i])))
 
 
-def utilisation(s: EngineStats, token_budget: int = 2048) -> float:
-    """BanaServe's load measure (the thesis's formula 4-33), compute plus memory, each in [0, 1], from a
-    snapshot: compute is the work queued for the next step against one step's token budget (prompt tokens
-    to prefill plus a token per running request), memory the device blocks in use."""
-    compute = min(1.0, (s.pending_tokens + s.running) / token_budget)
+def memory_use(s: EngineStats) -> float:
+    """The share of the instance's device blocks in use."""
     total = s.device_blocks.total
-    return compute + ((total - s.device_blocks.free) / total if total else 0.0)
+    return (total - s.device_blocks.free) / total if total else 0.0
+
+
+class ComputeMeter:
+    """Each instance's compute utilisation, measured: the share of the last `window_s` seconds (on the
+    instance's own clock) it spent running steps, from the busy time its snapshots report. Until a
+    snapshot lies a window (or any time) back, the stretch since its first snapshot."""
+
+    def __init__(self, window_s: float = 1.0):
+        self.window_s = window_s
+        self.samples: dict[int, list[tuple[float, float]]] = {}  # instance -> (at, busy), oldest first
+        self.last: dict[int, float] = {}
+
+    def __call__(self, i: int, s: EngineStats) -> float:
+        seen = self.samples.setdefault(i, [])
+        if seen and s.at_s < seen[-1][0]:  # a restarted instance: its clock began again
+            seen.clear()
+            self.last.pop(i, None)
+        if not seen or s.at_s > seen[-1][0]:
+            seen.append((s.at_s, s.busy_s))
+        while len(seen) > 2 and seen[1][0] <= s.at_s - self.window_s:
+            seen.pop(0)
+        at0, busy0 = seen[0]
+        if s.at_s > at0:
+            self.last[i] = min(1.0, max(0.0, (s.busy_s - busy0) / (s.at_s - at0)))
+        return self.last.get(i, 0.0)
 
 
 class LoadAware:
     """Algorithm 4-2: the instance with the lowest (utilisation, queue) takes the request while its
-    utilisation is below `threshold` (in [0, 2]); past it, the shortest queue does. The snapshots are
-    refreshed after every request routed (the algorithm's EstimateLoad)."""
+    utilisation (compute plus memory, formula 4-33, in [0, 2]) is below `threshold`; past it, the shortest
+    queue does. The snapshots are refreshed after every request routed (the algorithm's EstimateLoad)."""
 
-    def __init__(self, threshold: float = 1.5, token_budget: int = 2048):
-        self.threshold, self.token_budget = threshold, token_budget
+    def __init__(self, threshold: float = 1.5, window_s: float = 1.0):
+        self.threshold, self.compute = threshold, ComputeMeter(window_s)
+
+    def utilisation(self, loads: list[EngineStats]) -> list[float]:
+        return [self.compute(i, s) + memory_use(s) for i, s in enumerate(loads)]
 
     def __call__(self, prompt_len: int, loads: list[EngineStats]) -> int:
-        u = [utilisation(s, self.token_budget) for s in loads]
+        u = self.utilisation(loads)
         i = min(range(len(loads)), key=lambda j: (u[j], queue(loads[j])))
         return i if u[i] < self.threshold else jsq(prompt_len, loads)
 

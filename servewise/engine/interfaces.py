@@ -179,6 +179,8 @@ class EngineStats:
     swap_bytes: tuple[int, int] = (0, 0)  # KV bytes swapped out to the host pool and back in, since start
     preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # under the priority policy
     lengths: dict | None = None  # the output-length predictor's figures (LengthService.stats), when there is one
+    busy_s: float = 0.0  # seconds of steps (compute and copies) run by the snapshot, since start
+    at_s: float = 0.0  # the snapshot's time on the engine's clock (busy_s's change over a stretch of it: utilisation)
 
     @property
     def pending_tokens(self) -> int:

@@ -67,6 +67,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.committed_blocks = 0  # blocks of self.requests at their longest: a load measure for routers
         self._inflight = (0.0, 0)  # (end, prompt tokens) of the last step
+        self._busy = (0.0, 0.0)  # seconds of steps run, counting the last one whole; when the last one ends
         self._held: dict[str, int] = {}  # handed-off requests -> the blocks they hold until released
         self.lengths = None  # predictors.length_service.LengthService: output lengths guessed off the loop
 
@@ -130,7 +131,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        s, bm = self.scheduler, self.block_manager
+        s, bm, now = self.scheduler, self.block_manager, self.clock.now()
         queued = s.queued_tokens
         if self.config.scheduler.chunked_prefill:  # prompts partly prefilled
             queued += sum(n - 1 for r in s.running if (n := r.num_tokens - r.num_computed_tokens) > 1)
@@ -138,11 +139,12 @@ class LLMEngine:
                            PoolStats(bm.num_device_blocks, bm.num_free_device),
                            PoolStats(bm.num_host_blocks, bm.num_free_host), dict(s.preemption_counts), queued,
                            len(s.incoming) + len(s.receiving), self.committed_blocks,
-                           self._inflight[1] if self.clock.now() < self._inflight[0] else 0,
+                           self._inflight[1] if now < self._inflight[0] else 0,
                            bm.admitted_tokens, bm.hit_tokens, len(bm.evictable), bm.store_hit_tokens,
                            s.dropped_tokens, tuple(n * self.model_config.kv_bytes_per_token * bm.block_size
                                                    for n in s.swapped_blocks),
-                           dict(s.preemptions_by_priority), self.lengths.stats() if self.lengths else None)
+                           dict(s.preemptions_by_priority), self.lengths.stats() if self.lengths else None,
+                           self._busy[0] - max(0.0, self._busy[1] - now), now)
 
     # --- cluster hand-off (see scheduler): prefill here, decode elsewhere, or the other way round ----
     def release(self, request_id: str) -> None:
@@ -239,6 +241,8 @@ class LLMEngine:
             if out.finished_ids:
                 self.runner.execute(out)  # no rows, but the runner forgets the requests that ended
             stats.end = self.clock.end_of(start, stats.elapsed)
+        if stats.elapsed:
+            self._busy = (self._busy[0] + stats.elapsed, stats.end)
         if self.owns_clock:
             self.clock.wait_until(stats.end)
         return stats

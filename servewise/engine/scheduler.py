@@ -319,7 +319,11 @@ class Scheduler:
         self._sorted(self.waiting, now)
         prefill_group = self._fitting(self.waiting, room - self.bm.watermark_blocks, slots,
                                       lambda r: self.bm.blocks_needed(r.num_tokens), self._joins)
-        wins = prefill_group and self._mean_priority(prefill_group, now) > self._mean_priority(swap_group, now)
+        if self.config.group_priority == "queues":  # the paper's definition of a queue's priority: all of it
+            wins = prefill_group and (not swap_group or self._mean_priority(self.waiting, now) >
+                                      self._mean_priority(self.swapped, now))
+        else:
+            wins = prefill_group and self._mean_priority(prefill_group, now) > self._mean_priority(swap_group, now)
         if not (wins and self._hold_back(prefill_group, slots, now)):
             self._held_since = None
             if wins:

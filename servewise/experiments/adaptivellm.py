@@ -57,6 +57,7 @@ class Settings:
     data_dir: str | None = None
     trace: str | None = None  # an Azure LLM inference trace CSV: the workload "trace" samples its lengths
     predictors: str | None = None  # for adaptive preemption on the real engine; None: cached, profiled on first use
+    group_priority: str = "groups"  # what fair admission compares (SchedulerConfig.group_priority)
     seed: int = 0
 
     def __post_init__(self):
@@ -141,7 +142,7 @@ def spec(kind: str, backend: str, model: str, items, wl: str, max_out: int, syst
     policy, preemption = SYSTEMS[system]
     options = dict(num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks, block_size=s.block_size,
                    policy=policy, preemption=preemption, max_num_seqs=max_num_seqs, v0_rules=s.v0_rules,
-                   max_num_batched_tokens=s.max_num_batched_tokens, **extra)
+                   max_num_batched_tokens=s.max_num_batched_tokens, group_priority=s.group_priority, **extra)
     if backend == "real":
         engine = Engine("real", model, predictors=s.predictors, options=options)
     else:

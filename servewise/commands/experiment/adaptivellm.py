@@ -26,6 +26,9 @@ def arguments(p) -> None:
                    help="directory with the ShareGPT and arXiv files for real prompt texts (default: synthetic)")
     p.add_argument("--predictors", default=None,
                    help="predictors for the real engine (default: this machine's cached profile, made on first use)")
+    p.add_argument("--group-priority", default=None, choices=["groups", "queues"],
+                   help="what fair admission compares: the fitting groups' mean priorities (default) or the whole "
+                        "waiting and swapped queues' (the paper's two readings)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out-dir", default="results/adaptivellm")
@@ -44,6 +47,6 @@ def run(a) -> None:
                  max_output_lens=None if a.max_output_lens is None else tuple(a.max_output_lens),
                  num_requests_real=a.num_requests or None, num_requests_sim=a.num_requests or None,
                  real_models=names(a.real_models), sim_models=names(a.sim_models), workloads=names(a.workloads),
-                 systems=names(a.systems))
+                 systems=names(a.systems), group_priority=a.group_priority)
     s = replace(FULL if a.full else QUICK, **{k: v for k, v in given.items() if v is not None})
     main(s, a.out_dir, "full" if a.full else "quick")
