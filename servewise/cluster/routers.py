@@ -8,7 +8,9 @@ and real instances. Ties go to the lowest index.
   step under way (a long prompt weighs what it costs), then in requests.
 - load_aware: BanaServe's dispatch (the thesis, Algorithm 4-2): the least utilised instance, compute
   plus memory (formula 4-33; compute measured as the share of the last second the instance spent
-  running steps), unless even it is past a threshold, then the shortest queue.
+  running steps), unless even it is past a threshold, then the shortest queue. `load_aware_queued`:
+  the same with compute estimated from the work queued for the next step (prompt tokens to prefill
+  plus a token per running request, over a 2,048-token step), which moves with every request routed.
 - cache_aware: the cache-locality baseline BanaServe argues against: the instance holding the longest
   cached prefix of the prompt, unless its queue is too long (`CacheAware`).
 - SplitwisePools: Splitwise's cluster-level scheduler over prompt and token pools (below).
@@ -73,15 +75,27 @@ class ComputeMeter:
         return self.last.get(i, 0.0)
 
 
+def queued_compute(s: EngineStats, token_budget: int = 2048) -> float:
+    """Compute estimated from a snapshot: the work queued for the next step (prompt tokens to prefill plus
+    a token per running request) against one step's token budget, at most 1."""
+    return min(1.0, (s.pending_tokens + s.running) / token_budget)
+
+
 class LoadAware:
     """Algorithm 4-2: the instance with the lowest (utilisation, queue) takes the request while its
     utilisation (compute plus memory, formula 4-33, in [0, 2]) is below `threshold`; past it, the shortest
-    queue does. The snapshots are refreshed after every request routed (the algorithm's EstimateLoad)."""
+    queue does. The snapshots are refreshed after every request routed (the algorithm's EstimateLoad).
+    `measure`: compute as measured (busy: ComputeMeter) or estimated from the queued work (queued)."""
 
-    def __init__(self, threshold: float = 1.5, window_s: float = 1.0):
-        self.threshold, self.compute = threshold, ComputeMeter(window_s)
+    def __init__(self, threshold: float = 1.5, window_s: float = 1.0, measure: str = "busy", token_budget: int = 2048):
+        if measure not in ("busy", "queued"):
+            raise ValueError(f"unknown compute measure {measure!r}; choose from busy, queued")
+        self.threshold, self.measure, self.token_budget = threshold, measure, token_budget
+        self.compute = ComputeMeter(window_s)
 
     def utilisation(self, loads: list[EngineStats]) -> list[float]:
+        if self.measure == "queued":
+            return [queued_compute(s, self.token_budget) + memory_use(s) for s in loads]
         return [self.compute(i, s) + memory_use(s) for i, s in enumerate(loads)]
 
     def __call__(self, prompt_len: int, loads: list[EngineStats]) -> int:
@@ -195,7 +209,7 @@ class StaticSplit:
 
 
 ROUTERS = {"round_robin": RoundRobin, "jsq": lambda: jsq, "jsq_tokens": lambda: jsq_tokens, "load_aware": LoadAware,
-           "cache_aware": CacheAware}
+           "load_aware_queued": lambda: LoadAware(measure="queued"), "cache_aware": CacheAware}
 
 
 def make_router(name: str):
