@@ -40,6 +40,11 @@ def test_load_aware_takes_the_least_utilised_then_the_shortest_queue():
     busy = [snap(running=5, waiting=9, used=80, busy=1.8, at=2.0), snap(running=3, waiting=1, used=95, busy=1.0, at=2.0),
             snap(running=9, waiting=0, used=60, busy=1.9, at=2.0)]  # all past 1.5: the shortest queue
     assert all(u >= 1.5 for u in route.utilisation(busy)) and route(100, busy) == 1
+    # requests routed before a measurement can show them count by their estimated load: no herding
+    route, idle = LoadAware(), [snap(at=5.0), snap(at=5.0)]
+    assert [route(1024, idle) for _ in range(4)] == [0, 1, 0, 1]
+    assert route.utilisation(idle) == pytest.approx([1.0, 1.0])  # 2 x 1024 / 2048 each
+    assert route.utilisation([snap(at=6.0), snap(at=6.0)]) == [0.0, 0.0]  # a window later the measurement has them
     # the queued-work estimate: prompt tokens to prefill plus a token per running request, over 2,048
     queued = LoadAware(measure="queued")
     assert queued.utilisation([snap(running=48, queued=976, used=25), snap(running=10, queued=9000, used=100)]) == \

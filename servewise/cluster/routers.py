@@ -8,7 +8,8 @@ and real instances. Ties go to the lowest index.
   step under way (a long prompt weighs what it costs), then in requests.
 - load_aware: BanaServe's dispatch (the thesis, Algorithm 4-2): the least utilised instance, compute
   plus memory (formula 4-33; compute measured as the share of the last second the instance spent
-  running steps), unless even it is past a threshold, then the shortest queue. `load_aware_queued`:
+  running steps, plus the algorithm's EstimateLoad of the requests routed to it within that second: each
+  its prompt over a 2,048-token step), unless even it is past a threshold, then the shortest queue. `load_aware_queued`:
   the same with compute estimated from the work queued for the next step (prompt tokens to prefill
   plus a token per running request, over a 2,048-token step), which moves with every request routed.
 - cache_aware: the cache-locality baseline BanaServe argues against: the instance holding the longest
@@ -92,16 +93,29 @@ class LoadAware:
             raise ValueError(f"unknown compute measure {measure!r}; choose from busy, queued")
         self.threshold, self.measure, self.token_budget = threshold, measure, token_budget
         self.compute = ComputeMeter(window_s)
+        self.routed: dict[int, list[tuple[float, float]]] = {}  # instance -> (when, estimated load) of its requests
 
     def utilisation(self, loads: list[EngineStats]) -> list[float]:
         if self.measure == "queued":
             return [queued_compute(s, self.token_budget) + memory_use(s) for s in loads]
-        return [self.compute(i, s) + memory_use(s) for i, s in enumerate(loads)]
+        return [self.compute(i, s) + self._estimated(i, s) + memory_use(s) for i, s in enumerate(loads)]
+
+    def _estimated(self, i: int, s: EngineStats) -> float:
+        """The algorithm's EstimateLoad of the requests routed to instance i within the last window of its
+        clock (each its prompt over one step's token budget): load the measurement cannot show yet."""
+        recent = self.routed.setdefault(i, [])
+        while recent and recent[0][0] <= s.at_s - self.compute.window_s:
+            recent.pop(0)
+        return sum(load for _, load in recent)
 
     def __call__(self, prompt_len: int, loads: list[EngineStats]) -> int:
         u = self.utilisation(loads)
         i = min(range(len(loads)), key=lambda j: (u[j], queue(loads[j])))
-        return i if u[i] < self.threshold else jsq(prompt_len, loads)
+        if u[i] >= self.threshold:
+            i = jsq(prompt_len, loads)
+        if self.measure == "busy":
+            self.routed.setdefault(i, []).append((loads[i].at_s, min(1.0, prompt_len / self.token_budget)))
+        return i
 
 
 class CacheAware:
