@@ -167,7 +167,7 @@ def format_compare(runs: dict) -> str:
     lines = [head]
     for key, label in ROWS:
         off, on = runs["real_off"][key], runs["real_on"][key]
-        line = f"{label:<24}{off:>11.1f}{on:>11.1f}{(on / off if off else float('nan')):>7.2f}x"
+        line = f"{label:<24}{off:>11.1f}{on:>11.1f}" + (f"{on / off:>7.2f}x" if off else f"{'-':>8}")
         if sim:
             so, sn = runs["sim_off"][key], runs["sim_on"][key]
             line += f"{so:>11.1f}{sn:>11.1f}{_error(so, off):>9}{_error(sn, on):>9}"
