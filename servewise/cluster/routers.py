@@ -8,10 +8,11 @@ and real instances. Ties go to the lowest index.
   step under way (a long prompt weighs what it costs), then in requests.
 - load_aware: BanaServe's dispatch (the thesis, Algorithm 4-2): the least utilised instance, compute
   plus memory (formula 4-33; compute measured as the share of the last second the instance spent
-  running steps, plus the algorithm's EstimateLoad of the requests routed to it within that second: each
-  its prompt over a 2,048-token step), unless even it is past a threshold, then the shortest queue. `load_aware_queued`:
-  the same with compute estimated from the work queued for the next step (prompt tokens to prefill
-  plus a token per running request, over a 2,048-token step), which moves with every request routed.
+  running steps, plus the algorithm's EstimateLoad of the requests routed to it within that second:
+  each its prompt over a 2,048-token step), unless even it is past a threshold, then the shortest
+  queue. load_aware_queued: the same with compute estimated from the work queued for the next step
+  (prompt tokens to prefill plus a token per running request, over a 2,048-token step), which moves
+  with every request routed.
 - cache_aware: the cache-locality baseline BanaServe argues against: the instance holding the longest
   cached prefix of the prompt, unless its queue is too long (`CacheAware`).
 - SplitwisePools: Splitwise's cluster-level scheduler over prompt and token pools (below).
