@@ -18,21 +18,21 @@ def snap(running=0, waiting=0, queued=0, used=0, total=100, busy=0.0, at=0.0) ->
 
 def test_compute_utilisation_is_the_busy_share_of_the_last_window():
     meter = ComputeMeter(window_s=1.0)
-    assert meter(0, snap(at=0.0)) == 0.0  # nothing measured yet
-    assert meter(0, snap(busy=0.3, at=0.5)) == pytest.approx(0.6)  # 0.3 s of steps in 0.5 s
-    assert meter(0, snap(busy=0.3, at=0.5)) == pytest.approx(0.6)  # the same moment: the last figure
-    assert meter(0, snap(busy=1.3, at=1.5)) == pytest.approx(1.0 / 1.0)  # the window: from 0.5 s on
-    assert meter(0, snap(busy=1.4, at=2.5)) == pytest.approx(0.1)  # idle since: 0.1 s in the last second
-    assert meter(1, snap(busy=0.2, at=0.0)) == 0.0  # each instance on its own clock
-    assert meter(1, snap(busy=0.2, at=0.4)) == 0.0
-    assert meter(0, snap(busy=0.05, at=0.1)) == 0.0  # a restarted instance starts over
+    assert meter(0, snap(running=1, at=0.0)) == 0.0  # nothing measured yet
+    assert meter(0, snap(running=1, busy=0.3, at=0.5)) == pytest.approx(0.6)  # 0.3 s of steps in 0.5 s
+    assert meter(0, snap(running=1, busy=0.3, at=0.5)) == pytest.approx(0.6)  # the same moment: the last figure
+    assert meter(0, snap(running=1, busy=1.3, at=1.5)) == pytest.approx(1.0)  # the window: from 0.5 s on
+    assert meter(0, snap(running=1, busy=1.4, at=2.5)) == pytest.approx(0.1)  # 0.1 s in the last second
+    assert meter(0, snap(busy=1.4, at=2.5)) == 0.0  # nothing to run: idle now, whatever it did last
+    assert meter(1, snap(running=1, busy=0.2, at=0.0)) == 0.0  # each instance on its own clock
+    assert meter(1, snap(running=1, busy=0.2, at=0.4)) == 0.0
+    assert meter(0, snap(running=1, busy=0.05, at=0.1)) == 0.0  # a restarted instance starts over
     assert memory_use(snap(used=25)) == 0.25 and memory_use(snap(used=0, total=0)) == 0.0
 
 
 def test_load_aware_takes_the_least_utilised_then_the_shortest_queue():
     route = LoadAware(threshold=1.5)
-    t0 = [snap(), snap(), snap()]
-    route(1, t0)  # the first snapshots: nothing measured
+    route.utilisation([snap(running=1), snap(running=1), snap(running=1)])  # the first snapshots: nothing measured
     loads = [snap(running=4, used=50, busy=0.5, at=1.0), snap(running=30, used=10, busy=0.03, at=1.0),
              snap(running=2, used=90, busy=0.9, at=1.0)]
     assert route.utilisation(loads) == pytest.approx([1.0, 0.13, 1.8])
@@ -40,11 +40,16 @@ def test_load_aware_takes_the_least_utilised_then_the_shortest_queue():
     busy = [snap(running=5, waiting=9, used=80, busy=1.8, at=2.0), snap(running=3, waiting=1, used=95, busy=1.0, at=2.0),
             snap(running=9, waiting=0, used=60, busy=1.9, at=2.0)]  # all past 1.5: the shortest queue
     assert all(u >= 1.5 for u in route.utilisation(busy)) and route(100, busy) == 1
-    # requests routed before a measurement can show them count by their estimated load: no herding
+    # a down instance (no device blocks) is never the least utilised
+    down = EngineStats(0, 10**9, 0, PoolStats(0, 0), PoolStats(0, 0), {}, 10**9)
+    assert LoadAware()(10, [down, snap(running=3, used=50, at=1.0)]) == 1
+    # requests routed before a measurement can show them count by their estimated load, for a window from
+    # the instance's first report after the routing: no herding, even onto instances idle for long
     route, idle = LoadAware(), [snap(at=5.0), snap(at=5.0)]
     assert [route(1024, idle) for _ in range(4)] == [0, 1, 0, 1]
-    assert route.utilisation(idle) == pytest.approx([1.0, 1.0])  # 2 x 1024 / 2048 each
-    assert route.utilisation([snap(at=6.0), snap(at=6.0)]) == [0.0, 0.0]  # a window later the measurement has them
+    assert route.utilisation([snap(running=2, at=9.0), snap(running=2, at=9.0)]) == pytest.approx([1.0, 1.0])
+    assert route.utilisation([snap(running=2, at=9.5), snap(running=2, at=9.5)]) == pytest.approx([1.0, 1.0])
+    assert route.utilisation([snap(running=2, at=10.0), snap(running=2, at=10.0)]) == [0.0, 0.0]  # a window on
     # the queued-work estimate: prompt tokens to prefill plus a token per running request, over 2,048
     queued = LoadAware(measure="queued")
     assert queued.utilisation([snap(running=48, queued=976, used=25), snap(running=10, queued=9000, used=100)]) == \

@@ -8,9 +8,9 @@ and real instances. Ties go to the lowest index.
   step under way (a long prompt weighs what it costs), then in requests.
 - load_aware: BanaServe's dispatch (the thesis, Algorithm 4-2): the least utilised instance, compute
   plus memory (formula 4-33; compute measured as the share of the last second the instance spent
-  running steps, plus the algorithm's EstimateLoad of the requests routed to it within that second:
-  each its prompt over a 2,048-token step), unless even it is past a threshold, then the shortest
-  queue. load_aware_queued: the same with compute estimated from the work queued for the next step
+  running steps, plus the algorithm's EstimateLoad of the requests routed to it since: each its prompt
+  at the seconds per token the instance has measured), unless even it is past a threshold, then the
+  shortest queue. load_aware_queued: the same with compute estimated from the work queued for the next step
   (prompt tokens to prefill plus a token per running request, over a 2,048-token step), which moves
   with every request routed.
 - cache_aware: the cache-locality baseline BanaServe argues against: the instance holding the longest
@@ -63,6 +63,8 @@ class ComputeMeter:
         self.last: dict[int, float] = {}
 
     def __call__(self, i: int, s: EngineStats) -> float:
+        """Instance i's compute utilisation as of snapshot s (0 when it holds no requests: an idle
+        instance reports nothing until its next command, so its last busy share would go stale)."""
         seen = self.samples.setdefault(i, [])
         if seen and s.at_s < seen[-1][0]:  # a restarted instance: its clock began again
             seen.clear()
@@ -74,6 +76,8 @@ class ComputeMeter:
         at0, busy0 = seen[0]
         if s.at_s > at0:
             self.last[i] = min(1.0, max(0.0, (s.busy_s - busy0) / (s.at_s - at0)))
+        if not (queue(s) or s.incoming or s.inflight_tokens):
+            return 0.0
         return self.last.get(i, 0.0)
 
 
@@ -85,29 +89,41 @@ def queued_compute(s: EngineStats, token_budget: int = 2048) -> float:
 
 class LoadAware:
     """Algorithm 4-2: the instance with the lowest (utilisation, queue) takes the request while its
-    utilisation (compute plus memory, formula 4-33, in [0, 2]) is below `threshold`; past it, the shortest
-    queue does. The snapshots are refreshed after every request routed (the algorithm's EstimateLoad).
-    `measure`: compute as measured (busy: ComputeMeter) or estimated from the queued work (queued)."""
+    utilisation (compute plus memory, formula 4-33, each at most 1) is below `threshold`; past it, the
+    shortest queue does. The snapshots are refreshed after every request routed. `measure`: compute as
+    measured (busy: ComputeMeter, plus the algorithm's EstimateLoad of each request routed to the instance,
+    for a window from the instance's first report after it) or estimated from the queued work (queued).
+    A down instance (no device blocks) is never the least utilised."""
 
     def __init__(self, threshold: float = 1.5, window_s: float = 1.0, measure: str = "busy", token_budget: int = 2048):
         if measure not in ("busy", "queued"):
             raise ValueError(f"unknown compute measure {measure!r}; choose from busy, queued")
         self.threshold, self.measure, self.token_budget = threshold, measure, token_budget
         self.compute = ComputeMeter(window_s)
-        self.routed: dict[int, list[tuple[float, float]]] = {}  # instance -> (when, estimated load) of its requests
+        # instance -> [snapshot time when routed, first snapshot time after it (None: not seen yet), load]
+        self.routed: dict[int, list[list]] = {}
 
     def utilisation(self, loads: list[EngineStats]) -> list[float]:
-        if self.measure == "queued":
-            return [queued_compute(s, self.token_budget) + memory_use(s) for s in loads]
-        return [self.compute(i, s) + self._estimated(i, s) + memory_use(s) for i, s in enumerate(loads)]
+        u = []
+        for i, s in enumerate(loads):
+            if not s.device_blocks.total:
+                u.append(float("inf"))
+            elif self.measure == "queued":
+                u.append(queued_compute(s, self.token_budget) + memory_use(s))
+            else:
+                u.append(min(1.0, self.compute(i, s) + self._estimated(i, s)) + memory_use(s))
+        return u
 
     def _estimated(self, i: int, s: EngineStats) -> float:
-        """The algorithm's EstimateLoad of the requests routed to instance i within the last window of its
-        clock (each its prompt over one step's token budget): load the measurement cannot show yet."""
+        """The algorithm's EstimateLoad of the requests routed to instance i (`estimate`), each for a window
+        of the instance's clock from its first report after the routing: load the measurement cannot show
+        yet."""
         recent = self.routed.setdefault(i, [])
-        while recent and recent[0][0] <= s.at_s - self.compute.window_s:
-            recent.pop(0)
-        return sum(load for _, load in recent)
+        for entry in recent:
+            if entry[1] is None and s.at_s > entry[0]:
+                entry[1] = s.at_s
+        recent[:] = [e for e in recent if e[1] is None or e[1] > s.at_s - self.compute.window_s]
+        return sum(e[2] for e in recent)
 
     def __call__(self, prompt_len: int, loads: list[EngineStats]) -> int:
         u = self.utilisation(loads)
@@ -115,8 +131,16 @@ class LoadAware:
         if u[i] >= self.threshold:
             i = jsq(prompt_len, loads)
         if self.measure == "busy":
-            self.routed.setdefault(i, []).append((loads[i].at_s, min(1.0, prompt_len / self.token_budget)))
+            self.routed.setdefault(i, []).append([loads[i].at_s, None, self.estimate(prompt_len, loads[i])])
         return i
+
+    def estimate(self, prompt_len: int, s: EngineStats) -> float:
+        """EstimateLoad: the share of a window the request's prompt will keep the instance busy, at the
+        seconds per admitted token the instance has measured so far (before it has any: its prompt over a
+        step's token budget)."""
+        if s.admitted_tokens and s.busy_s:
+            return min(1.0, prompt_len * s.busy_s / s.admitted_tokens / self.compute.window_s)
+        return min(1.0, prompt_len / self.token_budget)
 
 
 class CacheAware:
