@@ -49,12 +49,15 @@ def test_server_side_figures_are_the_metrics_changes():
              'servewise_kv_swap_bytes_total{direction="in"}': 20.0}
     assert server_side(False, before, after) == {"preemptions": {"recompute": 3.0, "swap": 0.0, "swap_fallback": 1.0},
                                                  "recomputed_tokens": 300.0, "swapped_bytes": 40.0}
-    v0 = {'vllm:num_preemptions_total{engine="0"}': 1.0, 'vllm:iteration_tokens_total_sum{engine="0"}': 1000.0,
-          'vllm:prompt_tokens_total{engine="0"}': 600.0, 'vllm:generation_tokens_total{engine="0"}': 300.0}
-    v1 = {'vllm:num_preemptions_total{engine="0"}': 3.0, 'vllm:iteration_tokens_total_sum{engine="0"}': 2500.0,
-          'vllm:prompt_tokens_total{engine="0"}': 1400.0, 'vllm:generation_tokens_total{engine="0"}': 800.0}
-    assert server_side(True, v0, v1) == {"preemptions": {"recompute": 2.0}, "recomputed_tokens": 200.0,
+    # vLLM: preemptions from its counter; its metrics count a prompt once, so recomputed tokens are unknown
+    v0 = {'vllm:num_preemptions_total{engine="0"}': 1.0, 'vllm:prompt_tokens_total{engine="0"}': 600.0}
+    v1 = {'vllm:num_preemptions_total{engine="0"}': 3.0, 'vllm:prompt_tokens_total{engine="0"}': 1400.0}
+    assert server_side(True, v0, v1) == {"preemptions": {"recompute": 2.0}, "recomputed_tokens": None,
                                          "swapped_bytes": 0.0}
+    assert "| n/a |" in peer.format_row({"workload": "w", "server": "vllm", "completed": 1, "output_tok_s": 1.0,
+                                         "ttft_p50_ms": 1.0, "ttft_p99_ms": 1.0, "tpot_p50_ms": 1.0,
+                                         "tpot_p99_ms": 1.0, "preemptions": {"recompute": 2.0},
+                                         "recomputed_tokens": None, "swapped_bytes": 0.0})
 
 
 @pytest.mark.server
@@ -63,6 +66,13 @@ def test_a_servewise_server_under_kv_pressure_counts_what_it_recomputed(tmp_path
     # five 512 -> 256 requests at once on 64 blocks of 32 tokens (2,048 tokens; the five need 3,840): preemptions
     s = Settings(servers=["sw:recompute:fcfs"], workloads=["burst"], num_prompts=5, kv_blocks=64, threads=1,
                  port=8047, out=str(tmp_path / "peer.json"))
+    import socket
+
+    with socket.socket() as busy:  # a port in use is refused before any server starts
+        busy.bind(("127.0.0.1", 8047))
+        busy.listen()
+        with pytest.raises(RuntimeError, match="port 8047 is in use"):
+            peer.main(s)
     rows = peer.main(s)
     (r,) = rows
     assert r["completed"] == 5 and r["server"] == "sw:recompute:fcfs" and r["workload"] == "burst"

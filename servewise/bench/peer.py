@@ -8,8 +8,8 @@ command line, e.g. "PYTHON path/to/vllm_cli.py"), else servewise's own (`servewi
 Each workload is vLLM's random dataset (or, with servewise's client, fixed lengths): greedy, ignoring
 end-of-sequence, so every server computes the same tokens. Before and after each workload the server's
 Prometheus metrics are read: preemptions by kind, the tokens computed again after recompute
-preemptions (servewise's counter; for vLLM, the tokens its steps computed beyond the prompts and
-outputs), and swapped bytes.
+preemptions (servewise's counter; vLLM's metrics count a request's prompt once, so they cannot show
+them: None), and swapped bytes.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import math
 import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -113,14 +115,11 @@ def _delta(after: dict, before: dict, pattern: str) -> float:
 
 
 def server_side(vllm: bool, before: dict, after: dict) -> dict:
-    """Preemptions, recomputed tokens and swapped bytes over one workload, from the metrics' change. vLLM
-    counts no recomputed tokens: its steps' computed tokens beyond the prompts and outputs stand in (0 with
-    nothing preempted; its prefix cache can make them fewer than what a preemption threw away)."""
+    """Preemptions, recomputed tokens and swapped bytes over one workload, from the metrics' change (vLLM's
+    recomputed tokens: None, its metrics count each request's prompt once)."""
     if vllm:
         return {"preemptions": {"recompute": _delta(after, before, r"^vllm:num_preemptions_total")},
-                "recomputed_tokens": _delta(after, before, r"^vllm:iteration_tokens_total_sum")
-                - _delta(after, before, r"^vllm:prompt_tokens_total") - _delta(after, before, r"^vllm:generation_tokens_total"),
-                "swapped_bytes": 0.0}
+                "recomputed_tokens": None, "swapped_bytes": 0.0}
     return {"preemptions": {k: _delta(after, before, rf'^servewise_preemptions_total\{{kind="{k}"\}}')
                             for k in ("recompute", "swap", "swap_fallback")},
             "recomputed_tokens": _delta(after, before, r"^servewise_recomputed_tokens_total"),
@@ -132,7 +131,7 @@ def client_side(path: str) -> dict:
     with open(path) as f:
         r = json.load(f)
     get = lambda *keys: next((float(r[k]) for k in keys if k in r and r[k] is not None), math.nan)  # noqa: E731
-    return {"completed": int(get("completed")), "duration_s": get("duration", "duration_s"),
+    return {"completed": int(r.get("completed") or 0), "duration_s": get("duration", "duration_s"),
             "output_tok_s": get("output_throughput"), "req_s": get("request_throughput"),
             "ttft_p50_ms": get("p50_ttft_ms", "median_ttft_ms"), "ttft_p99_ms": get("p99_ttft_ms"),
             "tpot_p50_ms": get("p50_tpot_ms", "median_tpot_ms"), "tpot_p99_ms": get("p99_tpot_ms"),
@@ -152,41 +151,63 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 900.0) -> N
     raise RuntimeError(f"the server was not up after {timeout:.0f} s")
 
 
+def port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
 def run_server(s: Settings, name: str, logdir: str, say=print) -> list[dict]:
-    """Start server `name`, run every workload through it, stop it; one row per workload."""
+    """Start server `name`, run every workload through it, stop it (and its children); one row per workload."""
+    if not port_free(s.port):
+        raise RuntimeError(f"port {s.port} is in use: stop what listens there or give --port")
     cmd, env = server_command(s, name)
-    log = open(os.path.join(logdir, f"{name.replace(':', '_')}.server.log"), "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     rows = []
-    try:
-        wait_healthy(s.port, proc)
-        for i, wl in enumerate(s.workloads):
-            result = os.path.join(logdir, f"{name.replace(':', '_')}_{wl}.json")
-            before = metrics(s.port)
-            with open(result + ".log", "w") as clog:
-                rc = subprocess.run(client_command(s, wl, i + 1, result), stdout=clog, stderr=subprocess.STDOUT).returncode
-            if rc != 0 or not os.path.isfile(result):
-                raise RuntimeError(f"the client failed on {name} / {wl} (exit {rc}; its log: {result}.log)")
-            row = {"server": name, "workload": wl, **client_side(result),
-                   **server_side(parse_server(name) is None, before, metrics(s.port))}
-            rows.append(row)
-            say(format_row(row))
-    finally:
-        proc.terminate()
+    with open(os.path.join(logdir, f"{name.replace(':', '_')}.server.log"), "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+            _serve(s, name, logdir, proc, rows, say)
+        finally:
+            _stop(proc)
     return rows
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's whole process group (vLLM runs its engine in a child), SIGKILL after 60 s."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _serve(s: Settings, name: str, logdir: str, proc: subprocess.Popen, rows: list, say) -> None:
+    """Every workload through the running server `name`, a row each into `rows`."""
+    wait_healthy(s.port, proc)
+    for i, wl in enumerate(s.workloads):
+        result = os.path.join(logdir, f"{name.replace(':', '_')}_{wl}.json")
+        before = metrics(s.port)
+        with open(result + ".log", "w") as clog:
+            rc = subprocess.run(client_command(s, wl, i + 1, result), stdout=clog, stderr=subprocess.STDOUT).returncode
+        if rc != 0 or not os.path.isfile(result):
+            raise RuntimeError(f"the client failed on {name} / {wl} (exit {rc}; its log: {result}.log)")
+        row = {"server": name, "workload": wl, **client_side(result),
+               **server_side(parse_server(name) is None, before, metrics(s.port))}
+        rows.append(row)
+        say(format_row(row))
 
 
 def format_row(r: dict, base: float | None = None) -> str:
     pre = ", ".join(f"{k} {int(v)}" for k, v in r["preemptions"].items() if v) or "0"
     ratio = f"{r['output_tok_s'] / base:.2f}" if base else "-"
+    again = "n/a" if r["recomputed_tokens"] is None else f"{int(r['recomputed_tokens'])}"
     return (f"| {r['workload']} | {r['server']} | {r['completed']} | {r['output_tok_s']:.0f} | {ratio} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
-            f"{pre} | {int(r['recomputed_tokens'])} | {r['swapped_bytes'] / 1e9:.2f} |")
+            f"{pre} | {again} | {r['swapped_bytes'] / 1e9:.2f} |")
 
 
 def report(rows: list[dict]) -> str:

@@ -14,8 +14,8 @@ A step's time is the sum of its operations rather than one roofline for the whol
 
 `fit` calibrates the parameters of one GPU on measured prompt and token times (Splitwise's table:
 servewise.predictors.measured) by least squares on log times, so every point weighs by its relative
-error; `leave_one_out` refits without one model, one TP degree or one batch-size range and reports the
-error on what was left out, beside the uncalibrated roofline's (predictors.roofline) on the same points.
+error; `calibrate_table` refits without one model, one TP degree or one batch-size range (`folds`) and
+reports the error on what was left out, beside the uncalibrated roofline's on the same points.
 """
 from __future__ import annotations
 
@@ -281,6 +281,6 @@ def format_report(result: dict) -> str:
 
 
 def worst(result: dict) -> float:
-    """The largest leave-one-out MAPE over GPUs, folds and phases (what the goal is judged on)."""
+    """The largest leave-one-out MAPE over GPUs, folds and phases."""
     return max((e["mape_pct"] for r in result.values() for f in r["folds"] for e in f["error"].values()),
                default=math.nan)
