@@ -76,13 +76,17 @@ def test_calibration_files_plug_into_the_simulators_performance_models(tmp_path)
         load_calibration(str(tmp_path / "missing.json"), "h100-80g")
 
 
-def test_calibrated_on_splitwises_table_it_beats_the_roofline(data_dir):
+def test_calibrated_on_splitwises_table_it_is_closer_than_the_roofline(data_dir):
     table = os.path.join(data_dir, "splitwise", "perf_model.csv.gz")
+    if not os.path.isfile(table):
+        pytest.skip("Splitwise's measured table is not in the shared data")
     pts = table_points(table)
     assert {p.gpu for p in pts} == {"a100-80gb", "h100-80gb", "h100-80gb-pcap"}
     r = calibrate_table(table, ["a100-80gb"])["a100-80gb"]
-    for phase in ("prompt", "token"):  # in sample, and on every left-out fold but the one fitted on BLOOM alone
-        assert r["fitted"][phase]["mape_pct"] < r["roofline"][phase]["mape_pct"]
-        for f in r["folds"]:
-            if f["fold"] != "model llama-2-70b left out":
-                assert f["error"][phase]["mape_pct"] < max(25.0, f["roofline"][phase]["mape_pct"])
+    folds_ = [f for f in r["folds"] if f["fold"] != "model llama-2-70b left out"]  # (that one saw BLOOM alone)
+    for phase in ("prompt", "token"):
+        assert r["fitted"][phase]["mape_pct"] < r["roofline"][phase]["mape_pct"] / 1.5  # in sample
+        # on what the folds left out: closer than the roofline on average, and never far off
+        mean = lambda key: sum(f[key][phase]["mape_pct"] for f in folds_) / len(folds_)  # noqa: E731
+        assert mean("error") < mean("roofline")
+        assert all(f["error"][phase]["mape_pct"] < 35.0 for f in folds_)
