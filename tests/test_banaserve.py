@@ -31,7 +31,7 @@ def test_compute_utilisation_is_the_busy_share_of_the_last_window():
 
 
 def test_load_aware_takes_the_least_utilised_then_the_shortest_queue():
-    route = LoadAware(threshold=1.5)
+    route = LoadAware(threshold=1.5, measure="busy")
     route.utilisation([snap(running=1), snap(running=1), snap(running=1)])  # the first snapshots: nothing measured
     loads = [snap(running=4, used=50, busy=0.5, at=1.0), snap(running=30, used=10, busy=0.03, at=1.0),
              snap(running=2, used=90, busy=0.9, at=1.0)]
@@ -42,16 +42,17 @@ def test_load_aware_takes_the_least_utilised_then_the_shortest_queue():
     assert all(u >= 1.5 for u in route.utilisation(busy)) and route(100, busy) == 1
     # a down instance (no device blocks) is never the least utilised
     down = EngineStats(0, 10**9, 0, PoolStats(0, 0), PoolStats(0, 0), {}, 10**9)
+    assert LoadAware(measure="busy")(10, [down, snap(running=3, used=50, at=1.0)]) == 1
     assert LoadAware()(10, [down, snap(running=3, used=50, at=1.0)]) == 1
     # requests routed before a measurement can show them count by their estimated load, for a window from
     # the instance's first report after the routing: no herding, even onto instances idle for long
-    route, idle = LoadAware(), [snap(at=5.0), snap(at=5.0)]
+    route, idle = LoadAware(measure="busy"), [snap(at=5.0), snap(at=5.0)]
     assert [route(1024, idle) for _ in range(4)] == [0, 1, 0, 1]
     assert route.utilisation([snap(running=2, at=9.0), snap(running=2, at=9.0)]) == pytest.approx([1.0, 1.0])
     assert route.utilisation([snap(running=2, at=9.5), snap(running=2, at=9.5)]) == pytest.approx([1.0, 1.0])
     assert route.utilisation([snap(running=2, at=10.0), snap(running=2, at=10.0)]) == [0.0, 0.0]  # a window on
     # the queued-work estimate: prompt tokens to prefill plus a token per running request, over 2,048
-    queued = LoadAware(measure="queued")
+    queued = LoadAware()  # the default
     assert queued.utilisation([snap(running=48, queued=976, used=25), snap(running=10, queued=9000, used=100)]) == \
         pytest.approx([0.5 + 0.25, 2.0])  # both terms capped at 1
 

@@ -7,12 +7,13 @@ and real instances. Ties go to the lowest index.
 - jsq_tokens: join the shortest queue counted in prompt tokens still to prefill, queued or in the
   step under way (a long prompt weighs what it costs), then in requests.
 - load_aware: BanaServe's dispatch (the thesis, Algorithm 4-2): the least utilised instance, compute
-  plus memory (formula 4-33; compute measured as the share of the last second the instance spent
-  running steps, plus the algorithm's EstimateLoad of the requests routed to it since: each its prompt
-  at the seconds per token the instance has measured), unless even it is past a threshold, then the
-  shortest queue. load_aware_queued: the same with compute estimated from the work queued for the next step
-  (prompt tokens to prefill plus a token per running request, over a 2,048-token step), which moves
-  with every request routed.
+  plus memory (formula 4-33), unless even it is past a threshold, then the shortest queue; compute is
+  estimated from the work queued for the next step (prompt tokens to prefill plus a token per running
+  request, over a 2,048-token step), which moves with every request routed. load_aware_measured: the
+  thesis's MeasureUtilization read literally: compute is the share of the last second the instance
+  spent running steps, plus the algorithm's EstimateLoad of the requests routed to it since (each its
+  prompt at the seconds per token the instance has measured). Under load the measured share
+  saturates at 1 on every instance and stops telling them apart (docs/notes/banaserve.md).
 - cache_aware: the cache-locality baseline BanaServe argues against: the instance holding the longest
   cached prefix of the prompt, unless its queue is too long (`CacheAware`).
 - SplitwisePools: Splitwise's cluster-level scheduler over prompt and token pools (below).
@@ -95,7 +96,8 @@ class LoadAware:
     for a window from the instance's first report after it) or estimated from the queued work (queued).
     A down instance (no device blocks) is never the least utilised."""
 
-    def __init__(self, threshold: float = 1.5, window_s: float = 1.0, measure: str = "busy", token_budget: int = 2048):
+    def __init__(self, threshold: float = 1.5, window_s: float = 1.0, measure: str = "queued",
+                 token_budget: int = 2048):
         if measure not in ("busy", "queued"):
             raise ValueError(f"unknown compute measure {measure!r}; choose from busy, queued")
         self.threshold, self.measure, self.token_budget = threshold, measure, token_budget
@@ -248,7 +250,7 @@ class StaticSplit:
 
 
 ROUTERS = {"round_robin": RoundRobin, "jsq": lambda: jsq, "jsq_tokens": lambda: jsq_tokens, "load_aware": LoadAware,
-           "load_aware_queued": lambda: LoadAware(measure="queued"), "cache_aware": CacheAware}
+           "load_aware_measured": lambda: LoadAware(measure="busy"), "cache_aware": CacheAware}
 
 
 def make_router(name: str):

@@ -35,7 +35,7 @@ def arguments(p) -> None:
     cl.add_argument("--launcher", default="process", choices=["process", "ray"],
                     help="instances as local processes, or as Ray actors (pip install -e \".[cluster]\")")
     cl.add_argument("--router", default="jsq", choices=["round_robin", "jsq", "jsq_tokens", "load_aware",
-                                                        "load_aware_queued"],
+                                                        "load_aware_measured"],
                     help="how mixed instances share requests (load_aware: BanaServe's Algorithm 4-2)")
     cl.add_argument("--kv-handoff", default="layerwise", choices=["layerwise", "serialized"],
                     help="send each layer's KV as soon as the prompt's forward pass has written it, or all layers "

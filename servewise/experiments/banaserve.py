@@ -49,7 +49,7 @@ LONG_MEAN = 1500  # longbench: mean prompt tokens (LongBench's inputs run to tho
 SYSTEMS = {"round-robin": ("mixed", "round_robin", False, False),
            "cache-aware": ("mixed", "cache_aware", False, False),
            "load-aware": ("mixed", "load_aware", False, False),
-           "load-aware-queued": ("mixed", "load_aware_queued", False, False),
+           "load-aware-measured": ("mixed", "load_aware_measured", False, False),
            "load-aware+store": ("mixed", "load_aware", True, False),
            "pd-distserve": ("split", "jsq_tokens", False, False),
            "pd-splitwise": ("pools", None, False, False),
