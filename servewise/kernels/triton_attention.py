@@ -55,16 +55,8 @@ def _decode_split(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, s
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
     bt_row = bt_ptr + b * stride_bt
-    if WHILE:  # (the interpreter cannot take a loaded value as a range bound)
-        start = lo
-        while start < hi:
-            m_i, l_i, acc = _tile(q, k_ptr, v_ptr, bt_row, start, hi, hi, kvh, m_i, l_i, acc, scale, softcap, window,
-                                  d, dmask, KVH, D, BS, BLOCK_N, SOFTCAP, False, False, PREC)
-            start += BLOCK_N
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _tile(q, k_ptr, v_ptr, bt_row, start, hi, hi, kvh, m_i, l_i, acc, scale, softcap, window,
-                                  d, dmask, KVH, D, BS, BLOCK_N, SOFTCAP, False, False, PREC)
+    m_i, l_i, acc = _keys(q, k_ptr, v_ptr, bt_row, lo, hi, hi, kvh, m_i, l_i, acc, scale, softcap, window, d, dmask,
+                          KVH, D, BS, BLOCK_N, SOFTCAP, False, False, PREC, WHILE)
     row = (b * H + heads) * S + s
     gm = g < G
     tl.store(m_ptr + row, m_i, mask=gm)
@@ -119,6 +111,25 @@ def _tile(q, k_ptr, v_ptr, bt_row, start, hi, pos, kvh, m_i, l_i, acc, scale, so
 
 
 @triton.jit
+def _keys(q, k_ptr, v_ptr, bt_row, lo, hi, pos, kvh, m_i, l_i, acc, scale, softcap, window, d, dmask,
+          KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+          CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, WHILE: tl.constexpr):
+    """Keys lo .. hi, BLOCK_N at a time, into the running softmax (_tile). WHILE: a while loop, for Triton's
+    interpreter, which cannot take a loaded value as a range bound."""
+    if WHILE:
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = _tile(q, k_ptr, v_ptr, bt_row, start, hi, pos, kvh, m_i, l_i, acc, scale, softcap, window,
+                                  d, dmask, KVH, D, BS, BLOCK_N, SOFTCAP, CAUSAL, WINDOW, PREC)
+            start += BLOCK_N
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _tile(q, k_ptr, v_ptr, bt_row, start, hi, pos, kvh, m_i, l_i, acc, scale, softcap, window,
+                                  d, dmask, KVH, D, BS, BLOCK_N, SOFTCAP, CAUSAL, WINDOW, PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _prefill(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, tile_row_ptr, tile_q0_ptr, qstart_ptr, prior_ptr, nq_ptr,
              scale, softcap, window, stride_bt,
              H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -143,16 +154,8 @@ def _prefill(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, tile_row_ptr, tile_q0_ptr, qsta
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
     bt_row = bt_ptr + r * stride_bt
-    if WHILE:
-        start = lo
-        while start < hi:
-            m_i, l_i, acc = _tile(q, k_ptr, v_ptr, bt_row, start, hi, pos, kvh, m_i, l_i, acc, scale, softcap, window,
-                                  d, dmask, KVH, D, BS, BLOCK_N, SOFTCAP, True, WINDOW, PREC)
-            start += BLOCK_N
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _tile(q, k_ptr, v_ptr, bt_row, start, hi, pos, kvh, m_i, l_i, acc, scale, softcap, window,
-                                  d, dmask, KVH, D, BS, BLOCK_N, SOFTCAP, True, WINDOW, PREC)
+    m_i, l_i, acc = _keys(q, k_ptr, v_ptr, bt_row, lo, hi, pos, kvh, m_i, l_i, acc, scale, softcap, window, d, dmask,
+                          KVH, D, BS, BLOCK_N, SOFTCAP, True, WINDOW, PREC, WHILE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + ((q0 + i) * H + h)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=qmask[:, None] & dmask[None, :])
