@@ -19,6 +19,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
         "drift": "bench.drift",
         "gpu": "bench.gpu",
         "peer": "bench.peer",
+        "attention": "bench.attention",
     }),
     "profile": "profile",
     "fit-predictors": "fit_predictors",

@@ -1,0 +1,150 @@
+"""Decode attention against this machine's memory bandwidth, side by side in one run.
+
+A decode step's attention reads every running request's keys and values once, so its speed limit is
+how fast the machine streams memory. Per round this measures, with the same torch threads:
+- the stream: a sum over a buffer much larger than the caches (read bandwidth, GB/s);
+- the compiled kernel (`servewise/kernels/paged_attention.cpp`) on each model's head shape and dtype:
+  `batch` requests whose contexts are drawn from `context`, their blocks scattered at random over a
+  pool as a long-running engine leaves them; KV bytes read / time = GB/s;
+- optionally the PyTorch path (gather the blocks, SDPA) on the same inputs.
+Each figure is the best of `repeat` calls; the summary is the median over `rounds` rounds, and the
+kernel's share of the stream measured in the same round.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from servewise.kernels import cpu_ext, cpu_flags, status
+
+
+@dataclass
+class Settings:
+    """`models`: built-in names, configuration-only sizes or checkpoint directories (only their head
+    shapes are used); `context`: (low, high) tokens per request; `out`: the JSON (None: not saved)."""
+
+    models: tuple[str, ...] = ("tiny-llama", "llama-200m")
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    batch: int = 256
+    context: tuple[int, int] = (257, 320)
+    block_size: int = 16
+    rounds: int = 5
+    repeat: int = 10
+    stream_mib: int = 1024
+    torch_path: bool = True
+    seed: int = 0
+    out: str | None = "results/bench_attention.json"
+
+
+def head_shape(model: str) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a model's configuration."""
+    from servewise.models.loader import hf_config
+
+    c = hf_config(model)
+    H = c["num_attention_heads"]
+    return H, c.get("num_key_value_heads") or H, c.get("head_dim") or c["hidden_size"] // H
+
+
+def _best(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def stream_gbs(buf: torch.Tensor, repeat: int) -> float:
+    return buf.numel() * buf.element_size() / _best(buf.sum, repeat) / 1e9
+
+
+class Case:
+    """One shape and dtype's inputs: q, a pool with every request's blocks at random places, the
+    tables, and the bytes of KV a call reads."""
+
+    def __init__(self, H: int, KVH: int, D: int, dtype: torch.dtype, s: Settings):
+        from servewise.models.attention import AttentionMetadata, decode_mask
+
+        g = torch.Generator().manual_seed(s.seed)
+        bs, B = s.block_size, s.batch
+        self.lens = torch.randint(s.context[0], s.context[1] + 1, (B,), generator=g)
+        width = (int(self.lens.max()) + bs - 1) // bs
+        nblocks = B * width + 1
+        self.tables = torch.randperm(nblocks, generator=g)[:B * width].view(B, width)
+        self.cache = torch.randn(2, nblocks * bs, KVH, D, generator=g).to(dtype)
+        self.q = torch.randn(B, H, D, generator=g).to(dtype)
+        self.scale = D ** -0.5
+        self.kv_bytes = int(self.lens.sum()) * KVH * D * self.cache.element_size() * 2
+        pos = self.lens - 1
+        slots = self.tables[torch.arange(B), pos // bs] * bs + pos % bs
+        self.meta = AttentionMetadata(False, slots, self.lens.tolist(), bs, self.tables,
+                                      decode_mask(self.tables, self.lens, bs, dtype), self.lens, None)
+
+    def kernel(self, ext):
+        return lambda: ext.paged_decode_attention(self.q, self.cache[0], self.cache[1], self.tables, self.lens,
+                                                  self.meta.block_size, self.scale)
+
+    def torch_path(self):  # (it writes each request's newest key and value back where they are)
+        from servewise.models.attention import paged_attention
+
+        k = self.cache[0].index_select(0, self.meta.slot_mapping)
+        v = self.cache[1].index_select(0, self.meta.slot_mapping)
+        return lambda: paged_attention(self.q, k, v, self.cache, self.meta)
+
+
+def main(s: Settings) -> dict:
+    """Run the benchmark; the CLI has already applied --threads."""
+    ext = cpu_ext()
+    if ext is None:
+        raise SystemExit(f"no compiled kernel to measure: {status()}")
+    threads = torch.get_num_threads()
+    print(f"decode attention: {s.batch} requests of {s.context[0]}-{s.context[1]} context tokens, blocks of "
+          f"{s.block_size} at random places; best of {s.repeat} calls, {s.rounds} rounds; torch threads {threads}; "
+          f"CPU flags: {cpu_flags()}")
+    cases = {}
+    for model in s.models:
+        H, KVH, D = head_shape(model)
+        for dt in s.dtypes:
+            cases[(model, dt)] = (Case(H, KVH, D, getattr(torch, dt), s), (H, KVH, D))
+    buf = torch.ones(s.stream_mib << 18, dtype=torch.float32)
+    rounds = []
+    for r in range(s.rounds):
+        row = {"stream_gbs": stream_gbs(buf, s.repeat)}
+        for (model, dt), (case, _) in cases.items():
+            row[f"{model}/{dt}"] = case.kv_bytes / _best(case.kernel(ext), s.repeat) / 1e9
+            if s.torch_path:
+                row[f"{model}/{dt}/torch"] = case.kv_bytes / _best(case.torch_path(), max(2, s.repeat // 3)) / 1e9
+        rounds.append(row)
+        print(f"round {r + 1}/{s.rounds}: stream {row['stream_gbs']:.1f} GB/s; " + ", ".join(
+            f"{k} {v:.1f}" for k, v in row.items() if k != "stream_gbs"), flush=True)
+    print(f"\n| shape (H / KVH / D) | dtype | kernel GB/s | share of stream | PyTorch path GB/s |\n|---|---|---:|---:|---:|")
+    summary = []
+    for (model, dt), (case, (H, KVH, D)) in cases.items():
+        key = f"{model}/{dt}"
+        shares = [row[key] / row["stream_gbs"] for row in rounds]
+        item = {"model": model, "dtype": dt, "heads": H, "kv_heads": KVH, "head_dim": D,
+                "kernel_gbs": statistics.median(row[key] for row in rounds),
+                "share_of_stream": statistics.median(shares), "share_range": [min(shares), max(shares)]}
+        if s.torch_path:
+            item["torch_gbs"] = statistics.median(row[key + "/torch"] for row in rounds)
+        summary.append(item)
+        torch_col = f"{item['torch_gbs']:.1f}" if s.torch_path else "-"
+        print(f"| {model} ({H} / {KVH} / {D}) | {dt} | {item['kernel_gbs']:.1f} | {item['share_of_stream'] * 100:.0f}% "
+              f"({min(shares) * 100:.0f}-{max(shares) * 100:.0f}%) | {torch_col} |")
+    stream = statistics.median(row["stream_gbs"] for row in rounds)
+    print(f"stream (median of rounds): {stream:.1f} GB/s; medians over {s.rounds} rounds, shares taken round by round")
+    result = {"settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(s).items()},
+              "threads": threads, "cpu_flags": cpu_flags(), "stream_gbs": stream, "summary": summary,
+              "rounds": rounds}
+    if s.out:
+        os.makedirs(os.path.dirname(os.path.abspath(s.out)), exist_ok=True)
+        with open(s.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"saved {s.out}")
+    return result

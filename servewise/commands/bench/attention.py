@@ -1,0 +1,59 @@
+"""`servewise bench attention`."""
+from __future__ import annotations
+
+import argparse
+
+from servewise.commands.options import at_least, threads_arg
+
+HELP = "the decode attention kernel's KV read bandwidth against the machine's stream, side by side"
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return names
+
+
+def _dtypes(text: str) -> tuple[str, ...]:
+    names = _names(text)
+    bad = [n for n in names if n not in ("float32", "bfloat16", "float16")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown dtype {bad[0]!r} (float32, bfloat16, float16)")
+    return names
+
+
+def _span(text: str) -> tuple[int, int]:
+    try:
+        low, _, high = text.partition("-")
+        span = (int(low), int(high or low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH tokens, got {text!r}") from None
+    if not 1 <= span[0] <= span[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LOW <= HIGH, got {text!r}")
+    return span
+
+
+def arguments(p) -> None:
+    p.add_argument("--models", type=_names, default=("tiny-llama", "llama-200m"),
+                   help="comma-separated built-in names, configuration-only sizes or checkpoint directories "
+                        "(their head shapes)")
+    p.add_argument("--dtypes", type=_dtypes, default=("float32", "bfloat16"))
+    p.add_argument("--batch", type=at_least(1), default=256, help="requests in the decode step")
+    p.add_argument("--context", type=_span, default=(257, 320), help="context tokens per request, LOW-HIGH")
+    p.add_argument("--block-size", type=at_least(1), default=16)
+    p.add_argument("--rounds", type=at_least(1), default=5)
+    p.add_argument("--repeat", type=at_least(1), default=10, help="calls per figure (the best is kept)")
+    p.add_argument("--stream-mib", type=at_least(64), default=1024, help="size of the stream measure's buffer")
+    p.add_argument("--torch-path", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the PyTorch path (gather + SDPA) on the same inputs")
+    p.add_argument("--seed", type=int, default=0)
+    threads_arg(p)
+    p.add_argument("--out", default="results/bench_attention.json")
+
+
+def run(a) -> None:
+    from servewise.bench.attention import Settings, main
+    from servewise.commands.bench import settings
+
+    main(settings(Settings, a))

@@ -1,0 +1,42 @@
+"""`servewise bench attention`: the kernel's KV read bandwidth and the stream's, in one JSON."""
+import json
+
+import pytest
+
+from servewise import kernels
+from servewise.cli import main
+
+
+@pytest.mark.skipif(kernels.cpu_ext() is None, reason=f"no compiled kernel here: {kernels.status()}")
+def test_the_bench_measures_each_shape_and_dtype_and_saves_what_it_printed(tmp_path, capsys):
+    out = tmp_path / "a.json"
+    main(["bench", "attention", "--models", "tiny-llama,qwen2.5-0.5b", "--dtypes", "float32,bfloat16",
+          "--batch", "8", "--context", "20-40", "--rounds", "2", "--repeat", "2", "--stream-mib", "64",
+          "--out", str(out)])
+    saved = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert len(saved["rounds"]) == 2 and saved["stream_gbs"] > 0
+    shapes = {(x["model"], x["dtype"]): x for x in saved["summary"]}
+    assert set(shapes) == {(m, d) for m in ("tiny-llama", "qwen2.5-0.5b") for d in ("float32", "bfloat16")}
+    assert (shapes["qwen2.5-0.5b", "float32"]["heads"], shapes["qwen2.5-0.5b", "float32"]["kv_heads"],
+            shapes["qwen2.5-0.5b", "float32"]["head_dim"]) == (14, 2, 64)
+    for x in saved["summary"]:
+        assert x["kernel_gbs"] > 0 and x["torch_gbs"] > 0
+        lo, hi = x["share_range"]
+        assert lo <= x["share_of_stream"] <= hi
+        assert f"| {x['model']} ({x['heads']} / {x['kv_heads']} / {x['head_dim']}) | {x['dtype']} | " \
+               f"{x['kernel_gbs']:.1f} |" in printed
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dtypes", "int8"], "unknown dtype 'int8'"),
+    (["--context", "300-200"], "expected 1 <= LOW <= HIGH"),
+    (["--context", "many"], "expected LOW-HIGH tokens"),
+    (["--models", "no-such-model"], "unknown model 'no-such-model'"),
+])
+def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "attention", *argv, "--out", str(tmp_path / "a.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
