@@ -8,9 +8,9 @@
 // values accumulate in float. Head dims that are a multiple of 16 take the vector path (dot products
 // reduced sixteen at a time, bf16 keys by the CPU's bf16 dot-product instruction where it has one, the
 // value accumulators in registers, rows asked for ahead of use); others a scalar loop. At 256 requests
-// of 257-320 tokens, 2 threads, AVX-512: KV read at 13.4 / 10.8 GB/s (fp32, tiny-llama / llama-200m
-// shapes) and 6.6 / 5.2 (bf16) by the scalar loop, 23-30 / 18-20 and 19-25 / 16-18 by the vector path
-// (`servewise bench attention`).
+// of 257-320 tokens, 2 threads, AVX-512 (`servewise bench attention`, machine's stream 31.7 GB/s): KV
+// read at 28.1 / 18.9 GB/s in fp32 (tiny-llama / llama-200m head shapes) and 24.3 / 19.8 in bf16; the
+// scalar loop alone, side by side in one run, read 14.7 / 10.6 and 8.2 / 5.4.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -128,23 +128,35 @@ struct Slots {
   }
 };
 
-// Each row of S [H, n] (scores) becomes exp(s - max); inv[hq] = 1 / the row's sum.
-inline void softmax_rows(float* S, int64_t H, int64_t n, float* inv) {
-  for (int64_t hq = 0; hq < H; ++hq) {
-    float* s = S + hq * n;
-    float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
-    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      const float e = servewise::fast_exp(s[t] - m);
-      s[t] = e;
-      sum += e;
-    }
-    inv[hq] = 1.f / sum;
+// Each column of S [n, H] (a query head's scores) becomes exp(s - max); inv[hq] = 1 / the column's sum.
+// With fewer than 16 heads (a divisor of 16) the loops run over 16 scores at a time, whatever their
+// heads, so that the exponentials fill the vector lanes.
+inline void softmax_columns(float* S, int64_t n, int64_t H, float* inv) {
+  const int64_t W = kLanes % H == 0 ? kLanes : H, N = n * H, full = N - N % W;  // W: a multiple of H
+  std::vector<float> m(W, -std::numeric_limits<float>::infinity()), sum(W, 0.f);
+  for (int64_t i = 0; i < full; i += W) {
+#pragma omp simd
+    for (int64_t j = 0; j < W; ++j) m[j] = std::max(m[j], S[i + j]);
   }
+  for (int64_t i = full; i < N; ++i) m[i - full] = std::max(m[i - full], S[i]);
+  for (int64_t j = H; j < W; ++j) m[j % H] = std::max(m[j % H], m[j]);
+  for (int64_t j = H; j < W; ++j) m[j] = m[j % H];
+  for (int64_t i = 0; i < full; i += W) {
+#pragma omp simd
+    for (int64_t j = 0; j < W; ++j) {
+      S[i + j] = servewise::fast_exp(S[i + j] - m[j]);
+      sum[j] += S[i + j];
+    }
+  }
+  for (int64_t i = full; i < N; ++i) {
+    S[i] = servewise::fast_exp(S[i] - m[i - full]);
+    sum[i - full] += S[i];
+  }
+  for (int64_t j = H; j < W; ++j) sum[j % H] += sum[j];
+  for (int64_t hq = 0; hq < H; ++hq) inv[hq] = 1.f / sum[hq];
 }
 
-// Scores S[hq * n + t] of every query head and token: each key row is loaded once per KV head and
+// Scores S[t * H + hq] of every token and query head: each key row is loaded once per KV head and
 // its G query heads' dot products gathered sixteen at a time for sum_lanes16. Asks for the rows
 // ahead (see prefetch).
 template <typename T, int NC>
@@ -152,14 +164,14 @@ void score_keys(const Request<T>& r, float* S) {
   constexpr int64_t D = NC * kLanes;
   const int64_t G = r.H / r.KVH, row_bytes = r.KVH * D * sizeof(T);
   vf pending[kLanes];
-  int64_t dest[kLanes];
   int np = 0;
-  auto push = [&](vf a, int64_t at) {
-    dest[np] = at;
+  float* at = S;  // where the pending scores go: they come in S's order
+  auto push = [&](vf a) {
     pending[np++] = a;
     if (np == kLanes) {
       const vf sums = sum_lanes16(pending);
-      for (int i = 0; i < kLanes; ++i) S[dest[i]] = sums[i];
+      std::memcpy(at, &sums, sizeof sums);
+      at += kLanes;
       np = 0;
     }
   };
@@ -183,7 +195,7 @@ void score_keys(const Request<T>& r, float* S) {
             __m512 a = _mm512_setzero_ps();
             for (int c = 0; c < NC / 2; ++c)
               a = _mm512_dpbf16_ps(a, reinterpret_cast<__m512bh>(_mm512_loadu_si512(qh + 2 * c * kLanes)), k[c]);
-            push(reinterpret_cast<vf>(a) * r.scale, hq * r.n + t);
+            push(reinterpret_cast<vf>(a) * r.scale);
           }
 #endif
         } else {
@@ -193,7 +205,7 @@ void score_keys(const Request<T>& r, float* S) {
             const float* qh = r.q + hq * D;
             vf a = load16(qh) * k[0];
             for (int c = 1; c < NC; ++c) a += load16(qh + c * kLanes) * k[c];
-            push(a, hq * r.n + t);
+            push(a);
           }
         }
       }
@@ -201,9 +213,9 @@ void score_keys(const Request<T>& r, float* S) {
   }
   if (np > 0) {
     const int used = np;
-    while (np < kLanes) dest[np] = -1, pending[np++] = vf{};
+    while (np < kLanes) pending[np++] = vf{};
     const vf sums = sum_lanes16(pending);
-    for (int i = 0; i < used; ++i) S[dest[i]] = sums[i];
+    std::memcpy(at, &sums, used * sizeof(float));
   }
 }
 
@@ -222,7 +234,7 @@ void weigh_values(const Request<T>& r, int64_t h, int64_t hq0, const float* P, c
       for (int c = 0; c < NC; ++c) vv[c] = load16(v + c * kLanes);
 #pragma GCC unroll 16
       for (int g = 0; g < GN; ++g) {
-        const float p = P[(hq0 + g) * r.n + t];
+        const float p = P[t * r.H + hq0 + g];
 #pragma GCC unroll 16
         for (int c = 0; c < NC; ++c) acc[g][c] += p * vv[c];
       }
@@ -247,7 +259,7 @@ void decode_request(const Request<T>& r, std::vector<float>& scores, std::vector
   const int64_t G = r.H / r.KVH;
   scores.resize(r.H * r.n);
   score_keys<T, NC>(r, scores.data());
-  softmax_rows(scores.data(), r.H, r.n, inv.data());
+  softmax_columns(scores.data(), r.n, r.H, inv.data());
   for (int64_t h = 0; h < r.KVH; ++h) {
     int64_t hq = h * G;
     for (; hq + 4 <= (h + 1) * G; hq += 4) weigh_values<T, NC, 4>(r, h, hq, scores.data(), inv.data(), out);
@@ -270,16 +282,16 @@ void decode_request_scalar(const Request<T>& r, int64_t D, std::vector<float>& s
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
-      scores[hq * n + t] = s;
+      scores[t * H + hq] = s;
     }
   }
-  softmax_rows(scores.data(), H, n, inv.data());
+  softmax_columns(scores.data(), n, H, inv.data());
   std::vector<float> acc(H * D, 0.f);
   for (int64_t t = 0; t < n; ++t) {
     const T* vrow = r.v + slot(t) * r.v_row;
     for (int64_t hq = 0; hq < H; ++hq) {
       const T* v = vrow + (hq / G) * D;
-      const float p = scores[hq * n + t];
+      const float p = scores[t * H + hq];
       float* a = &acc[hq * D];
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
