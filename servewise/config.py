@@ -9,6 +9,12 @@ def option(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+# Requests a server queues at most before it answers 429. Large enough that a burst vLLM would queue and
+# finish is queued too (1,000 requests offered at 64 req/s leave about 600 waiting here); a bound still,
+# so a flood cannot grow the queue without end.
+DEFAULT_MAX_WAITING = 4096
+
+
 @dataclass
 class CacheConfig:
     """Paged KV cache. Pool sizes are given in blocks, or derived from byte budgets when None."""

@@ -20,8 +20,12 @@ def test_both_servers_get_the_same_pool_model_and_threads():
     assert flag(sw, "--model") == "/m" and vl[3] == "/m"
     assert flag(sw, "--preemption") == "adaptive" and flag(sw, "--policy") == "fair"
     assert flag(sw, "--threads") == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
-    with pytest.raises(ValueError, match="sw:PREEMPTION:POLICY"):
-        parse_server("sw:swap")
+    assert "--chunked-prefill" not in sw
+    chunked, _ = server_command(s, "sw:recompute:fcfs:chunked512")
+    assert "--chunked-prefill" in chunked and flag(chunked, "--max-num-batched-tokens") == "512"
+    for bad in ("sw:swap", "sw:swap:fcfs:chunked", "sw:swap:fcfs:chunked0", "sw:swap:fcfs:512"):
+        with pytest.raises(ValueError, match="sw:PREEMPTION:POLICY"):
+            parse_server(bad)
     with pytest.raises(ValueError, match="needs the vLLM command"):
         server_command(Settings(vllm=None), "vllm")
 

@@ -32,6 +32,7 @@ WORKLOADS = {
     "long": (256, 512, 0.5, 8.0),  # long outputs: the pool fills as they grow
     "burst": (512, 256, 0.5, math.inf),  # every request at once
     "light": (128, 64, 0.0, 8.0),  # below capacity: no pressure
+    "overload": (256, 128, 0.0, 64.0),  # arrivals far past what the machine serves: a queue grows (give a larger pool)
 }
 
 
@@ -41,7 +42,7 @@ class Settings:
     servers: list[str] = field(default_factory=lambda: ["vllm", "sw:recompute:fcfs", "sw:swap:fcfs",
                                                         "sw:adaptive:fcfs", "sw:adaptive:fair"])
     vllm: str | None = None
-    workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
+    workloads: list[str] = field(default_factory=lambda: ["long", "burst", "light"])
     num_prompts: int = 100
     kv_blocks: int = 256
     block_size: int = 32
@@ -53,14 +54,17 @@ class Settings:
     out: str = "results/bench_peer.json"
 
 
-def parse_server(name: str) -> tuple[str, str, str] | None:
-    """'vllm' -> None; 'sw:PREEMPTION:POLICY' -> ('sw', preemption, policy)."""
+def parse_server(name: str) -> tuple[str, str, str, int | None] | None:
+    """'vllm' -> None; 'sw:PREEMPTION:POLICY[:chunkedN]' -> ('sw', preemption, policy, N or None): N, a
+    chunked-prefill token budget per step."""
     if name == "vllm":
         return None
     parts = name.split(":")
-    if len(parts) != 3 or parts[0] != "sw":
-        raise ValueError(f"server {name!r}: give 'vllm' or 'sw:PREEMPTION:POLICY' (e.g. sw:adaptive:fair)")
-    return parts[0], parts[1], parts[2]
+    chunk = re.fullmatch(r"chunked([1-9][0-9]*)", parts[3]) if len(parts) == 4 else None
+    if len(parts) not in (3, 4) or parts[0] != "sw" or (len(parts) == 4 and chunk is None):
+        raise ValueError(f"server {name!r}: give 'vllm' or 'sw:PREEMPTION:POLICY[:chunkedN]' (e.g. sw:adaptive:fair, "
+                         f"sw:recompute:fcfs:chunked512)")
+    return parts[0], parts[1], parts[2], int(chunk.group(1)) if chunk else None
 
 
 def server_command(s: Settings, name: str) -> tuple[list[str], dict]:
@@ -74,11 +78,12 @@ def server_command(s: Settings, name: str) -> tuple[list[str], dict]:
         return shlex.split(s.vllm) + ["serve", s.model, "--dtype", s.dtype, "--port", str(s.port), "--max-model-len",
                                       str(s.max_model_len), "--block-size", str(s.block_size),
                                       "--num-gpu-blocks-override", str(s.kv_blocks)], env
-    _, preemption, policy = sw
+    _, preemption, policy, chunk = sw
+    chunked = ["--chunked-prefill", "--max-num-batched-tokens", str(chunk)] if chunk else []
     return [sys.executable, "-m", "servewise", "serve", "--model", s.model, "--port", str(s.port), "--threads",
             str(s.threads), "--dtype", s.dtype, "--block-size", str(s.block_size), "--num-device-blocks",
             str(s.kv_blocks), "--num-host-blocks", str(s.host_blocks), "--preemption", preemption, "--policy", policy,
-            "--max-model-len", str(s.max_model_len), "--max-waiting", "1000000"], env
+            "--max-model-len", str(s.max_model_len), "--max-waiting", "1000000", *chunked], env
 
 
 def client_command(s: Settings, workload: str, seed: int, result: str) -> list[str]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from servewise.cluster.coordinator import ROLES, Coordinator, Links
 from servewise.cluster.instance import instance_main
+from servewise.config import DEFAULT_MAX_WAITING
 from servewise.connectors.shm import discard, make_dir, remove_dir
 from servewise.engine.interfaces import EngineStats, PoolStats
 from servewise.server.client import StreamingClient
@@ -84,7 +85,7 @@ class Member:
 
 class ClusterClient(StreamingClient):
     def __init__(self, engine_kwargs: dict, roles: list[str], threads: int = 1, launcher: str = "process",
-                 layerwise: bool = True, router: str = "jsq", lease_s: float = 5.0, max_waiting: int = 512,
+                 layerwise: bool = True, router: str = "jsq", lease_s: float = 5.0, max_waiting: int = DEFAULT_MAX_WAITING,
                  max_restarts: int = 3, pin: bool = False, transport: str = "shm", on_finish=None, log=None):
         if launcher not in ("process", "ray"):
             raise ValueError(f"unknown launcher {launcher!r}; choose process or ray")

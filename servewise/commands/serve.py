@@ -9,6 +9,7 @@ import sys
 
 from servewise.commands import options
 from servewise.commands.options import at_least, engine_args
+from servewise.config import DEFAULT_MAX_WAITING
 
 HELP = "OpenAI-compatible HTTP server (completions, chat, metrics)"
 
@@ -19,7 +20,7 @@ def arguments(p) -> None:
     p.add_argument("--port", type=at_least(0, 65535), default=8000)
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--max-waiting", type=int, default=512,
+    p.add_argument("--max-waiting", type=at_least(1), default=DEFAULT_MAX_WAITING,
                    help="queued requests at most; beyond it requests get 429 with Retry-After")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--engine-in-thread", action="store_true",
@@ -59,7 +60,7 @@ def _special_tokens(model: str) -> tuple[str, str]:
 
 
 def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = None, api_key: str | None = None,
-             max_waiting: int = 512, default_max_tokens: int = 16, log=None, engine_process: bool = True,
+             max_waiting: int = DEFAULT_MAX_WAITING, default_max_tokens: int = 16, log=None, engine_process: bool = True,
              max_restarts: int = 3, cluster: dict | None = None):
     """(FastAPI app, engine client), the client started: the engine in its own process, or in a thread of
     this one (engine_process=False), or several instances (cluster: ClusterClient's keyword arguments,

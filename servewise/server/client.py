@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from servewise.config import DEFAULT_MAX_WAITING
 from servewise.engine.interfaces import EngineStats
 from servewise.engine.llm_engine import LLMEngine, RequestLimits
 from servewise.sampling_params import SamplingParams
@@ -219,7 +220,7 @@ class StreamingClient:
 class ThreadEngineClient(StreamingClient):
     """The engine core in a thread of this process (it shares the interpreter with the event loop)."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 512, on_finish=None):
+    def __init__(self, engine: LLMEngine, max_waiting: int = DEFAULT_MAX_WAITING, on_finish=None):
         super().__init__(engine.tokenizer, engine.limits, max_waiting, on_finish)
         self.engine_loop = EngineLoop(engine)
         self._stats = engine.stats()

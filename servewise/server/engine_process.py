@@ -18,6 +18,7 @@ import queue
 import sys
 import threading
 
+from servewise.config import DEFAULT_MAX_WAITING
 from servewise.server.client import StreamingClient
 from servewise.server.engine_loop import engine_main, single_engine
 
@@ -54,7 +55,7 @@ def spawn(ctx, target, args: tuple, name: str):
 class ProcessEngineClient(StreamingClient):
     """An EngineClient whose engine runs in a child process (spawned, so no state is inherited)."""
 
-    def __init__(self, engine_kwargs: dict, max_waiting: int = 512, on_finish=None, max_restarts: int = 3,
+    def __init__(self, engine_kwargs: dict, max_waiting: int = DEFAULT_MAX_WAITING, on_finish=None, max_restarts: int = 3,
                  log=None):
         import torch
 

@@ -14,9 +14,10 @@ def arguments(p) -> None:
     p.add_argument("--vllm", default=None, help="how to run vLLM's command line, e.g. 'PYTHON path/to/vllm_cli.py' "
                    "(its `serve` and `bench serve`); without it, only servewise servers, with servewise's client")
     p.add_argument("--servers", type=lambda t: t.split(","), default=None,
-                   help="comma-separated: vllm, sw:PREEMPTION:POLICY (default: vllm (with --vllm), "
+                   help="comma-separated: vllm, sw:PREEMPTION:POLICY[:chunkedN] (chunkedN: chunked prefill, N tokens "
+                        "a step) (default: vllm (with --vllm), "
                         "sw:recompute:fcfs, sw:swap:fcfs, sw:adaptive:fcfs, sw:adaptive:fair)")
-    p.add_argument("--workloads", type=lambda t: t.split(","), default=list(WORKLOADS),
+    p.add_argument("--workloads", type=lambda t: t.split(","), default=["long", "burst", "light"],
                    help="comma-separated, from " + "; ".join(
                        f"{k}: {i} -> {o} tokens at {'once' if r == float('inf') else f'{r:g} req/s'}"
                        for k, (i, o, _, r) in WORKLOADS.items()))
