@@ -123,7 +123,8 @@ def main(s: Settings) -> dict:
         rounds.append(row)
         print(f"round {r + 1}/{s.rounds}: stream {row['stream_gbs']:.1f} GB/s; " + ", ".join(
             f"{k} {v:.1f}" for k, v in row.items() if k != "stream_gbs"), flush=True)
-    print(f"\n| shape (H / KVH / D) | dtype | kernel GB/s | share of stream | PyTorch path GB/s |\n|---|---|---:|---:|---:|")
+    print("\n| shape (H / KVH / D) | dtype | kernel GB/s | share of stream | PyTorch path GB/s |\n"
+          "|---|---|---:|---:|---:|")
     summary = []
     for (model, dt), (case, (H, KVH, D)) in cases.items():
         key = f"{model}/{dt}"

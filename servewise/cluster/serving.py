@@ -85,8 +85,8 @@ class Member:
 
 class ClusterClient(StreamingClient):
     def __init__(self, engine_kwargs: dict, roles: list[str], threads: int = 1, launcher: str = "process",
-                 layerwise: bool = True, router: str = "jsq", lease_s: float = 5.0, max_waiting: int = DEFAULT_MAX_WAITING,
-                 max_restarts: int = 3, pin: bool = False, transport: str = "shm", on_finish=None, log=None):
+                 layerwise: bool = True, router: str = "jsq", lease_s: float = 5.0,
+                 max_waiting: int = DEFAULT_MAX_WAITING, max_restarts: int = 3, pin: bool = False, transport: str = "shm", on_finish=None, log=None):
         if launcher not in ("process", "ray"):
             raise ValueError(f"unknown launcher {launcher!r}; choose process or ray")
         if transport not in ("shm", "gloo"):

@@ -60,8 +60,8 @@ def _special_tokens(model: str) -> tuple[str, str]:
 
 
 def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = None, api_key: str | None = None,
-             max_waiting: int = DEFAULT_MAX_WAITING, default_max_tokens: int = 16, log=None, engine_process: bool = True,
-             max_restarts: int = 3, cluster: dict | None = None):
+             max_waiting: int = DEFAULT_MAX_WAITING, default_max_tokens: int = 16, log=None,
+             engine_process: bool = True, max_restarts: int = 3, cluster: dict | None = None):
     """(FastAPI app, engine client), the client started: the engine in its own process, or in a thread of
     this one (engine_process=False), or several instances (cluster: ClusterClient's keyword arguments,
     with `roles`)."""

@@ -55,8 +55,8 @@ def spawn(ctx, target, args: tuple, name: str):
 class ProcessEngineClient(StreamingClient):
     """An EngineClient whose engine runs in a child process (spawned, so no state is inherited)."""
 
-    def __init__(self, engine_kwargs: dict, max_waiting: int = DEFAULT_MAX_WAITING, on_finish=None, max_restarts: int = 3,
-                 log=None):
+    def __init__(self, engine_kwargs: dict, max_waiting: int = DEFAULT_MAX_WAITING, on_finish=None,
+                 max_restarts: int = 3, log=None):
         import torch
 
         self.engine_kwargs, self.max_restarts, self.restarts = dict(engine_kwargs), max_restarts, 0
