@@ -23,6 +23,8 @@ def test_both_servers_get_the_same_pool_model_and_threads():
     assert "--chunked-prefill" not in sw
     chunked, _ = server_command(s, "sw:recompute:fcfs:chunked512")
     assert "--chunked-prefill" in chunked and flag(chunked, "--max-num-batched-tokens") == "512"
+    more, _ = server_command(Settings(sw_args="--max-num-seqs 128"), "sw:recompute:fcfs")
+    assert flag(more, "--max-num-seqs") == "128"
     for bad in ("sw:swap", "sw:swap:fcfs:chunked", "sw:swap:fcfs:chunked0", "sw:swap:fcfs:512"):
         with pytest.raises(ValueError, match="sw:PREEMPTION:POLICY"):
             parse_server(bad)
@@ -32,16 +34,18 @@ def test_both_servers_get_the_same_pool_model_and_threads():
 
 def test_the_two_clients_results_read_alike(tmp_path):
     vllm_json = {"completed": 10, "duration": 2.0, "output_throughput": 500.0, "request_throughput": 5.0,
-                 "p50_ttft_ms": 10.0, "p99_ttft_ms": 30.0, "p50_tpot_ms": 4.0, "p99_tpot_ms": 6.0, "mean_e2el_ms": 900.0}
+                 "p50_ttft_ms": 10.0, "p99_ttft_ms": 30.0, "p50_tpot_ms": 4.0, "p99_tpot_ms": 6.0, "mean_e2el_ms": 900.0,
+                 "mean_ttft_ms": 12.0, "mean_tpot_ms": 4.5}
     sw_json = {"completed": 10, "duration_s": 2.0, "output_throughput": 500.0, "request_throughput": 5.0,
                "median_ttft_ms": 10.0, "p99_ttft_ms": 30.0, "median_tpot_ms": 4.0, "p99_tpot_ms": 6.0,
-               "mean_e2el_ms": 900.0}
+               "mean_e2el_ms": 900.0, "mean_ttft_ms": 12.0, "mean_tpot_ms": 4.5}
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(vllm_json))
     b.write_text(json.dumps(sw_json))
     assert client_side(str(a)) == client_side(str(b)) == {
         "completed": 10, "duration_s": 2.0, "output_tok_s": 500.0, "req_s": 5.0, "ttft_p50_ms": 10.0,
-        "ttft_p99_ms": 30.0, "tpot_p50_ms": 4.0, "tpot_p99_ms": 6.0, "mean_e2el_ms": 900.0}
+        "ttft_p99_ms": 30.0, "tpot_p50_ms": 4.0, "tpot_p99_ms": 6.0, "ttft_mean_ms": 12.0, "tpot_mean_ms": 4.5,
+        "mean_e2el_ms": 900.0}
 
 
 def test_server_side_figures_are_the_metrics_changes():

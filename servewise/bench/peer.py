@@ -51,6 +51,7 @@ class Settings:
     dtype: str = "float32"
     max_model_len: int = 2048
     port: int = 8040
+    sw_args: str = ""  # more `servewise serve` flags for every servewise server
     out: str = "results/bench_peer.json"
 
 
@@ -83,7 +84,7 @@ def server_command(s: Settings, name: str) -> tuple[list[str], dict]:
     return [sys.executable, "-m", "servewise", "serve", "--model", s.model, "--port", str(s.port), "--threads",
             str(s.threads), "--dtype", s.dtype, "--block-size", str(s.block_size), "--num-device-blocks",
             str(s.kv_blocks), "--num-host-blocks", str(s.host_blocks), "--preemption", preemption, "--policy", policy,
-            "--max-model-len", str(s.max_model_len), "--max-waiting", "1000000", *chunked], env
+            "--max-model-len", str(s.max_model_len), "--max-waiting", "1000000", *chunked, *shlex.split(s.sw_args)], env
 
 
 def client_command(s: Settings, workload: str, seed: int, result: str) -> list[str]:
@@ -140,7 +141,7 @@ def client_side(path: str) -> dict:
             "output_tok_s": get("output_throughput"), "req_s": get("request_throughput"),
             "ttft_p50_ms": get("p50_ttft_ms", "median_ttft_ms"), "ttft_p99_ms": get("p99_ttft_ms"),
             "tpot_p50_ms": get("p50_tpot_ms", "median_tpot_ms"), "tpot_p99_ms": get("p99_tpot_ms"),
-            "mean_e2el_ms": get("mean_e2el_ms")}
+            "ttft_mean_ms": get("mean_ttft_ms"), "tpot_mean_ms": get("mean_tpot_ms"), "mean_e2el_ms": get("mean_e2el_ms")}
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 900.0) -> None:

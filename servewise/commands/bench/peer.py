@@ -30,6 +30,8 @@ def arguments(p) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=at_least(1), default=2048)
     p.add_argument("--port", type=int, default=8040)
+    p.add_argument("--sw-args", default="", help="more `servewise serve` flags for every servewise server, e.g. "
+                   "'--max-num-seqs 128' (vLLM's CPU server default)")
     p.add_argument("--out", default="results/bench_peer.json")
 
 
