@@ -20,6 +20,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
         "gpu": "bench.gpu",
         "peer": "bench.peer",
         "attention": "bench.attention",
+        "offline": "bench.offline",
     }),
     "profile": "profile",
     "fit-predictors": "fit_predictors",

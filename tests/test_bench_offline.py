@@ -1,0 +1,36 @@
+"""`servewise bench offline`: each engine in its own process, rounds alternated, outputs hashed."""
+import json
+
+import pytest
+
+from servewise.bench.offline import Settings, make_prompts
+from servewise.cli import main
+
+
+def test_shared_prefix_prompts_share_their_heads():
+    s = Settings(workload="shared-prefix", num_prompts=6, prefixes=2, prefix_len=5, input_len=3)
+    ps = make_prompts(s, 100)
+    assert [len(p) for p in ps] == [8] * 6
+    assert ps[0][:5] == ps[2][:5] == ps[4][:5] != ps[1][:5] == ps[3][:5]
+    assert len({tuple(p[5:]) for p in ps}) == 6
+
+
+def test_caching_on_and_off_give_the_same_tokens_and_every_round_is_saved(tmp_path):
+    runs = {}
+    for caching in ("--prefix-caching", "--no-prefix-caching"):
+        out = tmp_path / f"{caching}.json"
+        main(["bench", "offline", "--workload", "shared-prefix", "--num-prompts", "6", "--prefixes", "2",
+              "--prefix-len", "40", "--input-len", "8", "--output-len", "6", "--rounds", "2", "--runs", "1",
+              caching, "--out", str(out)])
+        runs[caching] = json.loads(out.read_text())
+    for r in runs.values():
+        assert len(r["rounds"]) == 2 and r["identical_outputs"]
+        assert all(row["servewise"]["best"] > 0 for row in r["rounds"])
+    on, off = (runs[c]["rounds"][0]["servewise"]["outputs_hash"] for c in ("--prefix-caching", "--no-prefix-caching"))
+    assert on == off
+
+
+def test_an_unknown_workload_is_one_line_and_status_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "offline", "--workload", "chat"])
+    assert e.value.code == 2 and "invalid choice: 'chat'" in capsys.readouterr().err
