@@ -18,12 +18,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <immintrin.h>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "fast_exp.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>  // (the two AVX-512 paths below; every other CPU takes the portable code)
+#endif
 
 namespace {
 
