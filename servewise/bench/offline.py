@@ -5,7 +5,8 @@ end-of-sequence, and each runs in its own process (`offline_worker.py`), the eng
 by round: one warm-up call, then `runs` timed calls, the best kept. Workloads: `random` (`num_prompts`
 prompts of `input_len` random ids) and `shared-prefix` (`prefixes` prefixes of `prefix_len` random ids,
 each prompt one of them plus `input_len` ids of its own). Equal output hashes mean token-identical
-greedy outputs. One JSON with every run.
+greedy outputs (not with `load_format` dummy: each engine draws its own random weights). One JSON with
+every run.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class Settings:
     prefix_len: int = 512
     prefix_caching: bool = False
     dtype: str = "float32"
+    load_format: str = "auto"
     threads: int = 2
     rounds: int = 3
     runs: int = 3
@@ -79,7 +81,8 @@ def main(s: Settings) -> dict:
           f"{s.dtype}, prefix caching {'on' if s.prefix_caching else 'off'}; {s.threads} threads; CPU flags: "
           f"{cpu_flags()}; engines {', '.join(engines)}, alternated over {s.rounds} rounds, best of {s.runs}",
           flush=True)
-    spec = {"prompts": prompts, "output_len": s.output_len, "dtype": s.dtype, "prefix_caching": s.prefix_caching,
+    spec = {"prompts": prompts, "output_len": s.output_len, "dtype": s.dtype, "load_format": s.load_format,
+            "prefix_caching": s.prefix_caching,
             "runs": s.runs, "max_model_len": s.max_model_len}
     rounds = []
     with tempfile.TemporaryDirectory() as d:

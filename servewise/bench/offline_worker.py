@@ -3,7 +3,8 @@ engine's Python (vLLM's lives in its own environment, without servewise), so it 
 servewise at the top.
 
 usage: python offline_worker.py servewise|vllm MODEL THREADS SPEC_JSON
-SPEC_JSON: {"prompts": [[token ids]], "output_len", "dtype", "prefix_caching", "runs"}. Prints one JSON line:
+SPEC_JSON: {"prompts": [[token ids]], "output_len", "dtype", "load_format", "prefix_caching", "runs",
+"max_model_len"}. Prints one JSON line:
 the output tokens a second of each timed run and a hash of the outputs (equal hashes: identical greedy
 tokens)."""
 import hashlib
@@ -20,7 +21,8 @@ def main(engine: str, model: str, threads: int, spec: dict) -> dict:
         torch.set_num_threads(threads)
         from servewise import LLM, SamplingParams
 
-        llm = LLM(model, dtype=spec["dtype"], enable_prefix_caching=spec["prefix_caching"])
+        llm = LLM(model, dtype=spec["dtype"], load_format=spec["load_format"],
+                  enable_prefix_caching=spec["prefix_caching"])
         sp = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
 
         def gen(ps):
@@ -29,7 +31,7 @@ def main(engine: str, model: str, threads: int, spec: dict) -> dict:
         from vllm import LLM, SamplingParams
 
         llm = LLM(model=model, dtype=spec["dtype"], skip_tokenizer_init=True, max_model_len=spec["max_model_len"],
-                  seed=0, enable_prefix_caching=spec["prefix_caching"])
+                  seed=0, enable_prefix_caching=spec["prefix_caching"], load_format=spec["load_format"])
         sp = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False)
 
         def gen(ps):

@@ -22,6 +22,8 @@ def arguments(p) -> None:
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="both engines with prefix caching (reset before every timed run)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from config.json alone, in each engine (speed only: outputs differ)")
     p.add_argument("--threads", type=at_least(1), default=2, help="compute threads of each engine")
     p.add_argument("--rounds", type=at_least(1), default=3, help="rounds, the engines alternated")
     p.add_argument("--runs", type=at_least(1), default=3, help="timed runs per engine and round (the best is kept)")
