@@ -12,8 +12,6 @@ kernel's share of the stream measured in the same round.
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from servewise.kernels import cpu_ext, cpu_flags, status
+from servewise.metrics.summary import save_json
 
 
 @dataclass
@@ -144,8 +143,6 @@ def main(s: Settings) -> dict:
               "threads": threads, "cpu_flags": cpu_flags(), "stream_gbs": stream, "summary": summary,
               "rounds": rounds}
     if s.out:
-        os.makedirs(os.path.dirname(os.path.abspath(s.out)), exist_ok=True)
-        with open(s.out, "w") as f:
-            json.dump(result, f, indent=1)
+        save_json(result, s.out)
         print(f"saved {s.out}")
     return result

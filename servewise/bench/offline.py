@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import tempfile
 from dataclasses import dataclass
 
 from servewise.kernels import cpu_flags
+from servewise.metrics.summary import save_json
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offline_worker.py")
 
@@ -46,13 +46,14 @@ class Settings:
 
 
 def make_prompts(s: Settings, vocab: int) -> list[list[int]]:
-    rng = random.Random(s.seed)
-    ids = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
+    from servewise.bench.throughput import make_prompts as throughput_prompts
+    from servewise.workloads.prefix import shared_prefix
+
     if s.workload == "random":
-        return [ids(s.input_len) for _ in range(s.num_prompts)]
+        return throughput_prompts(s.num_prompts, s.input_len, vocab, s.seed)
     if s.workload == "shared-prefix":
-        heads = [ids(s.prefix_len) for _ in range(s.prefixes)]
-        return [heads[i % s.prefixes] + ids(s.input_len) for i in range(s.num_prompts)]
+        return [r.prompt for r in shared_prefix(s.num_prompts, vocab, s.prefixes, s.prefix_len, s.input_len,
+                                                 s.output_len, s.seed)]
     raise ValueError(f"unknown workload {s.workload!r}; choose random or shared-prefix")
 
 
@@ -105,8 +106,6 @@ def main(s: Settings) -> dict:
         print(f"servewise / vLLM: {' / '.join(f'{x:.2f}x' for x in ratios)} (median {statistics.median(ratios):.2f}x); "
               f"outputs identical across engines and rounds: {result['identical_outputs']}")
     if s.out:
-        os.makedirs(os.path.dirname(os.path.abspath(s.out)), exist_ok=True)
-        with open(s.out, "w") as f:
-            json.dump(result, f, indent=1)
+        save_json(result, s.out)
         print(f"saved {s.out}")
     return result

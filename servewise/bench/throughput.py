@@ -6,8 +6,6 @@ it is driven offline.
 """
 from __future__ import annotations
 
-import json
-import os
 import random
 import tempfile
 import time
@@ -17,6 +15,8 @@ import torch
 
 from servewise import LLM, SamplingParams
 from servewise.kernels import cpu_flags
+from servewise.metrics.summary import save_json
+from servewise.workloads.prefix import random_ids
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Settings:
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+    return [random_ids(rng, length, vocab) for _ in range(n)]
 
 
 def run_servewise(model: str, prompts, output_len: int, **engine_kw) -> dict:
@@ -125,8 +125,6 @@ def main(s: Settings) -> dict:
             result["ratio"] = ratio
             result["identical_outputs"] = same
     if s.out:
-        os.makedirs(os.path.dirname(os.path.abspath(s.out)), exist_ok=True)
-        with open(s.out, "w") as f:
-            json.dump(result, f, indent=1)
+        save_json(result, s.out)
         print(f"saved {s.out}")
     return result
