@@ -1,6 +1,7 @@
 """Per-request sampling settings, validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How to pick tokens for one request (names follow vLLM's offline API).
 
-    temperature 0 means greedy. top_k -1 means no top-k cut; min_p 0 no min-p cut (tokens below
+    temperature 0 (or below 1e-5) means greedy. top_k -1 means no top-k cut; min_p 0 no min-p cut (tokens below
     min_p times the most likely token's probability are dropped). seed makes a request's sampling
     reproducible whatever batch it lands in. Penalties follow OpenAI and vLLM: presence_penalty and
     frequency_penalty (in [-2, 2]) subtract from the logits of tokens already generated, once and per
@@ -38,8 +39,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
@@ -50,12 +51,12 @@ class SamplingParams:
             v = getattr(self, name)
             if not _number(v) or not -2 <= v <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
-        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 1e4:
-            raise ValueError(f"repetition_penalty must be in (0, 10000], got {self.repetition_penalty!r}")
+        if not _number(self.repetition_penalty) or not 1e-4 <= self.repetition_penalty <= 1e4:  # logits / 1e-320: inf
+            raise ValueError(f"repetition_penalty must be in [0.0001, 10000], got {self.repetition_penalty!r}")
         if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _integer(self.seed) or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         if not _integer(self.priority):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
@@ -67,7 +68,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
@@ -75,6 +76,7 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy (dividing by it would overflow to inf)
 
 
 def _number(v) -> bool:

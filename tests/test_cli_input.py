@@ -200,3 +200,65 @@ def test_bad_options_of_the_cluster_experiments_and_fidelity_bench(argv, message
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+class Started(Exception):
+    """What the fuzzed `serve` raises in place of serving, once its engine has been built."""
+
+
+serve_flags = st.lists(st.tuples(
+    st.sampled_from(["--num-device-blocks", "--num-host-blocks", "--block-size", "--max-num-seqs", "--max-model-len",
+                     "--max-num-batched-tokens", "--max-waiting", "--port", "--max-restarts", "--max-request-bytes",
+                     "--body-timeout", "--preemption", "--policy", "--instances", "--lease", "--router",
+                     "--kv-transport", "--served-model-name"]),
+    st.sampled_from(["0", "1", "-3", "64", "0.5", "nan", "inf", "x", "swap", "fcfs", "prompt=1,token=1", "2", ""])),
+    max_size=4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pairs=serve_flags)
+def test_fuzzed_serve_flags_start_or_fail_clearly(monkeypatch, capsys, pairs):
+    """`serve` with random flags: one `error:` line and exit 2, or an engine built from what was asked
+    (the engine is built here in-process, then the test stops before any port is opened)."""
+    import servewise.commands.serve as serve
+    from servewise.builder import build_engine
+
+    def build_then_stop(model, engine_kwargs, *args, **kw):
+        build_engine(model=model, **engine_kwargs)
+        raise Started
+
+    monkeypatch.setattr(serve, "make_app", build_then_stop)
+    try:
+        main(["serve", "--model", "tiny-llama", *[x for pair in pairs for x in pair]])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    except Started:
+        code = None
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert code is None or (code == 2 and "error: " in err), (pairs, code, err)
+
+
+bench_serve_flags = st.lists(st.tuples(
+    st.sampled_from(["--num-requests", "--input-len", "--output-len", "--request-rate", "--burstiness",
+                     "--max-concurrency", "--arrival", "--workload", "--seed", "--max-output-len", "--tokenizer"]),
+    st.sampled_from(["0", "1", "-3", "64", "0.5", "nan", "inf", "-inf", "x", "poisson", "all", "chatbot", ""])),
+    max_size=4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pairs=bench_serve_flags)
+def test_fuzzed_bench_serve_flags_fail_clearly(tmp_path, capsys, pairs):
+    """`bench serve` at a port where nothing listens: whatever the flags, one `error:` line and exit 2 (a bad
+    setting is named before the absent server), and no JSON written."""
+    out = tmp_path / "bench.json"
+    try:
+        main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--out", str(out),
+              *[x for pair in pairs for x in pair]])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and code == 2 and "error: " in err, (pairs, code, err)
+    assert not out.exists()

@@ -122,20 +122,26 @@ def main(s: Settings) -> None:
     from servewise.models.loader import load_model_config
     from servewise.workloads.build import build_workload
 
-    base = s.base_url.rstrip("/")
-    base = base if base.endswith("/v1") else base + "/v1"
-    try:
-        model = s.model or _served_model(base, s.api_key)
-    except httpx.HTTPError as e:
-        raise ValueError(f"cannot reach {base}/models: {e}") from e
-    mc, tok = load_model_config(s.tokenizer)
     rate = s.request_rate
+    if not rate > 0:
+        raise ValueError(f"request_rate must be > 0 requests/s (inf: all at once), got {rate}")
+    if not 0 < s.burstiness < math.inf:
+        raise ValueError(f"burstiness must be a finite number > 0, got {s.burstiness}")
+    if s.max_concurrency is not None and s.max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1 (or unset: unlimited), got {s.max_concurrency}")
+    mc, tok = load_model_config(s.tokenizer)
     arrival = s.arrival or ("all" if math.isinf(rate) else ("poisson" if s.burstiness == 1.0 else "gamma"))
     items, arrivals = build_workload(s.workload, tok, mc.vocab_size,
                                      data=s.data, num_requests=s.num_requests, input_len=s.input_len,
                                      output_len=s.output_len, max_output_len=s.max_output_len,
                                      max_prompt_len=s.max_prompt_len, arrival=arrival,
                                      rate=None if math.isinf(rate) else rate, cv=s.burstiness, seed=s.seed)
+    base = s.base_url.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    try:
+        model = s.model or _served_model(base, s.api_key)
+    except httpx.HTTPError as e:  # (checked after the settings: a bad one is named before an absent server)
+        raise ValueError(f"cannot reach {base}/models: {e}") from e
     print(f"{len(items)} {s.workload} requests to {base} (model {model}), arrivals {arrival}"
           f"{'' if arrival in ('all', 'trace') else f' at {rate} req/s, CV {s.burstiness}'}, "
           f"max concurrency {s.max_concurrency or 'unlimited'}", file=sys.stderr)

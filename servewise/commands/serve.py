@@ -10,6 +10,7 @@ import sys
 from servewise.commands import options
 from servewise.commands.options import at_least, engine_args
 from servewise.config import DEFAULT_MAX_WAITING
+from servewise.server.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
 
 SERVER_MAX_NUM_SEQS = 128
 
@@ -24,14 +25,20 @@ def arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=at_least(0, 65535), default=8000)
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics")
+    p.add_argument("--max-request-bytes", type=at_least(1), default=MAX_BODY_BYTES,
+                   help="larger request bodies get 413 (default 8 MiB)")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                   help="seconds a client has to send its whole request body, else 408 (slow clients hold no "
+                        "engine resources meanwhile)")
     p.add_argument("--max-waiting", type=at_least(1), default=DEFAULT_MAX_WAITING,
                    help="queued requests at most; beyond it requests get 429 with Retry-After")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--engine-in-thread", action="store_true",
                    help="run the engine in a thread of the server process (default: its own process, so that "
                         "the HTTP event loop and the engine do not share one interpreter)")
-    p.add_argument("--max-restarts", type=int, default=3,
+    p.add_argument("--max-restarts", type=at_least(0), default=3,
                    help="times a dead engine process is started again before the server answers 503 for good")
     cl = p.add_argument_group("cluster (several engine instances behind one server)")
     cl.add_argument("--instances", default=None,
@@ -66,7 +73,8 @@ def _special_tokens(model: str) -> tuple[str, str]:
 
 def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = None, api_key: str | None = None,
              max_waiting: int = DEFAULT_MAX_WAITING, default_max_tokens: int = 16, log=None,
-             engine_process: bool = True, max_restarts: int = 3, cluster: dict | None = None):
+             engine_process: bool = True, max_restarts: int = 3, cluster: dict | None = None,
+             max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S):
     """(FastAPI app, engine client), the client started: the engine in its own process, or in a thread of
     this one (engine_process=False), or several instances (cluster: ClusterClient's keyword arguments,
     with `roles`)."""
@@ -89,7 +97,7 @@ def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = No
     if log:
         log(f"chat template: {where}")
     app = build_app(client, served_model_name or model, ChatTemplate(source, *_special_tokens(model)), api_key,
-                    default_max_tokens)
+                    default_max_tokens, max_body_bytes, body_timeout_s)
     client.start()
     return app, client
 
@@ -100,6 +108,8 @@ def run(a: argparse.Namespace) -> None:
     import torch
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if not 0 < a.body_timeout < float("inf"):
+        raise ValueError(f"--body-timeout must be a number of seconds > 0, got {a.body_timeout}")
     cluster = None
     if a.instances is not None:
         from servewise.cluster.serving import parse_instances
@@ -112,7 +122,8 @@ def run(a: argparse.Namespace) -> None:
                        router=a.router, layerwise=a.kv_handoff == "layerwise", lease_s=a.lease,
                        transport=a.kv_transport)
     app, engine = make_app(a.model, options.engine_kwargs(a), a.served_model_name, a.api_key, a.max_waiting, log=say,
-                           engine_process=not a.engine_in_thread, max_restarts=a.max_restarts, cluster=cluster)
+                           engine_process=not a.engine_in_thread, max_restarts=a.max_restarts, cluster=cluster,
+                           max_body_bytes=a.max_request_bytes, body_timeout_s=a.body_timeout)
     st = engine.stats()
     if cluster is not None:
         members = ", ".join(f"{m['role']} pid {m['pid']}" for m in engine.instance_info())

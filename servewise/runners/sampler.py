@@ -166,7 +166,7 @@ def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     always stays. Returns the cut rows, unnormalized."""
     n, V = probs.shape
     dev = probs.device
-    ks = [k if k > 0 else V for k in top_k]
+    ks = [k if 0 < k < V else V for k in top_k]
     k_t = torch.tensor(ks, device=dev).unsqueeze(1)
     tp = torch.tensor(top_p, device=dev).unsqueeze(1)
     # candidates sorted by probability: enough of them for every row's top-k and, most often, top-p mass

@@ -3,7 +3,8 @@ health and Prometheus metrics, on FastAPI.
 
 Every failure a client can cause is a 4xx with an OpenAI-style error body
 ({"error": {"message", "type", "param", "code"}}); overload is a 429 with Retry-After; a client
-that disconnects (streaming or not) has its request aborted and its KV blocks freed.
+that disconnects (streaming or not) has its request aborted and its KV blocks freed; a body too large
+or too slow is refused before any route sees it (RequestGuard).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from servewise.detokenize import TextStream
 from servewise.server.client import EngineClient, EngineDead, Overloaded
 from servewise.server.chat import ChatTemplate
+from servewise.server.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from servewise.server.metrics import ServerMetrics
 from servewise.server.protocol import ChatRequest, CompletionRequest
 
@@ -51,21 +53,65 @@ def _bad_value(e: ValueError) -> APIError:
     return APIError(400, msg, param=first if first in PARAMS else None)
 
 
-class BearerAuth:
-    """Plain ASGI middleware: /v1 routes need `Authorization: Bearer KEY`. (Starlette's
-    BaseHTTPMiddleware would wrap `receive` and hide client disconnects from the handlers.)"""
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key, for load balancers and scrapers
 
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+class RequestGuard:
+    """Plain ASGI middleware in front of every route (Starlette's BaseHTTPMiddleware would wrap `receive`
+    and hide client disconnects from the handlers):
+    - with an API key, every route but OPEN_PATHS needs `Authorization: Bearer KEY` (401);
+    - a request body is read whole before any route sees it: over max_body_bytes it is refused (413, by
+      its Content-Length before a byte is read, or as it grows); one that does not arrive within
+      body_timeout_s seconds (a slow-loris client) is refused (408). A request enters the engine only
+      once its body is complete, so a slow client holds a socket, never a KV block or a batch row."""
+
+    def __init__(self, app, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
+        self.app, self.max_bytes, self.timeout = app, max_body_bytes, body_timeout_s
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                response = error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                          "authentication_error", code="invalid_api_key")
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected and scope["path"] not in OPEN_PATHS:
+            if not secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return await error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                            "authentication_error", code="invalid_api_key")(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        too_big = error_response(413, f"the request body is larger than {self.max_bytes} bytes",
+                                 code="request_too_large")
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > self.max_bytes:
+            return await too_big(scope, receive, send)
+        body, deadline = bytearray(), asyncio.get_running_loop().time() + self.timeout
+        while True:
+            try:
+                msg = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return await error_response(408, f"the request body did not arrive within {self.timeout:g} s",
+                                            code="request_timeout")(scope, receive, send)
+            if msg["type"] == "http.disconnect":
+                return None
+            body += msg.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await too_big(scope, receive, send)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():  # the whole body once, then the client's own messages (its disconnect)
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
 
 
 class LogprobFormat:
@@ -98,7 +144,8 @@ class LogprobFormat:
 
 
 def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate, api_key: str | None = None,
-              default_max_tokens: int = 16) -> FastAPI:
+              default_max_tokens: int = 16, max_body_bytes: int = MAX_BODY_BYTES,
+              body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     app = FastAPI(title="servewise", description="OpenAI-compatible LLM serving")
     metrics = ServerMetrics(engine)
     engine.on_finish = metrics.observe
@@ -127,8 +174,7 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
     async def _internal(_, e: Exception):
         return error_response(500, f"internal error: {type(e).__name__}", "server_error")
 
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
 
     @app.get("/health")
     async def health():

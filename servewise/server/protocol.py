@@ -10,7 +10,7 @@ from servewise.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     model: str
     temperature: float | None = None
