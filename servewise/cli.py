@@ -21,6 +21,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
         "peer": "bench.peer",
         "attention": "bench.attention",
         "offline": "bench.offline",
+        "soak": "bench.soak",
     }),
     "profile": "profile",
     "fit-predictors": "fit_predictors",

@@ -371,3 +371,56 @@ def test_a_sigterm_stops_the_server_and_its_instances_and_removes_their_files():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("instances", [None, "prompt=1,token=1"])
+def test_a_signal_to_the_whole_process_group_stops_the_server_without_a_restart(instances, tmp_path):
+    """Ctrl-C in a terminal and many supervisors signal the server's whole process group, its engines too.
+    The engines leave the signal to the server, which stops them in order: none is restarted mid-shutdown
+    (a restarted engine once recreated its KV store's directory after the server had removed it)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "server.log"
+    store = tmp_path / "store"
+    extra = ["--instances", instances] if instances else ["--enable-prefix-caching", "--kv-store", str(store)]
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "servewise", "serve", "--model", "tiny-llama", "--port",
+                                 str(port), "--threads", "1", *extra], stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        def healthy():
+            assert proc.poll() is None, f"the server exited with {proc.returncode}: {log.read_text()[-2000:]}"
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, 300, "the server to answer /health")
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "tiny-llama", "prompt": "before the signal", "max_tokens": 4})
+        assert r.status_code == 200
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                          json={"model": "tiny-llama", "prompt": "during the signal", "max_tokens": 2000,
+                                "ignore_eos": True, "stream": True}) as streaming:
+            lines = streaming.iter_lines()
+            assert next(lines).startswith("data: ")  # a request in flight when the signal comes
+            os.killpg(proc.pid, signal.SIGTERM)
+            list(lines)  # it ends (finished or cut short by the shutdown); it does not hang
+        proc.wait(90)
+        text = log.read_text()
+        assert "restarting" not in text and "exited" not in text, text[-2000:]
+
+        def left():  # the group's processes still running (multiprocessing's resource tracker leaves last)
+            pids = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            return [p for p in pids if os.path.exists(f"/proc/{p}/stat")
+                    and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        wait_until(lambda: not left(), 30, "the server's process group to end")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

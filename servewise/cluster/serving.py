@@ -374,7 +374,7 @@ class ClusterClient(StreamingClient):
             proc = m.conn[0]
             proc.join(10)
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()  # (it ignores SIGTERM: see engine_main)
                 proc.join(5)
         remove_dir(self.kv_dir)
         logging.getLogger("servewise").debug("cluster stopped")

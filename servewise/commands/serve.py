@@ -8,7 +8,7 @@ import os
 import sys
 
 from servewise.commands import options
-from servewise.commands.options import at_least, engine_args
+from servewise.commands.options import at_least, engine_args, float_at_least
 from servewise.config import DEFAULT_MAX_WAITING
 from servewise.server.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
 
@@ -29,7 +29,7 @@ def arguments(p) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health and /metrics")
     p.add_argument("--max-request-bytes", type=at_least(1), default=MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default 8 MiB)")
-    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+    p.add_argument("--body-timeout", type=float_at_least(0, strict=True), default=BODY_TIMEOUT_S,
                    help="seconds a client has to send its whole request body, else 408 (slow clients hold no "
                         "engine resources meanwhile)")
     p.add_argument("--max-waiting", type=at_least(1), default=DEFAULT_MAX_WAITING,
@@ -108,8 +108,6 @@ def run(a: argparse.Namespace) -> None:
     import torch
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    if not 0 < a.body_timeout < float("inf"):
-        raise ValueError(f"--body-timeout must be a number of seconds > 0, got {a.body_timeout}")
     cluster = None
     if a.instances is not None:
         from servewise.cluster.serving import parse_instances

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 from servewise.server.client import EngineLoop
@@ -91,6 +93,11 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
 
     from servewise.builder import build_engine
 
+    if threading.current_thread() is threading.main_thread():  # a process of its own, not a Ray actor's thread
+        # A signal to the whole process group (Ctrl-C, a supervisor's SIGTERM) is the parent's to act on: it
+        # stops its engines in order. An engine that died of it first was restarted by its parent mid-shutdown.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cpus:
         os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)

@@ -97,7 +97,7 @@ class ProcessEngineClient(StreamingClient):
         if self._proc is not None:
             self._proc.join(10)
             if self._proc.is_alive():
-                self._proc.terminate()
+                self._proc.kill()  # (it ignores SIGTERM: see engine_main)
                 self._proc.join(5)
 
     def _send(self, command: tuple) -> None:

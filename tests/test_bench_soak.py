@@ -1,0 +1,75 @@
+"""The soak benchmark's readings and verdicts (the long run itself is a benchmark, not a test)."""
+import math
+import os
+
+import pytest
+
+from servewise.bench import soak
+from servewise.metrics.summary import RequestRecord
+
+
+def test_the_process_readings_see_this_process():
+    pgid = os.getpgid(0)
+    assert os.getpid() in soak._group(pgid)
+    assert soak._pss_kib(os.getpid()) > 1024  # a Python with torch imported holds more than a MiB
+    before = soak._fds(os.getpid())
+    with open(__file__):
+        assert soak._fds(os.getpid()) == before + 1
+
+
+def samples(pss: list[float], every: float = 10.0) -> list[dict]:
+    return [{"t": i * every, "pss_mib": p} for i, p in enumerate(pss)]
+
+
+IDLE = {"fds": 25, "shm_entries": 1, "device_blocks_used": 0.0, "host_blocks_used": 0.0}
+
+
+def records(first_ttft: float, last_ttft: float, seconds: float = 120.0) -> list[RequestRecord]:
+    """Ten requests a second; those in the first half take first_ttft to their first token, the rest last_ttft."""
+    out = []
+    for i in range(int(seconds * 10)):
+        a = i / 10
+        ttft = first_ttft if a < seconds / 2 else last_ttft
+        out.append(RequestRecord(a, 16, 5, first_token=a + ttft, finish=a + ttft + 0.4, finish_reason="length"))
+    return out
+
+
+def settings(**kw):
+    return soak.Settings(**{"minutes": 2.0, "warmup_minutes": 0.0, "window_minutes": 1.0, **kw})
+
+
+def test_steady_memory_and_latency_pass():
+    v = soak.verdicts(settings(), samples([1000.0] * 12), IDLE, IDLE, records(0.1, 0.1), 120.0)
+    assert v["memory"]["ok"] and v["idle"]["ok"] and v["requests"]["ok"] and v["latency"]["ok"]
+    assert v["memory"]["growth"] == 0 and set(v["latency"]["drift"]) == {
+        f"{m}_p{q}_ms" for m in ("ttft", "tpot", "e2e") for q in (50, 99)}
+
+
+def test_growth_leaks_and_drift_each_fail():
+    growing = soak.verdicts(settings(), samples([1000.0 + 20 * i for i in range(12)]), IDLE, IDLE,
+                            records(0.1, 0.1), 120.0)
+    assert not growing["memory"]["ok"] and growing["memory"]["growth"] > 0.05
+    leaked = soak.verdicts(settings(), samples([1000.0] * 12), IDLE,
+                           {**IDLE, "device_blocks_used": 3.0}, records(0.1, 0.1), 120.0)
+    assert not leaked["idle"]["ok"]
+    fd_leak = soak.verdicts(settings(), samples([1000.0] * 12), IDLE, {**IDLE, "fds": 40}, records(0.1, 0.1), 120.0)
+    assert not fd_leak["idle"]["ok"]
+    slower = soak.verdicts(settings(), samples([1000.0] * 12), IDLE, IDLE, records(0.1, 0.2), 120.0)
+    assert not slower["latency"]["ok"] and math.isclose(slower["latency"]["drift"]["ttft_p50_ms"], 1.0)
+    failed = records(0.1, 0.1)
+    failed[5].finish_reason, failed[5].finish = "http 500: boom", None
+    assert not soak.verdicts(settings(), samples([1000.0] * 12), IDLE, IDLE, failed, 120.0)["requests"]["ok"]
+
+
+def test_poisson_arrivals_keep_their_rate_and_window():
+    a = soak.poisson(20.0, 300.0, seed=1)
+    assert all(0 < x < 300 for x in a) and a == sorted(a)
+    assert 0.9 < len(a) / (20 * 300) < 1.1
+
+
+def test_bad_settings_are_refused_before_any_server(tmp_path):
+    for bad, msg in ((dict(configs=["huge"]), "unknown config"), (dict(load=1.5), "load must be"),
+                     (dict(warmup_minutes=3.0, minutes=2.0), "warmup")):
+        with pytest.raises(ValueError, match=msg):
+            soak.main(soak.Settings(out=str(tmp_path / "s.json"), **bad))
+    assert not (tmp_path / "s.json").exists()
