@@ -22,6 +22,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
         "attention": "bench.attention",
         "offline": "bench.offline",
         "soak": "bench.soak",
+        "chaos": "bench.chaos",
     }),
     "profile": "profile",
     "fit-predictors": "fit_predictors",

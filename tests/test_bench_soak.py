@@ -49,6 +49,10 @@ def test_growth_leaks_and_drift_each_fail():
     growing = soak.verdicts(settings(), samples([1000.0 + 20 * i for i in range(12)]), IDLE, IDLE,
                             records(0.1, 0.1), 120.0)
     assert not growing["memory"]["ok"] and growing["memory"]["growth"] > 0.05
+    assert growing["memory"]["growth_second_half"] > 0.02  # still growing: a leak's shape
+    levelled = soak.verdicts(settings(), samples([1000.0, 1100.0, 1200.0] + [1300.0] * 9), IDLE, IDLE,
+                             records(0.1, 0.1), 120.0)["memory"]
+    assert not levelled["ok"] and levelled["growth_second_half"] == 0  # grew early, then flat: a high-water mark
     leaked = soak.verdicts(settings(), samples([1000.0] * 12), IDLE,
                            {**IDLE, "device_blocks_used": 3.0}, records(0.1, 0.1), 120.0)
     assert not leaked["idle"]["ok"]
@@ -56,6 +60,8 @@ def test_growth_leaks_and_drift_each_fail():
     assert not fd_leak["idle"]["ok"]
     slower = soak.verdicts(settings(), samples([1000.0] * 12), IDLE, IDLE, records(0.1, 0.2), 120.0)
     assert not slower["latency"]["ok"] and math.isclose(slower["latency"]["drift"]["ttft_p50_ms"], 1.0)
+    faster = soak.verdicts(settings(), samples([1000.0] * 12), IDLE, IDLE, records(0.2, 0.1), 120.0)["latency"]
+    assert faster["ok"] and not faster["within_both_ways"]  # faster at the end is no degradation
     failed = records(0.1, 0.1)
     failed[5].finish_reason, failed[5].finish = "http 500: boom", None
     assert not soak.verdicts(settings(), samples([1000.0] * 12), IDLE, IDLE, failed, 120.0)["requests"]["ok"]

@@ -3,6 +3,7 @@ token hand-off of real KV tensors, and the faults it must survive: afterwards ev
 every pool, every request completed with the tokens of one engine or got a clear error, and the
 cluster still answers."""
 import asyncio
+import json
 import os
 import signal
 import time
@@ -424,3 +425,41 @@ def test_a_signal_to_the_whole_process_group_stops_the_server_without_a_restart(
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_fault_rates_hit_a_share_of_the_hand_offs(want):
+    """A rate of 1 hits every hand-off (the sticky faults above); 0.5 of drop leaves the others to commit, and
+    every request still gets the tokens it would get alone."""
+    work = WORK * 4
+    c = cluster(lease_s=0.5)
+    try:
+        c.fault(0, "drop", 0.5)
+        assert generate(c, work) == want * 4
+        h = c.handoffs
+        assert h["expired"] > 0 and h["committed"] > 0 and h["recomputed"] == h["lost"] == 0, h
+        c.fault(0, "drop", 0.0)  # cleared
+        before = h["committed"]
+        assert generate(c, WORK[:2]) == want[:2]
+        assert c.handoffs["committed"] == before + 2
+        assert settled(c)
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_chaos_loses_nothing_and_leaks_nothing(tmp_path):
+    """The chaos bench, small: 40 requests, two instances killed, 40% of the hand-offs dropped, stalled or
+    corrupted. Every request is answered with the fault-free run's tokens or a clear error; none is lost and
+    no block is left in use."""
+    from servewise.bench.chaos import Settings, run
+
+    out = tmp_path / "chaos.json"
+    r = run(Settings(num_requests=40, rate=4.0, input_len=24, output_len=12, kills=2, drop=0.2, stall=0.1,
+                     corrupt=0.1, lease_s=0.5, timeout_s=90, out=str(out)), say=lambda m: None)
+    assert r["correct"] + r["error"] == 40 and r["wrong"] == 0 and r["lost"] == 0, r
+    assert len(r["kills"]) == 2 and sum(r["restarts"]) == 2 and r["all_up_after"]
+    assert r["idle"] and r["blocks_in_use_after"] == 0 and r["running_after"] == 0
+    assert r["handoffs"]["committed"] > 0 and r["handoffs"]["expired"] + r["handoffs"]["recomputed"] > 0
+    assert all(msg.split(":")[0].isdigit() for msg in r["errors"])  # every error is an HTTP status and a message
+    assert r["ok"] and json.loads(out.read_text())["correct"] == r["correct"]

@@ -52,7 +52,8 @@ def test_a_stream_cut_at_every_point_leaves_nothing_behind():
             whole = read_until_closed(s)
         assert whole.startswith(b"HTTP/1.1 200") and whole.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")  # chunked
         ends = [i + 2 for i in range(len(whole)) if whole.startswith(b"\n\n", i)]
-        cuts = sorted({c for e, prev in zip(ends, [whole.index(b"\r\n\r\n") + 4] + ends) for c in (prev + 1, (prev + e) // 2, e)})
+        starts = [whole.index(b"\r\n\r\n") + 4] + ends  # each event's first byte (the first: the body's)
+        cuts = sorted({c for e, prev in zip(ends, starts) for c in (prev + 1, (prev + e) // 2, e)})
         cuts = [c for c in cuts if c < len(whole)]
         assert len(cuts) >= 3 * 10  # ten tokens' events, each cut three ways
         ended_before = aborted_count(url) + outcome_count(url, "length")

@@ -5,19 +5,17 @@ import json
 import os
 import random
 import signal
-import socket
-import threading
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servewise import LLM, SamplingParams
 from servewise.server.client import wait_idle
 from servewise.commands.serve import make_app
+from servewise.server.inprocess import serve_in_thread
 
 from conftest import wait_until
 
@@ -28,20 +26,10 @@ ENGINE = dict(num_device_blocks=64, num_host_blocks=32, max_model_len=96, preemp
 @contextlib.contextmanager
 def running_server(engine_kwargs=ENGINE, **kw):
     app, engine = make_app("tiny-llama", dict(engine_kwargs), **kw)
-    sock = socket.socket()  # bound here and handed to uvicorn: no other process can take the port meanwhile
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        wait_until(lambda: server.started or not thread.is_alive(), 60, "the server to start")
-        assert server.started, "the server did not start"
-        yield f"http://127.0.0.1:{port}", engine
+        with serve_in_thread(app) as url:
+            yield url, engine
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
         engine.shutdown()
 
 

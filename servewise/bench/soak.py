@@ -8,10 +8,12 @@ capacity for `minutes`. Every `interval_s` seconds a sampler reads the server's 
 its /metrics (KV blocks in use, queues). When the load ends and the server is idle it is read again.
 
 Verdicts, each with its figures: memory does not grow after the warm-up (PSS of the last samples under
-load against the first after warm-up, within `max_growth`); when idle again every KV block is back, and
-no file descriptor or shared-memory entry is left beyond what the idle server held before the load; no
-request failed; the latency percentiles (TTFT, TPOT, E2E at p50 and p99) of the last window are within
-`max_drift` of the first window after the warm-up.
+load against the first after warm-up, within `max_growth`; the growth over the second half is reported
+too, which tells a leak, still growing, from a high-water mark that has levelled off); when idle again
+every KV block is back, and no file descriptor or shared-memory entry is left beyond what the idle
+server held before the load; no request failed; the latency percentiles (TTFT, TPOT, E2E at p50 and
+p99) of the last window are no more than `max_drift` above those of the first window after the warm-up
+(and whether they are within it both ways).
 """
 from __future__ import annotations
 
@@ -143,8 +145,10 @@ def verdicts(s: Settings, samples: list[dict], idle_before: dict, idle_after: di
     warm = s.warmup_minutes * 60
     under = [x for x in samples if warm <= x["t"] <= seconds]
     k = max(1, min(3, len(under) // 4))
-    start = statistics.median(x["pss_mib"] for x in under[:k]) if under else math.nan
-    end = statistics.median(x["pss_mib"] for x in under[-k:]) if under else math.nan
+    pss = lambda xs: statistics.median(x["pss_mib"] for x in xs) if xs else math.nan  # noqa: E731
+    start, end = pss(under[:k]), pss(under[-k:])
+    half = [x for x in under if x["t"] >= (warm + seconds) / 2]
+    late = end / pss(half[:k]) - 1 if half else math.nan  # a leak keeps growing; a high-water mark levels off
     window = min(s.window_minutes * 60, (seconds - warm) / 2)
     first = latency_summary([r for r in records if warm <= r.arrival < warm + window])
     last = latency_summary([r for r in records if r.arrival >= seconds - window])
@@ -153,8 +157,9 @@ def verdicts(s: Settings, samples: list[dict], idle_before: dict, idle_after: di
     growth = end / start - 1 if start else math.nan
     return {
         "memory": {"pss_start_mib": start, "pss_end_mib": end, "growth": round(growth, 4),
-                   "ok": bool(growth <= s.max_growth)},
-        "idle": {"device_blocks_used": idle_after["device_blocks_used"], "host_blocks_used": idle_after["host_blocks_used"],
+                   "growth_second_half": round(late, 4), "ok": bool(growth <= s.max_growth)},
+        "idle": {"device_blocks_used": idle_after["device_blocks_used"],
+                 "host_blocks_used": idle_after["host_blocks_used"],
                  "fds_before": idle_before["fds"], "fds_after": idle_after["fds"],
                  "shm_before": idle_before["shm_entries"], "shm_after": idle_after["shm_entries"],
                  "ok": bool(idle_after["device_blocks_used"] == 0 and not idle_after["host_blocks_used"]
@@ -162,7 +167,8 @@ def verdicts(s: Settings, samples: list[dict], idle_before: dict, idle_after: di
                             and idle_after["shm_entries"] <= idle_before["shm_entries"])},
         "requests": {"sent": len(records), "failed": len(failed), "examples": failed[:5], "ok": not failed},
         "latency": {"window_s": window, "first": first, "last": last, "drift": drift,
-                    "ok": bool(drift) and all(abs(v) <= s.max_drift for v in drift.values())},
+                    "ok": bool(drift) and all(v <= s.max_drift for v in drift.values()),  # no slower than that
+                    "within_both_ways": bool(drift) and all(abs(v) <= s.max_drift for v in drift.values())},
     }
 
 
@@ -246,7 +252,8 @@ def report(results: list[dict]) -> str:
         ok = " ".join(f"{k} {'ok' if v[k]['ok'] else 'NO'}" for k in ("memory", "idle", "requests", "latency"))
         lines.append(f"| {r['config']} | {r['rate_req_s']:.2f} | {v['requests']['sent']} ({v['requests']['failed']}) "
                      f"| {v['memory']['pss_start_mib']:.0f} -> {v['memory']['pss_end_mib']:.0f} "
-                     f"({v['memory']['growth']:+.1%}) | {v['idle']['device_blocks_used']:.0f}, "
+                     f"({v['memory']['growth']:+.1%}; second half {v['memory']['growth_second_half']:+.1%}) "
+                     f"| {v['idle']['device_blocks_used']:.0f}, "
                      f"{v['idle']['fds_before']} -> {v['idle']['fds_after']}, {v['idle']['shm_before']} -> "
                      f"{v['idle']['shm_after']} | worst {worst[0]} {worst[1]:+.1%} | {ok} |")
     return "\n".join(lines)

@@ -356,9 +356,10 @@ class ClusterClient(StreamingClient):
                            total(lambda s: s.dropped_tokens),
                            (total(lambda s: s.swap_bytes[0]), total(lambda s: s.swap_bytes[1])), by_priority)
 
-    def fault(self, i: int, name: str) -> None:
-        """Inject a failure into instance i (tests): see instance.FAULTS."""
-        self._tell(i, ("fault", name))
+    def fault(self, i: int, name: str, rate: float = 1.0) -> None:
+        """Inject a failure into instance i (tests, chaos): see instance.FAULTS; rate: the share of its hand-offs
+        it hits (0: none, clears it)."""
+        self._tell(i, ("fault", name, rate))
 
     def shutdown(self) -> None:
         self._stopping = True

@@ -9,6 +9,7 @@ where (`send_to`, `forget`) and carries out the hand-off protocol around it.
 from __future__ import annotations
 
 import os
+import random
 
 import torch
 
@@ -29,7 +30,9 @@ class HandoffConnector(KVConnector):
         self.link: ShmLink | GlooLink | None = None
         self.cache_file = link[1] if link[0] == "shm" else None
         self.routes: dict[str, object] = {}  # request id -> where its KV goes, until forgotten
-        self.faults: set[str] = set()  # injected by tests: drop, stall, corrupt
+        self.faults: dict[str, float] = {}  # injected (tests, chaos): drop, stall, corrupt -> share of hand-offs
+        self.fates: dict[str, str | None] = {}  # request id -> the fault its hand-off meets, drawn once
+        self._rng = random.Random(0)
         self.events: list[tuple] = []  # ("checksums", rid, CRCs) where the link does not carry them
         self._now: list[tuple[str, list[int]]] = []  # this step's requests whose prompt completes
 
@@ -62,6 +65,13 @@ class HandoffConnector(KVConnector):
     def send_to(self, rid: str, route) -> None:
         """Hand request rid's KV off along `route` once its prompt is computed."""
         self.routes[rid] = route
+        if self.faults:  # one draw against the shares laid end to end: each fault hits its own share
+            x, edge, self.fates[rid] = self._rng.random(), 0.0, None
+            for f in ("drop", "stall", "corrupt"):
+                edge += self.faults.get(f, 0.0)
+                if x < edge:
+                    self.fates[rid] = f
+                    break
 
     def send_all(self, rid: str, blocks: list[int]) -> None:
         """A serialized hand-off: every layer of its prompt's blocks, now."""
@@ -70,9 +80,10 @@ class HandoffConnector(KVConnector):
                 self._publish(rid, k, blocks)
 
     def _publish(self, rid: str, layer: int, blocks: list[int]) -> None:
-        if "drop" in self.faults or ("stall" in self.faults and layer > 0):
+        fate = self.fates.get(rid)
+        if fate == "drop" or (fate == "stall" and layer > 0):
             return
-        corrupt = "corrupt" in self.faults and layer == min(1, self.layers - 1)
+        corrupt = fate == "corrupt" and layer == min(1, self.layers - 1)
         self.link.send(rid, self.routes[rid], layer, blocks, corrupt)
         if layer == self.layers - 1 and (sums := self.link.sent(rid)) is not None:
             self.events.append(("checksums", rid, sums))
@@ -80,6 +91,7 @@ class HandoffConnector(KVConnector):
     def forget(self, rid: str) -> None:
         """Its transfer has ended (or never will)."""
         self.routes.pop(rid, None)
+        self.fates.pop(rid, None)
         self.link.forget(rid)
 
     def receive(self, inc, table: list[int], n_blocks: int) -> None:

@@ -2,7 +2,7 @@
 single-engine server's engine process and every instance of a cluster run this one loop.
 
 Commands in (plain tuples): ("add", rid, ids, params), ("abort", rid, reason), ("trace", on),
-("fault", name), ("stop",); an instance class may take more (cluster.instance.Instance: the hand-off's).
+("fault", name[, rate]), ("stop",); an instance class may take more (cluster.instance.Instance: the hand-off's).
 Out: ("ready", tokenizer, limits, stats, layers, shared cache file or None), then ("out", outputs,
 stats, events) after every step or command, where events are the instance's (when tracing, ("step",
 is_prefill, context lengths, execute seconds, seconds with the instance's work after the step, its
@@ -32,7 +32,7 @@ class EngineInstance:
         self.layers = engine.model_config.num_layers
         self.cache_file: str | None = None  # where other processes may map this engine's KV cache
         self.events: list[tuple] = []
-        self.faults: set[str] = set()
+        self.faults: dict[str, float] = {}  # injected fault -> the share of the events it hits (1: all)
         self.trace = False
 
     def command(self, cmd: tuple) -> list:
@@ -50,7 +50,11 @@ class EngineInstance:
                 raise ValueError(f"unknown fault {args[0]!r}")
             if args[0] == "exit_now":
                 os._exit(3)
-            self.faults.add(args[0])
+            rate = float(args[1]) if len(args) > 1 else 1.0
+            if rate > 0:
+                self.faults[args[0]] = rate
+            else:
+                self.faults.pop(args[0], None)
         else:
             raise ValueError(f"unknown command {kind!r}")
         return []

@@ -13,13 +13,15 @@ def arguments(p) -> None:
     p.add_argument("--configs", type=lambda t: [c.strip() for c in t.split(",") if c.strip()], default=list(CONFIGS),
                    help=f"comma-separated, from {', '.join(CONFIGS)} (one engine; prefix caching with a small KV "
                         "store; a prompt/token split)")
-    p.add_argument("--minutes", type=float_at_least(0, strict=True), default=30.0, help="load time per config")
-    p.add_argument("--warmup-minutes", type=float_at_least(0), default=3.0, help="not judged for memory growth or latency")
-    p.add_argument("--window-minutes", type=float_at_least(0, strict=True), default=10.0,
+    positive = float_at_least(0, strict=True)
+    p.add_argument("--minutes", type=positive, default=30.0, help="load time per config")
+    p.add_argument("--warmup-minutes", type=float_at_least(0), default=3.0,
+                   help="not judged for memory growth or latency")
+    p.add_argument("--window-minutes", type=positive, default=10.0,
                    help="the first (after the warm-up) and last windows whose latencies are compared")
-    p.add_argument("--interval", dest="interval_s", type=float_at_least(0, strict=True), default=10.0, help="seconds between samples")
-    p.add_argument("--load", type=float_at_least(0, strict=True), default=0.8, help="share of the measured capacity to offer")
-    p.add_argument("--rate", type=float_at_least(0, strict=True), default=None, help="requests/s instead of load x measured capacity")
+    p.add_argument("--interval", dest="interval_s", type=positive, default=10.0, help="seconds between samples")
+    p.add_argument("--load", type=positive, default=0.8, help="share of the measured capacity to offer")
+    p.add_argument("--rate", type=positive, default=None, help="requests/s instead of load x measured capacity")
     p.add_argument("--probe-requests", type=at_least(1), default=96, help="the burst that measures capacity")
     p.add_argument("--prefix-len", type=at_least(1), default=128)
     p.add_argument("--num-prefixes", type=at_least(1), default=8)
@@ -28,8 +30,8 @@ def arguments(p) -> None:
     p.add_argument("--threads", type=at_least(1), default=2, help="torch threads of the server (split: 1 per instance)")
     p.add_argument("--num-device-blocks", type=at_least(1), default=512)
     p.add_argument("--port", type=at_least(1, 65535), default=8050)
-    p.add_argument("--max-growth", type=float_at_least(0, strict=True), default=0.05, help="memory growth after the warm-up that passes")
-    p.add_argument("--max-drift", type=float_at_least(0, strict=True), default=0.10, help="latency drift, last vs first window, that passes")
+    p.add_argument("--max-growth", type=positive, default=0.05, help="memory growth after the warm-up that passes")
+    p.add_argument("--max-drift", type=positive, default=0.10, help="latency drift, last vs first window, that passes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_soak.json")
 
