@@ -106,7 +106,7 @@ def test_an_engine_out_of_restarts_stays_down_and_answers_503():
 
 
 def test_an_engine_that_cannot_be_built_is_a_clear_value_error():
-    from servewise.commands.serve import make_app
+    from servewise.deploy import make_app
 
     with pytest.raises(ValueError, match="unknown model"):
         make_app("/nonexistent/model", {})

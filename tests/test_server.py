@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from servewise import LLM, SamplingParams
 from servewise.server.client import wait_idle
-from servewise.commands.serve import make_app
+from servewise.deploy import make_app
 from servewise.server.inprocess import serve_in_thread
 
 from conftest import wait_until

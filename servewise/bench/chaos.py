@@ -133,7 +133,7 @@ class Chaos:
 
 def run(s: Settings, say=print) -> dict:
     from servewise.cluster.serving import parse_instances
-    from servewise.commands.serve import make_app
+    from servewise.deploy import make_app
     from servewise.models.loader import load_model_config
     from servewise.server.client import wait_idle
     from servewise.server.inprocess import serve_in_thread
