@@ -62,6 +62,9 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict, r
                 if data == "[DONE]":
                     break
                 msg = json.loads(data)
+                if msg.get("error"):  # the server ended the stream with an error event
+                    rec.finish_reason = f"stream error: {msg['error'].get('message')}"
+                    return
                 if msg.get("usage"):
                     rec.output_tokens = msg["usage"]["completion_tokens"]
                 for ch in msg.get("choices", []):

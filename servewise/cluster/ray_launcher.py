@@ -4,14 +4,18 @@ machines of a Ray cluster. Each actor runs the same instance loop as a local pro
 pushes commands and pulls outputs through two single-threaded concurrency groups, so commands keep
 their order and a pending pull never blocks a push. A dead actor reads as a failed pull.
 
-The KV caches and records of the hand-off live in /dev/shm, so prompt and token instances must share
-a machine for now (actors are placed where Ray has room; with one machine that always holds).
+Where Ray runs: an existing Ray cluster when RAY_ADDRESS names one (as `ray start` sets it up on each
+machine), else a Ray of its own on this machine. Each instance goes to the live node that holds fewest of
+this process's instances (one per node while there are nodes enough; a restarted one to a node that is
+left). Instances on different nodes share no memory: give them the gloo KV
+transport (`--kv-transport gloo`); the shm transport needs them on one machine.
 """
 from __future__ import annotations
 
 import os
 import queue
 import threading
+import time
 
 PULL_WAIT_S = 0.5
 
@@ -22,8 +26,11 @@ def connect():
     except ImportError:
         raise ValueError("--launcher ray needs Ray: pip install -e \".[cluster]\"") from None
     if not ray.is_initialized():
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
-                 logging_level="warning", configure_logging=True)
+        if os.environ.get("RAY_ADDRESS"):  # join that cluster: its nodes say what they have
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, logging_level="warning")
+        else:
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
+                     logging_level="warning", configure_logging=True)
     return ray
 
 
@@ -53,6 +60,20 @@ class _Outputs:
 
 
 _ACTOR = None
+_PLACED: dict = {}  # actor -> its node id
+_LEFT: dict = {}  # node id -> when an instance of ours there last stopped (died, mostly)
+AVOID_S = 60.0  # a lost node is listed alive until Ray's health checks give up on it (about 30 s)
+_LOCK = threading.Lock()  # instances start in parallel
+
+
+def _pick_node(ray) -> str:
+    """The live node with fewest of our instances (the first listed on a tie), avoiding nodes an instance
+    stopped on within AVOID_S while there are others. Call with _LOCK held."""
+    alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    now = time.monotonic()
+    fresh = [n for n in alive if now - _LEFT.get(n, -AVOID_S) >= AVOID_S] or alive
+    held = list(_PLACED.values())
+    return min(fresh, key=lambda n: (held.count(n), alive.index(n)))
 
 
 def _actor_class():
@@ -90,6 +111,9 @@ def _actor_class():
         def pid(self) -> int:
             return os.getpid()
 
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
     _ACTOR = InstanceActor
     return _ACTOR
 
@@ -102,20 +126,26 @@ def start(args: tuple):
 
     ray = connect()
     level = logging.getLogger("servewise").getEffectiveLevel()
-    actor = _actor_class().options(num_cpus=0, max_restarts=0).remote(args, level)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    with _LOCK:  # (held while placing, so that two instances starting at once do not pick the same node)
+        node = _pick_node(ray)
+        where = NodeAffinitySchedulingStrategy(node_id=node, soft=False)  # (soft placement fell back to one node)
+        actor = _actor_class().options(num_cpus=0, max_restarts=0, scheduling_strategy=where).remote(args, level)
+        _PLACED[actor] = node
     waited = 0.0
     while waited < STARTUP_TIMEOUT_S:
         msgs = ray.get(actor.pull.remote(PULL_WAIT_S))
         if msgs:
             msg = msgs[0]
             if msg[0] == "failed":
-                ray.kill(actor)
+                stop(actor)
                 if len(msg) > 2 and msg[2]:
                     raise ValueError(msg[1])
                 raise RuntimeError(f"the engine could not be built: {msg[1]}")
             return actor, msg
         waited += PULL_WAIT_S
-    ray.kill(actor)
+    stop(actor)
     raise RuntimeError(f"a Ray instance did not start within {STARTUP_TIMEOUT_S} s")
 
 
@@ -128,6 +158,11 @@ def pid(actor) -> int:
     return connect().get(actor.pid.remote())
 
 
+def node(actor) -> str:
+    """The Ray node the actor runs on."""
+    return connect().get(actor.node.remote())
+
+
 def push(actor, cmd) -> None:
     actor.push.remote(cmd)
 
@@ -138,6 +173,9 @@ def pull(actor) -> list:
 
 def stop(actor) -> None:
     ray = connect()
+    with _LOCK:
+        if (node := _PLACED.pop(actor, None)) is not None:
+            _LEFT[node] = time.monotonic()
     try:
         ray.kill(actor)
     except Exception:  # noqa: BLE001 (gone already)
