@@ -56,22 +56,25 @@ def _check(s: Settings) -> None:
         raise ValueError("drop + stall + corrupt must be at most 1")
 
 
-async def _ask(client, url: str, body: dict, timeout: float) -> tuple[str, str]:
-    """(outcome, text or why): ('ok', text), ('error', status and message) or ('lost', why)."""
+async def _ask(client, url: str, body: dict, timeout: float) -> tuple[str, str, float]:
+    """(outcome, text or why, seconds to the answer): ('ok', text), ('error', status and message) or
+    ('lost', why)."""
     import httpx
 
+    t0 = time.monotonic()
+    took = lambda: round(time.monotonic() - t0, 3)  # noqa: E731
     try:
         r = await client.post(url, json=body, timeout=timeout)
     except httpx.TimeoutException as e:
-        return "lost", f"no answer in {timeout:g} s ({type(e).__name__})"
+        return "lost", f"no answer in {timeout:g} s ({type(e).__name__})", took()
     except httpx.HTTPError as e:
-        return "lost", f"{type(e).__name__}: {e}"
+        return "lost", f"{type(e).__name__}: {e}", took()
     if r.status_code == 200:
-        return "ok", r.json()["choices"][0]["text"]
+        return "ok", r.json()["choices"][0]["text"], took()
     try:
-        return "error", f"{r.status_code}: {r.json()['error']['message']}"
+        return "error", f"{r.status_code}: {r.json()['error']['message']}", took()
     except (ValueError, KeyError, TypeError):
-        return "lost", f"{r.status_code} without an OpenAI-style error: {r.text[:200]}"
+        return "lost", f"{r.status_code} without an OpenAI-style error: {r.text[:200]}", took()
 
 
 async def _send_all(url: str, bodies: list[dict], arrivals: list[float], timeout: float) -> list[tuple[str, str]]:
@@ -156,7 +159,7 @@ def run(s: Settings, say=print) -> dict:
         with serve_in_thread(app) as url:
             say(f"reference run: {len(bodies)} requests, no faults")
             reference = asyncio.run(_send_all(url, bodies, [0.0] * len(bodies), s.timeout_s))
-            if any(o != "ok" for o, _ in reference):
+            if any(o != "ok" for o, _, _ in reference):
                 raise RuntimeError(f"the fault-free run failed: {next(x for x in reference if x[0] != 'ok')}")
             chaos = Chaos(c, s)
             say(f"chaos run: {len(bodies)} requests at {s.rate:g} req/s; kills at "
@@ -186,7 +189,7 @@ def run(s: Settings, say=print) -> dict:
         c.shutdown()
     counts = {"correct": 0, "wrong": 0, "error": 0, "lost": 0}
     errors: dict[str, int] = {}
-    for (outcome, text), (_, want) in zip(answers, reference):
+    for (outcome, text, _), (_, want, _) in zip(answers, reference):
         kind = ("correct" if text == want else "wrong") if outcome == "ok" else outcome
         counts[kind] += 1
         if outcome != "ok":
@@ -195,6 +198,8 @@ def run(s: Settings, say=print) -> dict:
     result = {"requests": len(bodies), **counts, "kills": chaos.done, "restarts": restarts, "handoffs": handoffs,
               "idle": idle, "blocks_in_use_after": blocks_left, "running_after": st.running + st.waiting + st.swapped,
               "all_up_after": all(m.up for m in c.members), "wall_s": round(wall, 1), "errors": errors,
+              "slowest_s": {kind: max((t for o, _, t in answers if o == kind), default=None)
+                            for kind in ("ok", "error")},
               "ok": counts["wrong"] == counts["lost"] == 0 and idle and blocks_left == 0}
     say(report(result))
     save_json(result, s.out, settings=vars(s))
@@ -207,6 +212,7 @@ def report(r: dict) -> str:
              f"{r['lost']} lost; {len(r['kills'])} instances killed (restarts {r['restarts']}); hand-offs "
              + ", ".join(f"{k} {v}" for k, v in r["handoffs"].items()),
              f"after: idle {r['idle']}, KV blocks in use {r['blocks_in_use_after']}, requests left "
-             f"{r['running_after']}, every instance up {r['all_up_after']}; verdict {'ok' if r['ok'] else 'NO'}"]
+             f"{r['running_after']}, every instance up {r['all_up_after']}; slowest answer {r['slowest_s']['ok']} s, "
+             f"slowest error {r['slowest_s']['error']} s; verdict {'ok' if r['ok'] else 'NO'}"]
     lines += [f"  {n} x {why}" for why, n in sorted(r["errors"].items(), key=lambda kv: -kv[1])[:6]]
     return "\n".join(lines)

@@ -7,8 +7,8 @@ their order and a pending pull never blocks a push. A dead actor reads as a fail
 Where Ray runs: an existing Ray cluster when RAY_ADDRESS names one (as `ray start` sets it up on each
 machine), else a Ray of its own on this machine. Each instance goes to the live node that holds fewest of
 this process's instances (one per node while there are nodes enough; a restarted one to a node that is
-left). Instances on different nodes share no memory: give them the gloo KV
-transport (`--kv-transport gloo`); the shm transport needs them on one machine.
+left). Instances on different nodes share no memory: give them the gloo KV transport
+(`--kv-transport gloo`); the shm transport needs them on one machine.
 """
 from __future__ import annotations
 

@@ -45,7 +45,8 @@ def arguments(p) -> None:
                          "prompt=1,token=1 (prefill on one, decode on the other, KV handed off between them); "
                          "each instance runs --threads torch threads (default 1)")
     cl.add_argument("--launcher", default="process", choices=["process", "ray"],
-                    help="instances as local processes, or as Ray actors (pip install -e \".[cluster]\")")
+                    help="instances as local processes, or as Ray actors (pip install -e \".[cluster]\"; with "
+                         "RAY_ADDRESS set, on the nodes of that Ray cluster, one instance per node)")
     cl.add_argument("--router", default="jsq", choices=["round_robin", "jsq", "jsq_tokens", "load_aware",
                                                         "load_aware_measured"],
                     help="how mixed instances share requests (load_aware: BanaServe's Algorithm 4-2)")
