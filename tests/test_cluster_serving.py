@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from servewise.bench.peer import wait_healthy
 from servewise.builder import build_engine
 from servewise.cluster.serving import ClusterClient
 from servewise.sampling_params import SamplingParams
@@ -338,14 +339,7 @@ def test_a_sigterm_stops_the_server_and_its_instances_and_removes_their_files():
                              "--instances", "prompt=1,token=1", "--threads", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        def healthy():
-            assert proc.poll() is None, f"the server exited with {proc.returncode}"
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, 180, "the server to answer /health")
+        wait_healthy(port, proc, timeout=180)  # (fails if the server exits first)
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                    text=True).stdout.split()]
         mapped = set()
@@ -395,14 +389,7 @@ def test_a_signal_to_the_whole_process_group_stops_the_server_without_a_restart(
                                  str(port), "--threads", "1", *extra], stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        def healthy():
-            assert proc.poll() is None, f"the server exited with {proc.returncode}: {log.read_text()[-2000:]}"
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, 300, "the server to answer /health")
+        wait_healthy(port, proc, timeout=300)  # (fails if the server exits first; its log is in tmp_path)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "tiny-llama", "prompt": "before the signal", "max_tokens": 4})
         assert r.status_code == 200

@@ -21,6 +21,7 @@ import asyncio
 import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -200,7 +201,9 @@ def wait_idle(port: int, timeout: float = 600.0) -> None:
 def run_config(s: Settings, name: str, logdir: str, say) -> dict:
     if not port_free(s.port):
         raise RuntimeError(f"port {s.port} is in use: stop what listens there or give --port")
-    store = tempfile.mkdtemp(prefix="soak-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    store = None  # a fresh store directory, for a config that names one
+    if "{store}" in CONFIGS[name]:
+        store = tempfile.mkdtemp(prefix="soak-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     flags = CONFIGS[name].format(store=store).split()
     threads = 1 if "--instances" in flags else s.threads
     cmd = [sys.executable, "-m", "servewise", "serve", "--model", s.model, "--port", str(s.port), "--threads",
@@ -210,7 +213,7 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_healthy(s.port, proc)
-            idle_before = sample(proc.pid, s.port, "prefix" in name and store, 0.0)
+            idle_before = sample(proc.pid, s.port, store, 0.0)
             rate = s.rate
             if rate is None:
                 items = workload(s, s.probe_requests, s.seed + 1)
@@ -223,14 +226,14 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
             arrivals = poisson(rate, seconds, s.seed)
             items = workload(s, len(arrivals), s.seed)
             t0 = time.perf_counter()
-            sampler = Sampler(proc.pid, s.port, store if "--kv-store" in flags else None, s.interval_s, t0)
+            sampler = Sampler(proc.pid, s.port, store, s.interval_s, t0)
             sampler.start()
             records, wall = asyncio.run(run_bench(base, s.model, items, arrivals, timeout=seconds + 600))
             wait_idle(s.port)
             time.sleep(max(6.0, s.interval_s))  # idle keep-alive connections close after 5 s
             sampler.done.set()
             sampler.join()
-            idle_after = sample(proc.pid, s.port, store if "--kv-store" in flags else None, time.perf_counter() - t0)
+            idle_after = sample(proc.pid, s.port, store, time.perf_counter() - t0)
             result = {"config": name, "flags": CONFIGS[name], "rate_req_s": round(rate, 3), "seconds": seconds,
                       "wall_s": round(wall, 1), "idle_before": idle_before, "idle_after": idle_after,
                       "samples": sampler.samples}
@@ -238,9 +241,8 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
             return result
         finally:
             _stop(proc)
-            import shutil
-
-            shutil.rmtree(store, ignore_errors=True)
+            if store:
+                shutil.rmtree(store, ignore_errors=True)
 
 
 def report(results: list[dict]) -> str:
