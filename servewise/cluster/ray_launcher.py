@@ -29,7 +29,9 @@ def connect():
         if os.environ.get("RAY_ADDRESS"):  # join that cluster: its nodes say what they have
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, logging_level="warning")
         else:
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
+            # "local": a Ray of our own even when a cluster started earlier on this machine (gone or not)
+            # is on record, which Ray would otherwise try to join
+            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
                      logging_level="warning", configure_logging=True)
     return ray
 
