@@ -30,9 +30,14 @@ def needs_cost_model(config: EngineConfig) -> bool:
 def kv_store_for(cc, mc, dtype: torch.dtype):
     """The global KV store an engine's cache config names, its read costs probed on this machine."""
     from servewise.connectors.kv_store import KVStore
+    from servewise.connectors.store_server import SCHEME, RemoteKVStore
 
-    store = KVStore(cc.kv_store, (mc.num_layers, 2, cc.block_size, mc.num_kv_heads, mc.head_dim), dtype,
-                    int(cc.kv_store_gb * 2**30), cc.kv_store_disk, int(cc.kv_store_disk_gb * 2**30))
+    shape = (mc.num_layers, 2, cc.block_size, mc.num_kv_heads, mc.head_dim)
+    if cc.kv_store.startswith(SCHEME):  # a `servewise kv-store` server: its tiers and capacities are its own
+        store = RemoteKVStore(cc.kv_store, shape, dtype)
+    else:
+        store = KVStore(cc.kv_store, shape, dtype, int(cc.kv_store_gb * 2**30), cc.kv_store_disk,
+                        int(cc.kv_store_disk_gb * 2**30))
     store.read_s = store.probe()
     log.info("servewise: KV store %s%s; one block read: %s", cc.kv_store,
              f" (disk tier {cc.kv_store_disk})" if cc.kv_store_disk else "",

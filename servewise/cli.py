@@ -30,6 +30,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
     "simulate": "simulate",
     "cluster": "cluster",
     "serve": "serve",
+    "kv-store": "kv_store",
     "experiment": ("reproduce a source paper's evaluation", {
         "adaptivellm": "experiment.adaptivellm",
         "adaptivellm-gap": "experiment.adaptivellm_gap",

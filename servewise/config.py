@@ -28,9 +28,11 @@ class CacheConfig:
     enable_prefix_caching: bool = option(False, "reuse the KV of full blocks that start a new request's tokens "
                                                 "(named by a chained hash of their tokens), keeping freed blocks "
                                                 "cached until their room is needed")
-    kv_store: str | None = option(None, "directory of a global KV store's memory tier (best under /dev/shm), shared "
-                                        "by every engine that names it: named blocks are written to it and a new "
-                                        "request's stored prefix is fetched from it (needs --enable-prefix-caching)")
+    kv_store: str | None = option(None, "a global KV store, shared by every engine that names it: the directory of "
+                                        "its memory tier (best under /dev/shm), or tcp://HOST:PORT of a `servewise "
+                                        "kv-store` server (engines on several machines); named blocks are written "
+                                        "to it and a new request's stored prefix is fetched from it (needs "
+                                        "--enable-prefix-caching)")
     kv_store_gb: float = option(1.0, "capacity of the KV store's memory tier")
     kv_store_disk: str | None = option(None, "directory of the KV store's disk tier (the memory tier's oldest "
                                              "entries move there)")
@@ -49,6 +51,10 @@ class CacheConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.kv_store is not None and not self.enable_prefix_caching:
             raise ValueError("a KV store holds named prefix blocks: it needs enable_prefix_caching")
+        if self.kv_store is not None and self.kv_store.startswith("tcp://"):
+            from servewise.connectors.store_server import parse_address
+
+            parse_address(self.kv_store)
         if self.kv_store_gb <= 0 or self.kv_store_disk_gb <= 0:
             raise ValueError("KV store tiers need a capacity above 0 GB")
 

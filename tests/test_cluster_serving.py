@@ -437,16 +437,21 @@ def test_fault_rates_hit_a_share_of_the_hand_offs(want):
 @pytest.mark.server
 def test_chaos_loses_nothing_and_leaks_nothing(tmp_path):
     """The chaos bench, small: 40 requests, two instances killed, 40% of the hand-offs dropped, stalled or
-    corrupted. Every request is answered with the fault-free run's tokens or a clear error; none is lost and
-    no block is left in use."""
+    corrupted, every entry of the KV store damaged and its server stopped for a second. Every request is
+    answered with the fault-free run's tokens or a clear error; none is lost and no block is left in use;
+    the damaged entries that were read were found out."""
     from servewise.bench.chaos import Settings, run
 
     out = tmp_path / "chaos.json"
-    r = run(Settings(num_requests=40, rate=4.0, input_len=24, output_len=12, kills=2, drop=0.2, stall=0.1,
-                     corrupt=0.1, lease_s=0.5, timeout_s=90, out=str(out)), say=lambda m: None)
+    r = run(Settings(num_requests=40, rate=4.0, input_len=40, output_len=12, kills=2, drop=0.2, stall=0.1,
+                     corrupt=0.1, prefixes=4, prefix_len=16, store_corrupt=1.0, outage_s=1.0, lease_s=0.5,
+                     timeout_s=90, out=str(out)), say=lambda m: None)
     assert r["correct"] + r["error"] == 40 and r["wrong"] == 0 and r["lost"] == 0, r
     assert len(r["kills"]) == 2 and sum(r["restarts"]) == 2 and r["all_up_after"]
     assert r["idle"] and r["blocks_in_use_after"] == 0 and r["running_after"] == 0
     assert r["handoffs"]["committed"] > 0 and r["handoffs"]["expired"] + r["handoffs"]["recomputed"] > 0
     assert all(msg.split(":")[0].isdigit() for msg in r["errors"])  # every error is an HTTP status and a message
+    st = r["store"]
+    assert st["entries_damaged"] > 0 and len(st["outages"]) == 1
+    assert st["corrupt"] >= 1  # the prompt instance killed first came back with an empty pool and read damaged entries
     assert r["ok"] and json.loads(out.read_text())["correct"] == r["correct"]

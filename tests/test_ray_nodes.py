@@ -1,8 +1,10 @@
 """A Ray cluster of three nodes on this machine (a head and two workers, each with its own resources, as
 Ray's own multi-node tests start them): prompt and token instances land on different nodes, their KV
-moves over gloo, and a worker node lost mid-run costs its requests a clear error, never a hang; the
+moves over gloo, the global KV store is a `servewise kv-store` server they reach over TCP, as they would
+across machines, and a worker node lost mid-run costs its requests a clear error, never a hang; the
 instance comes back on a node that is left and the cluster serves again."""
 import asyncio
+import threading
 import time
 
 import pytest
@@ -40,13 +42,19 @@ def nodes(monkeypatch):
                 pass
 
 
-def test_instances_on_different_nodes_and_a_lost_node(nodes):
+def test_instances_on_different_nodes_and_a_lost_node(nodes, tmp_path, monkeypatch):
     from servewise.cluster.serving import ClusterClient
+
+    from servewise.connectors.store_server import StoreServer
 
     c, workers, launcher = nodes
     want_short = alone([(PROMPTS[i], SHORT) for i in range(3)])
     (want_long,) = alone([(PROMPTS[3], LONG)])
-    cc = ClusterClient(dict(KW), ["prompt", "token"], launcher="ray", transport="gloo", lease_s=5.0)
+    store = StoreServer(str(tmp_path / "store"), 1 << 24, host="127.0.0.1", key=b"test")
+    threading.Thread(target=store.serve_forever, daemon=True).start()
+    monkeypatch.setenv("SERVEWISE_KV_STORE_KEY", "test")  # (the actors take the driver's environment)
+    cc = ClusterClient(dict(KW, enable_prefix_caching=True, kv_store=store.url), ["prompt", "token"], launcher="ray",
+                       transport="gloo", lease_s=5.0)
     cc.start()
     try:
         where = [launcher.node(m.conn) for m in cc.members]
@@ -79,5 +87,8 @@ def test_instances_on_different_nodes_and_a_lost_node(nodes):
         assert launcher.node(m.conn) != node.node_id  # back, on a node that is left
         assert asyncio.run(run([(PROMPTS[i], SHORT) for i in range(3)])) == want_short  # healed
         assert settled(cc)
+        (kv,) = [s for s, _ in store.stores.values()]
+        assert kv.stats["puts"] >= 5 and kv.stats["corrupt"] == 0  # the nodes wrote their named blocks over TCP
     finally:
         cc.shutdown()
+        store.close()

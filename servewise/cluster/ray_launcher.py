@@ -8,7 +8,9 @@ Where Ray runs: an existing Ray cluster when RAY_ADDRESS names one (as `ray star
 machine), else a Ray of its own on this machine. Each instance goes to the live node that holds fewest of
 this process's instances (one per node while there are nodes enough; a restarted one to a node that is
 left). Instances on different nodes share no memory: give them the gloo KV transport
-(`--kv-transport gloo`); the shm transport needs them on one machine.
+(`--kv-transport gloo`), and a global KV store by address (`--kv-store tcp://HOST:PORT` of a `servewise
+kv-store` server); the shm transport and a store directory need them on one machine. The driver's
+SERVEWISE_* environment variables (the store's key among them) are set in each instance.
 """
 from __future__ import annotations
 
@@ -133,7 +135,10 @@ def start(args: tuple):
     with _LOCK:  # (held while placing, so that two instances starting at once do not pick the same node)
         node = _pick_node(ray)
         where = NodeAffinitySchedulingStrategy(node_id=node, soft=False)  # (soft placement fell back to one node)
-        actor = _actor_class().options(num_cpus=0, max_restarts=0, scheduling_strategy=where).remote(args, level)
+        # the driver's SERVEWISE_* settings (the KV store's key, malloc settings) go with the instance
+        env = {k: v for k, v in os.environ.items() if k.startswith("SERVEWISE_")}
+        actor = _actor_class().options(num_cpus=0, max_restarts=0, scheduling_strategy=where,
+                                       runtime_env={"env_vars": env} if env else None).remote(args, level)
         _PLACED[actor] = node
     waited = 0.0
     while waited < STARTUP_TIMEOUT_S:
