@@ -6,7 +6,7 @@ import json
 import os
 
 from servewise.config import DEFAULT_MAX_WAITING
-from servewise.server.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
+from servewise.server.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES, RESTART_WAIT_S
 
 
 def _special_tokens(model: str) -> tuple[str, str]:
@@ -22,7 +22,8 @@ def _special_tokens(model: str) -> tuple[str, str]:
 def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = None, api_key: str | None = None,
              max_waiting: int = DEFAULT_MAX_WAITING, default_max_tokens: int = 16, log=None,
              engine_process: bool = True, max_restarts: int = 3, cluster: dict | None = None,
-             max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S):
+             max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S,
+             restart_wait_s: float = RESTART_WAIT_S):
     """(FastAPI app, engine client), the client started: the engine in its own process, or in a thread of
     this one (engine_process=False), or several instances (cluster: ClusterClient's keyword arguments,
     with `roles`)."""
@@ -45,6 +46,6 @@ def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = No
     if log:
         log(f"chat template: {where}")
     app = build_app(client, served_model_name or model, ChatTemplate(source, *_special_tokens(model)), api_key,
-                    default_max_tokens, max_body_bytes, body_timeout_s)
+                    default_max_tokens, max_body_bytes, body_timeout_s, restart_wait_s)
     client.start()
     return app, client

@@ -451,6 +451,7 @@ def test_chaos_loses_nothing_and_leaks_nothing(tmp_path):
     assert r["idle"] and r["blocks_in_use_after"] == 0 and r["running_after"] == 0
     assert r["handoffs"]["committed"] > 0 and r["handoffs"]["expired"] + r["handoffs"]["recomputed"] > 0
     assert all(msg.split(":")[0].isdigit() for msg in r["errors"])  # every error is an HTTP status and a message
+    assert not any(msg.startswith("503") for msg in r["errors"])  # a request meeting no instance up waited for one
     st = r["store"]
     assert st["entries_damaged"] > 0 and len(st["outages"]) == 1
     assert st["corrupt"] >= 1  # the prompt instance killed first came back with an empty pool and read damaged entries

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -69,8 +70,9 @@ async def _streams_until_killed(url: str, engine, n: int) -> list:
 @pytest.mark.server
 def test_killing_the_engine_process_fails_open_requests_at_once_and_the_server_recovers():
     """The restart is held until the streams have their errors: they hear of the death from the dead
-    pipe, not from a timeout nor from the restart; meanwhile the server answers 503 with the reason."""
-    with running_server(dict(ENGINE, num_device_blocks=512, max_model_len=None)) as (url, engine):
+    pipe, not from a timeout nor from the restart; meanwhile /health answers 503 with the reason and a new
+    request waits for the engine that is coming back (--restart-wait), then gets its answer."""
+    with running_server(dict(ENGINE, num_device_blocks=512, max_model_len=None), restart_wait_s=60) as (url, engine):
         first_pid = engine.pid
         relaunch, real_launch = threading.Event(), engine._launch
         engine._launch = lambda: (relaunch.wait(120), real_launch())[1]
@@ -82,10 +84,17 @@ def test_killing_the_engine_process_fails_open_requests_at_once_and_the_server_r
             assert not engine.alive
             health = httpx.get(url + "/health")
             assert health.status_code == 503 and "exit" in health.json()["error"]["message"]
-            r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
-            assert r.status_code == 503
+            held: list = []
+            sender = threading.Thread(target=lambda: held.append(httpx.post(
+                url + "/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2,
+                                               "ignore_eos": True}, timeout=120)))
+            sender.start()
+            time.sleep(1.0)
+            assert sender.is_alive() and not held  # held, not refused
         finally:
             relaunch.set()
+        sender.join(120)
+        assert held[0].status_code == 200 and held[0].json()["usage"]["completion_tokens"] == 2
         wait_until(lambda: httpx.get(url + "/health").status_code == 200, 120, "the engine to come back")
         assert engine.pid != first_pid and engine.restarts == 1
         r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "after", "max_tokens": 5,
@@ -101,8 +110,9 @@ def test_an_engine_out_of_restarts_stays_down_and_answers_503():
         assert not engine.alive
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and "not restarted" in health.json()["error"]["message"]
+        t0 = time.monotonic()
         r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
-        assert r.status_code == 503
+        assert r.status_code == 503 and time.monotonic() - t0 < 5  # no restart is coming: no wait for one
 
 
 def test_an_engine_that_cannot_be_built_is_a_clear_value_error():

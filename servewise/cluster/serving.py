@@ -327,6 +327,11 @@ class ClusterClient(StreamingClient):
     def alive(self) -> bool:
         return self.error is None and any(m.up for m in self.members)
 
+    @property
+    def restarting(self) -> bool:
+        """Every instance is down, and one is coming back."""
+        return self.error is None and not any(m.up for m in self.members) and not self._stopping
+
     def _commands_pending(self) -> bool:
         return any(not m.outbox.empty() for m in self.members)
 

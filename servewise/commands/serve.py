@@ -9,7 +9,7 @@ from servewise.commands import options
 from servewise.commands.options import at_least, engine_args, float_at_least
 from servewise.config import DEFAULT_MAX_WAITING
 from servewise.deploy import make_app
-from servewise.server.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
+from servewise.server.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES, RESTART_WAIT_S
 
 SERVER_MAX_NUM_SEQS = 128
 
@@ -31,6 +31,9 @@ def arguments(p) -> None:
     p.add_argument("--body-timeout", type=float_at_least(0, strict=True), default=BODY_TIMEOUT_S,
                    help="seconds a client has to send its whole request body, else 408 (slow clients hold no "
                         "engine resources meanwhile)")
+    p.add_argument("--restart-wait", type=float_at_least(0), default=RESTART_WAIT_S,
+                   help="seconds a new request waits for an engine that is restarting (every instance of a cluster "
+                        "down) before it gets 503 (0: at once)")
     p.add_argument("--max-waiting", type=at_least(1), default=DEFAULT_MAX_WAITING,
                    help="queued requests at most; beyond it requests get 429 with Retry-After")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -80,7 +83,8 @@ def run(a: argparse.Namespace) -> None:
                        transport=a.kv_transport)
     app, engine = make_app(a.model, options.engine_kwargs(a), a.served_model_name, a.api_key, a.max_waiting, log=say,
                            engine_process=not a.engine_in_thread, max_restarts=a.max_restarts, cluster=cluster,
-                           max_body_bytes=a.max_request_bytes, body_timeout_s=a.body_timeout)
+                           max_body_bytes=a.max_request_bytes, body_timeout_s=a.body_timeout,
+                           restart_wait_s=a.restart_wait)
     st = engine.stats()
     if cluster is not None:
         members = ", ".join(f"{m['role']} pid {m['pid']}" for m in engine.instance_info())

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from servewise.detokenize import TextStream
 from servewise.server.client import EngineClient, EngineDead, Overloaded
 from servewise.server.chat import ChatTemplate
-from servewise.server.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
+from servewise.server.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES, RESTART_WAIT_S
 from servewise.server.metrics import ServerMetrics
 from servewise.server.protocol import ChatRequest, CompletionRequest
 
@@ -145,7 +145,9 @@ class LogprobFormat:
 
 def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate, api_key: str | None = None,
               default_max_tokens: int = 16, max_body_bytes: int = MAX_BODY_BYTES,
-              body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+              body_timeout_s: float = BODY_TIMEOUT_S, restart_wait_s: float = RESTART_WAIT_S) -> FastAPI:
+    """restart_wait_s: how long a new request waits for an engine (every instance of a cluster) that is being
+    restarted, rather than being answered 503 at once."""
     app = FastAPI(title="servewise", description="OpenAI-compatible LLM serving")
     metrics = ServerMetrics(engine)
     engine.on_finish = metrics.observe
@@ -198,7 +200,10 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            "not_found_error", "model", "model_not_found")
 
-    def submit(prompt, params):
+    async def submit(prompt, params):
+        deadline = time.monotonic() + restart_wait_s
+        while engine.restarting and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         try:
             return engine.submit(prompt, params)
         except ValueError as e:
@@ -216,7 +221,7 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
             params = body.sampling_params(max_tokens, default_max_tokens)
         except ValueError as e:
             raise _bad_value(e) from e
-        req, queue = submit(prompt, params)
+        req, queue = await submit(prompt, params)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         text = TextStream(tokenizer, params.stop)

@@ -133,6 +133,8 @@ class _Stream:
 class StreamingClient:
     """What both clients share: validation, admission, one output stream per request."""
 
+    restarting = False  # the engine is down and being started again (a new request may wait for it)
+
     def __init__(self, tokenizer, limits: RequestLimits, max_waiting: int, on_finish=None):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")

@@ -142,11 +142,14 @@ class ProcessEngineClient(StreamingClient):
             self._log(f"servewise: restarting the engine process ({self.restarts} of {self.max_restarts})")
             while not self._outbox.empty():  # commands meant for the dead engine
                 self._outbox.get()
+            self.restarting = True
             try:
                 self._launch()
             except RuntimeError as e:
                 self.error = f"{reason}; restart failed: {e}"
                 self._log(f"servewise: {self.error}")
                 return
+            finally:
+                self.restarting = False
             self._stats = self._first_stats
             self.error = None
