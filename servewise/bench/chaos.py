@@ -302,7 +302,8 @@ def run(s: Settings, say=print) -> dict:
             restarts = [m.restarts for m in c.members]
             if store:
                 after = store.stats()
-                store_report = {"entries_damaged": store.corrupted, "outages": store.stopped,
+                store_report = {"entries_damaged": store.corrupted, "entries_seen": len(store.seen),
+                                "outages": store.stopped,
                                 **{k: after.get(k, 0) - before.get(k, 0) for k in ("puts", "hits", "misses", "corrupt")}}
     finally:
         c.shutdown()
@@ -338,7 +339,8 @@ def report(r: dict) -> str:
              f"slowest error {r['slowest_s']['error']} s; verdict {'ok' if r['ok'] else 'NO'}"]
     if r.get("store"):
         st = r["store"]
-        lines.append(f"KV store: {st['puts']} entries written, {st['entries_damaged']} damaged, {st['hits']} served, "
+        lines.append(f"KV store: {st['puts']} entries written in this run, {st['entries_damaged']} of the "
+                     f"{st['entries_seen']} it held damaged, {st['hits']} served, "
                      f"{st['corrupt']} found damaged on reading (dropped, their KV computed again); stopped "
                      f"{len(st['outages'])} times")
     lines += [f"  {n} x {why}" for why, n in sorted(r["errors"].items(), key=lambda kv: -kv[1])[:6]]

@@ -81,6 +81,7 @@ class Member:
     conn: object = None  # the launcher's handle: (process, command writer, output reader) or a Ray actor
     cache_file: str | None = None  # its shared KV cache (split clusters)
     gen: int = 0  # which start of it this is, cluster-wide unique (gloo pair groups are named by it)
+    earlier: EngineStats | None = None  # the counts of its earlier lives (restarts)
 
 
 class ClusterClient(StreamingClient):
@@ -287,6 +288,8 @@ class ClusterClient(StreamingClient):
         reason = reason or f"instance {m.index} ({m.role}) exited" + (f" (exit code {proc.exitcode})" if proc else "")
         with self._co:
             m.up = False
+            if (last := self.co.loads[m.index]) is not None:  # (its counts carry over to its next life's)
+                m.earlier = last.with_counts(m.earlier)
             if m.cache_file is not None:  # its memory goes once no reader maps it
                 discard(m.cache_file)
                 for x in self.members:
@@ -342,24 +345,30 @@ class ClusterClient(StreamingClient):
 
     def _aggregate(self) -> EngineStats:
         sts = [s for s, up in zip(self.co.loads, self.co.up) if up and s is not None]
+        # counts since the server started: every life of every instance, up or not
+        lives = [s.with_counts(m.earlier) if up and s is not None else m.earlier
+                 for m, s, up in zip(self.members, self.co.loads, self.co.up)]
+        lives = [s for s in lives if s is not None]
+
         def merged(f) -> dict:  # per-key sums of a dict of counts (zero counts kept)
             out: dict = {}
-            for s in sts:
+            for s in lives:
                 for k, v in f(s).items():
                     out[k] = out.get(k, 0) + v
             return out
 
         pre, by_priority = merged(lambda s: s.preemptions), merged(lambda s: s.preemptions_by_priority)
         total = lambda f: sum(f(s) for s in sts)  # noqa: E731
+        counted = lambda f: sum(f(s) for s in lives)  # noqa: E731
         return EngineStats(total(lambda s: s.running), total(lambda s: s.waiting), total(lambda s: s.swapped),
                            PoolStats(total(lambda s: s.device_blocks.total), total(lambda s: s.device_blocks.free)),
                            PoolStats(total(lambda s: s.host_blocks.total), total(lambda s: s.host_blocks.free)),
                            pre, total(lambda s: s.queued_tokens), total(lambda s: s.incoming),
                            total(lambda s: s.committed_blocks), total(lambda s: s.inflight_tokens),
-                           total(lambda s: s.admitted_tokens), total(lambda s: s.prefix_hit_tokens),
-                           total(lambda s: s.cached_blocks), total(lambda s: s.store_hit_tokens),
-                           total(lambda s: s.dropped_tokens),
-                           (total(lambda s: s.swap_bytes[0]), total(lambda s: s.swap_bytes[1])), by_priority)
+                           counted(lambda s: s.admitted_tokens), counted(lambda s: s.prefix_hit_tokens),
+                           total(lambda s: s.cached_blocks), counted(lambda s: s.store_hit_tokens),
+                           counted(lambda s: s.dropped_tokens),
+                           (counted(lambda s: s.swap_bytes[0]), counted(lambda s: s.swap_bytes[1])), by_priority)
 
     def fault(self, i: int, name: str, rate: float = 1.0) -> None:
         """Inject a failure into instance i (tests, chaos): see instance.FAULTS; rate: the share of its hand-offs

@@ -6,7 +6,7 @@ or policies, and what a step reports can cross a process boundary as it is.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from servewise.sampling_params import SamplingParams
@@ -186,6 +186,21 @@ class EngineStats:
     def pending_tokens(self) -> int:
         """Prompt tokens queued or being computed: the work ahead of a new prompt."""
         return self.queued_tokens + self.inflight_tokens
+
+    def with_counts(self, earlier: EngineStats | None) -> EngineStats:
+        """These stats with the since-start counts of `earlier` added: an engine started again counts from
+        zero, and what a server reports as counters must never go back."""
+        if earlier is None:
+            return self
+        add = lambda a, b: {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}  # noqa: E731
+        return replace(self, **{f: getattr(self, f) + getattr(earlier, f) for f in COUNTS},
+                       preemptions=add(self.preemptions, earlier.preemptions),
+                       preemptions_by_priority=add(self.preemptions_by_priority, earlier.preemptions_by_priority),
+                       swap_bytes=(self.swap_bytes[0] + earlier.swap_bytes[0], self.swap_bytes[1] + earlier.swap_bytes[1]))
+
+
+COUNTS = ("admitted_tokens", "prefix_hit_tokens", "store_hit_tokens", "dropped_tokens")  # since start, besides
+# the preemption counts and swap bytes
 
 
 @dataclass(slots=True)

@@ -143,11 +143,12 @@ class StreamingClient:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._ids = 0
-        self._stats: EngineStats | None = None
+        self._stats: EngineStats | None = None  # the engine's last report
+        self._earlier: EngineStats | None = None  # the counts of the engine's earlier lives (restarts)
 
     def stats(self) -> EngineStats:
-        """The engine's load as of its last report."""
-        return self._stats
+        """The engine's load as of its last report (its counts since the server started)."""
+        return self._stats.with_counts(self._earlier) if self._stats is not None else None
 
     def num_queued(self) -> int:
         """Requests submitted that have not produced a token yet."""

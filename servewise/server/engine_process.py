@@ -131,6 +131,8 @@ class ProcessEngineClient(StreamingClient):
             self._proc.join(1)
             reason = msg[1] or f"the engine process exited (exit code {self._proc.exitcode})"
             self._up = False
+            if self._stats is not None:  # its counts carry over to the next engine's (and are not counted twice)
+                self._earlier, self._stats = self._stats.with_counts(self._earlier), self._first_stats
             self.error = reason
             self._fail_all(f"the engine failed: {reason}")
             self._log(f"servewise: {reason}")
