@@ -69,6 +69,9 @@ class EngineClient(Protocol):
     @property
     def alive(self) -> bool: ...
 
+    @property
+    def restarting(self) -> bool: ...  # down, and coming back (a new request may wait for it)
+
     def start(self) -> None: ...
 
     def shutdown(self) -> None: ...
