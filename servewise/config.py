@@ -14,6 +14,16 @@ def option(default, help: str, choices: tuple | None = None):
 # so a flood cannot grow the queue without end.
 DEFAULT_MAX_WAITING = 4096
 
+STORE_SCHEME = "tcp://"  # a --kv-store that starts so names a `servewise kv-store` server
+
+
+def parse_store_address(url: str) -> tuple[str, int]:
+    """tcp://HOST:PORT -> (host, port)."""
+    host, sep, port = url[len(STORE_SCHEME):].rpartition(":") if url.startswith(STORE_SCHEME) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"a KV store address is tcp://HOST:PORT, got {url!r}")
+    return host.strip("[]"), int(port)
+
 
 @dataclass
 class CacheConfig:
@@ -51,10 +61,8 @@ class CacheConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.kv_store is not None and not self.enable_prefix_caching:
             raise ValueError("a KV store holds named prefix blocks: it needs enable_prefix_caching")
-        if self.kv_store is not None and self.kv_store.startswith("tcp://"):
-            from servewise.connectors.store_server import parse_address
-
-            parse_address(self.kv_store)
+        if self.kv_store is not None and self.kv_store.startswith(STORE_SCHEME):
+            parse_store_address(self.kv_store)
         if self.kv_store_gb <= 0 or self.kv_store_disk_gb <= 0:
             raise ValueError("KV store tiers need a capacity above 0 GB")
 

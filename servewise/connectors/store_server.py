@@ -27,24 +27,17 @@ import time
 
 import torch
 
+from servewise.config import STORE_SCHEME as SCHEME
+from servewise.config import parse_store_address as parse_address
 from servewise.connectors.kv_store import TIERS, KVStore, ReadCosts
 from servewise.connectors.shm import crc
 
 log = logging.getLogger("servewise")
 
 KEY_ENV = "SERVEWISE_KV_STORE_KEY"
-SCHEME = "tcp://"
 MAX_FRAME = 1 << 30
 _LEN = struct.Struct("<I")
 HELLO, TIER, PUT, GET, REJECT, DROP, USAGE, STATS = (bytes([c]) for c in b"HTPGRDUS")
-
-
-def parse_address(url: str) -> tuple[str, int]:
-    """tcp://HOST:PORT -> (host, port)."""
-    host, sep, port = url[len(SCHEME):].rpartition(":") if url.startswith(SCHEME) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"a KV store address is tcp://HOST:PORT, got {url!r}")
-    return host.strip("[]"), int(port)
 
 
 def key_from_env() -> bytes | None:
