@@ -36,6 +36,7 @@ log = logging.getLogger("servewise")
 
 KEY_ENV = "SERVEWISE_KV_STORE_KEY"
 MAX_FRAME = 1 << 30
+CHALLENGE_S = 10.0  # seconds a new connection has to answer the challenge
 _LEN = struct.Struct("<I")
 HELLO, TIER, PUT, GET, REJECT, DROP, USAGE, STATS = (bytes([c]) for c in b"HTPGRDUS")
 
@@ -88,7 +89,8 @@ class StoreServer:
             raise ValueError("each tier needs a capacity above 0 bytes")
         self.dirs, self.capacity = (memory_dir, disk_dir), (memory_bytes, disk_bytes)
         self.key = key if key is not None else key_from_env()
-        self.sock = socket.create_server((host, port), reuse_port=False)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.create_server((host, port), family=family)
         self.address = self.sock.getsockname()[:2]
         self.stores: dict[str, tuple[KVStore, threading.Lock]] = {}
         self._lock = threading.Lock()
@@ -134,6 +136,7 @@ class StoreServer:
         self.conns.add(conn)
         with conn:
             try:
+                conn.settimeout(CHALLENGE_S)  # (a client that never answers holds no thread for long)
                 challenge = os.urandom(32)
                 _send(conn, challenge)
                 answer = bytes(_recv(conn, limit=64))
@@ -142,6 +145,7 @@ class StoreServer:
                     _send(conn, b"-the KV store refused the key (set the same " + KEY_ENV.encode() + b" on both sides)")
                     return
                 _send(conn, b"+")
+                conn.settimeout(None)  # an engine's connection stays open, idle between its calls
                 store = lock = None
                 while True:
                     msg = _recv(conn)
