@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -19,9 +18,7 @@ from test_kv_store import GREEDY, SHAPE, block, prompts, run
 
 
 def serve(tmp_path, **kw) -> StoreServer:
-    s = StoreServer(str(tmp_path / "mem"), 1 << 20, **kw)
-    threading.Thread(target=s.serve_forever, daemon=True).start()
-    return s
+    return StoreServer(str(tmp_path / "mem"), 1 << 20, **kw).start()
 
 
 def test_addresses_are_checked():
@@ -80,8 +77,7 @@ def test_a_store_that_is_down_reads_as_empty_until_it_is_back(tmp_path):
     t0 = time.monotonic()
     assert b"a" * 16 not in c and not c.put(b"b" * 16, block(2)) and c.open(b"a" * 16) is None
     assert time.monotonic() - t0 < 1.0 and c.stats["unreachable"] >= 1  # no waiting on a store that is gone
-    back = StoreServer(str(tmp_path / "mem"), 1 << 20, port=port)  # its entries are in its directory still
-    threading.Thread(target=back.serve_forever, daemon=True).start()
+    back = StoreServer(str(tmp_path / "mem"), 1 << 20, port=port).start()  # its entries are in its directory still
     time.sleep(0.3)
     assert b"a" * 16 in c and c.open(b"a" * 16) is not None
     back.close()

@@ -4,7 +4,6 @@ moves over gloo, the global KV store is a `servewise kv-store` server they reach
 across machines, and a worker node lost mid-run costs its requests a clear error, never a hang; the
 instance comes back on a node that is left and the cluster serves again."""
 import asyncio
-import threading
 import time
 
 import pytest
@@ -50,8 +49,7 @@ def test_instances_on_different_nodes_and_a_lost_node(nodes, tmp_path, monkeypat
     c, workers, launcher = nodes
     want_short = alone([(PROMPTS[i], SHORT) for i in range(3)])
     (want_long,) = alone([(PROMPTS[3], LONG)])
-    store = StoreServer(str(tmp_path / "store"), 1 << 24, host="127.0.0.1", key=b"test")
-    threading.Thread(target=store.serve_forever, daemon=True).start()
+    store = StoreServer(str(tmp_path / "store"), 1 << 24, host="127.0.0.1", key=b"test").start()
     monkeypatch.setenv("SERVEWISE_KV_STORE_KEY", "test")  # (the actors take the driver's environment)
     cc = ClusterClient(dict(KW, enable_prefix_caching=True, kv_store=store.url), ["prompt", "token"], launcher="ray",
                        transport="gloo", lease_s=5.0)

@@ -134,13 +134,10 @@ class Store:
         self.start()
 
     def start(self) -> None:
-        import threading
-
         from servewise.connectors.store_server import StoreServer
 
-        self.server = StoreServer(self.dir, 256 << 20, port=self.port, key=b"")
+        self.server = StoreServer(self.dir, 256 << 20, port=self.port, key=b"").start()
         self.port, self.url = self.server.address[1], self.server.url
-        threading.Thread(target=self.server.serve_forever, name="servewise-chaos-store", daemon=True).start()
 
     def stop(self, now: float) -> None:
         self.server.close()

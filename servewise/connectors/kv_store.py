@@ -41,6 +41,11 @@ TIERS = ("memory", "disk")
 log = logging.getLogger("servewise")
 
 
+def new_stats() -> dict[str, int]:
+    """A store's counts, each at zero (the real, the simulated and the remote store keep the same ones)."""
+    return dict.fromkeys(("puts", "hits", "misses", "corrupt", "demoted", "dropped", "put_errors"), 0)
+
+
 def entry_file(directory: str, name: bytes) -> str:
     return os.path.join(directory, name.hex() + ".kv")
 
@@ -152,7 +157,7 @@ class KVStore(ReadCosts):
         self._used = {t: self._scan(t)[1] for t in TIERS}
         self._scanned_at = dict.fromkeys(TIERS, self._monotonic())
         self._nonce = itertools.count()
-        self.stats = {"puts": 0, "hits": 0, "misses": 0, "corrupt": 0, "demoted": 0, "dropped": 0, "put_errors": 0}
+        self.stats = new_stats()
 
     # --- lookups -------------------------------------------------------------------------------
     def tier(self, name: bytes) -> str | None:
@@ -398,7 +403,7 @@ class SimStore(ReadCosts):
         self.capacity = {"memory": memory_blocks, "disk": disk_blocks}
         self.high, self.low, self.clock = high, low, clock
         self.tiers: dict[str, OrderedDict] = {t: OrderedDict() for t in TIERS}  # name -> time it is readable
-        self.stats = {"puts": 0, "hits": 0, "misses": 0, "corrupt": 0, "demoted": 0, "dropped": 0, "put_errors": 0}
+        self.stats = new_stats()
 
     def tier(self, name: bytes) -> str | None:
         for t in TIERS:

@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import socket
 import struct
@@ -29,7 +30,7 @@ import torch
 
 from servewise.config import STORE_SCHEME as SCHEME
 from servewise.config import parse_store_address as parse_address
-from servewise.connectors.kv_store import TIERS, KVStore, ReadCosts
+from servewise.connectors.kv_store import TIERS, KVStore, ReadCosts, new_stats
 from servewise.connectors.shm import crc
 
 log = logging.getLogger("servewise")
@@ -81,7 +82,8 @@ def _digest(key: bytes | None, challenge: bytes) -> bytes:
 
 class StoreServer:
     """Serves KV stores, one per KV shape (a subdirectory of each tier's directory, each with the
-    capacities given), to clients on the network. serve_forever() accepts until close()."""
+    capacities given), to clients on the network. serve_forever() accepts until close(); start() does it in
+    a thread of this process."""
 
     def __init__(self, memory_dir: str, memory_bytes: int, disk_dir: str | None = None, disk_bytes: int = 0,
                  host: str = "127.0.0.1", port: int = 0, key: bytes | None = None):
@@ -109,6 +111,10 @@ class StoreServer:
             except OSError:  # closed
                 return
             threading.Thread(target=self._serve, args=(conn,), name="servewise-kv-store", daemon=True).start()
+
+    def start(self) -> StoreServer:
+        threading.Thread(target=self.serve_forever, name="servewise-kv-store", daemon=True).start()
+        return self
 
     def close(self) -> None:
         """Stop accepting and end every connection (shutdown first: close alone wakes no blocked accept)."""
@@ -230,11 +236,9 @@ class RemoteKVStore(ReadCosts):
                  key: bytes | None = None):
         self.url, self.address = url, parse_address(url)
         self.shape, self.dtype, self.timeout = tuple(shape), dtype, timeout
-        self.block_bytes = self.shape[0] * self.shape[1] * self.shape[2] * self.shape[3] * self.shape[4] * \
-            torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = math.prod(self.shape) * torch.empty((), dtype=dtype).element_size()
         self.key = key if key is not None else key_from_env()
-        self.stats = {"puts": 0, "hits": 0, "misses": 0, "corrupt": 0, "demoted": 0, "dropped": 0,
-                      "put_errors": 0, "unreachable": 0}
+        self.stats = new_stats() | {"unreachable": 0}
         self._sock: socket.socket | None = None
         self._retry_at, self._down = 0.0, False
         self._lock = threading.Lock()
