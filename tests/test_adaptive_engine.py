@@ -15,7 +15,7 @@ class CheapCopies:
     def prefill(self, lens):
         return 1e-3 * sum(lens)
 
-    def copy(self, num_blocks, to_host):
+    def copy(self, num_blocks, to_host, runs=None):
         return 1e-5 * num_blocks
 
 

@@ -26,7 +26,7 @@ class LinearPerf:
     def prefill(self, lens):
         return sum(lens) * 1e-3
 
-    def copy(self, blocks, to_host):
+    def copy(self, blocks, to_host, runs=None):
         return blocks * self.copy_ms * 1e-3
 
 

@@ -3,7 +3,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from servewise.engine.block_manager import BlockManager
+from servewise.engine.block_manager import BlockManager, block_runs
 
 BS = 4
 
@@ -95,3 +95,9 @@ def test_watermark_holds_back_admission_only():
     bm.allocate("a", 95 * BS)
     bm.append_slots("a", 100 * BS)  # running requests may use the watermark
     assert bm.num_free_device == 0
+
+
+def test_block_runs_coalesce_pairs_consecutive_on_both_sides():
+    assert block_runs([(3, 7), (4, 8), (5, 9), (9, 1), (10, 3), (11, 4)]) == [(3, 7, 3), (9, 1, 1), (10, 3, 2)]
+    assert block_runs([(1, 1), (2, 3)]) == [(1, 1, 1), (2, 3, 1)]  # consecutive on one side only: two copies
+    assert block_runs([]) == []

@@ -75,13 +75,18 @@ def write_checkpoint(name: str, path) -> str:
     return str(path)
 
 
+def hf_model(path: str, dtype=torch.float32):
+    """transformers' model in its eager attention, the reference implementation: some versions (5.17)
+    run Gemma 2 on SDPA, which leaves out its attention soft-capping (later ones refuse SDPA for it)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+
+
 def hf_generate(path: str, dynamic: bool, dtype=torch.float32) -> list[list[int]]:
-    auto = transformers.AutoModelForCausalLM
-    hf = auto.from_pretrained(path, dtype=dtype).eval()
+    hf = hf_model(path, dtype)
     outs = []
     for p in prompts():
         if dynamic:  # its rotary keeps the longest length seen: each request starts from a fresh one
-            hf = auto.from_pretrained(path, dtype=dtype).eval()
+            hf = hf_model(path, dtype)
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
                               do_sample=False, pad_token_id=0)
@@ -209,7 +214,7 @@ def test_bf16_log_probs_are_close(name, tmp_path):
     llm = LLM(path, dtype="bfloat16")
     ps = prompts()[:3]
     outs = llm.generate(ps, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_model(path)
     worst = 0.0
     for p, o in zip(ps, outs):
         with torch.no_grad():

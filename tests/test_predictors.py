@@ -9,7 +9,7 @@ from servewise.models.loader import hf_config
 from servewise.predictors.fit import Predictors, fit_predictors, format_report
 from servewise.predictors.profiler import profile, sweep_points
 from servewise.predictors.step_time import IN_PLACE, PADDED, StepTimePredictor, compare
-from servewise.predictors.swap_cost import SwapCostModel, kv_bytes
+from servewise.predictors.swap_cost import DIRECTIONS, Link, SwapCostModel, kv_bytes
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,21 @@ def test_swap_model_recovers_bandwidth_and_fixed_cost():
     assert m.mape(rows) == {"out": pytest.approx(0, abs=1e-6), "in": pytest.approx(0, abs=1e-6)}
     with pytest.raises(ValueError):
         SwapCostModel.fit(rows[:1])
-    assert not math.isnan(m.swap_in_time(0))
+    assert not math.isnan(m.in_.time(0))
+
+
+def test_swap_model_finds_the_per_copy_cost_where_issuing_copies_binds():
+    # a GPU's swaps: the host issues one copy per run and layer, K and V, while the link moves the bytes
+    truth = Link(700e-6, 55e9, 13.5e-6)
+    rows = [{"direction": d, "bytes": b * (8 << 20), "copies": 64 * runs,
+             "time": truth.time(b * (8 << 20), 64 * runs) * (1 + 0.02 * ((b + runs) % 3 - 1))}
+            for d in DIRECTIONS for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for runs in {1, max(1, b // 2), b}]
+    m = SwapCostModel.fit(rows)
+    assert m.out.per_copy_s == pytest.approx(13.5e-6, rel=0.05) and m.out.bytes_per_s == pytest.approx(55e9, rel=0.05)
+    assert m.mape(rows)["out"] < 3
+    # the line on bytes alone cannot tell 256 scattered blocks from 256 consecutive ones
+    line = SwapCostModel.fit([{k: v for k, v in r.items() if k != "copies"} for r in rows])
+    assert line.out.per_copy_s == 0 and line.mape(rows)["out"] > 3 * m.mape(rows)["out"]
 
 
 def test_profiled_decode_batches_are_laid_out_as_an_engine_lays_them_out():

@@ -14,7 +14,6 @@ pytest.importorskip("triton")
 from servewise import LLM, SamplingParams  # noqa: E402
 from servewise.kernels.triton_attention import TritonAttention  # noqa: E402
 from servewise.runners.cuda_graphs import buckets  # noqa: E402
-from servewise.runners.torch_runner import _runs  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -108,11 +107,6 @@ def test_decode_ignores_block_table_columns_past_the_context():
     a = k.paged_decode_attention(q, kc, vc, clean, ctx, 4, 0.2)
     b = k.paged_decode_attention(q, kc, vc, dirty, ctx, 4, 0.2)
     assert torch.equal(a, b)
-
-
-def test_runs_coalesce_consecutive_pairs():
-    assert _runs([(3, 7), (4, 8), (5, 9), (9, 1), (10, 3), (11, 4)]) == [(3, 7, 3), (9, 1, 1), (10, 3, 2)]
-    assert _runs([]) == []
 
 
 def test_buckets_cover_every_batch_size():

@@ -154,8 +154,8 @@ class Following:
     def prior_context(self, pairs: int) -> float:
         return self.base.prior_context(pairs) * self._scale(("prefill",))
 
-    def copy(self, num_blocks: int, to_host: bool) -> float:
-        return self.base.copy(num_blocks, to_host)
+    def copy(self, num_blocks: int, to_host: bool, runs: int | None = None) -> float:
+        return self.base.copy(num_blocks, to_host, runs)
 
     def step_overhead(self, is_prefill: bool, rows: int) -> float:  # the engine's own work: as profiled
         return self.base.step_overhead(is_prefill, rows)

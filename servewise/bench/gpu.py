@@ -41,7 +41,7 @@ class Settings:
     input_len: int = 128
     output_len: int = 128
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
-    test_args: str = "-q --timeout 300"
+    test_args: str = "-q --timeout 300 --tb=short -rfE"
     test_workers: int = 8
     fidelity_model: str = "llama-200m"
     fidelity_workload: str = "chatbot"
@@ -109,13 +109,17 @@ def tests_section(s: Settings) -> dict:
     t0 = time.perf_counter()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(args, cwd=root, capture_output=True, text=True)
+    log = os.path.splitext(s.out)[0] + "_tests.log"  # every failure's message and traceback
+    os.makedirs(os.path.dirname(os.path.abspath(log)) or ".", exist_ok=True)
+    with open(log, "w") as f:
+        f.write(proc.stdout + proc.stderr)
     tail = proc.stdout.strip().splitlines()[-40:]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)",
                                                 tail[-1] if tail else "")}
     failed = [line.split(" ", 1)[1].split(" - ")[0] for line in proc.stdout.splitlines()
               if line.startswith(("FAILED ", "ERROR "))]
     return {"command": " ".join(args[1:]), "exit": proc.returncode, "seconds": time.perf_counter() - t0,
-            "counts": counts, "failed": failed, "tail": tail[-15:]}
+            "counts": counts, "failed": failed, "tail": tail[-15:], "log": os.path.basename(log)}
 
 
 def attention_section() -> dict:
@@ -233,7 +237,8 @@ def swap_section(progress=print) -> dict:
     from servewise.config import ModelConfig
     from servewise.engine.interfaces import KVMove, Pool
     from servewise.models.loader import hf_config
-    from servewise.runners.torch_runner import TorchRunner, _runs
+    from servewise.engine.block_manager import block_runs
+    from servewise.runners.torch_runner import TorchRunner
 
     class Stub(torch.nn.Module):  # the runner needs a model only for its dtype and per-layer hooks
         def __init__(self):
@@ -262,7 +267,7 @@ def swap_section(progress=print) -> dict:
                     runner.move_blocks(move)
                     runner.finish_moves()
                     times.append(time.perf_counter() - t0)
-                runs = len(_runs(pairs))
+                runs = len(block_runs(pairs))
                 points.append({"blocks": b, "layout": layout, "to_host": to_host, "runs": runs,
                                "copies": 2 * mc.num_layers * runs, "bytes": b * block_bytes,
                                "seconds": statistics.median(times)})
@@ -276,31 +281,24 @@ def swap_section(progress=print) -> dict:
 
 
 def _fit_swap(points: list[dict]) -> dict:
-    """The swap-cost model  seconds = fixed + max(copies x per_copy, bytes / bandwidth)  fitted on every
-    other point (ordered by size) for least relative error, and its error on the rest. The max: the
-    host issues the copies (one per run of consecutive blocks, per layer, for K and for V) while the
-    DMA engine moves the ones already issued, so a swap of many scattered blocks is bound by the host
-    and one of few long runs by the link (what servewise.predictors.gpu_swap models as host time and
-    transfer)."""
+    """The swap-cost model of servewise.predictors.swap_cost (fixed + max(copies x per_copy, bytes /
+    bandwidth)) fitted on every other point (ordered by size), and its error on the rest."""
     import numpy as np
-    from scipy.optimize import least_squares
 
-    copies = np.array([p["copies"] for p in points], float)
-    nbytes = np.array([p["bytes"] for p in points], float)
-    y = np.array([p["seconds"] for p in points])
-    order = sorted(range(len(points)), key=lambda i: (nbytes[i], copies[i], points[i]["to_host"]))
-    train, test = np.array(order[::2]), np.array(order[1::2])
+    from servewise.predictors.swap_cost import fit_link
 
-    def model(th, i):  # th: fixed us, us per copy, GB/s
-        return th[0] * 1e-6 + np.maximum(th[1] * 1e-6 * copies[i], nbytes[i] / (th[2] * 1e9))
+    order = sorted(range(len(points)), key=lambda i: (points[i]["bytes"], points[i]["copies"], points[i]["to_host"]))
+    train, test = order[::2], order[1::2]
+    link = fit_link(*([points[i][k] for i in train] for k in ("bytes", "copies", "seconds")))
 
-    th = least_squares(lambda th: (model(th, train) - y[train]) / y[train], [500.0, 10.0, 25.0],
-                       bounds=([0, 0, 0.1], [1e5, 1e4, 1e4])).x
-    err = np.abs(model(th, test) - y[test]) / y[test]
-    every = np.arange(len(points))
-    return {"form": "fixed + max(copies x per_copy, bytes / bandwidth)", "fixed_us": float(th[0]), "per_copy_us": float(th[1]),
-            "gbs": float(th[2]), "heldout_mean_err": float(err.mean()), "heldout_max_err": float(err.max()),
-            "all_mean_err": float((np.abs(model(th, every) - y) / y).mean()), "train_points": len(train),
+    def err(idx):
+        return np.array([abs(link.time(points[i]["bytes"], points[i]["copies"]) - points[i]["seconds"])
+                         / points[i]["seconds"] for i in idx])
+
+    held, every = err(test), err(range(len(points)))
+    return {"form": "fixed + max(copies x per_copy, bytes / bandwidth)", "fixed_us": link.fixed_s * 1e6,
+            "per_copy_us": link.per_copy_s * 1e6, "gbs": link.bytes_per_s / 1e9, "heldout_mean_err": float(held.mean()),
+            "heldout_max_err": float(held.max()), "all_mean_err": float(every.mean()), "train_points": len(train),
             "test_points": len(test)}
 
 

@@ -313,10 +313,10 @@ class PipelinePerf:
     def prior_context(self, pairs: int) -> float:
         return sum(self.p.perfs[i].prior_context(pairs) * k / self.p.mc.num_layers for i, k in self.stages)
 
-    def copy(self, num_blocks: int, to_host: bool) -> float:
+    def copy(self, num_blocks: int, to_host: bool, runs: int | None = None) -> float:
         """Every stage copies its layers' share of the blocks over its own host link, at once."""
         L = self.p.mc.num_layers
-        return max(self.p.perfs[i].copy(num_blocks, to_host) * k / L for i, k in self.stages)
+        return max(self.p.perfs[i].copy(num_blocks, to_host, runs) * k / L for i, k in self.stages)
 
     def device_blocks(self) -> int:
         """Blocks every stage holds the KV of, for its layers, beside its weights."""

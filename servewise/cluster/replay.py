@@ -44,7 +44,7 @@ class Replayed:
     def decode(self, ctx) -> float:
         return self._next(False, ctx)
 
-    def copy(self, num_blocks: int, to_host: bool) -> float:
+    def copy(self, num_blocks: int, to_host: bool, runs: int | None = None) -> float:
         return 0.0
 
 

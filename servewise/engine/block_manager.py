@@ -40,6 +40,18 @@ def prefix_names(tokens: list[int], root: bytes, block_size: int) -> list[bytes]
     return names
 
 
+def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) block pairs as runs (src start, dst start, count) where both sides are consecutive:
+    what a copy between pools moves in one call per layer, for K and for V."""
+    runs: list[list[int]] = []
+    for s, d in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
 class BlockManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int, watermark: float = 0.0,
                  prefix_key: str | None = None):

@@ -142,7 +142,8 @@ class CostModel(Protocol):
 
     def decode(self, ctx_lens: list[int]) -> float: ...
 
-    def copy(self, num_blocks: int, to_host: bool) -> float: ...
+    def copy(self, num_blocks: int, to_host: bool, runs: int | None = None) -> float:
+        """Seconds to copy num_blocks blocks between pools, in `runs` runs of consecutive blocks (None: unknown)."""
 
 
 @dataclass

@@ -93,7 +93,7 @@ def dynamic_inv_freq(theta: float, dim: int, s: dict, lengths: torch.Tensor) -> 
     float32 throughout, as the reference computes them."""
     factor, l0 = s["factor"], s["original_max_position_embeddings"]
     base = theta * (factor * lengths / l0 - (factor - 1)) ** (dim / (dim - 2))
-    return 1.0 / base.unsqueeze(1) ** _exponents(dim)
+    return 1.0 / base.unsqueeze(1) ** _exponents(dim).to(base.device)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from servewise.engine.block_manager import BlockManager
+from servewise.engine.block_manager import BlockManager, block_runs
 from servewise.engine.interfaces import Preemption
 from servewise.engine.request import Request
 
@@ -53,7 +53,7 @@ class Adaptive:
     time is below the predicted recompute (a prefill of prompt + generated tokens) and the host pool
     has room; otherwise recompute ("swap_fallback" when only the room was missing).
 
-    `perf` is a performance model (prefill(lens), copy(num_blocks, to_host)): the predictors fitted on
+    `perf` is a performance model (prefill(lens), copy(num_blocks, to_host, runs)): the predictors fitted on
     this machine's profile for the real engine, or the simulator's model of the simulated hardware.
     Every decision is logged with its costs; `predict_s` is the wall time spent predicting.
     """
@@ -66,23 +66,24 @@ class Adaptive:
         self.decisions: list[Decision] = []
         self.predict_s = 0.0
 
-    def costs(self, num_tokens: int, num_blocks: int) -> tuple[float, float]:
-        """(recompute, swap out + in) predicted seconds."""
+    def costs(self, num_tokens: int, num_blocks: int, runs: int | None = None) -> tuple[float, float]:
+        """(recompute, swap out + in) predicted seconds; `runs`: of consecutive blocks (None: unknown)."""
         t0 = time.perf_counter()
         recompute = self.perf.prefill([num_tokens])
-        swap = self.perf.copy(num_blocks, True) + self.perf.copy(num_blocks, False)
+        swap = self.perf.copy(num_blocks, True, runs) + self.perf.copy(num_blocks, False, runs)
         self.predict_s += time.perf_counter() - t0
         return recompute, swap
 
     def choose(self, req: Request, bm: BlockManager, now: float) -> Preemption:
-        blocks = len(bm.device_tables[req.request_id])
-        recompute, swap = self.costs(req.num_tokens, blocks)
+        table = bm.device_tables[req.request_id]
+        # the runs of its device blocks: the host blocks it would get are unknown until it is swapped
+        recompute, swap = self.costs(req.num_tokens, len(table), len(block_runs([(b, b) for b in table])))
         room = bm.can_swap_out(req.request_id)
         if swap < recompute:
             mode = Preemption.SWAP if room else Preemption.SWAP_FALLBACK
         else:
             mode = Preemption.RECOMPUTE
-        self.decisions.append(Decision(req.request_id, req.num_tokens, blocks, recompute, swap, room, mode))
+        self.decisions.append(Decision(req.request_id, req.num_tokens, len(table), recompute, swap, room, mode))
         return mode
 
 

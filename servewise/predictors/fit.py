@@ -5,6 +5,7 @@ import os
 import pickle
 from dataclasses import dataclass, field
 
+from servewise.engine.block_manager import blocks_for
 from servewise.predictors.step_time import KINDS, BoundStepTime, StepTimePredictor, best_of, compare
 from servewise.predictors.swap_cost import SwapCostModel, kv_bytes
 
@@ -48,15 +49,15 @@ class Predictors:
             raise ValueError(f"the profile has no block copies for size {layers}x{hidden} (it has {have}); "
                              f"profile with --sizes including it")
         return RequestCosts(self.step_time.bind(layers, hidden), self.swap[(layers, hidden)], kv_bytes_per_token,
-                            block_size, getattr(self, "context", {}).get((layers, hidden)))
+                            block_size, getattr(self, "context", {}).get((layers, hidden)), layers)
 
 
 class RequestCosts:
     """Per-request preemption costs for one model: what AdaptiveLLM's decision compares."""
 
     def __init__(self, step: BoundStepTime, swap: SwapCostModel, kv_bytes_per_token: int, block_size: int,
-                 context_s_per_pair: float | None = None):
-        self.step, self.swap_model = step, swap
+                 context_s_per_pair: float | None = None, num_layers: int = 0):
+        self.step, self.swap_model, self.num_layers = step, swap, num_layers
         self.kv_bytes_per_token, self.block_size = kv_bytes_per_token, block_size
         self.context_s_per_pair = context_s_per_pair
 
@@ -67,9 +68,13 @@ class RequestCosts:
     def kv_bytes(self, num_tokens: int) -> int:
         return kv_bytes(num_tokens, self.kv_bytes_per_token, self.block_size)
 
-    def swap(self, num_tokens: int) -> float:
+    def copies(self, num_blocks: int, runs: int | None = None) -> int:
+        """Copy calls of moving num_blocks blocks in `runs` runs of consecutive blocks (None: one a block)."""
+        return 2 * self.num_layers * (num_blocks if runs is None else runs)
+
+    def swap(self, num_tokens: int, runs: int | None = None) -> float:
         """Predicted swap-out plus swap-in time of the request's KV blocks."""
-        return self.swap_model.swap_cost(self.kv_bytes(num_tokens))
+        return self.swap_model.swap_cost(self.kv_bytes(num_tokens), self.copies(blocks_for(num_tokens, self.block_size), runs))
 
 
 def fit_context(rows: list[dict]) -> tuple[dict[tuple[int, int], float], dict[str, float]]:

@@ -111,8 +111,8 @@ class MeasuredPerf:
     def mixed(self, chunks: list[int], ctx_lens: list[int]) -> float:
         return max(self.prefill(chunks + [1] * len(ctx_lens)), self.decode(ctx_lens))
 
-    def copy(self, num_blocks: int, to_host: bool) -> float:
-        return self.roofline.copy(num_blocks, to_host)
+    def copy(self, num_blocks: int, to_host: bool, runs: int | None = None) -> float:
+        return self.roofline.copy(num_blocks, to_host, runs)
 
     def device_blocks(self, memory_utilization: float = 0.9, activation_reserve_gb: float = 2.0) -> int:
         return self.roofline.device_blocks(memory_utilization, activation_reserve_gb)

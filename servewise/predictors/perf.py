@@ -36,9 +36,9 @@ class ProfiledPerf:
         profiled cost of one (0 with a profile from before that was measured)."""
         return pairs * (self.costs.context_s_per_pair or 0.0)
 
-    def copy(self, num_blocks: int, to_host: bool) -> float:
+    def copy(self, num_blocks: int, to_host: bool, runs: int | None = None) -> float:
         link = self.costs.swap_model.out if to_host else self.costs.swap_model.in_
-        return link.time(num_blocks * self.block_bytes)
+        return link.time(num_blocks * self.block_bytes, self.costs.copies(num_blocks, runs))
 
 
 class Calibrated:
@@ -69,8 +69,8 @@ class Calibrated:
     def prior_context(self, pairs: int) -> float:
         return self.base.prior_context(pairs) * self.prefill_scale if hasattr(self.base, "prior_context") else 0.0
 
-    def copy(self, num_blocks: int, to_host: bool) -> float:
-        return self.base.copy(num_blocks, to_host)
+    def copy(self, num_blocks: int, to_host: bool, runs: int | None = None) -> float:
+        return self.base.copy(num_blocks, to_host, runs)
 
 
 def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: dict | None = None, tp: int = 1,

@@ -18,13 +18,13 @@ from typing import Callable
 import torch
 
 from servewise.config import ModelConfig
-from servewise.engine.block_manager import BlockManager
+from servewise.engine.block_manager import BlockManager, block_runs
 from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, standalone_batch
 from servewise.predictors.step_time import IN_PLACE, PADDED
 from servewise.sampling_params import SamplingParams
 
-PROFILE_VERSION = 4  # 2: prompt chunks over earlier context ("context"); 3: "decode_attention"; 4: the engine's
-# own time per step ("loop"). Older ones still load
+PROFILE_VERSION = 5  # 2: prompt chunks over earlier context ("context"); 3: "decode_attention"; 4: the engine's
+# own time per step ("loop"); 5: each block copy's number of copy calls ("copies"). Older ones still load
 DEFAULT_SIZES = ((2, 128), (4, 256), (6, 384), (8, 512))  # (layers, hidden size)
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 DECODE_WARM_RUNS = 3  # untimed runs of a decode batch right before it is timed (see _Sweep)
@@ -375,7 +375,8 @@ def _swap_requests(bench: _Bench, key: dict, block_bytes: int, lengths: list[int
         bm.free(rid)
         for d, plan, t in (("out", plan_out, t_out), ("in", plan_in, t_in)):
             rows.append({**key, "request": i, "direction": d, "tokens": length, "blocks": len(plan),
-                         "bytes": len(plan) * block_bytes, "time": t})
+                         "copies": 2 * bench.cfg.num_layers * len(block_runs(plan)), "bytes": len(plan) * block_bytes,
+                         "time": t})
     return rows
 
 
@@ -388,7 +389,7 @@ def save_profile(prof: dict, path: str) -> None:
 def load_profile(path: str) -> dict:
     with open(path) as f:
         prof = json.load(f)
-    if prof.get("version") not in (1, 2, 3, PROFILE_VERSION):
+    if prof.get("version") not in (1, 2, 3, 4, PROFILE_VERSION):
         raise ValueError(f"{path}: profile version {prof.get('version')!r}, expected {PROFILE_VERSION}; re-run the profiler")
     return prof
 

@@ -175,16 +175,18 @@ class RooflinePerf:
         """The attention flops of prompt chunks against KV already present, (new, earlier) token pairs."""
         return self._attn * pairs / self.flops_per_s
 
-    def copy(self, num_blocks: int, to_host: bool) -> float:
-        return sum(self.copy_parts(num_blocks, to_host))
+    def copy(self, num_blocks: int, to_host: bool, runs: int | None = None) -> float:
+        return sum(self.copy_parts(num_blocks, to_host, runs))
 
-    def copy_parts(self, num_blocks: int, to_host: bool) -> tuple[float, float]:
-        """(host seconds, transfer seconds) of copying num_blocks blocks (every GPU its share)."""
+    def copy_parts(self, num_blocks: int, to_host: bool, runs: int | None = None) -> tuple[float, float]:
+        """(host seconds, transfer seconds) of copying num_blocks blocks (every GPU its share), one copy
+        call per run of consecutive blocks (None: per block), per layer, for K and for V. A gpu_swap model
+        prices vLLM 0.2.x's swaps, one call per block whatever the runs."""
         nbytes = num_blocks * self.block_size * self.c.kv_bytes_per_token
         if self.swap is not None:
             host, transfer = self.swap.parts(num_blocks, self.c.num_layers, nbytes)
             return host, transfer / self.tp
-        calls = 2 * self.c.num_layers * num_blocks
+        calls = 2 * self.c.num_layers * (num_blocks if runs is None else runs)
         return self.eff.copy_fixed_s + calls * self.eff.copy_call_s, nbytes / self.link_bytes_per_s
 
     def device_blocks(self, memory_utilization: float = 0.9, activation_reserve_gb: float = 2.0) -> int:

@@ -1,10 +1,14 @@
 """Swap-cost predictor: AdaptiveLLM's swap analyser.
 
 A request's KV bytes follow from the model's dimensions, the block size and the dtype
-(whole blocks move); the time of a copy in each direction is a fixed cost plus bytes over the
-measured bandwidth of that direction, fitted on the profile's block-copy sweep.
+(whole blocks move). A swap in each direction costs a fixed time plus the longer of two: issuing its
+copies (one per run of consecutive blocks, per layer, for K and for V) and moving its bytes over the
+link. On a GPU the host issues copies on a stream of their own while the DMA engine moves those
+already issued, so a swap of many scattered blocks is bound by the host and one of long runs by the
+link (measured on an H100: 13.5 us a copy, 55 GB/s; docs/gpu.md). On CPU the copies are synchronous
+and the fit finds no per-copy term. Fitted per direction on the profile's block-copy sweep.
 
-The fit is per model size: a copy moves 2 x layers x blocks separate chunks, so the effective
+The fit is per model size: a copy moves 2 x layers x runs separate chunks, so the effective
 bandwidth of small models (small chunks) is lower than that of large ones on the same link.
 """
 from __future__ import annotations
@@ -27,9 +31,34 @@ def kv_bytes(num_tokens: int, kv_bytes_per_token: int, block_size: int) -> int:
 class Link:
     fixed_s: float
     bytes_per_s: float
+    per_copy_s: float = 0.0  # the host's time to issue one copy (predictors fitted before it: none)
 
-    def time(self, nbytes: float) -> float:
-        return self.fixed_s + nbytes / self.bytes_per_s
+    def time(self, nbytes: float, copies: int = 0) -> float:
+        return self.fixed_s + max(copies * self.per_copy_s, nbytes / self.bytes_per_s)
+
+
+def fit_link(nbytes, copies, times) -> Link:
+    """fixed + max(copies x per_copy, bytes / bandwidth), least relative error. Two starts: the straight
+    line of time on bytes (no per-copy term; where the link binds), and one where the copies bind; the
+    better fit is kept."""
+    from scipy.optimize import least_squares
+
+    x, c, t = (np.asarray(v, float) for v in (nbytes, copies, times))
+    slope, intercept = np.polyfit(x, t, 1, w=1 / t)
+    if slope <= 0:
+        raise ValueError("copy times do not grow with bytes; the profile is too noisy to fit")
+
+    def model(th):  # th: fixed (us), per copy (us), bandwidth (GB/s)
+        return th[0] * 1e-6 + np.maximum(th[1] * 1e-6 * c, x / (th[2] * 1e9))
+
+    if not c.any():  # no copies counted: the line
+        return Link(max(float(intercept), 0.0), 1 / float(slope))
+    line = np.array([max(float(intercept), 0.0) * 1e6, 0.0, 1e-9 / float(slope)])
+    copies = np.array([float(t.min()) * 5e5, float(np.median(t / np.maximum(c, 1))) * 1e6, line[2]])
+    fits = [least_squares(lambda th: (model(th) - t) / t, th0, bounds=([0, 0, 1e-3], [1e6, 1e4, 1e5])).x
+            for th0 in (line, copies)]
+    th = min(fits, key=lambda th: float((np.abs(model(th) - t) / t).sum()))
+    return Link(float(th[0]) * 1e-6, float(th[2]) * 1e9, float(th[1]) * 1e-6)
 
 
 @dataclass
@@ -39,32 +68,25 @@ class SwapCostModel:
 
     @classmethod
     def fit(cls, copy_rows: list[dict]) -> SwapCostModel:
-        """Least squares of time on bytes per direction, weighted by 1/time so the fit minimises relative error."""
+        """One link per direction (fit_link); rows from profiles before copies were counted fit the line."""
         links = {}
         for d in DIRECTIONS:
             rows = [r for r in copy_rows if r["direction"] == d]
             if len(rows) < 2:
                 raise ValueError(f"need at least two swap-{d} samples to fit, got {len(rows)}")
-            x = np.array([r["bytes"] for r in rows], float)
-            t = np.array([r["time"] for r in rows], float)
-            slope, intercept = np.polyfit(x, t, 1, w=1 / t)
-            if slope <= 0:
-                raise ValueError(f"swap-{d} times do not grow with bytes; the profile is too noisy to fit")
-            links[d] = Link(max(0.0, float(intercept)), float(1 / slope))
+            try:
+                links[d] = fit_link([r["bytes"] for r in rows], [r.get("copies", 0) for r in rows],
+                                    [r["time"] for r in rows])
+            except ValueError as e:
+                raise ValueError(f"swap-{d}: {e}") from None
         return cls(links["out"], links["in"])
 
     def link(self, direction: str) -> Link:
         return self.out if direction == "out" else self.in_
 
-    def swap_out_time(self, nbytes: float) -> float:
-        return self.out.time(nbytes)
-
-    def swap_in_time(self, nbytes: float) -> float:
-        return self.in_.time(nbytes)
-
-    def swap_cost(self, nbytes: float) -> float:
+    def swap_cost(self, nbytes: float, copies: int = 0) -> float:
         """A preemption by swap pays both directions: out now, in when the request resumes."""
-        return self.swap_out_time(nbytes) + self.swap_in_time(nbytes)
+        return self.out.time(nbytes, copies) + self.in_.time(nbytes, copies)
 
     @staticmethod
     def fit_per_size(copy_rows: list[dict]) -> dict[tuple[int, int], SwapCostModel]:
@@ -79,12 +101,14 @@ class SwapCostModel:
         for d in DIRECTIONS:
             sel = [r for r in rows if r["direction"] == d]
             if sel:
-                res[d] = float(np.mean([abs(self.link(d).time(r["bytes"]) - r["time"]) / r["time"] for r in sel]) * 100)
+                res[d] = float(np.mean([abs(self.link(d).time(r["bytes"], r.get("copies", 0)) - r["time"]) / r["time"]
+                                        for r in sel]) * 100)
         pairs: dict = {}
         for r in rows:
             if "request" in r:
                 pairs.setdefault((r.get("layers"), r.get("hidden"), r["request"]), []).append(r)
-        both = [(sum(r["time"] for r in p), self.swap_cost(p[0]["bytes"])) for p in pairs.values() if len(p) == 2]
+        both = [(sum(r["time"] for r in p), sum(self.link(r["direction"]).time(r["bytes"], r.get("copies", 0)) for r in p))
+                for p in pairs.values() if len(p) == 2]
         if both:
             res["swap"] = float(np.mean([abs(pred - t) / t for t, pred in both]) * 100)
         return res

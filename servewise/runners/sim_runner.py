@@ -10,6 +10,7 @@ predictors.profiler.loop_overhead) has it added to every step that runs a batch.
 """
 from __future__ import annotations
 
+from servewise.engine.block_manager import block_runs
 from servewise.engine.interfaces import CostModel, KVMove, Pool, SchedulerOutput, StepResult
 
 SIM_TOKEN = 0  # the placeholder every simulated step emits
@@ -40,11 +41,12 @@ class SimRunner:
             for _, name in move.pairs:
                 self.store.put(name, delay=self._last + write_s)
             return write_s
+        runs = len(block_runs(move.pairs))  # the copy calls a real runner makes, per layer, for K and V
         if getattr(self.perf, "copy_overlaps", False):  # the transfer overlaps the next step, layer by layer
-            host, transfer = self.perf.copy_parts(len(move.pairs), move.dst == Pool.HOST)
+            host, transfer = self.perf.copy_parts(len(move.pairs), move.dst == Pool.HOST, runs)
             self._overlap_s += transfer
             return host
-        return self.perf.copy(len(move.pairs), move.dst == Pool.HOST)
+        return self.perf.copy(len(move.pairs), move.dst == Pool.HOST, runs)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         if not out.scheduled:

@@ -13,6 +13,7 @@ import torch
 from servewise import kernels
 from servewise.config import ModelConfig
 from servewise.connectors.base import KVConnector
+from servewise.engine.block_manager import block_runs
 from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, StepResult
 from servewise.models.attention import AttentionMetadata, decode_mask
 from servewise.models.linear import describe as describe_linears
@@ -151,7 +152,7 @@ class TorchRunner:
         blocks, per layer, for K and for V), with an event after each layer; returns the host time
         spent issuing them. The copies start after the work already queued on the compute stream (a
         swap-out reads what the last step wrote) and the next step's layers wait for them."""
-        runs = _runs(pairs)
+        runs = block_runs(pairs)
         cur = torch.cuda.current_stream(self.device)
         self.swap_stream.wait_stream(cur)
         events = self._swap_events or [torch.cuda.Event() for _ in range(src_pool.shape[0])]
@@ -286,17 +287,6 @@ class TorchRunner:
         ids = torch.tensor([s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in rows],
                            device=dev)
         return ids, pos, meta
-
-
-def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(src, dst) block pairs as runs (src start, dst start, count) where both sides are consecutive."""
-    runs: list[list[int]] = []
-    for s, d in pairs:
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
-    return [tuple(r) for r in runs]
 
 
 class _Fetch:

@@ -8,7 +8,7 @@ HELP = ("the GPU path on the GPU at hand: tests, attention kernels, decode/prefi
 
 
 def arguments(p) -> None:
-    from servewise.bench.gpu import SECTIONS
+    from servewise.bench.gpu import SECTIONS, Settings
 
     p.add_argument("--models", type=lambda t: t.split(","), default=["llama-200m", "llama-2-7b", "llama-3-8b"],
                    help="model shapes (config names or directories), comma-separated; run on dummy weights in bf16")
@@ -17,7 +17,8 @@ def arguments(p) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--sections", type=lambda t: t.split(","), default=list(SECTIONS),
                    help=f"comma-separated, from {', '.join(SECTIONS)} (device always runs)")
-    p.add_argument("--test-args", default="-q --timeout 300", help="pytest's arguments for the tests section")
+    p.add_argument("--test-args", default=Settings.test_args, help="pytest's arguments for the tests section (the "
+                   "whole output goes to a log beside the JSON)")
     p.add_argument("--test-workers", type=int, default=8, help="pytest-xdist workers, where it is installed")
     p.add_argument("--fidelity-model", default="llama-200m", help="the model shape the fidelity section profiles and runs")
     p.add_argument("--fidelity-workload", default="chatbot", help="its workload (a preset or 'synthetic')")
