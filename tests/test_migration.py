@@ -6,12 +6,12 @@ from servewise.cluster.rebalance import HEADS, LAYERS, Load, Rebalancer, Rebalan
 
 
 # --- the real mechanics -----------------------------------------------------------------------
-def _generate(model, migrate=None, after_steps=3, late=True):
+def _generate(model, migrate=None, after_steps=3, late=True, device="auto"):
     """Greedy outputs of three prompts (and, with `late`, a fourth added after the migration)."""
     from servewise.builder import build_engine
     from servewise.sampling_params import SamplingParams
 
-    eng = build_engine(model=model, num_device_blocks=64, num_host_blocks=0, block_size=4)
+    eng = build_engine(model=model, num_device_blocks=64, num_host_blocks=0, block_size=4, device=device)
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     reqs = [eng.add_request([7 + 3 * i + j for j in range(9 + 5 * i)], greedy) for i in range(3)]
     for _ in range(after_steps):
@@ -224,11 +224,11 @@ def test_simulated_rebalancing_moves_prefill_work_to_decode_instances():
 def test_migration_to_another_process_keeps_greedy_outputs(model, kind):
     from servewise.cluster.migration import migrate_heads_to_process, migrate_layers_to_process
 
-    ref, _ = _generate(model)
+    ref, _ = _generate(model, device="cpu")  # (a peer process computes on CPU)
     peers = []
     move = (lambda r: peers.append(migrate_layers_to_process(r, 2))) if kind == "layers" else \
         (lambda r: peers.append(migrate_heads_to_process(r, 1)))
-    out, eng = _generate(model, move)
+    out, eng = _generate(model, move, device="cpu")
     try:
         assert out == ref
         assert peers[0].proc.is_alive() and peers[0].bytes > 0 and peers[0].step_s > 0
@@ -254,7 +254,7 @@ def test_bench_migration_reports_the_move_and_checks_outputs(tmp_path, capsys):
     from servewise.builder import build_engine
 
     eng = build_engine(model="tiny-llama", num_device_blocks=2 * (-(-(8 + 2 * 3 + 4) // 16) + 1), num_host_blocks=0,
-                       block_size=16)
+                       block_size=16, device="cpu")
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     want = sum(nbytes(p) for layer in eng.runner.model.layers[2:] for p in layer.parameters()) + \
         sum(nbytes(c) for c in eng.runner.kv_caches[2:])

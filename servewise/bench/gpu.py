@@ -48,6 +48,7 @@ class Settings:
     fidelity_requests: int = 400
     fidelity_rates: list[float] = field(default_factory=lambda: [16.0, 64.0])
     fidelity_blocks: int = 512
+    fidelity_replay: int = 48  # decode batches of each run timed again on the idle engine (bench.fidelity.replay_decode)
     out: str = "results/bench_gpu.json"
 
 
@@ -305,7 +306,7 @@ def _fit_swap(points: list[dict]) -> dict:
 def fidelity_section(s: Settings, progress=print) -> dict:
     """Profile `fidelity_model` (bf16, random weights) on this GPU, fit its predictors, and run the
     workload through the real engine and the simulator on them (servewise.bench.fidelity.run_pair)."""
-    from servewise.bench.fidelity import MODELS, run_pair
+    from servewise.bench.fidelity import MODELS, format_replay, run_pair
     from servewise.models.loader import hf_config, load_model_config
     from servewise.predictors.fit import fit_predictors
     from servewise.predictors.profiler import profile
@@ -332,11 +333,13 @@ def fidelity_section(s: Settings, progress=print) -> dict:
         for mode in ("recompute", "swap", "adaptive"):
             kw = dict(num_device_blocks=s.fidelity_blocks, num_host_blocks=4 * s.fidelity_blocks, preemption=mode,
                       load_format="dummy", dtype="bfloat16")
-            r = run_pair(s.fidelity_model, items, arrivals, preds, kw, predictors_path=saved)
+            r = run_pair(s.fidelity_model, items, arrivals, preds, kw, predictors_path=saved, replay=s.fidelity_replay)
             kept = {name: {"rows": r[name]["rows"], "steps": r[name]["steps"]} for name in MODELS}
             runs[f"{rate:g}/{mode}"] = {"real": {k: r["real"][k] for k in ("duration_s", "mean_ttft_ms", "mean_tpot_ms",
                                                                              "mean_e2el_ms", "preemptions")},
-                                        "loop": r["loop"], **kept}
+                                        "loop": r["loop"], "replay": r.get("replay"), **kept}
+            if r.get("replay"):
+                progress("  " + format_replay(r["replay"]))
             rows = r["profiled"]["rows"]
             progress(f"  {rate:g} req/s, {mode}: " + ", ".join(
                 f"{label} {v['error_pct']:+.1f}%" for label, v in rows.items() if v["error_pct"] is not None)
@@ -349,6 +352,8 @@ def fidelity_section(s: Settings, progress=print) -> dict:
 
 def report(r: dict) -> str:
     """The results as a short Markdown report."""
+    from servewise.bench.fidelity import format_replay
+
     lines = ["# servewise on a GPU: `servewise bench gpu`", ""]
     d = r.get("device")
     if isinstance(d, dict) and "name" in d:
@@ -415,6 +420,14 @@ def report(r: dict) -> str:
                          f"{pct(rows['mean TPOT (ms)']['error_pct'])} | {pct(rows['mean E2E (ms)']['error_pct'])} | "
                          f"{pct(st['prefill']['error_pct'])} | {pct(st['decode']['error_pct'])} | "
                          f"{x['real']['preemptions']} |")
+        lines.append("")
+        short = {"makespan (s)": "makespan", "mean TTFT (ms)": "TTFT", "mean TPOT (ms)": "TPOT", "mean E2E (ms)": "E2E"}
+        for key, x in f["runs"].items():
+            other = "; ".join(f"{label} " + ", ".join(f"{name} {pct(x[model]['rows'][k]['error_pct'])}"
+                                                      for k, name in short.items())
+                              for model, label in (("run_start_corrected", "scaled by the run's first fifth of steps"),
+                                                   ("following", "following the run's steps")) if model in x)
+            lines.append(f"- {key}: {other}." + (f" {format_replay(x['replay'])}" if x.get("replay") else ""))
         lines.append("")
     for k in SECTIONS:
         if isinstance(r.get(k), dict) and "error" in r[k]:

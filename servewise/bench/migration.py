@@ -44,7 +44,7 @@ def _run(s: Settings, migrate: bool) -> dict:
     from servewise.cluster.migration import migrate_heads_to_process, migrate_layers_to_process
 
     eng = build_engine(model=s.model, num_device_blocks=s.batch * (-(-(s.prompt_len + 2 * s.steps + 4) // 16) + 1),
-                       num_host_blocks=0, block_size=16)
+                       num_host_blocks=0, block_size=16, device="cpu")  # (the peer process computes on CPU)
     params = SamplingParams(max_tokens=2 * s.steps + 1, temperature=0, ignore_eos=True)
     reqs = [eng.add_request([3 + (7 * i + j) % 1000 for j in range(s.prompt_len)], params) for i in range(s.batch)]
     eng.step()  # the prompts

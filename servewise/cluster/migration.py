@@ -33,8 +33,8 @@ from servewise.models.attention import paged_attention
 
 def _rebuild(kind, c, params: dict, index: int | None = None) -> nn.Module:
     """A layer of class `kind` (the `index`-th of its model, where the class asks) holding `params`
-    (name -> tensor), prepared for running."""
-    layer = kind(c) if index is None else kind(c, index)
+    (name -> tensor), on their device, prepared for running."""
+    layer = (kind(c) if index is None else kind(c, index)).to(next(iter(params.values())).device)
     with torch.no_grad():
         for name, p in layer.named_parameters():
             p.copy_(params[name])
@@ -80,8 +80,11 @@ class HeadSplit:
                           paged_attention(*there, self.peer, meta, **opts)], dim=1)  # [T, H * D], heads in order
 
 
-def _check(runner, first: int | None = None, heads: int | None = None, layer_ids=None) -> None:
+def _check(runner, first: int | None = None, heads: int | None = None, layer_ids=None, process: bool = False) -> None:
     """Refuse what a migration could not keep correct."""
+    if process and runner.kv_caches[0].device.type != "cpu":
+        raise ValueError(f"migration to another process is for CPU engines (the peer computes on CPU; this engine "
+                         f"runs on {runner.kv_caches[0].device}); migrate_layers and migrate_heads move within the device")
     if getattr(runner, "host_cache", None) is not None and runner.host_cache.numel() or \
             getattr(runner, "store", None) is not None:
         raise ValueError("migration here supports engines without a host pool or KV store (their block moves "
@@ -101,6 +104,7 @@ def _check(runner, first: int | None = None, heads: int | None = None, layer_ids
 def migrate_layers(runner, first: int) -> int:
     """Move layers first.. of a real runner's model to a peer; returns how many moved."""
     _check(runner, first=first)
+    runner.graphs = None  # CUDA graphs replay the layers as captured: decode eagerly from here on
     layers = runner.model.layers
     for i in range(first, len(layers)):
         layers[i] = PeerLayer(layers[i], runner.kv_caches[i])
@@ -111,6 +115,7 @@ def migrate_layers(runner, first: int) -> int:
 def migrate_heads(runner, heads: int, layer_ids=None) -> None:
     """Move the last `heads` KV heads of the given layers (default all) of a real runner's model to a peer."""
     _check(runner, heads=heads, layer_ids=layer_ids)
+    runner.graphs = None  # (as in migrate_layers)
     kvh = runner.kv_caches[0].shape[2]
     for i in range(len(runner.model.layers)) if layer_ids is None else layer_ids:
         runner.model.layers[i].attend = HeadSplit(runner.kv_caches[i], kvh - heads)
@@ -287,7 +292,7 @@ class _PassThrough(nn.Module):
 def migrate_layers_to_process(runner, first: int, threads: int = 1) -> Peer:
     """Move layers first.. of a real runner's model to a new process (weights and KV sent over a pipe);
     returns the peer (its copy_s, bytes and step_s say what it cost; close() ends it)."""
-    _check(runner, first=first)
+    _check(runner, first=first, process=True)
     peer = Peer(runner.model.c, threads)
     layers = runner.model.layers
     layers[first] = RemoteStage(runner, first, peer)
@@ -299,7 +304,7 @@ def migrate_layers_to_process(runner, first: int, threads: int = 1) -> Peer:
 def migrate_heads_to_process(runner, heads: int, threads: int = 1) -> Peer:
     """Move the last `heads` KV heads of every layer of a real runner's model to a new process (their KV sent
     over a pipe); returns the peer."""
-    _check(runner, heads=heads)
+    _check(runner, heads=heads, process=True)
     kvh = runner.kv_caches[0].shape[2]
     peer = Peer(runner.model.c, threads)
     moved = {i: cache[:, :, kvh - heads:].contiguous() for i, cache in enumerate(runner.kv_caches)}

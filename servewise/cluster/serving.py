@@ -94,6 +94,11 @@ class ClusterClient(StreamingClient):
             raise ValueError(f"unknown KV transport {transport!r}; choose shm or gloo")
         self.transport = transport
         self.engine_kwargs, self.threads, self.layerwise = dict(engine_kwargs), threads, layerwise
+        device = self.engine_kwargs.get("device", "auto")
+        if device not in ("auto", "cpu"):  # their KV hand-offs (shm, gloo) and migrations move host memory
+            raise ValueError(f"a cluster's real instances run on CPU (device {device!r} asked); one engine runs on a GPU "
+                             "(serve, generate, bench)")
+        self.engine_kwargs["device"] = "cpu"
         self.launcher, self.max_restarts, self.pin = launcher, max_restarts, pin
         self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         self.members = [Member(i, r, gen=i) for i, r in enumerate(roles)]

@@ -196,6 +196,9 @@ class TorchRunner:
         rows = [self.seqs[rid] for rid in out.scheduled]
         if self._graph_step(out, rows):
             self.model.before_layer = None
+            if self._swap_events is not None:  # a graph cannot wait layer by layer: the whole swap first
+                torch.cuda.current_stream(self.device).wait_event(self._swap_events[-1])
+                self._swap_events = None
             sampled = sample(self.graphs.run(rows, out.context_lens), rows)
             for seq, tok in zip(rows, sampled.tokens):
                 seq.output_token_ids.append(tok)
@@ -236,8 +239,10 @@ class TorchRunner:
 
     def _graph_step(self, out: SchedulerOutput, rows) -> bool:
         """Whether this step replays a CUDA graph: every row decodes one token and samples, the batch
-        fits a bucket, and no copy is in flight that a layer would have to wait for."""
-        if self.graphs is None or self._swap_events is not None or self._fetch is not None:
+        fits a bucket, and no read from the store is in flight that a layer would have to wait for. (A
+        swap in flight is waited for whole before the replay: an eager step of a small model takes
+        several times a replay, more than a swap's copies, measured in docs/gpu.md.)"""
+        if self.graphs is None or self._fetch is not None:
             return False
         return (len(rows) <= self.graphs.sizes[-1] and all(n == 1 for n in out.num_scheduled_tokens)
                 and not out.partial)

@@ -26,6 +26,8 @@ def arguments(p) -> None:
     p.add_argument("--fidelity-rates", type=lambda t: [float(x) for x in t.split(",")], default=[16.0, 64.0],
                    help="Poisson rates (req/s), comma-separated")
     p.add_argument("--fidelity-blocks", type=int, default=512, help="KV blocks of the engine (host pool: 4x)")
+    p.add_argument("--fidelity-replay", type=int, default=Settings.fidelity_replay,
+                   help="decode batches of each run timed again on the idle engine, as they ran and as profiled")
     threads_arg(p)
     p.add_argument("--out", default="results/bench_gpu.json", help="the JSON; the report goes beside it (.md)")
 
