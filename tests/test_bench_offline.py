@@ -15,6 +15,15 @@ def test_shared_prefix_prompts_share_their_heads():
     assert len({tuple(p[5:]) for p in ps}) == 6
 
 
+def test_multi_turn_prompts_carry_their_conversation_so_far():
+    s = Settings(workload="multi-turn", num_prompts=12, turns=4, input_len=16, output_len=16)
+    ps = make_prompts(s, 1000)
+    assert len(ps) == 12
+    # each conversation's later turns extend its earlier one: 3 conversations x 3 later turns
+    later = [p for p in ps if any(len(q) < len(p) and p[:len(q)] == q for q in ps)]
+    assert len(later) == 9
+
+
 def test_caching_on_and_off_give_the_same_tokens_and_every_round_is_saved(tmp_path):
     runs = {}
     for caching in ("--prefix-caching", "--no-prefix-caching"):

@@ -3,10 +3,13 @@
 Both engines get the same model directory, dtype, threads and token-id prompts, greedy with ignored
 end-of-sequence, and each runs in its own process (`offline_worker.py`), the engines alternated round
 by round: one warm-up call, then `runs` timed calls, the best kept. Workloads: `random` (`num_prompts`
-prompts of `input_len` random ids) and `shared-prefix` (`prefixes` prefixes of `prefix_len` random ids,
-each prompt one of them plus `input_len` ids of its own). Equal output hashes mean token-identical
-greedy outputs (not with `load_format` dummy: each engine draws its own random weights). One JSON with
-every run.
+prompts of `input_len` random ids), `shared-prefix` (`prefixes` prefixes of `prefix_len` random ids,
+each prompt one of them plus `input_len` ids of its own) and `multi-turn` (conversations of `turns`
+turns, each turn's prompt the conversation so far: earlier messages and replies, then a new message;
+messages of about `input_len` ids, replies of about `output_len`, lengths log-normal, random ids;
+`num_prompts` turns in all, in the order the conversations would send them). Equal output hashes mean
+token-identical greedy outputs (not with `load_format` dummy: each engine draws its own random weights).
+One JSON with every run.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class Settings:
     output_len: int = 64
     prefixes: int = 4
     prefix_len: int = 512
+    turns: int = 4
     prefix_caching: bool = False
     dtype: str = "float32"
     load_format: str = "auto"
@@ -47,14 +51,21 @@ class Settings:
 
 def make_prompts(s: Settings, vocab: int) -> list[list[int]]:
     from servewise.bench.throughput import make_prompts as throughput_prompts
-    from servewise.workloads.prefix import shared_prefix
+    from servewise.workloads.prefix import multi_turn, shared_prefix
 
     if s.workload == "random":
         return throughput_prompts(s.num_prompts, s.input_len, vocab, s.seed)
     if s.workload == "shared-prefix":
         return [r.prompt for r in shared_prefix(s.num_prompts, vocab, s.prefixes, s.prefix_len, s.input_len,
                                                  s.output_len, s.seed)]
-    raise ValueError(f"unknown workload {s.workload!r}; choose random or shared-prefix")
+    if s.workload == "multi-turn":
+        turns, _ = multi_turn(-(-s.num_prompts // s.turns), vocab, max_turns=s.turns, user_len=s.input_len,
+                              reply_len=s.output_len, max_len=s.max_model_len - s.output_len, seed=s.seed)
+        return [r.prompt for r in turns[:s.num_prompts]]
+    raise ValueError(f"unknown workload {s.workload!r}; choose from {', '.join(WORKLOADS)}")
+
+
+WORKLOADS = ("random", "shared-prefix", "multi-turn")
 
 
 def run_engine(engine: str, s: Settings, spec_path: str) -> dict:
@@ -74,8 +85,8 @@ def run_engine(engine: str, s: Settings, spec_path: str) -> dict:
 def main(s: Settings) -> dict:
     from servewise.models.loader import hf_config
 
-    if s.workload not in ("random", "shared-prefix"):
-        raise ValueError(f"unknown workload {s.workload!r}; choose random or shared-prefix")
+    if s.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {s.workload!r}; choose from {', '.join(WORKLOADS)}")
     prompts = make_prompts(s, hf_config(s.model)["vocab_size"])
     engines = ["servewise"] + (["vllm"] if s.vllm_python else [])
     print(f"offline: {len(prompts)} prompts ({s.workload}), {s.output_len} output tokens, greedy, ignore_eos; "

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from servewise.config import ModelConfig
-from servewise.engine.block_manager import BlockManager, block_runs
+from servewise.engine.block_manager import BlockManager
 from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, standalone_batch
 from servewise.predictors.step_time import IN_PLACE, PADDED
 from servewise.sampling_params import SamplingParams
@@ -375,7 +375,7 @@ def _swap_requests(bench: _Bench, key: dict, block_bytes: int, lengths: list[int
         bm.free(rid)
         for d, plan, t in (("out", plan_out, t_out), ("in", plan_in, t_in)):
             rows.append({**key, "request": i, "direction": d, "tokens": length, "blocks": len(plan),
-                         "copies": 2 * bench.cfg.num_layers * len(block_runs(plan)), "bytes": len(plan) * block_bytes,
+                         "copies": bench.runner.copy_calls(plan), "bytes": len(plan) * block_bytes,
                          "time": t})
     return rows
 

@@ -147,6 +147,12 @@ class TorchRunner:
         self._sync()
         return time.perf_counter() - t0
 
+    def copy_calls(self, pairs: list[tuple[int, int]]) -> int:
+        """Copy calls a swap of these (src, dst) block pairs issues on the swap stream: one per run of
+        consecutive blocks, per layer, for K and for V. 0 without the stream (CPU): blocks go in staged
+        groups there, whose cost the runs do not change."""
+        return 2 * self.device_cache.shape[0] * len(block_runs(pairs)) if self.swap_stream is not None else 0
+
     def _swap_async(self, src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs, t0: float) -> float:
         """Issue a swap's copies on the swap stream, layer by layer (one copy per run of consecutive
         blocks, per layer, for K and for V), with an event after each layer; returns the host time

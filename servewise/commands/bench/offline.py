@@ -9,16 +9,20 @@ HELP = "offline throughput of servewise and vLLM side by side (same prompts, mod
 
 
 def arguments(p) -> None:
+    from servewise.bench.offline import WORKLOADS
+
     p.add_argument("--model", default="tiny-llama", help="a model directory both engines load (or a built-in "
                    "name, servewise alone)")
     p.add_argument("--vllm-python", default=None, help="the Python of an environment with vLLM (its CPU build); "
                    "without it, servewise alone")
-    p.add_argument("--workload", default="random", choices=["random", "shared-prefix"])
+    p.add_argument("--workload", default="random", choices=WORKLOADS)
     p.add_argument("--num-prompts", type=at_least(1), default=200)
     p.add_argument("--input-len", type=at_least(1), default=128, help="random ids per prompt (after the prefix)")
     p.add_argument("--output-len", type=at_least(1), default=64)
     p.add_argument("--prefixes", type=at_least(1), default=4, help="shared-prefix: distinct prefixes")
     p.add_argument("--prefix-len", type=at_least(1), default=512, help="shared-prefix: tokens of each prefix")
+    p.add_argument("--turns", type=at_least(1), default=4, help="multi-turn: turns per conversation (--input-len: "
+                   "a message's mean length, --output-len a reply's in the history)")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="both engines with prefix caching (reset before every timed run)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
