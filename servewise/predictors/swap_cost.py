@@ -6,7 +6,8 @@ copies (one per run of consecutive blocks, per layer, for K and for V) and movin
 link. On a GPU the host issues copies on a stream of their own while the DMA engine moves those
 already issued, so a swap of many scattered blocks is bound by the host and one of long runs by the
 link (measured on an H100: 9-16 us a copy, 55-58 GB/s; docs/gpu.md). On CPU blocks are copied in staged
-groups whatever their runs: the profile counts no calls there and the fit is the line. Fitted per direction on the profile's block-copy sweep.
+groups whatever their runs: the profile counts no calls there and the fit is the line. Fitted per
+direction on the profile's block-copy sweep.
 
 The fit is per model size: a copy moves 2 x layers x runs separate chunks, so the effective
 bandwidth of small models (small chunks) is lower than that of large ones on the same link.
