@@ -271,6 +271,24 @@ def test_simulated_hits_follow_the_same_rules():
     assert on.prefix_hit_tokens == 38 * 64  # every request after the first of each prefix hits its 4 blocks
 
 
+def test_a_prompt_whose_prefix_this_step_computes_waits_a_step_and_hits_it():
+    """Submitted together, the second turn of a conversation (the first's prompt, then more) is not
+    batched with the first: next step the first's blocks are cached. A prompt that shares nothing,
+    behind it, waits with it (first come, first served); without caching all three go at once."""
+    first = list(range(10, 10 + 40))
+    second, other = first + list(range(100, 120)), list(range(200, 240))
+    for caching in (False, True):
+        eng = build_sim_engine("tiny-llama", "a100-80g", enable_prefix_caching=caching, block_size=16)
+        reqs = [eng.add_request(p, GREEDY) for p in (first, second, other)]
+        steps = [eng.step(), eng.step()]
+        ids = [r.request_id for r in reqs]
+        if caching:  # the first prompt alone, then the other two (prefills; the first decodes after them)
+            assert [list(st.scheduled) for st in steps] == [ids[:1], ids[1:]] and all(st.is_prefill for st in steps)
+        else:  # all three prompts, then all three decode
+            assert [list(st.scheduled) for st in steps] == [ids, ids] and [st.is_prefill for st in steps] == [True, False]
+        assert reqs[1].cached_tokens == (32 if caching else 0)  # the first's two full blocks
+
+
 def test_length_only_requests_share_no_prefix():
     from servewise.simulator import simulate
     from servewise.workloads.datasets import WorkloadRequest

@@ -422,17 +422,22 @@ class Scheduler:
         batch: list[Request] = []
         tokens = longest = 0
         limit = self.config.max_num_seqs - len(self.running) if limit is None else limit
+        bm, pending = self.bm, set()  # names of the full blocks that this step's prompts compute
         while self.waiting and len(batch) < limit:
             req = self.waiting[0]
             if self.ranked and not self._admissible(req):  # swapped requests of a better rank come back first
                 break
-            hits = self.bm.match(req)
-            n = req.num_tokens - len(hits) * self.bm.block_size
+            hits = bm.match(req)
+            if pending and len(hits) < (req.num_tokens - 1) // bm.block_size and bm.block_name(req, len(hits)) in pending:
+                break  # its next block is computed in this step by a prompt before it: in the next it is a hit
+            n = req.num_tokens - len(hits) * bm.block_size
             if not self._joins(len(batch), tokens, longest, n) or not self._admit(now, hits, batch):
                 break
             batch.append(req)
             tokens += n
             longest = max(longest, n)
+            if bm.caching:
+                pending.update(bm.block_name(req, i) for i in range(len(hits), req.num_tokens // bm.block_size))
         for req in batch:
             self._enqueue(self.running, req, now)
         if out is None:
