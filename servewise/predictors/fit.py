@@ -74,7 +74,8 @@ class RequestCosts:
 
     def swap(self, num_tokens: int, runs: int | None = None) -> float:
         """Predicted swap-out plus swap-in time of the request's KV blocks."""
-        return self.swap_model.swap_cost(self.kv_bytes(num_tokens), self.copies(blocks_for(num_tokens, self.block_size), runs))
+        blocks = blocks_for(num_tokens, self.block_size)
+        return self.swap_model.swap_cost(self.kv_bytes(num_tokens), self.copies(blocks, runs))
 
 
 def fit_context(rows: list[dict]) -> tuple[dict[tuple[int, int], float], dict[str, float]]:
