@@ -419,7 +419,7 @@ def report(r: dict) -> str:
             lines.append(f"| {key} | {pct(rows['makespan (s)']['error_pct'])} | {pct(rows['mean TTFT (ms)']['error_pct'])} | "
                          f"{pct(rows['mean TPOT (ms)']['error_pct'])} | {pct(rows['mean E2E (ms)']['error_pct'])} | "
                          f"{pct(st['prefill']['error_pct'])} | {pct(st['decode']['error_pct'])} | "
-                         f"{x['real']['preemptions']} |")
+                         f"{', '.join(f'{k} {v}' for k, v in x['real']['preemptions'].items() if v) or 'none'} |")
         lines.append("")
         short = {"makespan (s)": "makespan", "mean TTFT (ms)": "TTFT", "mean TPOT (ms)": "TPOT", "mean E2E (ms)": "E2E"}
         for key, x in f["runs"].items():
