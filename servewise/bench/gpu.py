@@ -268,9 +268,8 @@ def swap_section(progress=print) -> dict:
                     runner.move_blocks(move)
                     runner.finish_moves()
                     times.append(time.perf_counter() - t0)
-                runs = len(block_runs(pairs))
-                points.append({"blocks": b, "layout": layout, "to_host": to_host, "runs": runs,
-                               "copies": 2 * mc.num_layers * runs, "bytes": b * block_bytes,
+                points.append({"blocks": b, "layout": layout, "to_host": to_host, "runs": len(block_runs(pairs)),
+                               "copies": runner.copy_calls(pairs), "bytes": b * block_bytes,
                                "seconds": statistics.median(times)})
     fit = _fit_swap(points)
     progress(f"  swap model: {fit['fixed_us']:.0f} us + max({fit['per_copy_us']:.2f} us/copy, bytes / "

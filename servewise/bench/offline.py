@@ -49,6 +49,9 @@ class Settings:
     out: str | None = "results/bench_offline.json"
 
 
+WORKLOADS = ("random", "shared-prefix", "multi-turn")
+
+
 def make_prompts(s: Settings, vocab: int) -> list[list[int]]:
     from servewise.bench.throughput import make_prompts as throughput_prompts
     from servewise.workloads.prefix import multi_turn, shared_prefix
@@ -63,9 +66,6 @@ def make_prompts(s: Settings, vocab: int) -> list[list[int]]:
                               reply_len=s.output_len, max_len=s.max_model_len - s.output_len, seed=s.seed)
         return [r.prompt for r in turns[:s.num_prompts]]
     raise ValueError(f"unknown workload {s.workload!r}; choose from {', '.join(WORKLOADS)}")
-
-
-WORKLOADS = ("random", "shared-prefix", "multi-turn")
 
 
 def run_engine(engine: str, s: Settings, spec_path: str) -> dict:
