@@ -34,3 +34,15 @@ def test_the_fidelity_section_runs_its_whole_path(tmp_path, monkeypatch):
         assert rows["makespan (s)"]["real"] > 0 and rows["makespan (s)"]["sim"] > 0
     report = gpu.report({"fidelity": f})
     assert "| 32/adaptive |" in report and "Simulator fidelity on this GPU (tiny-llama" in report
+
+
+def test_the_kv_section_hands_off_between_two_engines_and_decodes_as_one_engine():
+    s = gpu.Settings(kv_model="tiny-llama", kv_prompt_lens=[20, 70], kv_batch=3)
+    k = gpu.kv_section(s, {"hbm_gbs": 20.0}, progress=lambda m: None, device="cpu")
+    assert [x["prompt_len"] for x in k["rows"]] == [20, 70]
+    for x in k["rows"]:
+        assert x["outputs_identical"]
+        assert x["blocks"] == 3 * -(-x["prompt_len"] // 16) and x["bytes"] == x["blocks"] * k["block_bytes"]
+        assert x["layerwise_s"] > 0 and x["whole_s"] > 0 and x["sim_s"] > 0
+    report = gpu.report({"kv": k})
+    assert "| 3 x 70 |" in report and "KV hand-off between two engines" in report

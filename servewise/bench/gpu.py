@@ -14,7 +14,9 @@ Sections (each recorded on its own; one that fails is reported and the rest stil
 - fidelity: a GPU profile of one model shape (its step times with CUDA graphs, as the engine runs them,
   and its swap copies), the predictors fitted on it (the swap-cost model that prices `--preemption
   adaptive`, checked on real-KV swaps it was not fitted on), and one workload through the real GPU engine
-  and through the simulator on those predictors (bench fidelity's comparison), per rate and preemption mode.
+  and through the simulator on those predictors (bench fidelity's comparison), per rate and preemption mode;
+- kv: a prefill/decode hand-off between two engines on this one GPU (kv_section): the copy's time and
+  bandwidth, the simulator's link model against it, and the decoded tokens against one engine doing both.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SECTIONS = ("device", "tests", "attention", "roofline", "swap", "fidelity")
+SECTIONS = ("device", "tests", "attention", "roofline", "swap", "fidelity", "kv")
 
 
 @dataclass
@@ -49,6 +51,9 @@ class Settings:
     fidelity_rates: list[float] = field(default_factory=lambda: [16.0, 64.0])
     fidelity_blocks: int = 512
     fidelity_replay: int = 48  # decode batches of each run timed again on the idle engine (bench.fidelity.replay_decode)
+    kv_model: str = "llama-2-7b"
+    kv_prompt_lens: list[int] = field(default_factory=lambda: [128, 512, 2048])
+    kv_batch: int = 8  # requests handed off together at each prompt length
     out: str = "results/bench_gpu.json"
 
 
@@ -212,6 +217,10 @@ def roofline_section(s: Settings, dev: dict, progress=print) -> dict:
                 step = (t_all - t_pre) / (s.output_len - 1)
                 row[mode] = {"prefill_s": t_pre, "decode_step_ms": step * 1e3, "total_s": t_all,
                              "output_tok_s": B * s.output_len / t_all}
+                if mode == "graphs":  # the step's GPU time alone: its graph replayed back to back (same inputs,
+                    # so it rewrites the same KV); what the step takes beyond it is the host's share
+                    g = graphs.graphs[graphs.bucket(B)]
+                    row[mode]["replay_ms"] = _timed(g.replay, reps=20) * 1e3
             runner.graphs = graphs
             ctx = s.input_len + s.output_len / 2
             dec_bytes = w_bytes + B * ctx * kv_tok
@@ -222,7 +231,8 @@ def roofline_section(s: Settings, dev: dict, progress=print) -> dict:
             row.update(decode_roofline_ms=dec_roof * 1e3, decode_x_roofline=best["decode_step_ms"] / 1e3 / dec_roof,
                        prefill_roofline_s=pre_roof, prefill_x_roofline=best["prefill_s"] / pre_roof)
             entry["rows"].append(row)
-            progress(f"  {name} B={B}: decode step {best['decode_step_ms']:.2f} ms "
+            replay = f" (GPU {best['replay_ms']:.2f} ms)" if "replay_ms" in best else ""
+            progress(f"  {name} B={B}: decode step {best['decode_step_ms']:.2f} ms{replay} "
                      f"({row['decode_x_roofline']:.2f}x roofline), prefill {best['prefill_s'] * 1e3:.1f} ms "
                      f"({row['prefill_x_roofline']:.2f}x)" + (f", eager step {row['eager']['decode_step_ms']:.2f} ms"
                                                               if "eager" in row and "graphs" in row else ""))
@@ -349,6 +359,109 @@ def fidelity_section(s: Settings, progress=print) -> dict:
             "swap_validation_mape": rep["swap_validation_mape"], "loop_fit": rep.get("loop"), "runs": runs}
 
 
+def _median_s(fn, device: str, reps: int = 7) -> float:
+    if device == "cuda":
+        return _timed(fn, reps, warm=2)
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def kv_section(s: Settings, dev: dict | None, progress=print, device: str = "cuda") -> dict:
+    """A prefill/decode hand-off between two engines on one device, as a split cluster makes it (the
+    engine's side of the protocol: handoff, receive, reserve_incoming, kv_arrived, release): engine A
+    prefills `kv_batch` requests of each prompt length, B reserves their blocks, every layer of their KV
+    is copied from A's cache into B's, and B decodes. Checked: B's greedy tokens equal A's alone on the
+    same prompts. Timed: that copy, one indexed copy per layer (as a layer-wise hand-off sends) and one
+    for every layer at once, against the device's plain-copy bandwidth, and the simulator's link model
+    (cluster.links.LinkModel at that bandwidth, one message per layer) against the layer-wise time."""
+    from servewise.builder import build_engine
+    from servewise.cluster.links import LinkModel
+    from servewise.sampling_params import SamplingParams
+
+    gpu = device == "cuda"
+    longest, out_len, B = max(s.kv_prompt_lens), 16, s.kv_batch
+    blocks = B * -(-(longest + out_len + 1) // 16) + 8
+    kw = dict(model=s.kv_model, load_format="dummy", dtype="bfloat16" if gpu else "float32", device=device,
+              num_device_blocks=blocks, num_host_blocks=0, block_size=16, max_num_seqs=B,
+              max_num_batched_tokens=max(8192, B * longest), max_model_len=longest + out_len + 16)
+    t0 = time.perf_counter()
+    a, b = build_engine(**kw), build_engine(**kw)
+    build_s = time.perf_counter() - t0
+    mc = a.model_config
+    block_bytes = mc.kv_bytes_per_token * 16
+    copy_gbs = dev["hbm_gbs"] / 2 if dev and "hbm_gbs" in dev else None  # a plain copy's bytes moved a second
+    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    rng = random.Random(0)
+    rows = []
+    for n in s.kv_prompt_lens:
+        prompts = [[rng.randrange(10, mc.vocab_size) for _ in range(n)] for _ in range(B)]
+        alone = [a.add_request(p, params) for p in prompts]
+        while a.has_unfinished():
+            a.step()
+        reqs = [a.add_request(p, params, request_id=f"kv{n}-{i}") for i, p in enumerate(prompts)]
+        for r in reqs:
+            r.handoff = True
+        if gpu:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        handed = a.step().handed_off
+        if gpu:
+            torch.cuda.synchronize()
+        prompt_s = time.perf_counter() - t1
+        if sorted(handed) != sorted(r.request_id for r in reqs):
+            raise RuntimeError(f"prompt length {n}: {len(handed)} of {B} requests handed off in one step")
+        for r in reqs:
+            b.receive(r)
+        if len(b.reserve_incoming()) != B:
+            raise RuntimeError(f"prompt length {n}: the token engine could not reserve blocks for {B} requests")
+        src, dst = [], []
+        for r in reqs:
+            sb = a.block_manager.device_tables[r.request_id]
+            src += sb
+            dst += b.block_manager.device_tables[r.request_id][:len(sb)]
+        src_t = torch.tensor(src, device=device)
+        dst_t = torch.tensor(dst, device=device)
+        ca, cb = a.runner.device_cache, b.runner.device_cache
+
+        def layerwise():
+            for k in range(mc.num_layers):
+                cb[k, :, dst_t] = ca[k, :, src_t]
+
+        def whole():
+            cb[:, :, dst_t] = ca[:, :, src_t]
+
+        whole_s = _median_s(whole, device)
+        layer_s = _median_s(layerwise, device)  # (last: what B decodes from)
+        for r in reqs:
+            a.release(r.request_id)
+            b.kv_arrived(r.request_id)
+        while b.has_unfinished():
+            b.step()
+        nbytes = len(src) * block_bytes
+        row = {"prompt_len": n, "requests": B, "blocks": len(src), "bytes": nbytes, "prompt_step_s": prompt_s,
+               "layerwise_s": layer_s, "whole_s": whole_s, "layerwise_gbs": nbytes / layer_s / 1e9,
+               "whole_gbs": nbytes / whole_s / 1e9,
+               "outputs_identical": [r.output_token_ids for r in reqs] == [r.output_token_ids for r in alone]}
+        if copy_gbs:
+            sim = LinkModel(copy_gbs).send_time(nbytes, mc.num_layers)
+            row.update(sim_s=sim, sim_error_pct=(sim - layer_s) / layer_s * 100)
+        rows.append(row)
+        progress(f"  {B} x {n} tokens: {nbytes / 1e6:.0f} MB in {layer_s * 1e3:.2f} ms layer by layer "
+                 f"({row['layerwise_gbs']:.0f} GB/s), {whole_s * 1e3:.2f} ms at once; the prompt step "
+                 f"{prompt_s * 1e3:.1f} ms" + (f"; link model {row['sim_error_pct']:+.0f}%" if copy_gbs else "")
+                 + f"; outputs identical: {row['outputs_identical']}")
+    del a, b
+    if gpu:
+        torch.cuda.empty_cache()
+    return {"model": s.kv_model, "device": device, "build_s": build_s, "block_bytes": block_bytes,
+            "copy_gbs": copy_gbs, "rows": rows}
+
+
 def report(r: dict) -> str:
     """The results as a short Markdown report."""
     from servewise.bench.fidelity import format_replay
@@ -383,13 +496,16 @@ def report(r: dict) -> str:
     if isinstance(f, dict) and "models" in f:
         lines += [f"## Offline decode and prefill vs the roofline ({f['input_len']} prompt tokens, {f['output_len']} "
                   "output tokens, bf16 dummy weights)", "",
-                  "| model | batch | decode step ms | roofline ms | x roofline | eager step ms | output tok/s | "
-                  "prefill ms | x roofline |", "|---|---|---|---|---|---|---|---|---|"]
+                  "GPU ms: the step's CUDA graph replayed back to back (the step's GPU time without the host's "
+                  "work between steps).", "",
+                  "| model | batch | decode step ms | GPU ms | roofline ms | x roofline | eager step ms | output tok/s | "
+                  "prefill ms | x roofline |", "|---|---|---|---|---|---|---|---|---|---|"]
         for m in f["models"]:
             for x in m["rows"]:
                 best = x.get("graphs", x.get("eager"))
                 eager = f"{x['eager']['decode_step_ms']:.2f}" if "eager" in x and "graphs" in x else "-"
-                lines.append(f"| {m['model']} | {x['batch']} | {best['decode_step_ms']:.2f} | "
+                replay = f"{best['replay_ms']:.2f}" if "replay_ms" in best else "-"
+                lines.append(f"| {m['model']} | {x['batch']} | {best['decode_step_ms']:.2f} | {replay} | "
                              f"{x['decode_roofline_ms']:.2f} | {x['decode_x_roofline']:.2f} | {eager} | "
                              f"{best['output_tok_s']:,.0f} | {best['prefill_s'] * 1e3:.1f} | {x['prefill_x_roofline']:.2f} |")
         lines.append("")
@@ -428,6 +544,20 @@ def report(r: dict) -> str:
                                                    ("following", "following the run's steps")) if model in x)
             lines.append(f"- {key}: {other}." + (f" {format_replay(x['replay'])}" if x.get("replay") else ""))
         lines.append("")
+    k = r.get("kv")
+    if isinstance(k, dict) and "rows" in k:
+        bw = f"{k['copy_gbs']:.0f} GB/s" if k["copy_gbs"] else "-"
+        lines += [f"## KV hand-off between two engines on this GPU ({k['model']}, bf16, blocks of "
+                  f"{k['block_bytes'] / 2**20:.1f} MiB)", "",
+                  f"Engine A prefills, B decodes; the copy from A's KV cache into B's timed alone. The link model is "
+                  f"the simulator's (one message per layer) at the device's plain-copy rate ({bw}).", "",
+                  "| requests x prompt | MB | prompt step ms | layer by layer ms | GB/s | at once ms | GB/s | "
+                  "link model | tokens as one engine's |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {x['requests']} x {x['prompt_len']} | {x['bytes'] / 1e6:.0f} | {x['prompt_step_s'] * 1e3:.1f} | "
+                  f"{x['layerwise_s'] * 1e3:.2f} | {x['layerwise_gbs']:.0f} | {x['whole_s'] * 1e3:.2f} | "
+                  f"{x['whole_gbs']:.0f} | "
+                  + (f"{x['sim_error_pct']:+.0f}%" if "sim_error_pct" in x else "-")
+                  + f" | {'yes' if x['outputs_identical'] else 'NO'} |" for x in k["rows"]] + [""]
     for k in SECTIONS:
         if isinstance(r.get(k), dict) and "error" in r[k]:
             lines.append(f"- section {k} failed: {r[k]['error']}")
@@ -468,6 +598,8 @@ def main(s: Settings) -> dict:
                 result[name] = swap_section(progress=lambda m: print(m, flush=True))
             elif name == "fidelity":
                 result[name] = fidelity_section(s, progress=lambda m: print(m, flush=True))
+            elif name == "kv":
+                result[name] = kv_section(s, result["device"], progress=lambda m: print(m, flush=True))
         except Exception as e:  # one section's failure is a finding; the others still run
             import traceback
 

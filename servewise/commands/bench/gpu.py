@@ -4,7 +4,7 @@ from __future__ import annotations
 from servewise.commands.options import lengths, threads_arg
 
 HELP = ("the GPU path on the GPU at hand: tests, attention kernels, decode/prefill vs roofline, swap-cost fit, "
-        "simulator fidelity")
+        "simulator fidelity, KV hand-off between two engines")
 
 
 def arguments(p) -> None:
@@ -28,6 +28,10 @@ def arguments(p) -> None:
     p.add_argument("--fidelity-blocks", type=int, default=512, help="KV blocks of the engine (host pool: 4x)")
     p.add_argument("--fidelity-replay", type=int, default=Settings.fidelity_replay,
                    help="decode batches of each run timed again on the idle engine, as they ran and as profiled")
+    p.add_argument("--kv-model", default=Settings.kv_model, help="the model shape of the kv section's two engines")
+    p.add_argument("--kv-prompt-lens", type=lengths, default=Settings().kv_prompt_lens,
+                   help="prompt lengths the kv section hands off, comma-separated")
+    p.add_argument("--kv-batch", type=int, default=Settings.kv_batch, help="requests handed off together at each length")
     threads_arg(p)
     p.add_argument("--out", default="results/bench_gpu.json", help="the JSON; the report goes beside it (.md)")
 
