@@ -197,3 +197,33 @@ def test_real_engine_request_level_batches_give_continuous_batchings_tokens():
         llm = LLM("tiny-llama", num_device_blocks=12, num_host_blocks=0, batching=batching, batch_size=3)
         outs[batching] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["vanilla"] == outs["continuous"] and outs["magnus"] == outs["continuous"]
+
+
+def test_quantized_weights_are_read_at_their_bits_and_leave_room_for_kv():
+    from servewise.models.loader import load_model_config
+    from servewise.predictors.roofline import RooflinePerf, layer_params
+
+    mc, _ = load_model_config("llama-7b", "float16")
+    full, q4 = RooflinePerf(mc, "v100-32g", 16), RooflinePerf(mc, "v100-32g", 16, weight_bits=4.0)
+    head = mc.vocab_size * mc.hidden_size * 2  # the LM head stays at 16 bits
+    assert full.weight_bytes - head == 4 * (q4.weight_bytes - head) == mc.num_layers * layer_params(mc) * 2
+    assert q4.device_blocks() > full.device_blocks()
+    assert q4.decode([500] * 8) < full.decode([500] * 8)  # memory-bound: fewer bytes, faster
+    assert q4.with_efficiency(memory=0.5).weight_bytes == q4.weight_bytes  # variants keep the bits
+
+
+def test_magnus_baselines_vsq_and_glp_engines():
+    from servewise.experiments.length_aware import SYSTEMS, engine, quantized, supported
+    from servewise.lab.run import build
+
+    perf, batch = quantized(4.25)
+    assert batch > SYSTEMS["vanilla"][0]["batch_size"]  # the memory the weights give up holds more requests
+    vsq = build(engine("sim", "vsq", 64))
+    assert vsq.scheduler.batcher.batch_size == batch and vsq.runner.perf.weight_bytes == perf.weight_bytes
+    assert vsq.block_manager.num_device_blocks == perf.device_blocks()
+    assert not supported("real", "vsq") and supported("real", "glp")
+    with pytest.raises(ValueError, match="simulated backend only"):
+        engine("real", "vsq", 64)
+    glp = build(engine("sim", "glp", 64))
+    assert isinstance(glp.scheduler.batcher, Magnus) and glp.scheduler.batcher.max_batch == 8
+    assert glp.scheduler.batcher.estimator is None  # first come, first served: no HRRN

@@ -143,13 +143,16 @@ def predict_lengths(s: PredictSettings) -> None:
 
 # --- the scheduling experiments ---------------------------------------------------------------------
 SYSTEMS = {
-    # name: (engine options, which prediction it uses)
+    # name: (engine options, which prediction it uses); "weight_bits": simulated only (engine())
     "vanilla": ({"batching": "vanilla", "batch_size": 8}, None),
+    "vsq": ({"batching": "vanilla", "weight_bits": 4.25}, None),  # vanilla on 4-bit weights (Magnus's VSQ)
     "ccb": ({"reserve": "max"}, None),  # conservative continuous batching: max_tokens reserved at admission
     "continuous": ({}, None),  # servewise's continuous batching
     "cb-spf": ({"policy": "spf", "reserve": "predicted"}, "magnus"),
     "cb-hrrn": ({"policy": "hrrn", "reserve": "predicted"}, "magnus"),
-    "magnus-fcfs": ({"batching": "magnus", "batch_order": "fcfs"}, "magnus"),  # Magnus without HRRN
+    # Magnus's ablation ladder: GLP (WMA assembly, the vanilla batch size), ABP (no size limit), Magnus (+ HRRN)
+    "glp": ({"batching": "magnus", "batch_order": "fcfs", "max_num_seqs": 8}, "magnus"),
+    "magnus-fcfs": ({"batching": "magnus", "batch_order": "fcfs"}, "magnus"),  # ABP: Magnus without HRRN
     "magnus": ({"batching": "magnus", "batch_order": "hrrn"}, "magnus"),
     "magnus-oracle": ({"batching": "magnus", "batch_order": "hrrn"}, "oracle"),
     "magnus-wma5e4": ({"batching": "magnus", "batch_order": "hrrn", "wma_threshold": 5e4}, "magnus"),  # ablation
@@ -158,8 +161,8 @@ SYSTEMS = {
     "slo-dbs": ({"batching": "slo-odbs", "slo_weights": "0,1"}, "buckets"),  # w1 = 0 (the thesis's naming)
     "odbs": ({"batching": "slo-odbs", "slo_weights": "1,0"}, "buckets"),  # w2 = 0
 }
-EXPERIMENTS = {"magnus": ("vanilla", "ccb", "continuous", "cb-spf", "cb-hrrn", "magnus-fcfs", "magnus", "magnus-oracle",
-                          "magnus-wma5e4"),
+EXPERIMENTS = {"magnus": ("vanilla", "vsq", "ccb", "continuous", "cb-spf", "cb-hrrn", "glp", "magnus-fcfs", "magnus",
+                          "magnus-oracle", "magnus-wma5e4"),
                "uellm": ("vanilla", "s3", "continuous", "slo-odbs", "slo-dbs", "odbs")}
 
 
@@ -228,13 +231,37 @@ class Settings:
         return {b: replace(plan[b], num_requests=self.num_requests or plan[b].num_requests) for b in self.backends}
 
 
+SIM_MODEL, SIM_GPU = "llama-7b", "v100-32g"
+
+
+def quantized(weight_bits: float) -> tuple[object, int]:
+    """VSQ's simulated GPU: the roofline with the layers' weights at `weight_bits`, and its fixed batch
+    size: vanilla's, scaled by the KV blocks the smaller weights leave (the same memory per request)."""
+    from servewise.models.loader import load_model_config
+    from servewise.predictors.roofline import RooflinePerf
+
+    mc, _ = load_model_config(SIM_MODEL, "float16")
+    full, quant = (RooflinePerf(mc, SIM_GPU, 16, weight_bits=b) for b in (None, weight_bits))
+    return quant, SYSTEMS["vanilla"][0]["batch_size"] * quant.device_blocks() // full.device_blocks()
+
+
+def supported(backend: str, system: str) -> bool:
+    """Quantized weights (VSQ) are simulated only: the real engine has no low-bit kernels."""
+    return backend == "sim" or "weight_bits" not in SYSTEMS[system][0]
+
+
 def engine(backend: str, system: str, real_blocks: int) -> lab.Engine:
     """Simulated llama-7b on a V100 (as Magnus's ChatGLM-6B), or the real tiny-llama with `real_blocks`
     device blocks and no swap space; no warm-up request (it would run through the batcher and teach
     Magnus's batch-time estimator a batch that is not the workload's)."""
-    options = SYSTEMS[system][0]
+    options = dict(SYSTEMS[system][0])
+    if not supported(backend, system):
+        raise ValueError(f"{system} runs on the simulated backend only (quantized weights)")
     if backend == "sim":
-        return lab.Engine("sim", "llama-7b", hardware="v100-32g", options=options)
+        if bits := options.pop("weight_bits", None):
+            perf, options["batch_size"] = quantized(bits)
+            return lab.Engine("sim", SIM_MODEL, perf=perf, options={"dtype": "float16", **options})
+        return lab.Engine("sim", SIM_MODEL, hardware=SIM_GPU, options=options)
     return lab.Engine("real", "tiny-llama", options={"num_device_blocks": real_blocks, "num_host_blocks": 0, **options},
                       warmup=False)
 
@@ -248,6 +275,7 @@ def row(spec: lab.Spec, rec: lab.Record) -> dict:
     batcher = rec.engine.scheduler.batcher
     return {**rec.tags, "completed": m["completed"], "rejected": len(rec.rejected),
             "request_throughput": m["request_throughput"], "valid_token_throughput": m["output_throughput"],
+            "total_token_throughput": m["total_token_throughput"],
             "mean_e2e_s": m["mean_e2el_ms"] / 1e3, "p99_e2e_s": m["p99_e2el_ms"] / 1e3,
             "mean_ttft_s": m["mean_ttft_ms"] / 1e3, "slo_violation_rate": late / max(1, len(done)),
             "duration_s": m["duration_s"], "preemptions": m["preemptions"]["recompute"],
@@ -271,6 +299,8 @@ def run_experiment(s: Settings) -> dict:
         for rate in s.rates or be.rates:
             arrivals = arrival_times(be.num_requests, "poisson", rate, seed=s.seed)
             for system in s.systems:
+                if not supported(b, system):
+                    continue
                 spec = lab.Spec(engine(b, system, s.real_blocks), items[SYSTEMS[system][1]], arrivals,
                                 tags={"backend": b, "system": system, "rate": rate})
                 runs.append(r := row(spec, lab.run(spec)))
@@ -287,11 +317,13 @@ def report(res: dict) -> str:
     for name, acc in res["accuracy"].items():
         lines.append(f"  {name} predictor on the workload: MAE {acc['mae']:.1f} tokens, bucket accuracy "
                      f"{acc['bucket_accuracy']:.3f}, Pearson {acc['pearson']:.3f}")
-    lines.append(f"{'backend':<8}{'req/s in':>9} {'system':<14}{'req/s':>7}{'valid tok/s':>12}{'mean E2E s':>11}"
+    lines.append(f"{'backend':<8}{'req/s in':>9} {'system':<14}{'req/s':>7}{'valid tok/s':>12}{'total tok/s':>12}"
+                 f"{'mean E2E s':>11}"
                  f"{'p99 E2E s':>10}{'SLO viol.':>10}{'splits':>7}{'preempt':>8}")
     for r in res["runs"]:
         lines.append(f"{r['backend']:<8}{r['rate']:>9g} {r['system']:<14}{r['request_throughput']:>7.2f}"
-                     f"{r['valid_token_throughput']:>12.1f}{r['mean_e2e_s']:>11.2f}{r['p99_e2e_s']:>10.2f}"
+                     f"{r['valid_token_throughput']:>12.1f}{r.get('total_token_throughput', float('nan')):>12.1f}"
+                     f"{r['mean_e2e_s']:>11.2f}{r['p99_e2e_s']:>10.2f}"
                      f"{r['slo_violation_rate']:>10.1%}{r['oom_splits']:>7d}{r['preemptions']:>8d}")
     return "\n".join(lines)
 
