@@ -58,7 +58,7 @@ def make_batcher(sc, memory_cap: int):
     kind = BATCHERS[sc.batching]
     if kind is SLOODBS:
         w1, w2 = sc.weights()
-        return SLOODBS(memory_cap, sc.max_num_seqs, w1=w1, w2=w2, threshold=sc.slo_threshold)
+        return SLOODBS(memory_cap, sc.max_num_seqs, w1=w1, w2=w2, threshold=sc.slo_threshold, variant=sc.slo_odbs)
     estimator = BatchTimeEstimator() if sc.batch_order == "hrrn" else None
     if kind is Magnus:
         return Magnus(memory_cap, sc.max_num_seqs, sc.batch_order, sc.wma_threshold, estimator)

@@ -116,6 +116,11 @@ class SchedulerConfig:
                                          "(0,w2: SLO-DBS; w1,0: ODBS)")
     slo_threshold: float = option(2_000.0, "--batching slo-odbs: a request joins a batch while the weighted objective "
                                            "stays at or below this")
+    slo_odbs: str = option("printed", "--batching slo-odbs as UELLM's Algorithm 3-1 is printed (printed: output term "
+                                      "(O(q) - O_CM), line 6; formula: (O(q) + O_CM), formula 3-4; each forms every "
+                                      "batch of the queue in one pass and runs them in order) or servewise's earlier "
+                                      "variant (capped: memory and batch-size caps, re-run whenever the engine is "
+                                      "free, its first batch runs)", ("printed", "formula", "capped"))
 
     def __post_init__(self) -> None:
         if self.batching != "continuous" and self.policy == "priority":

@@ -79,6 +79,33 @@ def test_slo_odbs_builds_batches_in_slo_order_by_the_weighted_objective():
     assert len(u) == 2
 
 
+def test_slo_odbs_as_printed_its_formula_reading_and_the_capped_variant():
+    def ids(batches):
+        return [[r.request_id for r in getattr(b, "requests", b)] for b in batches]
+
+    rs = [req(i, 10, out=500, predicted=p, deadline=float(i + 1)) for i, p in enumerate((100, 90, 80, 300))]
+    # line 6, (O(q) - O_CM): shorter outputs than the batch's longest lower the objective; formula 3-4 adds
+    printed = SLOODBS(memory_cap=10**6, max_batch=2, w1=0.0, w2=1.0, threshold=300.0)
+    formula = SLOODBS(memory_cap=10**6, max_batch=2, w1=0.0, w2=1.0, threshold=300.0, variant="formula")
+    capped = SLOODBS(memory_cap=10**6, max_batch=2, w1=0.0, w2=1.0, threshold=300.0, variant="capped")
+    # printed: 100 opens; (90-100)x2 <= 300; (80-100)x3 <= 300; (300-100)x4 = 800 > 300: a new batch
+    assert ids(printed.build(rs, 0.0)) == [["0", "1", "2"], ["3"]]  # no size cap: the engine runs it in waves
+    # formula: (90+100)x2 = 380 > 300 and so on: every request alone
+    assert ids(formula.build(rs, 0.0)) == [["0"], ["1"], ["2"], ["3"]]
+    assert ids(capped.build(rs, 0.0)) == [["0", "1"], ["2"], ["3"]]  # the batch-size cap of 2
+    with pytest.raises(ValueError, match="variant"):
+        SLOODBS(memory_cap=10, max_batch=2, variant="nope")
+    # online: a pass's batches run in order (printed); the capped variant re-runs the algorithm each time
+    urgent = req(9, 10, out=500, predicted=100, deadline=0.5)
+    for u in (printed, capped):
+        for r in rs:
+            u.add(r, 0.0)
+        u.next(0.0)
+        u.add(urgent, 0.0)
+    assert ids([printed.next(0.0)]) == [["3"]] and ids([printed.next(0.0)]) == [["9"]]
+    assert ids([capped.next(0.0)]) == [["9", "2"]]
+
+
 @pytest.mark.parametrize("batching", ["vanilla", "magnus", "slo-odbs"])
 def test_request_level_batches_finish_every_request_through_oom_splits(batching):
     # predictions a quarter of the truth: batches outgrow the pool and are split, never dropped
@@ -210,6 +237,10 @@ def test_quantized_weights_are_read_at_their_bits_and_leave_room_for_kv():
     assert q4.device_blocks() > full.device_blocks()
     assert q4.decode([500] * 8) < full.decode([500] * 8)  # memory-bound: fewer bytes, faster
     assert q4.with_efficiency(memory=0.5).weight_bytes == q4.weight_bytes  # variants keep the bits
+    # dequantized to fp16 each step: the same memory held, more bytes moved than fp16 weights
+    unfused = RooflinePerf(mc, "v100-32g", 16, weight_bits=4.0, dequant_pass=True)
+    assert unfused.device_blocks() == q4.device_blocks() and unfused.decode([500] * 8) > full.decode([500] * 8)
+    assert unfused.with_efficiency(memory=0.5).dequant_pass
 
 
 def test_magnus_baselines_vsq_and_glp_engines():
@@ -218,8 +249,9 @@ def test_magnus_baselines_vsq_and_glp_engines():
 
     perf, batch = quantized(4.25)
     assert batch > SYSTEMS["vanilla"][0]["batch_size"]  # the memory the weights give up holds more requests
-    vsq = build(engine("sim", "vsq", 64))
+    vsq = build(engine("sim", "vsq-fused", 64))
     assert vsq.scheduler.batcher.batch_size == batch and vsq.runner.perf.weight_bytes == perf.weight_bytes
+    assert build(engine("sim", "vsq", 64)).runner.perf.dequant_pass and not vsq.runner.perf.dequant_pass
     assert vsq.block_manager.num_device_blocks == perf.device_blocks()
     assert not supported("real", "vsq") and supported("real", "glp")
     with pytest.raises(ValueError, match="simulated backend only"):

@@ -145,7 +145,10 @@ def predict_lengths(s: PredictSettings) -> None:
 SYSTEMS = {
     # name: (engine options, which prediction it uses); "weight_bits": simulated only (engine())
     "vanilla": ({"batching": "vanilla", "batch_size": 8}, None),
-    "vsq": ({"batching": "vanilla", "weight_bits": 4.25}, None),  # vanilla on 4-bit weights (Magnus's VSQ)
+    # vanilla on 4-bit weights (Magnus's VSQ), dequantized to fp16 each step as ChatGLM-6B's int4 layers do,
+    # and read by a fused kernel
+    "vsq": ({"batching": "vanilla", "weight_bits": 4.25, "dequant_pass": True}, None),
+    "vsq-fused": ({"batching": "vanilla", "weight_bits": 4.25}, None),
     "ccb": ({"reserve": "max"}, None),  # conservative continuous batching: max_tokens reserved at admission
     "continuous": ({}, None),  # servewise's continuous batching
     "cb-spf": ({"policy": "spf", "reserve": "predicted"}, "magnus"),
@@ -157,13 +160,16 @@ SYSTEMS = {
     "magnus-oracle": ({"batching": "magnus", "batch_order": "hrrn"}, "oracle"),
     "magnus-wma5e4": ({"batching": "magnus", "batch_order": "hrrn", "wma_threshold": 5e4}, "magnus"),  # ablation
     "s3": ({"reserve": "predicted"}, "buckets"),  # S3: bucket predictions, reserve them, continuous
-    "slo-odbs": ({"batching": "slo-odbs", "slo_weights": "0.5,0.5"}, "buckets"),
+    "slo-odbs": ({"batching": "slo-odbs", "slo_weights": "0.5,0.5"}, "buckets"),  # Algorithm 3-1 as printed
+    "slo-odbs-formula": ({"batching": "slo-odbs", "slo_weights": "0.5,0.5", "slo_odbs": "formula"}, "buckets"),
+    "slo-odbs-capped": ({"batching": "slo-odbs", "slo_weights": "0.5,0.5", "slo_odbs": "capped"}, "buckets"),
     "slo-dbs": ({"batching": "slo-odbs", "slo_weights": "0,1"}, "buckets"),  # w1 = 0 (the thesis's naming)
     "odbs": ({"batching": "slo-odbs", "slo_weights": "1,0"}, "buckets"),  # w2 = 0
 }
-EXPERIMENTS = {"magnus": ("vanilla", "vsq", "ccb", "continuous", "cb-spf", "cb-hrrn", "glp", "magnus-fcfs", "magnus",
+EXPERIMENTS = {"magnus": ("vanilla", "vsq", "vsq-fused", "ccb", "continuous", "cb-spf", "cb-hrrn", "glp", "magnus-fcfs", "magnus",
                           "magnus-oracle", "magnus-wma5e4"),
-               "uellm": ("vanilla", "s3", "continuous", "slo-odbs", "slo-dbs", "odbs")}
+               "uellm": ("vanilla", "s3", "continuous", "slo-odbs", "slo-odbs-formula", "slo-odbs-capped", "slo-dbs",
+                         "odbs")}
 
 
 @dataclass
@@ -234,14 +240,16 @@ class Settings:
 SIM_MODEL, SIM_GPU = "llama-7b", "v100-32g"
 
 
-def quantized(weight_bits: float) -> tuple[object, int]:
-    """VSQ's simulated GPU: the roofline with the layers' weights at `weight_bits`, and its fixed batch
-    size: vanilla's, scaled by the KV blocks the smaller weights leave (the same memory per request)."""
+def quantized(weight_bits: float, dequant_pass: bool = False) -> tuple[object, int]:
+    """VSQ's simulated GPU: the roofline with the layers' weights at `weight_bits` (predictors.roofline),
+    and its fixed batch size: vanilla's, scaled by the KV blocks the smaller weights leave (the same
+    memory per request)."""
     from servewise.models.loader import load_model_config
     from servewise.predictors.roofline import RooflinePerf
 
     mc, _ = load_model_config(SIM_MODEL, "float16")
-    full, quant = (RooflinePerf(mc, SIM_GPU, 16, weight_bits=b) for b in (None, weight_bits))
+    full = RooflinePerf(mc, SIM_GPU, 16)
+    quant = RooflinePerf(mc, SIM_GPU, 16, weight_bits=weight_bits, dequant_pass=dequant_pass)
     return quant, SYSTEMS["vanilla"][0]["batch_size"] * quant.device_blocks() // full.device_blocks()
 
 
@@ -259,7 +267,7 @@ def engine(backend: str, system: str, real_blocks: int) -> lab.Engine:
         raise ValueError(f"{system} runs on the simulated backend only (quantized weights)")
     if backend == "sim":
         if bits := options.pop("weight_bits", None):
-            perf, options["batch_size"] = quantized(bits)
+            perf, options["batch_size"] = quantized(bits, options.pop("dequant_pass", False))
             return lab.Engine("sim", SIM_MODEL, perf=perf, options={"dtype": "float16", **options})
         return lab.Engine("sim", SIM_MODEL, hardware=SIM_GPU, options=options)
     return lab.Engine("real", "tiny-llama", options={"num_device_blocks": real_blocks, "num_host_blocks": 0, **options},

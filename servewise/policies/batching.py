@@ -9,8 +9,10 @@ Assemblers (`add` places an arriving request; `next` hands the engine its next b
 - `vanilla`: first come, first served, a fixed batch size (the baseline of Magnus).
 - `magnus`: Magnus's WMA-based adaptive assembly under a KV memory cap; batches run first come first
   served or by highest response ratio next (HRRN, with a KNN batch-time estimator).
-- `slo-odbs`: UELLM's Algorithm 3-1, run over the queue whenever the engine is free; its first batch
-  (the most urgent SLOs) runs. Its variants: ODBS (w2 = 0) and SLO-DBS (w1 = 0).
+- `slo-odbs`: UELLM's Algorithm 3-1: the queue sorted by SLO and cut greedily into batches by a
+  weighted objective; the batches of one pass run in order (as printed), or, in servewise's earlier
+  variant, the algorithm is re-run whenever the engine is free under memory and size caps and its
+  first batch runs. Its weightings: ODBS (w2 = 0) and SLO-DBS (w1 = 0).
 A batch whose KV turns out not to fit (its predicted lengths were short) is split in halves that queue
 again in front (Magnus's OOM recovery); no request is dropped.
 """
@@ -166,21 +168,32 @@ class Magnus(Assembler):
 
 
 class SLOODBS(Assembler):
-    """UELLM's SLO-ODBS (thesis Algorithm 3-1), online: whenever the engine is free, sort the queue by SLO
-    (time left to each request's deadline), then walk it greedily: a request joins the current batch
-    while w1 * T_l + w2 * T_o <= threshold, with
-        T_l = (SLO(q) + L_CM) * (|batch| + 1) * l1,   T_o = (O(q) - O_CM) * (|batch| + 1) * l2,
-    L_CM and O_CM the batch's largest SLO and predicted output (the algorithm's line 6; the thesis's
-    formula 3-4 writes O(q) + O_CM instead). The first batch built runs. Beyond the thesis, a batch also
-    respects the KV memory cap and the batch size limit, which the thesis leaves to "adjust the batch
-    size by CM". Requests without a deadline sort last (an SLO of `no_slo` seconds)."""
+    """UELLM's SLO-ODBS (thesis Algorithm 3-1), online: when the engine is free and no batch is ready, the
+    queue is sorted by SLO (time left to each request's deadline) and walked greedily: a request joins the
+    current batch while w1 * T_l + w2 * T_o <= threshold, with
+        T_l = (SLO(q) + L_CM) * (|batch| + 1) * l1,   T_o = (O(q) -/+ O_CM) * (|batch| + 1) * l2,
+    L_CM and O_CM the batch's largest SLO and predicted output. The thesis contradicts itself on the
+    output term's sign: its algorithm's line 6 subtracts O_CM (variant "printed"), its formula 3-4 adds
+    it ("formula"). Its line 20 says to adjust the batch size by CM without a rule; here the engine
+    bounds a batch instead (at most max_num_seqs requests run at once, the rest as the batch's next wave,
+    and a batch whose KV does not fit is split). The batches of one pass run in order; requests that
+    arrive meanwhile wait for the next pass.
+
+    Variant "capped" (servewise's earlier reading): the algorithm is re-run over the queue whenever the
+    engine is free and only its first batch (the most urgent SLOs) runs, and a batch also respects the KV
+    memory cap and the batch size limit. Requests without a deadline sort last (an SLO of `no_slo` s)."""
 
     name = "slo-odbs"
+    VARIANTS = ("printed", "formula", "capped")
 
     def __init__(self, memory_cap: int, max_batch: int, order: str = "fcfs", w1: float = 0.5, w2: float = 0.5,
-                 threshold: float = 2_000.0, l1: float = 1.0, l2: float = 1.0, no_slo: float = 1e6):
+                 threshold: float = 2_000.0, l1: float = 1.0, l2: float = 1.0, no_slo: float = 1e6,
+                 variant: str = "printed"):
         super().__init__(memory_cap, max_batch, "fcfs")  # the batches' order is the SLOs'
+        if variant not in self.VARIANTS:
+            raise ValueError(f"unknown SLO-ODBS variant {variant!r}; choose from {', '.join(self.VARIANTS)}")
         self.w1, self.w2, self.threshold, self.l1, self.l2, self.no_slo = w1, w2, threshold, l1, l2, no_slo
+        self.variant, self.sign = variant, 1.0 if variant == "formula" else -1.0
         self.pool: list[Request] = []
 
     def __len__(self) -> int:
@@ -201,15 +214,16 @@ class SLOODBS(Assembler):
 
     def build(self, requests: list[Request], now: float) -> list[list[Request]]:
         """Algorithm 3-1 over `requests`: the batches in order."""
+        capped = self.variant == "capped"
         batches, cur = [], []
         l_cm = o_cm = 0.0
         tokens = 0
         for q in sorted(requests, key=lambda r: (self.slo(r, now), r.seq_no)):
             s, o = self.slo(q, now), q.predicted_left
             t_l = (s + l_cm) * (len(cur) + 1) * self.l1
-            t_o = (o - o_cm) * (len(cur) + 1) * self.l2
+            t_o = (o + self.sign * o_cm) * (len(cur) + 1) * self.l2
             tokens = max(tokens, q.num_tokens + o)  # longest input + output so far, for the memory cap
-            fits = len(cur) < self.max_batch and (len(cur) + 1) * tokens <= self.memory_cap
+            fits = not capped or (len(cur) < self.max_batch and (len(cur) + 1) * tokens <= self.memory_cap)
             if not cur or (fits and self.w1 * t_l + self.w2 * t_o <= self.threshold):
                 cur.append(q)
                 l_cm, o_cm = max(l_cm, s), max(o_cm, o)
@@ -221,14 +235,17 @@ class SLOODBS(Assembler):
         return batches
 
     def next(self, now: float) -> Batch | None:
-        if self.queued:  # halves of a batch that ran out of memory go first
+        if self.queued:  # halves of a batch that ran out of memory go first, then a pass's later batches
             return self.queued.pop(0)
         if not self.pool:
             return None
-        first = self.build(self.pool, now)[0]
-        chosen = set(map(id, first))
+        batches = self.build(self.pool, now)
+        if self.variant == "capped":
+            batches = batches[:1]
+        chosen = {id(r) for b in batches for r in b}
         self.pool = [r for r in self.pool if id(r) not in chosen]
-        return Batch(first, min(r.arrival_time for r in first))
+        self.queued = [Batch(b, min(r.arrival_time for r in b)) for b in batches]
+        return self.queued.pop(0)
 
 
 BATCHERS = {"vanilla": Vanilla, "magnus": Magnus, "slo-odbs": SLOODBS}

@@ -78,10 +78,12 @@ class RooflinePerf:
     analytical = True
 
     def __init__(self, c: ModelConfig, hw: Hardware | str, block_size: int, eff: Efficiency | None = None,
-                 tp: int = 1, weight_bits: float | None = None):
+                 tp: int = 1, weight_bits: float | None = None, dequant_pass: bool = False):
         """weight_bits: the layers' weights quantized to this many bits a weight (scales included, e.g. 4.25
-        for 4-bit groups of 128 with a 16-bit scale and zero point), read at that size; the embedding and
-        LM head stay at the model's dtype, and the arithmetic at its peak (dequantization assumed hidden)."""
+        for 4-bit groups of 128 with a 16-bit scale and zero point); the embedding and LM head stay at the
+        model's dtype. A step reads them at that size (a fused kernel; its dequantization assumed hidden),
+        or with `dequant_pass` also writes each layer's weights at the model's dtype and the matmul reads
+        them (a dequantize-then-matmul kernel, as ChatGLM-6B's int4 layers run)."""
         self.c, self.hw = c, get_hardware(hw) if isinstance(hw, str) else hw
         self.eff = eff or Efficiency()
         if tp < 1 or (tp > 1 and not self.hw.nvlink_gbps):
@@ -92,8 +94,10 @@ class RooflinePerf:
         self.block_size = block_size
         self.layer_params = layer_params(c)
         self.lm_head = c.vocab_size * c.hidden_size
-        self.weight_bits = weight_bits
-        self.layer_bytes = self.layer_params * (weight_bits / 8 if weight_bits else self.itemsize)
+        self.weight_bits, self.dequant_pass = weight_bits, dequant_pass
+        self.layer_bytes = self.layer_params * (weight_bits / 8 if weight_bits else self.itemsize)  # held
+        self.layer_read_bytes = self.layer_bytes + (2 * self.layer_params * self.itemsize if weight_bits and
+                                                    dequant_pass else 0)  # moved by a step
         self.weight_bytes = c.num_layers * self.layer_bytes + self.lm_head * self.itemsize
         self.flops_per_s = tp * self.hw.fp16_tflops * 1e12 * self.eff.compute
         self.bytes_per_s = tp * self.hw.hbm_gbps * 1e9 * self.eff.memory
@@ -102,7 +106,8 @@ class RooflinePerf:
         self.ar_s_per_byte = 2 * c.num_layers * 2 * (tp - 1) / tp / (self.hw.nvlink_gbps * 1e9 * self.eff.nvlink or 1)
         self.ar_fixed_s = 2 * c.num_layers * self.eff.allreduce_s if tp > 1 else 0.0
         self.label = (f"analytical roofline ({self.hw.name}{f' x{tp} TP' if tp > 1 else ''}"
-                      f"{f', {weight_bits:g}-bit weights' if weight_bits else ''})")
+                      f"{f', {weight_bits:g}-bit weights' if weight_bits else ''}"
+                      f"{', dequantized each step' if weight_bits and dequant_pass else ''})")
         self._attn = 4 * c.num_layers * c.num_heads * c.head_dim  # QK^T and PV flops per (query, key) pair
         self.swap = None  # a gpu_swap.SwapModel for host <-> device copies (with_swap); None: the link model below
 
@@ -111,7 +116,8 @@ class RooflinePerf:
         a SwapModel)."""
         from servewise.predictors.gpu_swap import get_swap_model
 
-        perf = RooflinePerf(self.c, self.hw, self.block_size, self.eff, self.tp, self.weight_bits)
+        perf = RooflinePerf(self.c, self.hw, self.block_size, self.eff, self.tp, self.weight_bits,
+                            self.dequant_pass)
         perf.swap = get_swap_model(model)
         perf.label = f"{self.label}, swaps: {perf.swap.name}"
         return perf
@@ -122,7 +128,8 @@ class RooflinePerf:
         return self.swap is not None and self.swap.overlap
 
     def with_efficiency(self, **kw) -> RooflinePerf:
-        perf = RooflinePerf(self.c, self.hw, self.block_size, replace(self.eff, **kw), self.tp, self.weight_bits)
+        perf = RooflinePerf(self.c, self.hw, self.block_size, replace(self.eff, **kw), self.tp, self.weight_bits,
+                            self.dequant_pass)
         perf.swap = self.swap
         if kw:
             perf.label += ", " + ", ".join(f"{k} efficiency {v}" for k, v in kw.items())
@@ -138,7 +145,7 @@ class RooflinePerf:
         """span's (compute seconds, memory seconds): its FLOPs at the assumed peak, its bytes at the bandwidth."""
         c, frac = self.c, layers / self.c.num_layers
         flops = 2 * layers * self.layer_params * tokens + self._attn * frac * pairs + 2 * self.lm_head * heads
-        nbytes = layers * self.layer_bytes + (self.lm_head * self.itemsize if heads else 0) \
+        nbytes = layers * self.layer_read_bytes + (self.lm_head * self.itemsize if heads else 0) \
             + kv_tokens * c.kv_bytes_per_token * frac
         return flops / self.flops_per_s, nbytes / self.bytes_per_s
 
