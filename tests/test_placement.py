@@ -95,3 +95,25 @@ def test_topology_checks_its_matrices():
         Topology([Device("rtx3090")] * 2, [[1.0]], [[0.0]])
     with pytest.raises(ValueError, match="> 0"):
         Topology([Device("rtx3090")] * 2, [[1.0, 0.0], [1.0, 1.0]], [[0.0] * 2] * 2)
+
+
+def test_the_thesis_systems_ua_ub_s3_run_on_placements_with_slos():
+    from servewise.experiments.placement import case, report, with_predictions
+    from servewise.workloads.arrivals import arrival_times
+    from servewise.workloads.datasets import WorkloadRequest
+
+    items = with_predictions([WorkloadRequest(64 + 8 * i, 20 + 30 * i, [7] * (64 + 8 * i)) for i in range(12)],
+                             (0.5, 60.0), seed=0)
+    assert {it.predicted_len for it in items} >= {24, 48, 96} and all(0.5 <= it.slo <= 60 for it in items)
+    c = case("llama-13b", "4x3090-capped", items, {4.0: arrival_times(12, "poisson", 4.0, seed=0)},
+             systems=("slo-odbs", "s3"))
+    runs = {(p["mode"], r["system"]): r for p in c["placements"] for r in p["runs"]}
+    assert ("HELR", "slo-odbs") in runs and ("greedy", "s3") in runs  # UA and S3
+    assert all(r["completed"] == 12 and 0 <= r["slo_violation_rate"] <= 1 for r in runs.values())
+    text = report({"rates": [4.0], "systems": ["slo-odbs", "s3"], "num_requests": 12, "workload": "crafted",
+                   "cases": [c]})
+    assert "UA " in text and "UB " in text and "S3 " in text
+    # deadlines no step can meet: every request is late
+    late = case("llama-13b", "4x3090-capped", with_predictions(items, (1e-6, 1e-6), seed=0),
+                {4.0: arrival_times(12, "poisson", 4.0, seed=0)}, systems=("continuous",))
+    assert all(r["slo_violation_rate"] == 1.0 for p in late["placements"] for r in p["runs"])

@@ -278,14 +278,12 @@ def row(spec: lab.Spec, rec: lab.Record) -> dict:
     """A run's figures: the record's, SLO violations among the requests that finished (a request's
     deadline: its arrival plus its item's SLO) and the batcher's OOM splits."""
     m = rec.metrics
-    done = [(r, it) for r, it in zip(rec.requests, rec.kept(spec.items)) if r.finish is not None]
-    late = sum(it.slo is not None and r.finish > r.arrival + it.slo for r, it in done)
     batcher = rec.engine.scheduler.batcher
     return {**rec.tags, "completed": m["completed"], "rejected": len(rec.rejected),
             "request_throughput": m["request_throughput"], "valid_token_throughput": m["output_throughput"],
             "total_token_throughput": m["total_token_throughput"],
             "mean_e2e_s": m["mean_e2el_ms"] / 1e3, "p99_e2e_s": m["p99_e2el_ms"] / 1e3,
-            "mean_ttft_s": m["mean_ttft_ms"] / 1e3, "slo_violation_rate": late / max(1, len(done)),
+            "mean_ttft_s": m["mean_ttft_ms"] / 1e3, "slo_violation_rate": rec.slo_violation_rate(spec.items),
             "duration_s": m["duration_s"], "preemptions": m["preemptions"]["recompute"],
             "oom_splits": batcher.splits if batcher is not None else 0, "wall_s": rec.wall_s}
 

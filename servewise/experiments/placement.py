@@ -3,7 +3,9 @@
 Each device set is placed by the exact DP (HELR, LR, HE: cluster.placement) and by the baselines
 (even, greedy); the analytical per-pass latency of every placement is printed, and the workload runs
 through the simulated engine on each feasible placement (cluster.placement.PipelinePerf) at every
-request rate.
+request rate, under each batching system: continuous batching, SLO-ODBS (on a HELR placement it is the
+thesis's full system UA, on the greedy one, a device map filled in order, its UB) and S3 (continuous,
+admitting what the predicted output needs).
 
 Assumptions (none of these is in the thesis, which gives no values):
 - links: the thesis's testbed topology (its Table 3-1): devices 0-1 and 2-3 share a PCIe switch
@@ -11,7 +13,9 @@ Assumptions (none of these is in the thesis, which gives no values):
 - a power cap scales a GPU's compute peak in proportion (RTX 3090 at 350 / 300 / 250 / 150 W,
   the thesis's own set: 100%, 86%, 71%, 43% of the peak); memory bandwidth stays;
 - the DP prices a decode pass of 8 rows over 1,024 tokens of context each and reserves KV for
-  8 x 2,048 tokens on every stage's layers (the thesis's T).
+  8 x 2,048 tokens on every stage's layers (the thesis's T);
+- a request's predicted output is the middle of its true length's bucket (the thesis's predictor is 99.51%
+  right on buckets), its SLO uniform in 10-120 s after its arrival (seeded).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ SETS = {
                                         for w in (350, 300, 250, 150)],
 }
 MODELS = ("llama-13b", "llama-30b")
+SYSTEMS = {"continuous": {}, "slo-odbs": {"batching": "slo-odbs"}, "s3": {"reserve": "predicted"}}
 
 
 def thesis_topology(devices: list[Device]) -> Topology:
@@ -53,6 +58,8 @@ class Settings:
     num_requests: int = 300
     max_output_len: int = 512
     rates: tuple[float, ...] = (1.0, 4.0, 16.0)
+    systems: tuple[str, ...] = ("continuous",)
+    slo_range: tuple[float, float] = (10.0, 120.0)
     seed: int = 0
     out_dir: str = "results/placement"
 
@@ -60,11 +67,27 @@ class Settings:
         for s in self.sets:
             if s not in SETS:
                 raise ValueError(f"unknown device set {s!r}; choose from {', '.join(SETS)}")
+        if unknown := set(self.systems) - set(SYSTEMS):
+            raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
 
 
-def case(model: str, set_name: str, items, arrivals_by_rate: dict, progress=None) -> dict:
+def with_predictions(items, slo_range: tuple[float, float], seed: int):
+    """The items with a predicted output (its true length's bucket middle) and an SLO each (seeded)."""
+    import random
+
+    from servewise.predictors.output_length import bucket_middle, bucket_of
+
+    rng = random.Random(f"slo:{seed}")
+    for it in items:
+        it.predicted_len = max(1, int(bucket_middle(bucket_of([it.output_len]))[0]))
+        it.slo = rng.uniform(*slo_range)
+    return items
+
+
+def case(model: str, set_name: str, items, arrivals_by_rate: dict, progress=None,
+         systems: tuple[str, ...] = ("continuous",)) -> dict:
     """Every placement mode on one device set: the plan, its analytical pass time and, when feasible, a
-    simulated run per rate on the pipeline it makes."""
+    simulated run per batching system and rate on the pipeline it makes."""
     from servewise.models.loader import load_model_config
 
     mc, _ = load_model_config(model, "float16")
@@ -80,34 +103,54 @@ def case(model: str, set_name: str, items, arrivals_by_rate: dict, progress=None
         if p.feasible:
             perf = PipelinePerf(planner, p)
             row["kv_blocks"] = perf.device_blocks()
-            engine = lab.Engine("sim", model, perf=perf, options={"dtype": "float16", "max_num_seqs": 256})
-            for rate, arrivals in arrivals_by_rate.items():
-                m = lab.run(lab.Spec(engine, items, arrivals)).metrics
-                row["runs"].append({"rate": rate, "output_throughput": m["output_throughput"],
-                                    "request_throughput": m["request_throughput"], "mean_e2e_s": m["mean_e2el_ms"] / 1e3,
-                                    "mean_tpot_ms": m["mean_tpot_ms"], "mean_ttft_ms": m["mean_ttft_ms"],
-                                    "completed": m["completed"]})
-                if progress:
-                    progress()
+            for system in systems:
+                engine = lab.Engine("sim", model, perf=perf, options={"dtype": "float16", "max_num_seqs": 256,
+                                                                      **SYSTEMS[system]})
+                for rate, arrivals in arrivals_by_rate.items():
+                    rec = lab.run(spec := lab.Spec(engine, items, arrivals))
+                    m = rec.metrics
+                    row["runs"].append({"system": system, "rate": rate, "output_throughput": m["output_throughput"],
+                                        "request_throughput": m["request_throughput"],
+                                        "mean_e2e_s": m["mean_e2el_ms"] / 1e3, "mean_tpot_ms": m["mean_tpot_ms"],
+                                        "mean_ttft_ms": m["mean_ttft_ms"], "completed": m["completed"],
+                                        "slo_violation_rate": rec.slo_violation_rate(spec.items)})
+                    if progress:
+                        progress()
         out["placements"].append(row)
     return out
 
 
 def report(res: dict) -> str:
-    rates = res["rates"]
+    rates, systems = res["rates"], res.get("systems", ["continuous"])
     lines = [f"UELLM placement (HELR): analytical roofline, {res['num_requests']} {res['workload']} requests per run",
-             f"{'set':<18}{'model':<11}{'mode':<8}{'GPUs':>5}{'pass ms':>9}{'KV blocks':>10}  "
-             + "".join(f"{'tok/s @' + format(r, 'g'):>12}{'E2E s':>8}" for r in rates) + "  stages"]
+             f"{'set':<18}{'model':<11}{'mode':<8}{'system':<12}{'GPUs':>5}{'pass ms':>9}{'KV blocks':>10}  "
+             + "".join(f"{'tok/s @' + format(r, 'g'):>12}{'E2E s':>8}{'SLO':>6}" for r in rates) + "  stages"]
     for case in res["cases"]:
         for p in case["placements"]:
             chain = " > ".join(f"{s['label']}:{s['layers']}" for s in p["stages"])
             if not p["feasible"]:
-                lines.append(f"{case['set']:<18}{case['model']:<11}{p['mode']:<8}{'-':>5}{'-':>9}{'-':>10}  "
-                             + " " * 20 * len(rates) + f"  infeasible: {p['why']}")
+                lines.append(f"{case['set']:<18}{case['model']:<11}{p['mode']:<8}{'':<12}{'-':>5}{'-':>9}{'-':>10}  "
+                             + " " * 26 * len(rates) + f"  infeasible: {p['why']}")
                 continue
-            cells = "".join(f"{r['output_throughput']:>12.0f}{r['mean_e2e_s']:>8.1f}" for r in p["runs"])
-            lines.append(f"{case['set']:<18}{case['model']:<11}{p['mode']:<8}{p['devices_used']:>5}"
-                         f"{p['latency_ms']:>9.2f}{p['kv_blocks']:>10}  {cells}  {chain}")
+            for system in systems:
+                cells = "".join(f"{r['output_throughput']:>12.0f}{r['mean_e2e_s']:>8.1f}"
+                                f"{r.get('slo_violation_rate', 0):>6.0%}"
+                                for r in p["runs"] if r.get("system", "continuous") == system)
+                lines.append(f"{case['set']:<18}{case['model']:<11}{p['mode']:<8}{system:<12}{p['devices_used']:>5}"
+                             f"{p['latency_ms']:>9.2f}{p['kv_blocks']:>10}  {cells}  {chain}")
+    if {"slo-odbs", "s3"} <= set(systems):
+        lines.append("the thesis's systems: UA = HELR placement + SLO-ODBS, UB = greedy placement + SLO-ODBS, "
+                     "S3 = greedy placement + S3 (req/s, mean E2E s, SLO violations)")
+        for case in res["cases"]:
+            by = {(p["mode"], r.get("system", "continuous"), r["rate"]): r for p in case["placements"]
+                  for r in p["runs"]}
+            for rate in rates:
+                cells = [(name, by.get(key)) for name, key in (("UA", ("HELR", "slo-odbs", rate)),
+                                                               ("UB", ("greedy", "slo-odbs", rate)),
+                                                               ("S3", ("greedy", "s3", rate)))]
+                lines.append(f"  {case['set']:<18}{case['model']:<11}{rate:>5g} req/s  " + "   ".join(
+                    f"{name} " + (f"{r['request_throughput']:.2f} / {r['mean_e2e_s']:.1f} / {r['slo_violation_rate']:.0%}"
+                                  if r else "infeasible") for name, r in cells))
     return "\n".join(lines)
 
 
@@ -132,9 +175,10 @@ def plot(res: dict, out_dir: str) -> list[str]:
         ax.tick_params(labelsize=6)
         ax = axes[1][c]
         for p in ps:
-            if p["feasible"]:
-                ax.plot([r["rate"] for r in p["runs"]], [r["output_throughput"] for r in p["runs"]], marker="o",
-                        label=p["mode"])
+            for system in dict.fromkeys(r.get("system", "continuous") for r in p["runs"]):
+                runs = [r for r in p["runs"] if r.get("system", "continuous") == system]
+                ax.plot([r["rate"] for r in runs], [r["output_throughput"] for r in runs], marker="o",
+                        label=p["mode"] if system == "continuous" else f"{p['mode']} {system}")
         ax.set_xlabel("request rate (req/s)", fontsize=7)
         ax.set_ylabel("output tokens/s (simulated)", fontsize=7)
         ax.tick_params(labelsize=6)
@@ -152,17 +196,20 @@ def main(s: Settings) -> None:
     from servewise.workloads.build import build_workload
 
     res = {"experiment": "uellm-placement", "workload": s.workload, "num_requests": s.num_requests,
-           "rates": list(s.rates), "assumptions": __doc__.split("Assumptions")[1].strip(), "cases": []}
+           "rates": list(s.rates), "systems": list(s.systems), "slo_range": list(s.slo_range),
+           "assumptions": __doc__.split("Assumptions")[1].strip(), "cases": []}
     t0 = time.perf_counter()
-    bar = tqdm(total=len(s.sets) * len(s.models) * len(MODES) * len(s.rates), desc="simulations", unit="run",
+    bar = tqdm(total=len(s.sets) * len(s.models) * len(MODES) * len(s.rates) * len(s.systems), desc="simulations",
+               unit="run",
                disable=not sys.stderr.isatty())
     for model in s.models:
         mc, tok = load_model_config(model, "float16")
         items, _ = build_workload(s.workload, tok, mc.vocab_size, data=s.data, num_requests=s.num_requests,
                                   max_output_len=s.max_output_len, seed=s.seed)
+        items = with_predictions(items, s.slo_range, s.seed)
         arrivals = {r: arrival_times(len(items), "poisson", r, seed=s.seed) for r in s.rates}
         for name in s.sets:
-            res["cases"].append(case(model, name, items, arrivals, bar.update))
+            res["cases"].append(case(model, name, items, arrivals, bar.update, s.systems))
     bar.close()
     res["wall_s"] = time.perf_counter() - t0
     publish(res, report(res), s.out_dir, "uellm_placement", plot)

@@ -32,6 +32,13 @@ class Record:
         rejected = {i for i, _ in self.rejected}
         return [it for i, it in enumerate(items) if i not in rejected]
 
+    def slo_violation_rate(self, items: list) -> float:
+        """Share of the finished requests that ended after their deadline: arrival plus their item's `slo`
+        seconds (an item without one is never late)."""
+        done = [(r, it) for r, it in zip(self.requests, self.kept(items)) if r.finish is not None]
+        late = sum(getattr(it, "slo", None) is not None and r.finish > r.arrival + it.slo for r, it in done)
+        return late / max(1, len(done))
+
     def to_dict(self) -> dict:
         """The JSON-able part (no per-request records, no engine)."""
         out = {**self.tags, **{k: v for k, v in self.metrics.items()}, "rejected": len(self.rejected),

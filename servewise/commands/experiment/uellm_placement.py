@@ -17,6 +17,8 @@ def arguments(p) -> None:
     p.add_argument("--num-requests", type=at_least(1), default=300)
     p.add_argument("--max-output-len", type=at_least(1), default=512)
     p.add_argument("--rates", type=rates, default="1,4,16", help="comma-separated poisson request rates")
+    p.add_argument("--systems", default="continuous", help="comma-separated batching systems, from continuous, "
+                   "slo-odbs, s3 (slo-odbs and s3 together add the thesis's UA / UB / S3 comparison)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default="results/placement")
@@ -25,6 +27,6 @@ def arguments(p) -> None:
 def run(a) -> None:
     from servewise.experiments.placement import Settings, main
 
-    lists = {k: tuple(getattr(a, k).split(",")) for k in ("models", "sets") if getattr(a, k)}
+    lists = {k: tuple(getattr(a, k).split(",")) for k in ("models", "sets", "systems") if getattr(a, k)}
     main(Settings(**lists, workload=a.workload, data=a.data, num_requests=a.num_requests,
                   max_output_len=a.max_output_len, rates=tuple(a.rates), seed=a.seed, out_dir=a.out_dir))
