@@ -348,9 +348,9 @@ def plot(res: dict, out_dir: str) -> list[str]:
         runs = [r for r in res["runs"] if r["backend"] == backend]
         fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.2))
         for ax, (key, label) in zip(axes, metrics):
-            for system in dict.fromkeys(r["system"] for r in runs):
+            for i, system in enumerate(dict.fromkeys(r["system"] for r in runs)):  # (tab20: no colour twice)
                 pts = sorted((r["rate"], r[key]) for r in runs if r["system"] == system)
-                ax.plot(*zip(*pts), marker="o", label=system)
+                ax.plot(*zip(*pts), marker="os^"[i % 3], markersize=4, color=plt.cm.tab20(i % 20), label=system)
             ax.set_xlabel("request rate (req/s)", fontsize=8)
             ax.set_ylabel(label, fontsize=8)
             ax.tick_params(labelsize=7)

@@ -174,11 +174,13 @@ def plot(res: dict, out_dir: str) -> list[str]:
         ax.set_ylabel("ms per decode pass (8 rows)", fontsize=7)
         ax.tick_params(labelsize=6)
         ax = axes[1][c]
-        for p in ps:
+        styles = {"continuous": "-", "slo-odbs": "--", "s3": ":"}  # colour: the placement; line: the system
+        for m, p in enumerate(ps):
             for system in dict.fromkeys(r.get("system", "continuous") for r in p["runs"]):
                 runs = [r for r in p["runs"] if r.get("system", "continuous") == system]
-                ax.plot([r["rate"] for r in runs], [r["output_throughput"] for r in runs], marker="o",
-                        label=p["mode"] if system == "continuous" else f"{p['mode']} {system}")
+                ax.plot([r["rate"] for r in runs], [r["output_throughput"] for r in runs], marker="o", markersize=3,
+                        color=f"C{m}", linestyle=styles[system], label=p["mode"] if system == "continuous" else
+                        (system if m == 0 else None))
         ax.set_xlabel("request rate (req/s)", fontsize=7)
         ax.set_ylabel("output tokens/s (simulated)", fontsize=7)
         ax.tick_params(labelsize=6)
