@@ -102,6 +102,11 @@ class SchedulerConfig:
     reserve: str = option("none", "blocks a request must find free at admission besides its prompt's: none (vLLM), "
                                   "its max_tokens' (conservative continuous batching) or its predicted output's",
                           ("none", "max", "predicted"))
+    correct_lengths: bool = option(False, "UELLM's online correction: a request that reaches its predicted output "
+                                          "length and goes on is predicted again, to the next power of two above "
+                                          "what it has produced (the next of its buckets), so that what reserves and "
+                                          "batches by predictions (--reserve predicted, spf, hrrn, --batching) "
+                                          "counts what it will still grow")
     batching: str = option("continuous", "continuous (iteration-level), or request-level batches that run until their "
                                          "last request ends, assembled by vanilla (FCFS, --batch-size), magnus (WMA "
                                          "under a KV memory cap) or slo-odbs (UELLM)",

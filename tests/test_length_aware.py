@@ -259,3 +259,22 @@ def test_magnus_baselines_vsq_and_glp_engines():
     glp = build(engine("sim", "glp", 64))
     assert isinstance(glp.scheduler.batcher, Magnus) and glp.scheduler.batcher.max_batch == 8
     assert glp.scheduler.batcher.estimator is None  # first come, first served: no HRRN
+
+
+@pytest.mark.parametrize("correct", [False, True])
+def test_online_correction_predicts_again_a_request_that_outgrows_its_prediction(correct):
+    eng = build_sim_engine("tiny-llama", hardware="a100-80g", reserve="predicted", correct_lengths=correct,
+                           num_device_blocks=64, num_host_blocks=0)
+    r = eng.make_request([5] * 10, SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0))
+    r.predicted_len = 4
+    eng.enqueue(r)
+    seen = {}
+    while eng.has_unfinished():
+        eng.step()
+        seen.setdefault(len(r.output_token_ids), (r.predicted_len, eng.scheduler._expected(r)))
+    if correct:  # at 4, 8 and 16 tokens: the next power of two; what admission reserves for it grows with it
+        assert [seen[n][0] for n in (3, 4, 8, 16)] == [4, 8, 16, 32] and eng.scheduler.length_corrections == 3
+        assert seen[8][1] == r.num_prompt_tokens + 16
+    else:  # it is expected to end at every step from its 4th token on
+        assert seen[16][0] == 4 and seen[16][1] == r.num_prompt_tokens + 17 and eng.scheduler.length_corrections == 0
+    assert len(r.output_token_ids) == 20

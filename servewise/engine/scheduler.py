@@ -64,6 +64,7 @@ class Scheduler:
         self.preemption_counts = preemption_counts()  # since start, for monitoring
         self.preemptions_by_priority: dict[int, int] = {}  # since start, under a ranked ordering
         self.dropped_tokens = 0  # tokens whose KV recompute preemptions dropped, since start
+        self.length_corrections = 0  # predictions raised (correct_lengths), since start
         self.swapped_blocks = [0, 0]  # blocks copied out to the host pool and back in, since start
         self._batch: list[Request] = []  # the last step's rows, for postprocess
         self._forget: list[str] = []  # requests the runner holds that ended since the last step
@@ -599,6 +600,10 @@ class Scheduler:
             if tok is None:
                 continue
             req.append_token(tok, now, lp)
+            if self.config.correct_lengths and req.predicted_len is not None and \
+                    len(req.output_token_ids) >= req.predicted_len and req.finish_reason is None:
+                req.predicted_len = 1 << len(req.output_token_ids).bit_length()  # UELLM 3.3.3: the next bucket
+                self.length_corrections += 1
             if req.finish_reason is not None:
                 req.status, req.finish_time = Status.FINISHED, now
                 self.bm.free(req.request_id)

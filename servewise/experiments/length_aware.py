@@ -160,16 +160,18 @@ SYSTEMS = {
     "magnus-oracle": ({"batching": "magnus", "batch_order": "hrrn"}, "oracle"),
     "magnus-wma5e4": ({"batching": "magnus", "batch_order": "hrrn", "wma_threshold": 5e4}, "magnus"),  # ablation
     "s3": ({"reserve": "predicted"}, "buckets"),  # S3: bucket predictions, reserve them, continuous
+    "s3-corrected": ({"reserve": "predicted", "correct_lengths": True}, "buckets"),  # + UELLM's online correction
     "slo-odbs": ({"batching": "slo-odbs", "slo_weights": "0.5,0.5"}, "buckets"),  # Algorithm 3-1 as printed
     "slo-odbs-formula": ({"batching": "slo-odbs", "slo_weights": "0.5,0.5", "slo_odbs": "formula"}, "buckets"),
     "slo-odbs-capped": ({"batching": "slo-odbs", "slo_weights": "0.5,0.5", "slo_odbs": "capped"}, "buckets"),
+    "slo-odbs-corrected": ({"batching": "slo-odbs", "slo_weights": "0.5,0.5", "correct_lengths": True}, "buckets"),
     "slo-dbs": ({"batching": "slo-odbs", "slo_weights": "0,1"}, "buckets"),  # w1 = 0 (the thesis's naming)
     "odbs": ({"batching": "slo-odbs", "slo_weights": "1,0"}, "buckets"),  # w2 = 0
 }
 EXPERIMENTS = {"magnus": ("vanilla", "vsq", "vsq-fused", "ccb", "continuous", "cb-spf", "cb-hrrn", "glp", "magnus-fcfs", "magnus",
                           "magnus-oracle", "magnus-wma5e4"),
-               "uellm": ("vanilla", "s3", "continuous", "slo-odbs", "slo-odbs-formula", "slo-odbs-capped", "slo-dbs",
-                         "odbs")}
+               "uellm": ("vanilla", "s3", "s3-corrected", "continuous", "slo-odbs", "slo-odbs-formula", "slo-odbs-capped",
+                         "slo-odbs-corrected", "slo-dbs", "odbs")}
 
 
 @dataclass
@@ -285,6 +287,7 @@ def row(spec: lab.Spec, rec: lab.Record) -> dict:
             "mean_e2e_s": m["mean_e2el_ms"] / 1e3, "p99_e2e_s": m["p99_e2el_ms"] / 1e3,
             "mean_ttft_s": m["mean_ttft_ms"] / 1e3, "slo_violation_rate": rec.slo_violation_rate(spec.items),
             "duration_s": m["duration_s"], "preemptions": m["preemptions"]["recompute"],
+            "length_corrections": rec.engine.scheduler.length_corrections,
             "oom_splits": batcher.splits if batcher is not None else 0, "wall_s": rec.wall_s}
 
 
