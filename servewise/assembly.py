@@ -43,7 +43,10 @@ def assemble(config: EngineConfig, mc, tokenizer, runner, cost_model: CostModel 
                       prefix_key=weights_key(config, mc) if cc.enable_prefix_caching else None)
     preemption = PREEMPTION_POLICIES[config.scheduler.preemption]
     preemption = preemption(cost_model) if preemption.needs_costs else preemption()
-    scheduler = Scheduler(config.scheduler, bm, ORDERING_POLICIES[config.scheduler.policy](), preemption)
+    sc = config.scheduler
+    ordering = ORDERING_POLICIES[sc.policy]
+    ordering = ordering(sc.token_age_s, sc.preemption_cap) if sc.policy == "prompt-first" else ordering()
+    scheduler = Scheduler(sc, bm, ordering, preemption)
     if config.scheduler.batching != "continuous":
         scheduler.batcher = make_batcher(config.scheduler, (n_dev - bm.watermark_blocks) * cc.block_size)
     if (store := getattr(runner, "store", None)) is not None:  # a global KV store: look up, fetch, write through

@@ -82,7 +82,12 @@ class SchedulerConfig:
     max_num_seqs: int = option(256, "requests in the running batch at most")
     max_num_batched_tokens: int = option(4096, "tokens one step computes at most (a longer prompt runs alone)")
     policy: str = option("fcfs", "request ordering (policies.ORDERING_POLICIES); priority: vLLM's priority "
-                                 "scheduling, by each request's priority (lower first)")
+                                 "scheduling, by each request's priority (lower first); prompt-first: Splitwise's "
+                                 "mixed machines, prompts preempting younger token-phase requests")
+    token_age_s: float = option(2.0, "--policy prompt-first: a token-phase request this many seconds after its "
+                                     "arrival outranks new prompts (its priority grows with its age)")
+    preemption_cap: int = option(2, "--policy prompt-first: a request preempted this many times is not preempted "
+                                    "for a prompt again")
     preemption: str = option("recompute", "what happens to a preempted request's KV (policies.PREEMPTION_POLICIES)")
     chunked_prefill: bool = option(False, "mix decodes and prompt chunks in one step under the token budget, "
                                           "decodes first, instead of alternating prefill and decode steps")

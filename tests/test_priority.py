@@ -150,3 +150,30 @@ def test_the_engine_counts_the_recompute_tax_and_the_swap_bytes():
     block_bytes = eng.model_config.kv_bytes_per_token * eng.block_manager.block_size
     assert moved[0] > 0 and eng.stats().swap_bytes == (moved[0] * block_bytes, moved[1] * block_bytes)
     assert eng.stats().dropped_tokens == 0
+
+
+# --- Splitwise's mixed machines: prompts first, token requests protected by age and a preemption cap ---
+@pytest.mark.parametrize("case", ["young", "old", "capped", "fcfs"])
+def test_a_prompt_preempts_the_youngest_token_request_unless_age_or_the_cap_protects_it(case):
+    policy = "fcfs" if case == "fcfs" else "prompt-first"
+    bm = BlockManager(6, 0, block_size=4, watermark=0.0)
+    ordering = ORDERING_POLICIES[policy](2.0, 2) if policy == "prompt-first" else ORDERING_POLICIES[policy]()
+    s = Scheduler(SchedulerConfig(policy=policy), bm, ordering, PREEMPTION_POLICIES["recompute"]())
+    a, b = req(0, 4, 0.0), req(1, 4, 0.5)
+    for r in (a, b):
+        s.add(r)
+    run_step(s, s.schedule(0.5), 0.5)  # the prompts: one block each, a first token each
+    run_step(s, s.schedule(0.6), 0.6)  # a decode: five tokens, two blocks each; two blocks free
+    if case == "capped":
+        b.preemptions["recompute"] = 2
+    c = req(2, 12, 1.0)  # a prompt of three blocks
+    s.add(c)
+    now = 3.0 if case == "old" else 1.0
+    out = s.schedule(now)
+    if case == "young":  # b (0.5 s old) is the youngest token request: preempted, and c is prefilled
+        assert [rid for rid, _ in out.preempted] == ["1"] and out.scheduled == ["2"]
+        assert b.status is Status.WAITING and a.status is Status.RUNNING
+    elif case == "capped":  # b was preempted twice already: a, the younger of those left, goes instead
+        assert [rid for rid, _ in out.preempted] == ["0"] and out.scheduled == ["2"] and b.status is Status.RUNNING
+    else:  # both are over 2 s old, or FCFS: nothing preempted, the tokens decode and c waits
+        assert out.preempted == [] and out.scheduled == ["0", "1"] and c.status is Status.WAITING

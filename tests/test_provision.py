@@ -66,3 +66,18 @@ def test_the_provisioning_search_finds_the_cheapest_feasible_design_on_its_front
     cheaper = [(p, t) for p in range(1, 7) for t in range(1, 7) if 4.76 * (p + t) < best["cost"] - 1e-9]
     assert cheaper and all(not check(s.model, Design({"dgx-h100": p}, {"dgx-h100": t}), items, arrivals,
                                      options=opts)["slo_met"] for p, t in cheaper)
+
+
+@needs_table
+def test_the_mixed_section_runs_the_design_under_both_policies_and_reports_them():
+    import os
+
+    from servewise.experiments.splitwise import QUICK, Settings, _mixed_point, report
+
+    s = Settings(data_dir=os.path.dirname(os.path.dirname(TABLE)), **{**QUICK, "duration_s": 10.0})
+    runs = [_mixed_point((s, policy, 150.0)) for policy in ("fcfs", "prompt-first")]  # (memory runs short)
+    assert [m["policy"] for m in runs] == ["fcfs", "prompt-first"] and all(m["requests"] > 500 for m in runs)
+    assert runs[0]["preemptions"] == 0 < runs[1]["preemptions"]  # only prompts-first preempts token requests
+    text = report({"settings": {"sweep_trace": "conv", "provision_rate": 10, "duration_s": 10, "sweep_rates": []},
+                   "transfer": [], "provisioning": {}, "throughput": [], "mixed": runs, "paper": {}, "wall_s": 0})
+    assert "Mixed machines: Splitwise-HH 25 + 15" in text and "prompt-first" in text

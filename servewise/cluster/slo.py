@@ -30,7 +30,7 @@ def check(model: str, design, items, arrivals, *, options: dict | None = None, r
           slo: dict = SPLITWISE_SLO, tags: dict | None = None) -> dict:
     """Simulate `design` (cluster.sim.Design) on the workload with ClusterSim's keywords `options`, and
     summarize it: latency and slowdown percentiles, each limit's verdict and all of them (slo_met);
-    then `tags`; requests, rejected, wall_s, steps, transfers, borrowed, the KV transfers' share of
+    then `tags`; requests, rejected, wall_s, steps, transfers, borrowed, preemptions, the KV transfers' share of
     end-to-end latency, the performance models; the design's machines, cost and power. `reference` defaults to reference_for(model, options)."""
     from servewise.cluster.sim import ClusterSim
     from servewise.metrics.slowdown import records
@@ -42,6 +42,7 @@ def check(model: str, design, items, arrivals, *, options: dict | None = None, r
     m.update(tags or {})
     m.update(requests=len(items), rejected=len(res.rejected), wall_s=res.wall_s, steps=sum(res.steps),
              transfers=res.transfers, borrowed=res.borrowed,
+             preemptions=sum(sum(r.preemptions.values()) for r in res.requests),
              transfer_share_of_e2e=res.transfer_wait_s / e2e if e2e else 0.0, perf=list(res.perf_labels),
              **design.totals())
     return m

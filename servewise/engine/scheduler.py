@@ -183,7 +183,7 @@ class Scheduler:
                 out = self._schedule_chunked(now, ahead)
             else:
                 out = None
-                if self._may_admit():
+                if self._may_admit(now):
                     out = self._schedule_prefill(now, out=ahead)
                 if out is None or not out.scheduled:
                     out = self._schedule_decode(now, out=ahead)
@@ -191,26 +191,28 @@ class Scheduler:
             out.finished_ids, self._forget = self._forget, []
         return out
 
-    def _may_admit(self) -> bool:
+    def _may_admit(self, now: float) -> bool:
         """Whether new requests may be admitted: not while requests are swapped out (vLLM's rule), unless the
         ordering is ranked and the first waiting request outranks every swapped one."""
-        return not self.swapped or (bool(self.waiting) and self._admissible(self.waiting[0]))
+        return not self.swapped or (bool(self.waiting) and self._admissible(self.waiting[0], now))
 
-    def _admissible(self, req: Request) -> bool:
-        return not self.swapped or (self.ranked and self._outranks(req, self.swapped[0]))
+    def _admissible(self, req: Request, now: float) -> bool:
+        return not self.swapped or (self.ranked and self._outranks(req, self.swapped[0], now))
 
-    def _outranks(self, a: Request, b: Request) -> bool:
-        return self.ordering.key(a, 0.0) < self.ordering.key(b, 0.0)
+    def _outranks(self, a: Request, b: Request, now: float) -> bool:
+        return self.ordering.key(a, now) < self.ordering.key(b, now)
 
     def _make_room(self, now: float) -> SchedulerOutput:
         """Ranked orderings: while the first waiting request cannot be admitted (no place in the batch, or
         too few free blocks) and the lowest-ranked running request is strictly below it, preempt that one
         (in the preemption policy's way). Returns the preemptions (and their swap-outs) as a partial output."""
         out = SchedulerOutput(False)
-        if not self.waiting or not self._may_admit():
+        for queue in (self.waiting, self.running, self.swapped):
+            self._sorted(queue, now)
+        if not self.waiting or not self._may_admit(now):
             return out
         head, bm = self.waiting[0], self.bm
-        while self.running and self._outranks(head, self.running[-1]) and (
+        while self.running and self._outranks(head, self.running[-1], now) and (
                 len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(head.num_tokens, bm.match(head))):
             self._preempt(self.running.pop(), now, out)
         return out
@@ -426,7 +428,7 @@ class Scheduler:
         bm, pending = self.bm, set()  # names of the full blocks that this step's prompts compute
         while self.waiting and len(batch) < limit:
             req = self.waiting[0]
-            if self.ranked and not self._admissible(req):  # swapped requests of a better rank come back first
+            if self.ranked and not self._admissible(req, now):  # swapped requests of a better rank come back first
                 break
             hits = bm.match(req)
             if pending and len(hits) < (req.num_tokens - 1) // bm.block_size and bm.block_name(req, len(hits)) in pending:
@@ -520,11 +522,11 @@ class Scheduler:
                 batch.append(req)
                 counts.append(n)
                 budget -= n
-        if len(out.preempted) == ahead and self._may_admit():
+        if len(out.preempted) == ahead and self._may_admit(now):
             self._sorted(self.waiting, now)
             while self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                if not self._admissible(req) or not self._admit(now):
+                if not self._admissible(req, now) or not self._admit(now):
                     break
                 self._enqueue(running, req, now)
                 n = min(req.num_tokens - req.num_computed_tokens, budget)

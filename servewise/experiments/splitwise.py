@@ -7,7 +7,10 @@
   meet the SLOs, searched along the feasibility frontier (Figure 12: Splitwise-HH's prompt x token
   grid);
 - load sweeps of the iso-power and iso-cost designs (Figure 16), and the highest load each meets
-  the SLOs at, with its cost and power (Figures 18-19).
+  the SLOs at, with its cost and power (Figures 18-19);
+- mixed machines: the iso-power Splitwise-HH around its highest load, every instance under FCFS or
+  under Splitwise's machine-level rule for machines that run both phases (prompts first, preempting
+  younger token-phase requests; tokens protected by age and a preemption cap: --policy prompt-first).
 
 Workloads: the 1-hour Azure traces are rescaled to a load as Splitwise's generator does: Poisson
 arrivals at the target rate for `duration_s`, prompt and output sizes drawn independently, with
@@ -42,7 +45,7 @@ ISO_POWER = {"Baseline-A100": 70, "Baseline-H100": 40, "Splitwise-AA": (45, 25),
              "Splitwise-HA": (25, 26), "Splitwise-HHcap": (25, 21)}
 ISO_COST = {"Baseline-A100": 86, "Baseline-H100": 40, "Splitwise-AA": (51, 35), "Splitwise-HH": (25, 15),
             "Splitwise-HA": (30, 21), "Splitwise-HHcap": (30, 10)}
-SECTIONS = ("transfer", "provision", "sweep", "iso")
+SECTIONS = ("transfer", "provision", "sweep", "iso", "mixed")
 PAPER = {
     "cost_optimal_hh_code_70": "Splitwise-HH: 27 prompt + 3 token machines (Figure 12)",
     "iso_cost": "Splitwise-AA: 1.4x the throughput of Baseline-H100 at the same cost (Figure 18b); "
@@ -66,6 +69,7 @@ class Settings:
     provision_kinds: tuple[str, ...] = tuple(KINDS)
     sweep_trace: str = "conv"
     sweep_rates: tuple[float, ...] = tuple(range(60, 201, 20))
+    mixed_rates: tuple[float, ...] = (70.0, 90.0, 105.0)  # the mixed section's loads (conv trace, Splitwise-HH 25 + 15)
     transfer_prompts: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
     transfer: str = "layerwise"
     # SplitwiseSim's assumptions instead of servewise's: token times looked up on its axis, and every
@@ -97,7 +101,7 @@ class Settings:
 
 
 QUICK = dict(duration_s=20.0, max_machines=12, max_baseline_machines=24, provision_kinds=("Baseline-H100", "Splitwise-HH"),
-             provision_rate=10.0, sweep_rates=(10.0, 20.0), transfer_prompts=(512, 2048))
+             provision_rate=10.0, sweep_rates=(10.0, 20.0), transfer_prompts=(512, 2048), mixed_rates=(90.0,))
 
 _TRACES: dict[str, list[WorkloadRequest]] = {}
 SPLITWISESIM_WEIGHTS = {"bloom-176b": 329e9, "llama-2-70b": 135e9}  # bytes, its model_repo/sizes configs
@@ -144,10 +148,19 @@ def design_of(kind: str, counts) -> Design:
     return Design({prompt: counts[0]}, {token: counts[1]})
 
 
-def run_design(s: Settings, kind: str, counts, trace: str, rate: float) -> dict:
-    """Simulate one design on one rescaled trace; returns its summary (latencies, slowdowns, SLO)."""
-    return check(s.model, design_of(kind, counts), *rescaled(s, trace, rate), options=options(s, kind),
-                 tags=dict(kind=kind, counts=counts, trace=trace, rate=rate))
+def run_design(s: Settings, kind: str, counts, trace: str, rate: float, **engine) -> dict:
+    """Simulate one design on one rescaled trace (`engine`: options for every instance besides the
+    design's); returns its summary (latencies, slowdowns, SLO)."""
+    return check(s.model, design_of(kind, counts), *rescaled(s, trace, rate), options={**options(s, kind), **engine},
+                 tags=dict(kind=kind, counts=counts, trace=trace, rate=rate, **engine))
+
+
+MIXED = ("Splitwise-HH", ISO_POWER["Splitwise-HH"])
+
+
+def _mixed_point(args) -> dict:
+    s, policy, rate = args
+    return run_design(s, *MIXED, s.sweep_trace, rate, policy=policy)
 
 
 def _provision(args) -> dict:
@@ -248,6 +261,10 @@ def run_experiment(s: Settings, progress=print) -> dict:
                 progress(f"load sweep: {len(points)}/{len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
         out["iso_search"] = iso_search(s, pool) if "iso" in s.sections else []
         progress(f"iso-power and iso-cost splits searched ({time.perf_counter() - t0:.0f} s)")
+        tasks = [(s, policy, rate) for rate in s.mixed_rates for policy in ("fcfs", "prompt-first")
+                 if "mixed" in s.sections and MIXED[0] in s.designs]
+        out["mixed"] = list(pool.map(_mixed_point, tasks))
+        progress(f"mixed machines: {len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
     out["sweep"] = points
     out["throughput"] = max_throughput(points)
     out["wall_s"] = time.perf_counter() - t0
@@ -317,6 +334,16 @@ def report(r: dict) -> str:
         for x in r["iso_search"]:
             lines.append(f"{x['cluster']:<10} {x['kind']:<16} {_counts(x['kind'], x['counts']):>9} {x['max_rate']:>6g}   "
                          + ", ".join(f"{c[0]}+{c[1]}: {m:g}" for c, m in x["splits"]))
+    if r.get("mixed"):
+        kind, counts = MIXED
+        lines += ["", f"Mixed machines: {kind} {_counts(kind, counts)} on the {r['settings']['sweep_trace']} trace, every "
+                  "instance FCFS or prompt-first (s; SLOs met; machines borrowed into the mixed pool; preemptions)",
+                  f"{'req/s':>6} {'policy':<13} {'TTFT p50':>9} {'TTFT p99':>9} {'TBT p99':>8} {'E2E p50':>8} "
+                  f"{'E2E p99':>8} {'SLOs':>5} {'borrowed':>9} {'preempted':>10}"]
+        for m in r["mixed"]:
+            lines.append(f"{m['rate']:>6g} {m['policy']:<13} {m['ttft_p50_s']:>9.3f} {m['ttft_p99_s']:>9.3f} "
+                         f"{m['tbt_p99_s']:>8.3f} {m['e2e_p50_s']:>8.2f} {m['e2e_p99_s']:>8.2f} "
+                         f"{'yes' if m['slo_met'] else 'no':>5} {m['borrowed']:>9} {m.get('preemptions', 0):>10}")
     lines += ["", "The paper:"] + [f"- {v}" for v in r["paper"].values()]
     lines.append(f"\nexperiment wall time {r['wall_s']:.0f} s")
     return "\n".join(lines)

@@ -85,5 +85,31 @@ class Priority:
         return (req.priority, req.arrival_time, req.seq_no)
 
 
+class PromptFirst:
+    """Splitwise's machine-level scheduler on a machine that runs both phases (its mixed pool): prompts
+    first, and a prompt that cannot be admitted preempts running token-phase requests, the youngest
+    first. So that tokens do not starve, a token-phase request's priority grows with its age: once it
+    has been in the system `age_s` seconds it outranks new prompts and is no longer preempted for them,
+    nor is a request preempted `cap` times. Ranks: those (0), prompts (1), younger token requests (2);
+    in each, the earliest arrival first. (The paper gives neither number.)"""
+
+    name = "prompt-first"
+    static = False
+    group_admission = False
+    ranked = True
+
+    def __init__(self, age_s: float = 2.0, cap: int = 2):
+        self.age_s, self.cap = age_s, cap
+
+    def key(self, req: Request, now: float) -> tuple:
+        if not req.output_token_ids:
+            rank = 1
+        elif now - req.arrival_time >= self.age_s or sum(req.preemptions.values()) >= self.cap:
+            rank = 0
+        else:
+            rank = 2
+        return (rank, req.arrival_time, req.seq_no)
+
+
 ORDERING_POLICIES: dict[str, type] = {"fcfs": FCFS, "fair": Fair, "spf": ShortestPredictedFirst,
-                                      "hrrn": HighestResponseRatio, "priority": Priority}
+                                      "hrrn": HighestResponseRatio, "priority": Priority, "prompt-first": PromptFirst}
