@@ -255,3 +255,23 @@ def test_the_coordinator_keeps_only_the_latest_placements_when_told():
             assert co.route(f"r{i}", [5] * 8, SamplingParams(max_tokens=4), limits) == (i % 2, i % 2)
         assert list(co.placed) == want
         assert [i for i, cmd in co.take()[0]] == [i % 2 for i in range(10)]  # an add for each, in turn
+
+
+def test_a_split_cluster_reports_the_time_each_pool_spends_at_each_batch_size():
+    from servewise.cluster.sim import ClusterSim, Design
+    from servewise.cluster.slo import check
+    from servewise.experiments.splitwise import batch_cdf, time_quantile
+    from servewise.workloads.datasets import WorkloadRequest
+
+    items = [WorkloadRequest(300 + 37 * (i % 9), 20 + 7 * (i % 5)) for i in range(40)]
+    arrivals = [0.05 * i for i in range(40)]
+    design = Design({"dgx-h100": 1}, {"dgx-h100": 1})
+    res = ClusterSim("llama-13b", design).run(items, arrivals)
+    for hist, busy in zip(res.batch_time, res.busy_s):  # every step's time, once, under its token count
+        assert sum(hist.values()) == pytest.approx(busy)
+    assert max(res.batch_time[1]) <= 40 < max(res.batch_time[0])  # decodes: a token a row; prompts: hundreds
+    m = check("llama-13b", design, items, arrivals, batches=True)
+    assert set(m["batch_time"]) == {"prompt", "token"} and m["batch_time"]["token"] == res.batch_time[1]
+    xs, ys = batch_cdf({4: 1.0, 1: 3.0, 2: 0.0})
+    assert xs == [1, 2, 4] and ys == [0.75, 0.75, 1.0]
+    assert time_quantile({4: 1.0, 1: 3.0}, 0.5) == 1 and time_quantile({4: 1.0, 1: 3.0}, 0.9) == 4

@@ -49,6 +49,7 @@ class SimInstance:
         self.index, self.engine = index, engine
         self.busy = False
         self.steps, self.busy_s = 0, 0.0
+        self.batch_time: dict[int, float] = {}  # tokens a step computed -> seconds spent in such steps
         self.incoming: dict[str, list[bool]] = {}  # request id -> [KV copied, first token here]
         self.requests: dict[str, Request] = {}  # every request it took (the run's results)
         self.events: list[tuple] = []
@@ -167,6 +168,7 @@ class ClusterResult:
     loads: list[tuple[float, list[tuple[float, float]]]] = field(default_factory=list)
     migrations: list[tuple[float, object]] = field(default_factory=list)
     handoffs: dict[str, int] = field(default_factory=dict)  # by outcome (the coordinator's count)
+    batch_time: list[dict[int, float]] = field(default_factory=list)  # per instance: step tokens -> seconds
 
 
 class ClusterSim:
@@ -436,6 +438,8 @@ class ClusterSim:
                 sim.busy = True
                 sim.steps += 1
                 sim.busy_s += stats.end - stats.start
+                n = sum(stats.scheduled_tokens)
+                sim.batch_time[n] = sim.batch_time.get(n, 0.0) + stats.end - stats.start
                 seq += 1
                 heapq.heappush(events, (stats.end, _STEP, seq, (i, stats)))
                 for rid in stats.handed_off:
@@ -454,4 +458,4 @@ class ClusterSim:
         return ClusterResult(reqs, rejected, placed, [s.steps for s in sims], [s.busy_s for s in sims], clock.now(),
                              time.perf_counter() - t0, transfers, self.network.bytes_sent, wait_s,
                              co.pools.borrowed if co.pools else 0, self.perf_labels, load_log, migrations,
-                             dict(co.handoffs))
+                             dict(co.handoffs), [s.batch_time for s in sims])

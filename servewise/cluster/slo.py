@@ -27,22 +27,32 @@ def reference_for(model: str, options: dict | None = None):
 
 
 def check(model: str, design, items, arrivals, *, options: dict | None = None, reference=None,
-          slo: dict = SPLITWISE_SLO, tags: dict | None = None) -> dict:
+          slo: dict = SPLITWISE_SLO, tags: dict | None = None, batches: bool = False) -> dict:
     """Simulate `design` (cluster.sim.Design) on the workload with ClusterSim's keywords `options`, and
     summarize it: latency and slowdown percentiles, each limit's verdict and all of them (slo_met);
     then `tags`; requests, rejected, wall_s, steps, transfers, borrowed, preemptions, the KV transfers' share of
-    end-to-end latency, the performance models; the design's machines, cost and power. `reference` defaults to reference_for(model, options)."""
+    end-to-end latency, the performance models; the design's machines, cost and power; with `batches`,
+    per role the seconds its instances spent in steps of each token count ({role: {tokens: s}}).
+    `reference` defaults to reference_for(model, options)."""
     from servewise.cluster.sim import ClusterSim
     from servewise.metrics.slowdown import records
 
     reference = reference_for(model, options) if reference is None else reference
-    res = ClusterSim(model, design, **(options or {})).run(items, arrivals)
+    sim = ClusterSim(model, design, **(options or {}))
+    res = sim.run(items, arrivals)
     m = summarize(res.requests, reference, slo)
     e2e = sum(r.e2el for r in records(res.requests))
     m.update(tags or {})
     m.update(requests=len(items), rejected=len(res.rejected), wall_s=res.wall_s, steps=sum(res.steps),
              transfers=res.transfers, borrowed=res.borrowed,
-             preemptions=sum(sum(r.preemptions.values()) for r in res.requests),
+             preemptions=sum(sum(r.preemptions.values()) for r in res.requests if r is not None),
              transfer_share_of_e2e=res.transfer_wait_s / e2e if e2e else 0.0, perf=list(res.perf_labels),
              **design.totals())
+    if batches:
+        by_role: dict[str, dict[int, float]] = {}
+        for role, hist in zip(sim.roles, res.batch_time):
+            pooled = by_role.setdefault(role, {})
+            for n, s in hist.items():
+                pooled[n] = pooled.get(n, 0.0) + s
+        m["batch_time"] = {role: dict(sorted(h.items())) for role, h in by_role.items()}
     return m

@@ -10,7 +10,10 @@
   the SLOs at, with its cost and power (Figures 18-19);
 - mixed machines: the iso-power Splitwise-HH around its highest load, every instance under FCFS or
   under Splitwise's machine-level rule for machines that run both phases (prompts first, preempting
-  younger token-phase requests; tokens protected by age and a preemption cap: --policy prompt-first).
+  younger token-phase requests; tokens protected by age and a preemption cap: --policy prompt-first);
+- batches: how long each pool of the iso-power designs spends at each batch size in tokens (Figure 17);
+- robustness: the cost-optimal designs for the code trace and BLOOM-176B (the provisioning section's)
+  on the conversation trace, and serving Llama-2-70B instead (Figure 20).
 
 Workloads: the 1-hour Azure traces are rescaled to a load as Splitwise's generator does: Poisson
 arrivals at the target rate for `duration_s`, prompt and output sizes drawn independently, with
@@ -25,7 +28,7 @@ import random
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
 
 from servewise.cluster.machines import get_machine
@@ -45,7 +48,7 @@ ISO_POWER = {"Baseline-A100": 70, "Baseline-H100": 40, "Splitwise-AA": (45, 25),
              "Splitwise-HA": (25, 26), "Splitwise-HHcap": (25, 21)}
 ISO_COST = {"Baseline-A100": 86, "Baseline-H100": 40, "Splitwise-AA": (51, 35), "Splitwise-HH": (25, 15),
             "Splitwise-HA": (30, 21), "Splitwise-HHcap": (30, 10)}
-SECTIONS = ("transfer", "provision", "sweep", "iso", "mixed")
+SECTIONS = ("transfer", "provision", "sweep", "iso", "mixed", "batches", "robustness")
 PAPER = {
     "cost_optimal_hh_code_70": "Splitwise-HH: 27 prompt + 3 token machines (Figure 12)",
     "iso_cost": "Splitwise-AA: 1.4x the throughput of Baseline-H100 at the same cost (Figure 18b); "
@@ -54,6 +57,10 @@ PAPER = {
                  "at the same power and cost (Figure 18a)",
     "transfer": "layer-wise KV transfer: under 7% of the prompt time visible, about 8 ms (A100) and 5 ms (H100) "
                 "left after the prompt; 0.8% of end-to-end latency on the code trace (Figures 14-15)",
+    "batches": "Splitwise's machines run at larger batch sizes most of the time (Figure 17)",
+    "robustness": "designs provisioned for the code trace serve the conversation trace: AA and HH unaffected, HA "
+                  "and HHcap about 7% less throughput, still well above the baselines; designs for BLOOM-176B "
+                  "serving Llama-70B: every Splitwise design better than the baselines (Figure 20)",
 }
 
 
@@ -70,6 +77,8 @@ class Settings:
     sweep_trace: str = "conv"
     sweep_rates: tuple[float, ...] = tuple(range(60, 201, 20))
     mixed_rates: tuple[float, ...] = (70.0, 90.0, 105.0)  # the mixed section's loads (conv trace, Splitwise-HH 25 + 15)
+    batches_rate: float = 70.0  # the batches section's load (sweep trace)
+    robustness_model: str = "llama-2-70b"  # the model the robustness section serves on the code-provisioned designs
     transfer_prompts: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
     transfer: str = "layerwise"
     # SplitwiseSim's assumptions instead of servewise's: token times looked up on its axis, and every
@@ -161,6 +170,38 @@ MIXED = ("Splitwise-HH", ISO_POWER["Splitwise-HH"])
 def _mixed_point(args) -> dict:
     s, policy, rate = args
     return run_design(s, *MIXED, s.sweep_trace, rate, policy=policy)
+
+
+def _batches_point(args) -> dict:
+    s, kind, counts = args
+    items, arrivals = rescaled(s, s.sweep_trace, s.batches_rate)
+    return check(s.model, design_of(kind, counts), items, arrivals, options=options(s, kind), batches=True,
+                 tags=dict(kind=kind, counts=counts, trace=s.sweep_trace, rate=s.batches_rate))
+
+
+def _robust_point(args) -> dict:
+    """A design provisioned for (code trace, s.model) on another trace or model, at the provisioning load."""
+    s, kind, counts, trace, model = args
+    s = replace(s, model=model)
+    return check(model, design_of(kind, counts), *rescaled(s, trace, s.provision_rate), options=options(s, kind),
+                 tags=dict(kind=kind, counts=counts, trace=trace, rate=s.provision_rate, model=model))
+
+
+def batch_cdf(hist: dict) -> tuple[list[int], list[float]]:
+    """A {tokens: seconds} histogram as the cumulative share of time at or below each token count."""
+    pts = sorted((int(n), s) for n, s in hist.items())
+    total = sum(s for _, s in pts) or 1.0
+    acc, ys = 0.0, []
+    for _, s in pts:
+        acc += s
+        ys.append(acc / total)
+    return [n for n, _ in pts], ys
+
+
+def time_quantile(hist: dict, q: float) -> int:
+    """The token count below which a share q of the time was spent."""
+    xs, ys = batch_cdf(hist)
+    return next((x for x, y in zip(xs, ys) if y >= q), xs[-1] if xs else 0)
 
 
 def _provision(args) -> dict:
@@ -265,6 +306,16 @@ def run_experiment(s: Settings, progress=print) -> dict:
                  if "mixed" in s.sections and MIXED[0] in s.designs]
         out["mixed"] = list(pool.map(_mixed_point, tasks))
         progress(f"mixed machines: {len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
+        tasks = [(s, kind, counts) for kind, counts in ISO_POWER.items() if kind in s.designs and "batches" in s.sections]
+        out["batches"] = list(pool.map(_batches_point, tasks))
+        progress(f"batch sizes: {len(tasks)} designs ({time.perf_counter() - t0:.0f} s)")
+        best = {k: p["best"]["counts"] for k, p in prov.items() if p["best"]}
+        tasks = [(s, kind, counts, trace, model) for kind, counts in best.items() if "robustness" in s.sections
+                 for trace, model in (("code", s.model), ("conv", s.model), ("code", s.robustness_model))]
+        out["robustness"] = list(pool.map(_robust_point, tasks))
+        if "robustness" in s.sections and not best:
+            progress("robustness: skipped (it runs the provisioning section's designs: add provision)")
+        progress(f"robustness: {len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
     out["sweep"] = points
     out["throughput"] = max_throughput(points)
     out["wall_s"] = time.perf_counter() - t0
@@ -344,6 +395,26 @@ def report(r: dict) -> str:
             lines.append(f"{m['rate']:>6g} {m['policy']:<13} {m['ttft_p50_s']:>9.3f} {m['ttft_p99_s']:>9.3f} "
                          f"{m['tbt_p99_s']:>8.3f} {m['e2e_p50_s']:>8.2f} {m['e2e_p99_s']:>8.2f} "
                          f"{'yes' if m['slo_met'] else 'no':>5} {m['borrowed']:>9} {m.get('preemptions', 0):>10}")
+    if r.get("batches"):
+        lines += ["", f"Batch sizes of the iso-power designs, {r['settings']['sweep_trace']} trace at "
+                  f"{r['settings']['batches_rate']:g} req/s: tokens per step at the median and 90th percentile of "
+                  "each pool's step time (Figure 17)",
+                  f"{'design':<16} {'machines':>9} {'pool':<7} {'p50':>6} {'p90':>6} {'SLOs':>5}"]
+        for m in r["batches"]:
+            for role, hist in m["batch_time"].items():
+                lines.append(f"{m['kind']:<16} {_counts(m['kind'], m['counts']):>9} {role:<7} "
+                             f"{time_quantile(hist, 0.5):>6} {time_quantile(hist, 0.9):>6} "
+                             f"{'yes' if m['slo_met'] else 'no':>5}")
+    if r.get("robustness"):
+        lines += ["", f"Robustness (Figure 20): the designs provisioned for the code trace and {r['settings']['model']} "
+                  f"at {r['settings']['provision_rate']:g} req/s, on another trace or model; P50 / P90 / P99 slowdowns",
+                  f"{'design':<16} {'machines':>9} {'trace':<5} {'model':<12} {'TTFT':>18} {'TBT':>16} "
+                  f"{'E2E':>16} {'SLOs':>5} {'refused':>8}"]
+        for m in r["robustness"]:
+            cells = " ".join(f"{' / '.join(format(m[f'{k}_p{q}_slowdown'], '.1f') for q in PERCENTILES):>{w}}"
+                             for k, w in (("ttft", 18), ("tbt", 16), ("e2e", 16)))
+            lines.append(f"{m['kind']:<16} {_counts(m['kind'], m['counts']):>9} {m['trace']:<5} {m['model']:<12} "
+                         f"{cells} {'yes' if m['slo_met'] else 'no':>5} {m['rejected']:>8}")
     lines += ["", "The paper:"] + [f"- {v}" for v in r["paper"].values()]
     lines.append(f"\nexperiment wall time {r['wall_s']:.0f} s")
     return "\n".join(lines)
@@ -356,6 +427,22 @@ def plot(r: dict, out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     paths = []
+    if r.get("batches"):  # Figure 17: the time each pool spends at each batch size
+        roles = list(dict.fromkeys(role for m in r["batches"] for role in m["batch_time"]))
+        fig, axes = plt.subplots(1, len(roles), figsize=(4.2 * len(roles), 3.4), squeeze=False)
+        for ax, role in zip(axes[0], roles):
+            for m in r["batches"]:
+                if role in m["batch_time"]:
+                    ax.step(*batch_cdf(m["batch_time"][role]), where="post", label=m["kind"])
+            ax.set_xscale("log")
+            ax.set_xlabel("tokens in a step (batch size)", fontsize=8)
+            ax.set_ylabel("share of the pool's step time at or below", fontsize=8)
+            ax.set_title(f"{role} machines", fontsize=9)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"iso-power designs, {r['settings']['sweep_trace']} trace at {r['settings']['batches_rate']:g} req/s")
+        paths.append(os.path.join(out_dir, "splitwise_batches.png"))
+        fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+        plt.close(fig)
     prov = r["provisioning"].get("Splitwise-HH")
     if prov:  # Figure 12: the evaluated prompt x token grid, cost where the SLOs hold
         fig, ax = plt.subplots(figsize=(6, 5))
