@@ -162,7 +162,8 @@ def test_the_experiment_runs_banaserve_with_its_loads_and_figures(tmp_path):
     from servewise.experiments.banaserve import Settings, main, report
 
     out = tmp_path / "out"
-    main(Settings(model="llama-13b", instances=4, systems=("pd-load-aware", "banaserve"), num_requests=150,
+    main(Settings(model="llama-13b", instances=4, systems=("pd-load-aware", "banaserve", "banaserve-sets",
+                                                           "banaserve-objective"), num_requests=150,
                   prefixes=4, prefix_len=64, suffix_len=8, output_len=64, zipf=1.0, store_gb=16.0, rates=(12.0,),
                   workload="longbench", trace=None, seed=0, out_dir=str(out)))
     res = json.loads((out / "banaserve_longbench.json").read_text())
@@ -170,6 +171,10 @@ def test_the_experiment_runs_banaserve_with_its_loads_and_figures(tmp_path):
     assert plain["completed"] == moved["completed"] == 150
     assert plain["loads"] and not plain["migrations"] and moved["migrations"]
     assert moved["util_gap"] < plain["util_gap"]
+    sets, objective = (next(r for r in res["runs"] if r["system"] == s) for s in ("banaserve-sets", "banaserve-objective"))
+    assert sets["completed"] == objective["completed"] == 150 and sets["migrations"]
+    # Algorithm 4-1 as printed moves at least as often as one move a period
+    assert sets["util_gap"] < plain["util_gap"] and len(sets["migrations"]) >= len(moved["migrations"])
     for r in (plain, moved):  # the gap is the mean over the saved load samples of max U - min U (U = compute + memory)
         gaps = [max(c + m for c, m in per) - min(c + m for c, m in per) for _, per in r["loads"]]
         assert r["util_gap"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-3)  # (the samples are saved rounded)

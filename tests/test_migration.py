@@ -291,3 +291,54 @@ def test_rebalancing_settings_and_options_are_checked():
         Rebalancing(sync_s=0)
     with pytest.raises(ValueError, match="not both"):
         ClusterSim("llama-13b", Design(prompt={"a100": 1}, token={"a100": 1}), rebalance=Rebalancing(), monitor_s=1.0)
+
+
+def test_algorithm_4_1_as_printed_moves_from_every_overloaded_instance_in_one_period():
+    def loads():
+        return [Load(0.95, 100, 10_000, 0.3), Load(0.9, 100, 10_000, 0.3), Load(0.2, 100, 10_000, 0.3),
+                Load(0.25, 100, 10_000, 0.3)]
+    greedy = _rebalancer(rho=0.0).plan(loads())
+    assert [(m.src, m.dst) for m in greedy] == [(0, 2)]  # one move a period, between the extremes
+    moves = _rebalancer(rho=0.0, loop="sets").plan(loads())
+    assert {m.src for m in moves} == {0, 1} and {m.dst for m in moves} <= {2, 3} and len(moves) <= 6
+    after = loads()  # the loads as the moves predict them: the gap has narrowed below delta_up
+    rb = _rebalancer(rho=0.0, loop="sets")
+    for m in rb.plan(after):
+        rb._apply(m, after)
+    assert max(x.util for x in after) - min(x.util for x in after) < Rebalancing().delta_up
+    with pytest.raises(ValueError, match="loop"):
+        Rebalancing(loop="nope")
+
+
+def _pd(queue_o=8000):
+    """Two prompt instances (the first hot, a queue behind it) and two balanced token instances."""
+    return [Load(0.9, 100, 10_000, 0.3, role="prompt", step_s=0.2, step_tokens=2000, queued_tokens=queue_o, running=4),
+            Load(0.2, 100, 10_000, 0.3, role="prompt", step_s=0.05, step_tokens=2000, running=1),
+            Load(0.5, 3000, 10_000, 0.3, role="token", step_s=0.04, step_tokens=40, running=40),
+            Load(0.5, 3000, 10_000, 0.3, role="token", step_s=0.04, step_tokens=40, running=40)]
+
+
+def test_the_objective_loop_takes_the_move_that_raises_formula_4_27_and_keeps_the_budgets():
+    rb = _rebalancer(loop="objective")
+    loads = _pd()
+    before = rb.objective(loads)
+    assert before[1] == pytest.approx(((0.2 * (1 + 4)) + 0.05) / 2) and before[2] == pytest.approx(0.04)
+    moves = rb.plan(loads)
+    assert (moves[0].src, moves[0].dst) == (0, 1)  # first the hot prompt instance sheds layers to its peer
+    after = _pd()
+    for m in moves:
+        rb._apply(m, after)
+    assert rb.objective(after, before)[0] > before[0] and rb.objective(after)[1] < before[1]  # TTFT fell
+    # a hot token instance beside idle prompt instances: shedding heads to them cuts TPOT and lengthens
+    # TTFT; with a TTFT budget the state just meets, none of those is allowed (and the move to the other
+    # token instance gains too little for its stall)
+    def hot_decode():
+        return [Load(0.1, 100, 10_000, 0.3, role="prompt", step_s=0.005, step_tokens=2000, running=1),
+                Load(0.1, 100, 10_000, 0.3, role="prompt", step_s=0.005, step_tokens=2000, running=1),
+                Load(0.95, 6000, 10_000, 0.3, role="token", step_s=0.1, step_tokens=60, running=60),
+                Load(0.45, 3000, 10_000, 0.3, role="token", step_s=0.04, step_tokens=40, running=40)]
+    free = _rebalancer(loop="objective").plan(hot_decode())
+    assert any(m.dst in (0, 1) for m in free)
+    ttft = rb.objective(hot_decode())[1]
+    kept = _rebalancer(loop="objective", ttft_budget_s=ttft).plan(hot_decode())
+    assert kept == []

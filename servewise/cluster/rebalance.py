@@ -23,20 +23,36 @@ How a lease is priced (every constant is an assumption, stated in `Rebalancing` 
 - a migration itself copies the weights and the source's KV in use for the moved share over the link,
   plus a synchronisation; both instances stall for that long.
 
-Algorithm 4-1 (Rebalancer): every period, the utilisation U = compute + memory (4-28) of every instance;
-the most and the least loaded; if the gap passes `delta_up` (or, once rebalancing, `delta_down`: the
-hysteresis the thesis names but never sets) the loaded instance first gives back work the lighter one
-moved to it earlier (ours: the thesis never moves work back), else a layer migration is tried, then a
-head migration. A move is made only if its predicted benefit (the gap it closes, 4-31) per second of
-its cost reaches `rho`, and never one that would leave the source below the peer (no overshoot); a
-move back the way the last one came must clear `delta_up` afresh (noisy loads otherwise bounce work
-to and fro).
+The rebalancing loop (Rebalancer), every period, on the utilisation U = compute + memory (4-28) of
+every instance, in one of three forms (`Rebalancing.loop`):
+- `greedy` (servewise's first reading): the most and the least loaded; if the gap passes `delta_up`
+  (or, once rebalancing, `delta_down`: the hysteresis the thesis names but never sets) one move
+  between them;
+- `sets` (Algorithm 4-1 as printed): the overloaded set (U more than delta above the least loaded)
+  and the underloaded set (U more than delta below the most loaded); while a pair of them differs by
+  delta, a move from the one to the other, the loads updated as the move predicts, up to `max_moves`
+  a period;
+- `objective` (formulas 4-15 to 4-27): among the moves from an overloaded to an underloaded instance,
+  the one that most raises alpha U_avg - beta T_lat + gamma theta (each term relative to its value
+  before), with TTFT = Tq + Tp (+ Tx, the same for every plan: left out) per prompt instance, TPOT =
+  Td (Tc and Tm: no cache fetch on decode, memory stalls inside the roofline's step) per token
+  instance, theta = N L_out / (TTFT + L_out TPOT) (4-26), and the move's stall on both instances
+  charged to their latency; never a move that breaks a TTFT or TPOT budget (4-25); repeated while
+  it gains, up to `max_moves` a period.
+In each, a move is first a give-back of work the lighter instance moved to the loaded one earlier
+(ours: the thesis never moves work back), else a layer migration, else a head migration; made only if
+its predicted benefit (the gap it closes, 4-31) per second of its cost reaches `rho` (greedy and
+sets), and never one that would leave the source below the peer (no overshoot); a move back the way
+the last one came must clear `delta_up` afresh (noisy loads otherwise bounce work to and fro).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import statistics
+from dataclasses import dataclass, replace
 
 LAYERS, HEADS = "layers", "heads"
+LOOPS = ("greedy", "sets", "objective")
 
 
 @dataclass
@@ -53,10 +69,19 @@ class Rebalancing:
     sync_s: float = 5e-3  # synchronisation per migration (the thesis's T_sync)
     layers: bool = True  # which kinds are allowed
     heads: bool = True
+    loop: str = "greedy"  # greedy, sets (Algorithm 4-1) or objective (4-27): see the module
+    max_moves: int = 6  # moves a period at most (sets, objective)
+    weights: tuple[float, float, float] = (1.0, 1.0, 1.0)  # objective: alpha, beta, gamma of 4-27
+    ttft_budget_s: float = math.inf  # objective: the budgets of 4-25
+    tpot_budget_s: float = math.inf
+    out_len: int = 512  # objective: L_out of 4-26
 
     def __post_init__(self):
+        if self.loop not in LOOPS:
+            raise ValueError(f"unknown rebalancing loop {self.loop!r}; choose from {', '.join(LOOPS)}")
         if not (self.period_s > 0 and 0 <= self.delta_down <= self.delta_up and self.rho >= 0 and self.layer_step >= 1
-                and self.head_step >= 1 and 0 < self.max_share <= 0.5 and self.sync_s > 0):
+                and self.head_step >= 1 and 0 < self.max_share <= 0.5 and self.sync_s > 0 and self.max_moves >= 1
+                and min(self.weights) >= 0 and self.out_len >= 1):
             raise ValueError(f"bad rebalancing settings: {self}")
 
 
@@ -70,6 +95,13 @@ class Load:
     attn_share: float = 0.5  # of its step time, the attention's (for the head migration's estimate)
     layers_out: int = 0  # its layers and KV heads running elsewhere now
     heads_out: int = 0
+    # for the objective loop: its role, its mean step over the period (s), tokens a step, prompt tokens
+    # queued, requests running
+    role: str = "mixed"
+    step_s: float = 0.0
+    step_tokens: float = 0.0
+    queued_tokens: int = 0
+    running: int = 0
 
     @property
     def memory(self) -> float:
@@ -93,6 +125,7 @@ class Move:
     benefit: float  # predicted gap closed
     gap: float  # the gap before
     back: bool = False  # src gives back part of dst's earlier lease (dst runs that work again)
+    moved_c: float = 0.0  # the compute share that moves from src to dst
 
 
 class Rebalancer:
@@ -132,7 +165,7 @@ class Rebalancer:
         gap = lo.util - lu.util
         if after_o < after_u:  # it would overshoot: the next period would move it back
             return None
-        return Move(kind, o, u, n, blocks, lent, weights, cost, gap - (after_o - after_u), gap)
+        return Move(kind, o, u, n, blocks, lent, weights, cost, gap - (after_o - after_u), gap, moved_c=moved_c)
 
     def predict_back(self, kind: str, o: int, u: int, loads: list[Load]) -> Move | None:
         """Hot o gives back part of what cold u moved to it earlier, or None if u moved nothing of `kind`."""
@@ -152,7 +185,8 @@ class Rebalancer:
         gap = lo.util - lu.util
         if after_o < after_u:
             return None
-        return Move(kind, o, u, n, blocks, lent, weights, cost, gap - (after_o - after_u), gap, back=True)
+        return Move(kind, o, u, n, blocks, lent, weights, cost, gap - (after_o - after_u), gap, back=True,
+                    moved_c=moved_c)
 
     def _record(self, m: Move) -> None:
         owner, host = (m.dst, m.src) if m.back else (m.src, m.dst)
@@ -163,23 +197,113 @@ class Rebalancer:
                            ("w_" + m.kind, m.weight_blocks)):
             lease[key] += sign * value
 
+    def _candidates(self, o: int, u: int, loads: list[Load]):
+        """The moves from o to u in the order tried: give-backs, then layers (coarse), then heads."""
+        for predict, kind in ((self.predict_back, LAYERS), (self.predict_back, HEADS), (self.predict, LAYERS),
+                              (self.predict, HEADS)):
+            if (self.cfg.layers if kind == LAYERS else self.cfg.heads) and (m := predict(kind, o, u, loads)) is not None \
+                    and m.benefit > 0:
+                yield m
+
+    def _worth(self, m: Move) -> bool:
+        return m.benefit / m.cost_s >= self.cfg.rho
+
     def plan(self, loads: list[Load]) -> list[Move]:
+        """The moves of one control period."""
         cfg = self.cfg
         order = sorted(range(len(loads)), key=lambda i: loads[i].util)
         u, o = order[0], order[-1]
         gap = loads[o].util - loads[u].util
+        was = self.active
         self.active = gap > (cfg.delta_down if self.active and self.last != (u, o) else cfg.delta_up)
         if not self.active:  # (moving back the way the last move went must clear delta_up afresh)
             return []
-        # give back what u moved here first (it undoes an earlier move), then layers (coarse), then heads
-        for predict, kind in ((self.predict_back, LAYERS), (self.predict_back, HEADS), (self.predict, LAYERS),
-                              (self.predict, HEADS)):
-            if (cfg.layers if kind == LAYERS else cfg.heads) and (m := predict(kind, o, u, loads)) is not None \
-                    and m.benefit > 0 and m.benefit / m.cost_s >= cfg.rho:
-                self.last = (o, u)
-                self._record(m)
-                return [m]
-        return []
+        if cfg.loop == "greedy":
+            m = next((m for m in self._candidates(o, u, loads) if self._worth(m)), None)
+            if m is None:
+                return []
+            self.last = (o, u)
+            self._record(m)
+            return [m]
+        delta = cfg.delta_down if was else cfg.delta_up
+        loads = [replace(x) for x in loads]  # as the moves predict them
+        moves = []
+        while len(moves) < cfg.max_moves:
+            m = self._sets_move(loads, delta) if cfg.loop == "sets" else self._objective_move(loads, delta)
+            if m is None:
+                break
+            self.last = (m.src, m.dst)
+            self._record(m)
+            self._apply(m, loads)
+            moves.append(m)
+        return moves
+
+    def _pairs(self, loads: list[Load], delta: float):
+        """(overloaded, underloaded) pairs (4-29) that differ by delta or more, the widest first; a pair
+        the other way round from the last move must differ by delta_up."""
+        util = [x.util for x in loads]
+        over = [d for d in range(len(loads)) if util[d] - min(util) > delta]
+        under = [d for d in range(len(loads)) if max(util) - util[d] > delta]
+        pairs = [(o, u) for o in over for u in under if o != u and util[o] - util[u] >= delta
+                 and (self.last != (u, o) or util[o] - util[u] > self.cfg.delta_up)]
+        return sorted(pairs, key=lambda p: util[p[1]] - util[p[0]])
+
+    def _sets_move(self, loads: list[Load], delta: float) -> Move | None:
+        """Algorithm 4-1, lines 6-13: the first pair with a move worth its cost."""
+        for o, u in self._pairs(loads, delta):
+            if (m := next((m for m in self._candidates(o, u, loads) if self._worth(m)), None)) is not None:
+                return m
+        return None
+
+    def _objective_move(self, loads: list[Load], delta: float) -> Move | None:
+        """Formula 4-27 over the moves between the pairs of 4-29: the one that most raises the objective."""
+        before = self.objective(loads)
+        best, gain = None, 0.0
+        for o, u in self._pairs(loads, delta):
+            for m in self._candidates(o, u, loads):
+                after = [replace(x) for x in loads]
+                self._apply(m, after)
+                for i in (m.src, m.dst):  # both stall for the migration: its share of the period, times itself
+                    after[i].step_s += m.cost_s * m.cost_s / self.cfg.period_s
+                value = self.objective(after, before)
+                if value[1] > max(self.cfg.ttft_budget_s, before[1]) or value[2] > max(self.cfg.tpot_budget_s, before[2]):
+                    continue  # it would break a budget that holds (4-25)
+                if value[0] - before[0] > gain:
+                    best, gain = m, value[0] - before[0]
+        return best
+
+    def objective(self, loads: list[Load], ref: tuple | None = None) -> tuple[float, float, float, float]:
+        """(alpha U_avg - beta T_lat + gamma theta, TTFT, TPOT, theta) of the loads, the latency and
+        throughput terms relative to `ref`'s (the state before a move; None: to themselves)."""
+        a, b, g = self.cfg.weights
+        first = [x.step_s * (1 + x.queued_tokens / x.step_tokens if x.step_tokens else 1) for x in loads
+                 if x.role in ("prompt", "mixed")]  # Tq + Tp: the queue ahead drains a step's tokens at a time
+        token = [x.step_s for x in loads if x.role in ("token", "mixed")]
+        ttft, tpot = statistics.mean(first or [0.0]), statistics.mean(token or [0.0])
+        n, L = sum(x.running for x in loads), self.cfg.out_len
+        theta = n * L / (ttft + L * tpot) if ttft + L * tpot > 0 else 0.0
+        lat0, theta0 = (ref[1] + ref[2], ref[3]) if ref else (ttft + tpot, theta)
+        value = a * statistics.mean(x.compute for x in loads) - b * ((ttft + tpot) / lat0 if lat0 else 0.0) \
+            + g * (theta / theta0 if theta0 else 0.0)
+        return value, ttft, tpot, theta
+
+    def _apply(self, m: Move, loads: list[Load]) -> None:
+        """The loads as move m predicts them: compute, blocks, leases and (for the objective) step times."""
+        lo, lu = loads[m.src], loads[m.dst]
+        if m.back:  # src runs less of dst's work; dst's pool shrinks back, src has its lent blocks again
+            lo.usable += m.lent + m.weight_blocks
+            lu.usable -= m.blocks
+            setattr(lu, m.kind + "_out", getattr(lu, m.kind + "_out") - m.amount)
+        else:
+            lo.usable += m.blocks
+            lu.usable -= m.lent + m.weight_blocks
+            setattr(lo, m.kind + "_out", getattr(lo, m.kind + "_out") + m.amount)
+        # step times follow the compute: the source's shrink by the share it sheds, the peer's grow by it
+        moved_s = lo.step_s * m.moved_c / lo.compute if lo.compute else 0.0
+        lu.step_s = lu.step_s * (lu.compute + m.moved_c) / lu.compute if lu.compute else lu.step_s + moved_s
+        lo.step_s -= moved_s
+        lo.compute -= m.moved_c
+        lu.compute += m.moved_c
 
 
 @dataclass
@@ -209,6 +333,7 @@ class MigratingPerf:
         self.step_s = self.attn_s = 0.0  # totals, for the attention share
         self.moved_s = self.hosted_s = 0.0  # seconds of its work run elsewhere, of others' run here
         self.compute_s = 0.0  # the FLOPs run on this GPU (its own and its peers'), in seconds at peak
+        self.steps, self.elapsed_s, self.tokens = 0, 0.0, 0  # its steps: count, seconds, tokens computed
 
     def __getattr__(self, name):  # copy, copy_parts, prior_context, label, ...
         return getattr(self.base, name)
@@ -261,6 +386,7 @@ class MigratingPerf:
         self.compute_s += flops_s * (local - (t - work)) / work
         step = wait + local + hops
         self.busy_until = now + step
+        self.steps, self.elapsed_s, self.tokens = self.steps + 1, self.elapsed_s + step, self.tokens + tokens
         return step
 
     def prefill(self, lens: list[int]) -> float:

@@ -261,16 +261,23 @@ class ClusterSim:
         gbps = link_gbps or min(get_machine(m).nic_gbps for m, _ in self.design.instances())
         return lambda m, role: MigratingPerf(perf_of(m, role), self.clock, gbps * 1e9, latency_s)
 
-    def _loads(self, since: list[float], window: float):
-        """The rebalancer's view of every instance: compute share of the window, blocks, leases."""
+    def _counters(self) -> list[tuple[float, int, float, int]]:
+        """Every instance's since-start counters the monitor differences: compute s, steps, step s, tokens."""
+        return [(p.compute_s, p.steps, p.elapsed_s, p.tokens) for p in (e.runner.perf for e in self.engines)]
+
+    def _loads(self, since: list[tuple], window: float):
+        """The rebalancer's view of every instance over the window: compute share, blocks, leases, and its
+        steps and queue (for the objective loop)."""
         from servewise.cluster.rebalance import Load
 
         out = []
-        for e, c0 in zip(self.engines, since):
-            bm, perf = e.block_manager, e.runner.perf
+        for e, role, (c0, n0, s0, k0), (c1, n1, s1, k1) in zip(self.engines, self.roles, since, self._counters()):
+            bm, perf, st = e.block_manager, e.runner.perf, e.stats()
             usable = bm.usable_device
-            out.append(Load(min(1.0, (perf.compute_s - c0) / window), usable - bm.num_free_device, usable,
-                            perf.attn_share, perf.layers_out, perf.heads_out))
+            steps = n1 - n0
+            out.append(Load(min(1.0, (c1 - c0) / window), usable - bm.num_free_device, usable, perf.attn_share,
+                            perf.layers_out, perf.heads_out, role, (s1 - s0) / steps if steps else 0.0,
+                            (k1 - k0) / steps if steps else 0.0, st.queued_tokens, st.running))
         return out
 
     def _migrate(self, m) -> None:
@@ -331,7 +338,7 @@ class ClusterSim:
         k = 0
         load_log, migrations = [], []
         if self.monitor_s:
-            since, last = [0.0] * n, 0.0
+            since, last = self._counters(), 0.0
             heapq.heappush(events, (self.monitor_s, _MONITOR, 0, None))
 
         def pump(dirty: set[int]) -> None:
@@ -407,7 +414,7 @@ class ClusterSim:
                         self._migrate(m)
                         migrations.append((now, m))
                         dirty.update((m.src, m.dst))
-                    since, last = [e.runner.perf.compute_s for e in engines], now
+                    since, last = self._counters(), now
                     if k < len(order) or events:  # (only while something else can still happen)
                         seq += 1
                         heapq.heappush(events, (now + self.monitor_s, _MONITOR, seq, None))

@@ -26,8 +26,10 @@ context beside the output) and `azure-conv` (the Azure conv trace's lengths, its
 so that their mean rate is the requested one).
 
 banaserve: the P/D split of pd-load-aware (Algorithm 4-2 over the prompt instances) with layer- and
-head-level migration under the rebalancing loop (Algorithm 4-1; cluster.rebalance, its prices and
-settings there). Every run samples the instances' loads every MONITOR_S seconds; the report gives the
+head-level migration under the rebalancing loop (cluster.rebalance, its prices and settings there):
+one move a period between the extremes (banaserve), Algorithm 4-1 as printed over the over- and
+underloaded sets (banaserve-sets), or the moves that most raise the objective of formula 4-27
+(banaserve-objective). Every run samples the instances' loads every MONITOR_S seconds; the report gives the
 mean gap between the most and the least loaded instance, and a figure shows the loads over time.
 """
 from __future__ import annotations
@@ -45,7 +47,7 @@ from servewise.metrics.plots import save_figure
 WORKLOADS = ("shared-prefix", "alpaca", "longbench", "azure-conv")
 LONG_MEAN = 1500  # longbench: mean prompt tokens (LongBench's inputs run to thousands; the 2,048-token models cut them)
 
-# name: (instances' roles, router of the prompts, global KV store, module migration)
+# name: (instances' roles, router of the prompts, global KV store, module migration: the rebalancing loop)
 SYSTEMS = {"round-robin": ("mixed", "round_robin", False, False),
            "cache-aware": ("mixed", "cache_aware", False, False),
            "load-aware": ("mixed", "load_aware", False, False),
@@ -55,7 +57,9 @@ SYSTEMS = {"round-robin": ("mixed", "round_robin", False, False),
            "pd-splitwise": ("pools", None, False, False),
            "pd-cache-aware": ("split", "cache_aware", False, False),
            "pd-load-aware": ("split", "load_aware", False, False),
-           "banaserve": ("split", "load_aware", False, True)}
+           "banaserve": ("split", "load_aware", False, "greedy"),
+           "banaserve-sets": ("split", "load_aware", False, "sets"),
+           "banaserve-objective": ("split", "load_aware", False, "objective")}
 MONITOR_S = 2.0  # how often every run's loads are sampled (and, for banaserve, its rebalancing period)
 
 
@@ -99,7 +103,7 @@ def cluster(model: str, system: str, instances: int, store_gb: float) -> lab.Clu
     roles, router, store, migrate = SYSTEMS[system]
     kw = dict(enable_prefix_caching=True)
     if migrate:
-        kw.update(rebalance=Rebalancing(period_s=MONITOR_S))
+        kw.update(rebalance=Rebalancing(period_s=MONITOR_S, loop=migrate))
     else:  # the same load samples, without acting on them
         kw.update(monitor_s=MONITOR_S)
     if store:
