@@ -180,3 +180,19 @@ def test_the_experiment_runs_banaserve_with_its_loads_and_figures(tmp_path):
         assert r["util_gap"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-3)  # (the samples are saved rounded)
     assert (out / "banaserve_longbench.txt").read_text() == report(res) + "\n" and "U gap" in report(res)
     assert (out / "banaserve_longbench_loads.png").stat().st_size > 10_000
+
+
+def test_in_a_pd_split_with_a_store_token_instances_read_stored_prefixes_instead_of_the_link():
+    items = shared_prefix(64, 32000, num_prefixes=2, prefix_len=512, suffix_len=16, output_len=8, seed=5)
+    arrivals = arrival_times(len(items), "poisson", 4.0, seed=5)
+    design = Design(prompt={"a100": 1}, token={"a100": 1})
+    runs = {}
+    for store in (False, True):
+        kw = dict(enable_prefix_caching=True, **(dict(kv_store="simulated", kv_store_gb=64.0) if store else {}))
+        res = ClusterSim("llama-13b", design, **kw).run(items, arrivals)
+        assert not res.rejected and all(r.finished for r in res.requests)
+        runs[store] = res
+    assert runs[False].store_kv_tokens == 0 and runs[True].store_kv_tokens >= 32 * 512  # most prefixes came stored
+    sent = runs[True].transfer_bytes + runs[True].store_kv_tokens * (runs[False].transfer_bytes /
+                                                                     sum(len(it.prompt) for it in items))
+    assert runs[True].transfer_bytes < runs[False].transfer_bytes / 2 and sent == pytest.approx(runs[False].transfer_bytes)

@@ -169,6 +169,7 @@ class ClusterResult:
     migrations: list[tuple[float, object]] = field(default_factory=list)
     handoffs: dict[str, int] = field(default_factory=dict)  # by outcome (the coordinator's count)
     batch_time: list[dict[int, float]] = field(default_factory=list)  # per instance: step tokens -> seconds
+    store_kv_tokens: int = 0  # prompt tokens whose KV token instances read from the global store, not the link
 
 
 class ClusterSim:
@@ -308,6 +309,20 @@ class ClusterSim:
             hits.append(n)
         return hits, len(names)
 
+    def _stored_prefix(self, prompt: list[int]) -> tuple[int, float]:
+        """With a global KV store in a split cluster: the prompt's leading full blocks readable in the store
+        now (blocks this very prefill writes are not yet), as (tokens, seconds to read them); (0, 0.0)
+        without a store."""
+        if self.store is None:
+            return 0, 0.0
+        bm0 = self.engines[0].block_manager
+        tiers = []
+        for name in prefix_names(prompt[:-1], bm0.root, bm0.block_size):
+            if self.store.tier(name) is None:
+                break
+            tiers.append(self.store.read(name))
+        return len(tiers) * bm0.block_size, self.store.read_time(tiers) if tiers else 0.0
+
     def run(self, items: list[WorkloadRequest], arrivals: list[float], progress=None) -> ClusterResult:
         """Run the workload to the end (arrival times in seconds from the start). The garbage collector
         is kept mostly out of the way meanwhile, as in simulator.simulate."""
@@ -334,7 +349,7 @@ class ClusterSim:
         seq = 0
         prefill: dict[str, tuple[float, float]] = {}  # handed-off id -> (start, seconds) of its prompt's last step
         reserved: set[str] = set()  # expected ids the token instance holds blocks for, their transfer not begun
-        transfers, wait_s = 0, 0.0
+        transfers, wait_s, store_tokens = 0, 0.0, 0
         k = 0
         load_log, migrations = [], []
         if self.monitor_s:
@@ -365,8 +380,13 @@ class ClusterSim:
                 return
             reserved.discard(rid)
             start, dur = prefill.pop(rid)
-            nbytes = len(sims[mv.token].requests[rid].prompt_token_ids) * self.kv_bytes_per_token
-            end = self.network.plan(self.transfer, mv.prompt, mv.token, nbytes, self.layers, start, dur, now)
+            prompt = sims[mv.token].requests[rid].prompt_token_ids
+            stored = self._stored_prefix(prompt)  # the token instance reads these from the store (BanaServe)
+            nonlocal store_tokens
+            store_tokens += stored[0]
+            nbytes = (len(prompt) - stored[0]) * self.kv_bytes_per_token
+            end = max(now + stored[1],
+                      self.network.plan(self.transfer, mv.prompt, mv.token, nbytes, self.layers, start, dur, now))
             transfers += 1
             seq += 1
             heapq.heappush(events, (end, _TRANSFER, seq, (rid, mv.token, start + dur)))
@@ -465,4 +485,4 @@ class ClusterSim:
         return ClusterResult(reqs, rejected, placed, [s.steps for s in sims], [s.busy_s for s in sims], clock.now(),
                              time.perf_counter() - t0, transfers, self.network.bytes_sent, wait_s,
                              co.pools.borrowed if co.pools else 0, self.perf_labels, load_log, migrations,
-                             dict(co.handoffs), [s.batch_time for s in sims])
+                             dict(co.handoffs), [s.batch_time for s in sims], store_tokens)

@@ -131,6 +131,9 @@ class Runner(Protocol):
 
     def move_blocks(self, move: KVMove) -> float: ...
 
+    def finish_moves(self) -> None:
+        """Wait for copies still in flight (the engine calls it when it has nothing left to run)."""
+
 
 class CostModel(Protocol):
     """Predicted times, in seconds: what cost-aware preemption and the simulated runner need."""

@@ -221,6 +221,8 @@ class LLMEngine:
             if self.block_manager.new_named:  # write-through: blocks named this step go to the KV store
                 pairs, self.block_manager.new_named = self.block_manager.new_named, []
                 stats.elapsed += self.runner.move_blocks(KVMove(Pool.DEVICE, Pool.STORE, pairs))
+                if not self.has_unfinished():  # nothing left for the write-back to overlap with
+                    self.runner.finish_moves()
                 stats.end = self.clock.end_of(start, stats.elapsed)
             stats.finished = [r.request_id for r in finished]
             for rid in stats.finished:

@@ -57,9 +57,11 @@ SYSTEMS = {"round-robin": ("mixed", "round_robin", False, False),
            "pd-splitwise": ("pools", None, False, False),
            "pd-cache-aware": ("split", "cache_aware", False, False),
            "pd-load-aware": ("split", "load_aware", False, False),
+           "pd-load-aware+store": ("split", "load_aware", True, False),
            "banaserve": ("split", "load_aware", False, "greedy"),
            "banaserve-sets": ("split", "load_aware", False, "sets"),
-           "banaserve-objective": ("split", "load_aware", False, "objective")}
+           "banaserve-objective": ("split", "load_aware", False, "objective"),
+           "banaserve+store": ("split", "load_aware", True, "greedy")}
 MONITOR_S = 2.0  # how often every run's loads are sampled (and, for banaserve, its rebalancing period)
 
 
@@ -136,6 +138,7 @@ def row(rec: lab.Record, instances: int) -> dict:
             "prefill_skew": max(computed) / statistics.mean(computed) if any(computed) else 0.0,
             "local_hit_rate": pc["cached_tokens"] / admitted if admitted else 0.0,
             "store_hit_rate": pc["store_tokens"] / admitted if admitted else 0.0,
+            "transfer_gb": rec.cluster["transfer_gb"], "store_kv_tokens": rec.cluster["store_kv_tokens"],
             "util_gap": statistics.mean(gaps) if (gaps := [max(u) - min(u) for u in util]) else 0.0,
             "loads": [[t, [[round(c, 4), round(m, 4)] for c, m in per]] for t, per in res.loads],
             "migrations": [[t, m.kind, m.src, m.dst, m.amount, m.cost_s, m.back] for t, m in res.migrations],

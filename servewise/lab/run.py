@@ -123,7 +123,8 @@ def _run_cluster(spec: Spec, progress, sim=None) -> Record:
     steps = {"steps": sum(res.steps), "per_instance": list(res.steps), "busy_s": list(res.busy_s)}
     cluster = {"handoffs": dict(res.handoffs), "transfers": res.transfers, "transfer_gb": res.transfer_bytes / 1e9,
                "transfer_wait_s": res.transfer_wait_s, "borrowed": res.borrowed, "makespan_s": res.makespan,
-               "migrations": len(res.migrations), "perf": list(res.perf_labels)}
+               "migrations": len(res.migrations), "perf": list(res.perf_labels),
+               "store_kv_tokens": res.store_kv_tokens}
     return Record(dict(spec.tags), compute(records, spec.slo), records, res.rejected, steps, res.wall_s, prefix,
                   None, cluster, sim, res)
 

@@ -36,17 +36,23 @@ class SimRunner:
         if move.src is Pool.STORE:  # (name, block): read layer by layer while the step computes
             self._fetch_s += self.store.read_time([self.store.read(name) or "memory" for name, _ in move.pairs])
             return 0.0
-        if move.dst is Pool.STORE:  # (block, name): write-through, readable once this step has ended
-            write_s = len(move.pairs) * self.store.read_s["memory"][0]  # (a write priced as a read)
+        if move.dst is Pool.STORE:  # (block, name): write-through, a device-to-host copy of the blocks beside
+            # the step's layers (BanaServe's pipeline: layer l-1 stored while layer l computes); readable once
+            # this step (the last one's length, standing for it) and the copy have ended
+            write_s = self.perf.copy(len(move.pairs), True, len(block_runs([(b, b) for b, _ in move.pairs])))
+            self._overlap_s += write_s
             for _, name in move.pairs:
-                self.store.put(name, delay=self._last + write_s)
-            return write_s
+                self.store.put(name, delay=max(self._last, write_s))
+            return 0.0
         runs = len(block_runs(move.pairs))  # the copy calls a real runner makes, per layer, for K and V
         if getattr(self.perf, "copy_overlaps", False):  # the transfer overlaps the next step, layer by layer
             host, transfer = self.perf.copy_parts(len(move.pairs), move.dst == Pool.HOST, runs)
             self._overlap_s += transfer
             return host
         return self.perf.copy(len(move.pairs), move.dst == Pool.HOST, runs)
+
+    def finish_moves(self) -> None:
+        """(A simulated copy has no end to wait for: it is priced into the step it overlaps.)"""
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         if not out.scheduled:

@@ -76,6 +76,8 @@ class TorchRunner:
         log.info("servewise: %s", self.paths)
         self.store = store
         self.layerwise_fetch = True  # fetched KV arrives layer by layer while the step computes
+        self.pipelined_write = True  # blocks go to the store in a thread while the step computes
+        self._write: threading.Thread | None = None  # the step's write-back to the store
         self._fetch: _Fetch | None = None  # the step's fetch from the store
         # CUDA: swaps between the device and the pinned host pool run on a stream of their own; layer i
         # of the step waits only for layer i's copies (vLLM 0.2.x's cache events)
@@ -121,9 +123,17 @@ class TorchRunner:
         if not move.pairs:
             return 0.0
         t0 = time.perf_counter()
-        if move.dst is Pool.STORE:  # (block, name): write-through of newly named blocks
-            for b, name in move.pairs:
-                self.store.put(name, self.device_cache[:, :, b])
+        if move.dst is Pool.STORE:  # (block, name): write-through of newly named blocks (computed by earlier
+            # steps: this step writes other blocks), in a thread beside the step's layers or now
+            def write(pairs=list(move.pairs)):
+                for b, name in pairs:
+                    self.store.put(name, self.device_cache[:, :, b])
+            self.finish_writes()
+            if self.pipelined_write:
+                self._write = threading.Thread(target=write, name="servewise-kv-write", daemon=True)
+                self._write.start()
+            else:
+                write()
             return time.perf_counter() - t0
         if move.src is Pool.STORE:  # (name, block): read while the step computes, or now
             self._fetch = _Fetch(self.store, move.pairs, self.device_cache)
@@ -174,10 +184,17 @@ class TorchRunner:
         return time.perf_counter() - t0
 
     def finish_moves(self) -> None:
-        """Wait for copies still in flight (a swap on its stream)."""
+        """Wait for copies still in flight (a swap on its stream, a write-back to the store)."""
         if self._swap_events is not None:
             self.swap_stream.synchronize()
             self._swap_events = None
+        self.finish_writes()
+
+    def finish_writes(self) -> None:
+        """Wait for the write-back to the store: a step ends with its blocks stored."""
+        if self._write is not None:
+            self._write.join()
+            self._write = None
 
     def _apply(self, out: SchedulerOutput) -> None:
         """Bring the runner's own request state up to date with the step's diffs."""
@@ -208,6 +225,7 @@ class TorchRunner:
             sampled = sample(self.graphs.run(rows, out.context_lens), rows)
             for seq, tok in zip(rows, sampled.tokens):
                 seq.output_token_ids.append(tok)
+            self.finish_writes()
             return StepResult(list(sampled.tokens), time.perf_counter() - t0, sampled.logprobs)
         ids, positions, meta, last, sampling = self._prepare(out, rows)
         if self.connector is not None:
@@ -241,6 +259,7 @@ class TorchRunner:
                     logprobs[i] = sampled.logprobs[j]
         self._sync()
         self._swap_events = None
+        self.finish_writes()
         return StepResult(tokens, time.perf_counter() - t0, logprobs, failed)
 
     def _graph_step(self, out: SchedulerOutput, rows) -> bool:
