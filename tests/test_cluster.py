@@ -275,3 +275,30 @@ def test_a_split_cluster_reports_the_time_each_pool_spends_at_each_batch_size():
     xs, ys = batch_cdf({4: 1.0, 1: 3.0, 2: 0.0})
     assert xs == [1, 2, 4] and ys == [0.75, 0.75, 1.0]
     assert time_quantile({4: 1.0, 1: 3.0}, 0.5) == 1 and time_quantile({4: 1.0, 1: 3.0}, 0.9) == 4
+
+
+def test_splitwise_pools_repurpose_an_instance_borrowed_without_a_pause():
+    now = [0.0]
+    pools = SplitwisePools(["prompt", "token", "token"], max_pending_tokens=1000, repurpose_s=30.0,
+                           clock=lambda: now[0])
+    full = [pload(900, 2), pload(running=9), pload(0, running=2)]
+    assert pools.prompt(200, full) == 2 and pools.pool == ["prompt", "token", "mixed"]
+    now[0] = 29.0  # borrowed, not yet long enough
+    assert pools.prompt(200, full) == 2 and pools.home[2] == "token" and pools.repurposed == 0
+    now[0] = 30.0  # 30 s without going idle: it is a prompt instance now, for good
+    assert pools.prompt(200, [pload(900, 2), pload(running=9), pload(100, 1)]) == 2
+    assert pools.home == pools.pool == ["prompt", "token", "prompt"] and pools.repurposed == 1
+    pools.idle(2)
+    assert pools.pool[2] == "prompt"  # idle: home is the prompt pool now
+    # an instance that goes idle in between starts its count again
+    pools = SplitwisePools(["prompt", "token", "token"], 1000, repurpose_s=30.0, clock=lambda: now[0])
+    now[0] = 0.0
+    pools.prompt(200, full)
+    now[0] = 20.0
+    pools.idle(2)
+    pools.prompt(200, full)  # borrowed again at 20 s
+    now[0] = 45.0
+    pools.prompt(200, full)
+    assert pools.home[2] == "token" and pools.repurposed == 0
+    with pytest.raises(ValueError, match="repurposing"):
+        SplitwisePools(["prompt", "token"], repurpose_s=10.0)

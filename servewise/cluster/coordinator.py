@@ -64,17 +64,18 @@ class Links:
 class Coordinator:
     def __init__(self, roles: list[str], router: str = "jsq", lease_s: float = 5.0, clock=time.monotonic,
                  max_pending_tokens: int = 8192, split_router: str | None = None, links: Links | None = None,
-                 keep_placed: int | None = None):
+                 keep_placed: int | None = None, repurpose_s: float | None = None):
         """roles: per instance, mixed, prompt or token; router: the mixed instances' (routers.ROUTERS);
-        a split uses Splitwise's pools, or a fixed split whose prompts `split_router` routes.
+        a split uses Splitwise's pools (repurpose_s: an instance borrowed that long without a pause changes
+        pool for good: routers.SplitwisePools), or a fixed split whose prompts `split_router` routes.
         keep_placed: placements kept for inspection, the latest (None: all, as a simulation's results
         need; a server's must not grow with every request it ever handled)."""
         if set(roles) - set(ROLES):
             raise ValueError(f"unknown roles {sorted(set(roles) - set(ROLES))}; choose from {', '.join(ROLES)}")
         self.roles, self.split = list(roles), "prompt" in roles
         if self.split:
-            self.pools = SplitwisePools(self.roles, max_pending_tokens) if split_router is None else \
-                StaticSplit(self.roles, split_router)
+            self.pools = (SplitwisePools(self.roles, max_pending_tokens, repurpose_s, clock) if split_router is None
+                          else StaticSplit(self.roles, split_router))
             self.router = None
         else:
             self.pools, self.router = None, make_router(router)

@@ -179,22 +179,39 @@ class SplitwisePools:
     - a token instance is full when its committed blocks plus the request's would exceed its pool;
       when all are, the mixed pool is tried, then the prompt instance with the fewest committed
       blocks that has room is borrowed; failing that, the request decodes where it was prefilled.
-    A mixed instance goes back to its pool once it is idle (`idle`).
+    A mixed instance goes back to its pool once it is idle (`idle`). With `repurpose_s`, Splitwise's
+    coarse repurposing under sustained load: an instance borrowed that long without a pause joins the
+    pool of the phase it was borrowed for (a token instance taking prompts becomes a prompt instance).
     """
 
-    def __init__(self, roles: list[str], max_pending_tokens: int = 8192):
+    def __init__(self, roles: list[str], max_pending_tokens: int = 8192, repurpose_s: float | None = None,
+                 clock=None):
         if set(roles) - {"prompt", "token"} or "prompt" not in roles or "token" not in roles:
             raise ValueError(f"Splitwise pools need prompt and token instances only, got roles {sorted(set(roles))}")
+        if repurpose_s is not None and (repurpose_s <= 0 or clock is None):
+            raise ValueError(f"repurposing needs a positive period and a clock, got {repurpose_s}")
         self.home, self.pool = list(roles), list(roles)
         self.max_pending_tokens = max_pending_tokens
         self.borrowed = 0  # times an instance moved to the mixed pool
+        self.repurpose_s, self.clock = repurpose_s, clock
+        self.since: dict[int, tuple[float, str]] = {}  # borrowed instance -> (since when, the phase it takes)
+        self.repurposed = 0  # instances moved to the other pool for good
 
     def _in(self, pool: str) -> list[int]:
+        if self.repurpose_s is not None:
+            now = self.clock()
+            for i, (t0, phase) in list(self.since.items()):
+                if now - t0 >= self.repurpose_s:  # borrowed without a pause for that long: it changes pool
+                    self.home[i] = self.pool[i] = phase
+                    del self.since[i]
+                    self.repurposed += 1
         return [i for i, p in enumerate(self.pool) if p == pool]
 
-    def _borrow(self, i: int) -> int:
+    def _borrow(self, i: int, phase: str) -> int:
         self.pool[i] = "mixed"
         self.borrowed += 1
+        if self.repurpose_s is not None:
+            self.since[i] = (self.clock(), phase)
         return i
 
     def prompt(self, prompt_len: int, loads: list[EngineStats]) -> int:
@@ -203,7 +220,7 @@ class SplitwisePools:
             if cands := [j for j in self._in(pool) if room(j)]:
                 return min(cands, key=lambda j: (loads[j].pending_tokens, loads[j].waiting))
         if cands := self._in("token"):
-            return self._borrow(min(cands, key=lambda j: (loads[j].pending_tokens, loads[j].running)))
+            return self._borrow(min(cands, key=lambda j: (loads[j].pending_tokens, loads[j].running)), "prompt")
         return min(range(len(loads)), key=lambda j: loads[j].pending_tokens)
 
     def token(self, need_blocks: int, loads: list[EngineStats], prompt_instance: int) -> int:
@@ -214,11 +231,12 @@ class SplitwisePools:
                 if fits(i):
                     return i
         if cands := [j for j in self._in("prompt") if fits(j)]:
-            return self._borrow(min(cands, key=lambda j: loads[j].committed_blocks))
+            return self._borrow(min(cands, key=lambda j: loads[j].committed_blocks), "token")
         return prompt_instance
 
     def idle(self, i: int) -> None:
         self.pool[i] = self.home[i]
+        self.since.pop(i, None)
 
 
 class StaticSplit:

@@ -170,6 +170,7 @@ class ClusterResult:
     handoffs: dict[str, int] = field(default_factory=dict)  # by outcome (the coordinator's count)
     batch_time: list[dict[int, float]] = field(default_factory=list)  # per instance: step tokens -> seconds
     store_kv_tokens: int = 0  # prompt tokens whose KV token instances read from the global store, not the link
+    repurposed: int = 0  # instances Splitwise's pools moved to the other pool for good (repurpose_s)
 
 
 class ClusterSim:
@@ -182,14 +183,15 @@ class ClusterSim:
     layerwise, over links of the machines' bandwidth unless `link_gbps` is given. calibration: per
     role, predictors.perf.Calibrated's corrections (measured on real instances). split_router: a
     split design as a fixed split (routers.StaticSplit, prompts by this router) instead of Splitwise's
-    pools.
+    pools. repurpose_s: Splitwise's coarse repurposing (an instance borrowed that long changes pool).
     Engine options (max_num_batched_tokens, chunked_prefill, ...) apply to every instance."""
 
     def __init__(self, model: str, design: Design, router: str = "jsq_tokens", perf_table=None,
                  transfer: str = "layerwise", link_latency_s: float = 10e-6, max_pending_tokens: int = 8192,
                  token_axis: str = "batch", predictors=None, link_gbps: float | None = None,
                  calibration: dict[str, dict] | None = None, split_router: str | None = None, rebalance=None,
-                 monitor_s: float | None = None, lease_s: float = 5.0, cost_models: list | None = None, **engine_kw):
+                 monitor_s: float | None = None, lease_s: float = 5.0, cost_models: list | None = None,
+                 repurpose_s: float | None = None, **engine_kw):
         if transfer not in MODES:
             raise ValueError(f"unknown transfer mode {transfer!r}; choose from {', '.join(MODES)}")
         from servewise.models.loader import load_model_config
@@ -245,7 +247,7 @@ class ClusterSim:
         self.network = Network([LinkModel(link_gbps or get_machine(m).nic_gbps, link_latency_s) for m, _ in specs])
         self.perf_labels = sorted({e.runner.perf.label for e in self.engines})
         self.routing = dict(router=router, max_pending_tokens=max_pending_tokens, split_router=split_router,
-                            lease_s=lease_s)
+                            lease_s=lease_s, repurpose_s=repurpose_s)
         self.coordinator = self._coordinator()  # (checks the routing; each run has a fresh one)
 
     def _coordinator(self) -> Coordinator:
@@ -485,4 +487,5 @@ class ClusterSim:
         return ClusterResult(reqs, rejected, placed, [s.steps for s in sims], [s.busy_s for s in sims], clock.now(),
                              time.perf_counter() - t0, transfers, self.network.bytes_sent, wait_s,
                              co.pools.borrowed if co.pools else 0, self.perf_labels, load_log, migrations,
-                             dict(co.handoffs), [s.batch_time for s in sims], store_tokens)
+                             dict(co.handoffs), [s.batch_time for s in sims], store_tokens,
+                             getattr(co.pools, "repurposed", 0))

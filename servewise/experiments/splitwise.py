@@ -79,6 +79,7 @@ class Settings:
     mixed_rates: tuple[float, ...] = (70.0, 90.0, 105.0)  # the mixed section's loads (conv trace, Splitwise-HH 25 + 15)
     batches_rate: float = 70.0  # the batches section's load (sweep trace)
     robustness_model: str = "llama-2-70b"  # the model the robustness section serves on the code-provisioned designs
+    repurpose_s: float = 30.0  # robustness: split designs run again with the pools' repurposing after this long
     transfer_prompts: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
     transfer: str = "layerwise"
     # SplitwiseSim's assumptions instead of servewise's: token times looked up on its axis, and every
@@ -180,11 +181,14 @@ def _batches_point(args) -> dict:
 
 
 def _robust_point(args) -> dict:
-    """A design provisioned for (code trace, s.model) on another trace or model, at the provisioning load."""
-    s, kind, counts, trace, model = args
+    """A design provisioned for (code trace, s.model) on another trace or model, at the provisioning load;
+    `repurpose`: with the pools' coarse repurposing (split designs)."""
+    s, kind, counts, trace, model, repurpose = args
     s = replace(s, model=model)
-    return check(model, design_of(kind, counts), *rescaled(s, trace, s.provision_rate), options=options(s, kind),
-                 tags=dict(kind=kind, counts=counts, trace=trace, rate=s.provision_rate, model=model))
+    extra = {"repurpose_s": s.repurpose_s} if repurpose else {}
+    m = check(model, design_of(kind, counts), *rescaled(s, trace, s.provision_rate), options={**options(s, kind), **extra},
+              tags=dict(kind=kind, counts=counts, trace=trace, rate=s.provision_rate, model=model, repurpose=repurpose))
+    return m
 
 
 def batch_cdf(hist: dict) -> tuple[list[int], list[float]]:
@@ -310,8 +314,9 @@ def run_experiment(s: Settings, progress=print) -> dict:
         out["batches"] = list(pool.map(_batches_point, tasks))
         progress(f"batch sizes: {len(tasks)} designs ({time.perf_counter() - t0:.0f} s)")
         best = {k: p["best"]["counts"] for k, p in prov.items() if p["best"]}
-        tasks = [(s, kind, counts, trace, model) for kind, counts in best.items() if "robustness" in s.sections
-                 for trace, model in (("code", s.model), ("conv", s.model), ("code", s.robustness_model))]
+        tasks = [(s, kind, counts, trace, model, repurpose) for kind, counts in best.items() if "robustness" in s.sections
+                 for trace, model in (("code", s.model), ("conv", s.model), ("code", s.robustness_model))
+                 for repurpose in ((False, True) if KINDS[kind][1] and (trace, model) != ("code", s.model) else (False,))]
         out["robustness"] = list(pool.map(_robust_point, tasks))
         if "robustness" in s.sections and not best:
             progress("robustness: skipped (it runs the provisioning section's designs: add provision)")
@@ -409,12 +414,13 @@ def report(r: dict) -> str:
         lines += ["", f"Robustness (Figure 20): the designs provisioned for the code trace and {r['settings']['model']} "
                   f"at {r['settings']['provision_rate']:g} req/s, on another trace or model; P50 / P90 / P99 slowdowns",
                   f"{'design':<16} {'machines':>9} {'trace':<5} {'model':<12} {'TTFT':>18} {'TBT':>16} "
-                  f"{'E2E':>16} {'SLOs':>5} {'refused':>8}"]
+                  f"{'E2E':>16} {'SLOs':>5} {'refused':>8} {'repurposed':>11}"]
         for m in r["robustness"]:
             cells = " ".join(f"{' / '.join(format(m[f'{k}_p{q}_slowdown'], '.1f') for q in PERCENTILES):>{w}}"
                              for k, w in (("ttft", 18), ("tbt", 16), ("e2e", 16)))
             lines.append(f"{m['kind']:<16} {_counts(m['kind'], m['counts']):>9} {m['trace']:<5} {m['model']:<12} "
-                         f"{cells} {'yes' if m['slo_met'] else 'no':>5} {m['rejected']:>8}")
+                         f"{cells} {'yes' if m['slo_met'] else 'no':>5} {m['rejected']:>8} "
+                         f"{(str(m['repurposed']) if m.get('repurpose') else '-'):>11}")
     lines += ["", "The paper:"] + [f"- {v}" for v in r["paper"].values()]
     lines.append(f"\nexperiment wall time {r['wall_s']:.0f} s")
     return "\n".join(lines)
