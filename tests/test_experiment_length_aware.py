@@ -39,17 +39,18 @@ def test_predict_lengths_scores_every_predictor(pairs, tmp_path, capsys):
 def test_experiment_runs_every_system_on_both_backends(kind, pairs, tmp_path, capsys):
     from servewise.experiments.length_aware import report, supported
 
-    main(["experiment", kind, "--data", pairs, "--train", "60", "--num-requests", "12", "--rates", "20",
+    main(["experiment", kind, "--data", pairs, "--train", "60", "--num-requests", "8", "--rates", "20",
           "--cache-dir", str(tmp_path), "--real-blocks", "64", "--out-dir", str(tmp_path)])
     res = json.loads((tmp_path / f"{kind}.json").read_text())
     systems = set(res["systems"])
     assert {(r["backend"], r["system"]) for r in res["runs"]} == {(b, s) for b in ("sim", "real") for s in systems
                                                                   if supported(b, s)}
-    assert ("real", "vsq") not in {(r["backend"], r["system"]) for r in res["runs"]} and "vsq" in systems
+    if kind == "magnus":  # (quantized weights: simulated only)
+        assert ("real", "vsq") not in {(r["backend"], r["system"]) for r in res["runs"]} and "vsq" in systems
     for r in res["runs"]:
-        assert r["completed"] == 12 and r["rejected"] == 0
+        assert r["completed"] == 8 and r["rejected"] == 0
         # the rates and latencies are those of one run: completed over its makespan, TTFT within E2E
-        assert r["request_throughput"] == pytest.approx(12 / r["duration_s"])
+        assert r["request_throughput"] == pytest.approx(8 / r["duration_s"])
         assert r["total_token_throughput"] > r["valid_token_throughput"] > 0  # (prompts counted too)
         assert 0 < r["mean_ttft_s"] <= r["mean_e2e_s"] <= r["p99_e2e_s"] and 0 <= r["slo_violation_rate"] <= 1
     text = report(res)  # printed and kept beside the JSON, from the same figures
