@@ -302,3 +302,10 @@ def test_splitwise_pools_repurpose_an_instance_borrowed_without_a_pause():
     assert pools.home[2] == "token" and pools.repurposed == 0
     with pytest.raises(ValueError, match="repurposing"):
         SplitwisePools(["prompt", "token"], repurpose_s=10.0)
+    # the last instance of a pool is never repurposed: the split keeps both phases
+    pools = SplitwisePools(["prompt", "token"], 1000, repurpose_s=30.0, clock=lambda: now[0])
+    now[0] = 0.0
+    assert pools.prompt(200, [pload(900, 2), pload(0, running=2)]) == 1
+    now[0] = 100.0
+    pools.prompt(200, [pload(900, 2), pload(100, 1)])
+    assert pools.home == ["prompt", "token"] and pools.repurposed == 0

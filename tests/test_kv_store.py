@@ -280,3 +280,21 @@ def test_a_simulated_block_is_readable_once_its_step_has_ended():
     assert b"a" * 16 not in s and not s.put(b"a" * 16)
     clock.wait_until(0.5)
     assert s.tier(b"a" * 16) == "memory" and s.read(b"a" * 16) == "memory"
+
+
+def test_pipelined_write_back_stores_what_a_synchronous_one_does_under_block_reuse(tmp_path):
+    """Many distinct prompts through a small pool: finished requests' named blocks are evicted and reused
+    by the very next step while the write-back of the last step runs beside it; the store must hold each
+    block as computed (each entry byte for byte what a synchronous write stored)."""
+    rng = random.Random(11)
+    ps = [[rng.randrange(10, 1000) for _ in range(rng.randrange(20, 70))] for _ in range(24)]
+    files = {}
+    for mode in ("sync", "pipelined"):
+        eng = LLM("tiny-llama", device="cpu", enable_prefix_caching=True, kv_store=str(tmp_path / mode),
+                  num_device_blocks=24, block_size=4, max_num_seqs=4).engine
+        eng.runner.pipelined_write = mode == "pipelined"
+        run(eng, ps)
+        d = str(tmp_path / mode)
+        files[mode] = {f: open(os.path.join(root, f), "rb").read() for root, _, fs in os.walk(d) for f in fs
+                       if f.endswith(".kv")}
+    assert len(files["sync"]) > 100 and files["pipelined"] == files["sync"]

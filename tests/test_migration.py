@@ -300,7 +300,7 @@ def test_algorithm_4_1_as_printed_moves_from_every_overloaded_instance_in_one_pe
     greedy = _rebalancer(rho=0.0).plan(loads())
     assert [(m.src, m.dst) for m in greedy] == [(0, 2)]  # one move a period, between the extremes
     moves = _rebalancer(rho=0.0, loop="sets").plan(loads())
-    assert {m.src for m in moves} == {0, 1} and {m.dst for m in moves} <= {2, 3} and len(moves) <= 6
+    assert {m.src for m in moves} == {0, 1} and {m.dst for m in moves} <= {2, 3}
     after = loads()  # the loads as the moves predict them: the gap has narrowed below delta_up
     rb = _rebalancer(rho=0.0, loop="sets")
     for m in rb.plan(after):

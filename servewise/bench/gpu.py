@@ -547,7 +547,9 @@ def report(r: dict) -> str:
     k = r.get("kv")
     if isinstance(k, dict) and "rows" in k:
         bw = f"{k['copy_gbs']:.0f} GB/s" if k["copy_gbs"] else "-"
-        lines += [f"## KV hand-off between two engines on this GPU ({k['model']}, bf16, blocks of "
+        dev = k.get("device", "cuda")
+        lines += [f"## KV hand-off between two engines on one {dev} device ({k['model']}, "
+                  f"{'bf16' if dev == 'cuda' else 'fp32'}, blocks of "
                   f"{k['block_bytes'] / 2**20:.1f} MiB)", "",
                   f"Engine A prefills, B decodes; the copy from A's KV cache into B's timed alone. The link model is "
                   f"the simulator's (one message per layer) at the device's plain-copy rate ({bw}).", "",

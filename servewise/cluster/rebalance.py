@@ -33,10 +33,10 @@ every instance, in one of three forms (`Rebalancing.loop`):
   delta, a move from the one to the other, the loads updated as the move predicts, up to `max_moves`
   a period;
 - `objective` (formulas 4-15 to 4-27): among the moves from an overloaded to an underloaded instance,
-  the one that most raises alpha U_avg - beta T_lat + gamma theta (each term relative to its value
-  before), with TTFT = Tq + Tp (+ Tx, the same for every plan: left out) per prompt instance, TPOT =
-  Td (Tc and Tm: no cache fetch on decode, memory stalls inside the roofline's step) per token
-  instance, theta = N L_out / (TTFT + L_out TPOT) (4-26), and the move's stall on both instances
+  the one that most raises alpha U_avg - beta T_lat + gamma theta (U as in 4-28, compute + memory;
+  the latency and throughput terms relative to their values before), with TTFT = Tq + Tp (+ Tx,
+  the same for every plan: left out) per prompt instance, TPOT = Td (Tc and Tm: no cache fetch on
+  decode, memory stalls inside the roofline's step) per token instance, theta = N L_out / (TTFT + L_out TPOT) (4-26), and the move's stall on both instances
   charged to their latency; never a move that breaks a TTFT or TPOT budget (4-25); repeated while
   it gains, up to `max_moves` a period.
 In each, a move is first a give-back of work the lighter instance moved to the loaded one earlier
@@ -283,7 +283,7 @@ class Rebalancer:
         n, L = sum(x.running for x in loads), self.cfg.out_len
         theta = n * L / (ttft + L * tpot) if ttft + L * tpot > 0 else 0.0
         lat0, theta0 = (ref[1] + ref[2], ref[3]) if ref else (ttft + tpot, theta)
-        value = a * statistics.mean(x.compute for x in loads) - b * ((ttft + tpot) / lat0 if lat0 else 0.0) \
+        value = a * statistics.mean(x.util for x in loads) - b * ((ttft + tpot) / lat0 if lat0 else 0.0) \
             + g * (theta / theta0 if theta0 else 0.0)
         return value, ttft, tpot, theta
 
@@ -323,7 +323,7 @@ class MigratingPerf:
         self.base, self.clock, c = base, clock, base.c
         self.L, self.H, self.g, self.D = c.num_layers, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
         self.hidden, self.itemsize = c.hidden_size, base.itemsize
-        self.layer_bytes = base.layer_params * base.itemsize  # one layer's weights
+        self.layer_bytes = base.layer_bytes  # one layer's weights
         self.block_bytes = base.block_size * c.kv_bytes_per_token
         self.link, self.latency = link_bytes_per_s, link_latency_s
         self.weights_s = base.span_parts(self.L, 0, 0, 0, 0)[1]  # reading the layers' weights once

@@ -181,7 +181,8 @@ class SplitwisePools:
       blocks that has room is borrowed; failing that, the request decodes where it was prefilled.
     A mixed instance goes back to its pool once it is idle (`idle`). With `repurpose_s`, Splitwise's
     coarse repurposing under sustained load: an instance borrowed that long without a pause joins the
-    pool of the phase it was borrowed for (a token instance taking prompts becomes a prompt instance).
+    pool of the phase it was borrowed for (a token instance taking prompts becomes a prompt instance),
+    unless it is the last of its pool.
     """
 
     def __init__(self, roles: list[str], max_pending_tokens: int = 8192, repurpose_s: float | None = None,
@@ -201,7 +202,8 @@ class SplitwisePools:
         if self.repurpose_s is not None:
             now = self.clock()
             for i, (t0, phase) in list(self.since.items()):
-                if now - t0 >= self.repurpose_s:  # borrowed without a pause for that long: it changes pool
+                # borrowed without a pause for that long: it changes pool, unless it is its pool's last
+                if now - t0 >= self.repurpose_s and self.home.count(self.home[i]) > 1:
                     self.home[i] = self.pool[i] = phase
                     del self.since[i]
                     self.repurposed += 1

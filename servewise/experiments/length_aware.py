@@ -168,8 +168,8 @@ SYSTEMS = {
     "slo-dbs": ({"batching": "slo-odbs", "slo_weights": "0,1"}, "buckets"),  # w1 = 0 (the thesis's naming)
     "odbs": ({"batching": "slo-odbs", "slo_weights": "1,0"}, "buckets"),  # w2 = 0
 }
-EXPERIMENTS = {"magnus": ("vanilla", "vsq", "vsq-fused", "ccb", "continuous", "cb-spf", "cb-hrrn", "glp", "magnus-fcfs", "magnus",
-                          "magnus-oracle", "magnus-wma5e4"),
+EXPERIMENTS = {"magnus": ("vanilla", "vsq", "vsq-fused", "ccb", "continuous", "cb-spf", "cb-hrrn", "glp", "magnus-fcfs",
+                          "magnus", "magnus-oracle", "magnus-wma5e4"),
                "uellm": ("vanilla", "s3", "s3-corrected", "continuous", "slo-odbs", "slo-odbs-formula", "slo-odbs-capped",
                          "slo-odbs-corrected", "slo-dbs", "odbs")}
 
@@ -326,11 +326,11 @@ def report(res: dict) -> str:
     for name, acc in res["accuracy"].items():
         lines.append(f"  {name} predictor on the workload: MAE {acc['mae']:.1f} tokens, bucket accuracy "
                      f"{acc['bucket_accuracy']:.3f}, Pearson {acc['pearson']:.3f}")
-    lines.append(f"{'backend':<8}{'req/s in':>9} {'system':<14}{'req/s':>7}{'valid tok/s':>12}{'total tok/s':>12}"
+    lines.append(f"{'backend':<8}{'req/s in':>9} {'system':<19}{'req/s':>7}{'valid tok/s':>12}{'total tok/s':>12}"
                  f"{'mean E2E s':>11}"
                  f"{'p99 E2E s':>10}{'SLO viol.':>10}{'splits':>7}{'preempt':>8}")
     for r in res["runs"]:
-        lines.append(f"{r['backend']:<8}{r['rate']:>9g} {r['system']:<14}{r['request_throughput']:>7.2f}"
+        lines.append(f"{r['backend']:<8}{r['rate']:>9g} {r['system']:<19}{r['request_throughput']:>7.2f}"
                      f"{r['valid_token_throughput']:>12.1f}{r.get('total_token_throughput', float('nan')):>12.1f}"
                      f"{r['mean_e2e_s']:>11.2f}{r['p99_e2e_s']:>10.2f}"
                      f"{r['slo_violation_rate']:>10.1%}{r['oom_splits']:>7d}{r['preemptions']:>8d}")

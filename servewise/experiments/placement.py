@@ -72,7 +72,8 @@ class Settings:
 
 
 def with_predictions(items, slo_range: tuple[float, float], seed: int):
-    """The items with a predicted output (its true length's bucket middle) and an SLO each (seeded)."""
+    """Give each item (in place) a predicted output, its true length's bucket middle, and an SLO (seeded);
+    returns them."""
     import random
 
     from servewise.predictors.output_length import bucket_middle, bucket_of

@@ -158,11 +158,12 @@ def design_of(kind: str, counts) -> Design:
     return Design({prompt: counts[0]}, {token: counts[1]})
 
 
-def run_design(s: Settings, kind: str, counts, trace: str, rate: float, **engine) -> dict:
+def run_design(s: Settings, kind: str, counts, trace: str, rate: float, batches: bool = False, **engine) -> dict:
     """Simulate one design on one rescaled trace (`engine`: options for every instance besides the
-    design's); returns its summary (latencies, slowdowns, SLO)."""
+    design's); returns its summary (latencies, slowdowns, SLO; with `batches`, each pool's time per
+    step size)."""
     return check(s.model, design_of(kind, counts), *rescaled(s, trace, rate), options={**options(s, kind), **engine},
-                 tags=dict(kind=kind, counts=counts, trace=trace, rate=rate, **engine))
+                 batches=batches, tags=dict(kind=kind, counts=counts, trace=trace, rate=rate, **engine))
 
 
 MIXED = ("Splitwise-HH", ISO_POWER["Splitwise-HH"])
@@ -175,9 +176,7 @@ def _mixed_point(args) -> dict:
 
 def _batches_point(args) -> dict:
     s, kind, counts = args
-    items, arrivals = rescaled(s, s.sweep_trace, s.batches_rate)
-    return check(s.model, design_of(kind, counts), items, arrivals, options=options(s, kind), batches=True,
-                 tags=dict(kind=kind, counts=counts, trace=s.sweep_trace, rate=s.batches_rate))
+    return run_design(s, kind, counts, s.sweep_trace, s.batches_rate, batches=True)
 
 
 def _robust_point(args) -> dict:
@@ -186,9 +185,9 @@ def _robust_point(args) -> dict:
     s, kind, counts, trace, model, repurpose = args
     s = replace(s, model=model)
     extra = {"repurpose_s": s.repurpose_s} if repurpose else {}
-    m = check(model, design_of(kind, counts), *rescaled(s, trace, s.provision_rate), options={**options(s, kind), **extra},
-              tags=dict(kind=kind, counts=counts, trace=trace, rate=s.provision_rate, model=model, repurpose=repurpose))
-    return m
+    return check(model, design_of(kind, counts), *rescaled(s, trace, s.provision_rate),
+                 options={**options(s, kind), **extra},
+                 tags=dict(kind=kind, counts=counts, trace=trace, rate=s.provision_rate, model=model, repurpose=repurpose))
 
 
 def batch_cdf(hist: dict) -> tuple[list[int], list[float]]:

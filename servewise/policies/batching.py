@@ -222,7 +222,8 @@ class SLOODBS(Assembler):
             s, o = self.slo(q, now), q.predicted_left
             t_l = (s + l_cm) * (len(cur) + 1) * self.l1
             t_o = (o + self.sign * o_cm) * (len(cur) + 1) * self.l2
-            tokens = max(tokens, q.num_tokens + o)  # longest input + output so far, for the memory cap
+            if capped:  # longest input + output so far, for the memory cap
+                tokens = max(tokens, q.num_tokens + o)
             fits = not capped or (len(cur) < self.max_batch and (len(cur) + 1) * tokens <= self.memory_cap)
             if not cur or (fits and self.w1 * t_l + self.w2 * t_o <= self.threshold):
                 cur.append(q)

@@ -37,12 +37,12 @@ class SimRunner:
             self._fetch_s += self.store.read_time([self.store.read(name) or "memory" for name, _ in move.pairs])
             return 0.0
         if move.dst is Pool.STORE:  # (block, name): write-through, a device-to-host copy of the blocks beside
-            # the step's layers (BanaServe's pipeline: layer l-1 stored while layer l computes); readable once
-            # this step (the last one's length, standing for it) and the copy have ended
+            # the next step's layers (BanaServe's pipeline: layer l-1 stored while layer l computes); readable
+            # once this step and the copy after it have ended
             write_s = self.perf.copy(len(move.pairs), True, len(block_runs([(b, b) for b, _ in move.pairs])))
             self._overlap_s += write_s
             for _, name in move.pairs:
-                self.store.put(name, delay=max(self._last, write_s))
+                self.store.put(name, delay=self._last + write_s)
             return 0.0
         runs = len(block_runs(move.pairs))  # the copy calls a real runner makes, per layer, for K and V
         if getattr(self.perf, "copy_overlaps", False):  # the transfer overlaps the next step, layer by layer
@@ -52,7 +52,8 @@ class SimRunner:
         return self.perf.copy(len(move.pairs), move.dst == Pool.HOST, runs)
 
     def finish_moves(self) -> None:
-        """(A simulated copy has no end to wait for: it is priced into the step it overlaps.)"""
+        """The engine is idle: copies that would have overlapped its next step have ended meanwhile."""
+        self._overlap_s = 0.0
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         if not out.scheduled:

@@ -78,6 +78,7 @@ class TorchRunner:
         self.layerwise_fetch = True  # fetched KV arrives layer by layer while the step computes
         self.pipelined_write = True  # blocks go to the store in a thread while the step computes
         self._write: threading.Thread | None = None  # the step's write-back to the store
+        self._write_error: Exception | None = None
         self._fetch: _Fetch | None = None  # the step's fetch from the store
         # CUDA: swaps between the device and the pinned host pool run on a stream of their own; layer i
         # of the step waits only for layer i's copies (vLLM 0.2.x's cache events)
@@ -123,17 +124,24 @@ class TorchRunner:
         if not move.pairs:
             return 0.0
         t0 = time.perf_counter()
-        if move.dst is Pool.STORE:  # (block, name): write-through of newly named blocks (computed by earlier
-            # steps: this step writes other blocks), in a thread beside the step's layers or now
-            def write(pairs=list(move.pairs)):
-                for b, name in pairs:
-                    self.store.put(name, self.device_cache[:, :, b])
+        if move.dst is Pool.STORE:  # (block, name): write-through of newly named blocks, copied out now (a
+            # block freed later may be reused by the next step) and stored in a thread beside the next step
             self.finish_writes()
+            snap = self.device_cache.index_select(2, torch.tensor([b for b, _ in move.pairs], device=self.device))
+            names = [name for _, name in move.pairs]
+
+            def write():
+                try:
+                    for i, name in enumerate(names):
+                        self.store.put(name, snap[:, :, i])
+                except Exception as e:  # raised again where the write is waited for
+                    self._write_error = e
             if self.pipelined_write:
                 self._write = threading.Thread(target=write, name="servewise-kv-write", daemon=True)
                 self._write.start()
             else:
                 write()
+                self.finish_writes()
             return time.perf_counter() - t0
         if move.src is Pool.STORE:  # (name, block): read while the step computes, or now
             self._fetch = _Fetch(self.store, move.pairs, self.device_cache)
@@ -191,10 +199,14 @@ class TorchRunner:
         self.finish_writes()
 
     def finish_writes(self) -> None:
-        """Wait for the write-back to the store: a step ends with its blocks stored."""
+        """Wait for the write-back to the store (a step ends with the last one's blocks stored); an error
+        it met is raised here."""
         if self._write is not None:
             self._write.join()
             self._write = None
+        if self._write_error is not None:
+            e, self._write_error = self._write_error, None
+            raise e
 
     def _apply(self, out: SchedulerOutput) -> None:
         """Bring the runner's own request state up to date with the step's diffs."""

@@ -20,7 +20,8 @@ def arguments(p) -> None:
                    help="comma-separated subset of Baseline-A100, Baseline-H100, Splitwise-AA, Splitwise-HH, "
                         "Splitwise-HA, Splitwise-HHcap (default: all)")
     p.add_argument("--sections", default=None,
-                   help="comma-separated subset of transfer, provision, sweep, iso, mixed, batches, robustness (default: all; robustness runs the designs provision finds)")
+                   help="comma-separated subset of transfer, provision, sweep, iso, mixed, batches, robustness "
+                        "(default: all; robustness runs the designs provision finds)")
     p.add_argument("--quick", action="store_true", help="a small version (minutes less; for checks, not results)")
     p.add_argument("--duration", type=float, default=None, help="seconds of each rescaled trace (default 120)")
     p.add_argument("--jobs", type=int, default=None, help="simulations run in parallel (default 2)")
