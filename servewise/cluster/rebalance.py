@@ -36,9 +36,9 @@ every instance, in one of three forms (`Rebalancing.loop`):
   the one that most raises alpha U_avg - beta T_lat + gamma theta (U as in 4-28, compute + memory;
   the latency and throughput terms relative to their values before), with TTFT = Tq + Tp (+ Tx,
   the same for every plan: left out) per prompt instance, TPOT = Td (Tc and Tm: no cache fetch on
-  decode, memory stalls inside the roofline's step) per token instance, theta = N L_out / (TTFT + L_out TPOT) (4-26), and the move's stall on both instances
-  charged to their latency; never a move that breaks a TTFT or TPOT budget (4-25); repeated while
-  it gains, up to `max_moves` a period.
+  decode, memory stalls inside the roofline's step) per token instance, theta = N L_out / (TTFT +
+  L_out TPOT) (4-26), and the move's stall on both instances charged to their latency; never a move
+  that breaks a TTFT or TPOT budget (4-25); repeated while it gains, up to `max_moves` a period.
 In each, a move is first a give-back of work the lighter instance moved to the loaded one earlier
 (ours: the thesis never moves work back), else a layer migration, else a head migration; made only if
 its predicted benefit (the gap it closes, 4-31) per second of its cost reaches `rho` (greedy and
@@ -205,8 +205,9 @@ class Rebalancer:
                     and m.benefit > 0:
                 yield m
 
-    def _worth(self, m: Move) -> bool:
-        return m.benefit / m.cost_s >= self.cfg.rho
+    def _first_worth(self, o: int, u: int, loads: list[Load]) -> Move | None:
+        """The first move from o to u whose benefit per second of its cost reaches rho (4-31)."""
+        return next((m for m in self._candidates(o, u, loads) if m.benefit / m.cost_s >= self.cfg.rho), None)
 
     def plan(self, loads: list[Load]) -> list[Move]:
         """The moves of one control period."""
@@ -219,7 +220,7 @@ class Rebalancer:
         if not self.active:  # (moving back the way the last move went must clear delta_up afresh)
             return []
         if cfg.loop == "greedy":
-            m = next((m for m in self._candidates(o, u, loads) if self._worth(m)), None)
+            m = self._first_worth(o, u, loads)
             if m is None:
                 return []
             self.last = (o, u)
@@ -251,7 +252,7 @@ class Rebalancer:
     def _sets_move(self, loads: list[Load], delta: float) -> Move | None:
         """Algorithm 4-1, lines 6-13: the first pair with a move worth its cost."""
         for o, u in self._pairs(loads, delta):
-            if (m := next((m for m in self._candidates(o, u, loads) if self._worth(m)), None)) is not None:
+            if (m := self._first_worth(o, u, loads)) is not None:
                 return m
         return None
 

@@ -376,7 +376,7 @@ class ClusterSim:
 
         def begin_transfer(rid: str, now: float) -> None:
             """Once both the token side's blocks and the prompt's last step are there."""
-            nonlocal seq, transfers
+            nonlocal seq, transfers, store_tokens
             mv = co.moves.get(rid)
             if mv is None or rid not in reserved or rid not in prefill:
                 return
@@ -384,7 +384,6 @@ class ClusterSim:
             start, dur = prefill.pop(rid)
             prompt = sims[mv.token].requests[rid].prompt_token_ids
             stored = self._stored_prefix(prompt)  # the token instance reads these from the store (BanaServe)
-            nonlocal store_tokens
             store_tokens += stored[0]
             nbytes = (len(prompt) - stored[0]) * self.kv_bytes_per_token
             end = max(now + stored[1],

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from servewise import lab
 from servewise.experiments import publish
-from servewise.metrics.plots import save_figure
+from servewise.metrics.plots import save_figure, series_style
 
 WORKLOADS = ("shared-prefix", "alpaca", "longbench", "azure-conv")
 LONG_MEAN = 1500  # longbench: mean prompt tokens (LongBench's inputs run to thousands; the 2,048-token models cut them)
@@ -247,10 +247,10 @@ def plot(res: dict, out_dir: str) -> str:
                    ("mean_tpot_ms", "mean TPOT (ms)"), ("mean_e2e_s", "mean E2E (s)")]
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics), 3.2))
     for ax, (key, label) in zip(axes, metrics):
-        for i, system in enumerate(SYSTEMS):  # (tab20 and three markers: no two systems look alike)
+        for i, system in enumerate(SYSTEMS):
             pts = sorted((r["rate"], r[key]) for r in res["runs"] if r["system"] == system)
             if pts:
-                ax.plot(*zip(*pts), marker="os^"[i % 3], markersize=4, color=plt.cm.tab20(i % 20), label=system)
+                ax.plot(*zip(*pts), label=system, **series_style(i))
         ax.set_xlabel("request rate (req/s)", fontsize=8)
         ax.set_ylabel(label, fontsize=8)
         ax.tick_params(labelsize=7)

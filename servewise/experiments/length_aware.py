@@ -24,7 +24,7 @@ import numpy as np
 from servewise import lab
 from servewise.experiments import publish
 from servewise.metrics import save_json
-from servewise.metrics.plots import save_figure
+from servewise.metrics.plots import save_figure, series_style
 from servewise.policies.refitting import Refitting
 from servewise.predictors.output_length import (PREDICTORS, Embedder, accuracy, features, instruction_of,
                                                 length_tokenizer, make_predictor, time_per_prediction)
@@ -351,9 +351,9 @@ def plot(res: dict, out_dir: str) -> list[str]:
         runs = [r for r in res["runs"] if r["backend"] == backend]
         fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.2))
         for ax, (key, label) in zip(axes, metrics):
-            for i, system in enumerate(dict.fromkeys(r["system"] for r in runs)):  # (tab20: no colour twice)
+            for i, system in enumerate(dict.fromkeys(r["system"] for r in runs)):
                 pts = sorted((r["rate"], r[key]) for r in runs if r["system"] == system)
-                ax.plot(*zip(*pts), marker="os^"[i % 3], markersize=4, color=plt.cm.tab20(i % 20), label=system)
+                ax.plot(*zip(*pts), label=system, **series_style(i))
             ax.set_xlabel("request rate (req/s)", fontsize=8)
             ax.set_ylabel(label, fontsize=8)
             ax.tick_params(labelsize=7)

@@ -4,6 +4,14 @@ from __future__ import annotations
 import os
 
 
+def series_style(i: int) -> dict:
+    """Line keywords for the i-th of many series: tab20 colours and three markers, so that no two of up
+    to 20 look alike (matplotlib's default cycle repeats after 10)."""
+    import matplotlib.pyplot as plt
+
+    return {"marker": "os^"[i % 3], "markersize": 4, "color": plt.cm.tab20(i % 20)}
+
+
 def save_figure(fig, out_dir: str, name: str) -> str:
     """Lay a figure out, write it to out_dir/name (110 dpi), close it; returns its path."""
     import matplotlib.pyplot as plt
