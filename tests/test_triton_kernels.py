@@ -109,6 +109,70 @@ def test_decode_ignores_block_table_columns_past_the_context():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_layer_ops_match_the_pytorch_operators(dtype):
+    """RMSNorm (alone and after the residual add), SiLU-mul on the strided halves of a fused gate-up
+    output, rotary in place on a strided q/k view, and the KV write, against plain PyTorch; every output
+    element written (outputs start as NaN where the op writes into given memory)."""
+    from servewise.kernels.triton_ops import TritonLayerOps as ops
+    from servewise.models.rope import rotate
+
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    g = torch.Generator().manual_seed(7)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEV, dtype)
+    close = lambda a, b: (a.float() - b.float()).abs().max().item() <= tol * max(1.0, b.float().abs().max().item())
+    x, d, w = rnd(5, 96), rnd(5, 96), rnd(96)
+    ref = lambda t: (t.float() * torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float())
+    assert close(ops.rms_norm(x, w, 1e-6), ref(x))
+    wide = rnd(5, 200)[:, 10:106]  # rows with a stride
+    assert close(ops.rms_norm(wide, w, 1e-6), ref(wide))
+    s, h = ops.add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(s, x + d) and close(h, ref(x + d))
+    gu = rnd(3, 2 * 1500)  # (more columns than one program's block)
+    gate, up = gu.split(1500, dim=-1)
+    want = (torch.nn.functional.silu(gate.float()) * up.float())
+    out = ops.silu_mul_(gate, up)
+    assert out.data_ptr() == gu.data_ptr() and close(out, want)
+    T, H, KVH, D = 4, 3, 2, 16
+    qkv = rnd(T, (H + 2 * KVH) * D)
+    qk = qkv[:, :(H + KVH) * D].view(T, H + KVH, D)
+    pos = torch.tensor([0, 5, 2, 9], device=DEV)
+    cos, sin = rnd(12, D), rnd(12, D)
+    want = rotate(qk.float(), cos[pos].float(), sin[pos].float())
+    v_before = qkv[:, (H + KVH) * D:].clone()
+    ops.rotary_(qk, pos, cos, sin)
+    assert close(qk, want) and torch.equal(qkv[:, (H + KVH) * D:], v_before)
+    k, v = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D), qkv[:, (H + KVH) * D:].view(T, KVH, D)
+    cache = torch.full((2, 20, KVH, D), float("nan"), device=DEV, dtype=dtype)
+    slots = torch.tensor([7, 0, 19, 3], device=DEV)
+    ops.write_kv(k, v, cache, slots)
+    assert torch.equal(cache[0, slots], k) and torch.equal(cache[1, slots], v)
+    others = [i for i in range(20) if i not in slots.tolist()]
+    assert cache[:, others].isnan().all()
+
+
+def test_copy_rows_moves_whole_blocks_between_caches():
+    from servewise.kernels.triton_ops import copy_rows
+
+    src = torch.randn(6, 3, 40).to(DEV)
+    dst = torch.full((9, 3, 40), float("nan"), device=DEV)
+    si, di = torch.tensor([4, 0, 5], device=DEV), torch.tensor([8, 2, 3], device=DEV)
+    copy_rows(src, dst, si, di)
+    assert torch.equal(dst[di], src[si]) and dst[[0, 1, 4, 5, 6, 7]].isnan().all()
+    with pytest.raises(ValueError, match="source rows"):
+        copy_rows(src, dst, si, di[:2])
+
+
+def test_decode_takes_queries_as_a_strided_view():
+    """The decode kernel reads q where the fused q/k/v projection left it (row stride wider than H * D)."""
+    kc, vc, tables = paged([1, 1, 1], [9, 30, 2], 8, 2, 32, torch.float32, seed=5)
+    qkv = torch.randn(3, (4 + 2 * 2) * 32).to(DEV)
+    q = qkv[:, :4 * 32].view(3, 4, 32)
+    args = (kc, vc, torch.tensor(tables, device=DEV), torch.tensor([10, 31, 3], device=DEV), 8, 0.2)
+    assert torch.equal(TritonAttention().paged_decode_attention(q, *args),
+                       TritonAttention().paged_decode_attention(q.contiguous(), *args))
+
+
 def test_buckets_cover_every_batch_size():
     sizes = buckets(100)
     assert sizes[0] == 1 and sizes[-1] == 100 and sizes == sorted(set(sizes))

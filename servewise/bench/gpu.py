@@ -381,9 +381,16 @@ def kv_section(s: Settings, dev: dict | None, progress=print, device: str = "cud
     (cluster.links.LinkModel at that bandwidth, one message per layer) against the layer-wise time."""
     from servewise.builder import build_engine
     from servewise.cluster.links import LinkModel
+    from servewise.engine.block_manager import block_runs
     from servewise.sampling_params import SamplingParams
 
     gpu = device == "cuda"
+    try:
+        from servewise.kernels.triton_ops import copy_rows
+    except ImportError:  # (no Triton: the PyTorch ways alone)
+        copy_rows = None
+    if not gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        copy_rows = None
     longest, out_len, B = max(s.kv_prompt_lens), 16, s.kv_batch
     blocks = B * -(-(longest + out_len + 1) // 16) + 8
     kw = dict(model=s.kv_model, load_format="dummy", dtype="bfloat16" if gpu else "float32", device=device,
@@ -428,31 +435,58 @@ def kv_section(s: Settings, dev: dict | None, progress=print, device: str = "cud
         dst_t = torch.tensor(dst, device=device)
         ca, cb = a.runner.device_cache, b.runner.device_cache
 
-        def layerwise():
+        runs = block_runs(list(zip(src, dst)))
+
+        def indexed():  # advanced indexing, one gather-scatter per layer
             for k in range(mc.num_layers):
                 cb[k, :, dst_t] = ca[k, :, src_t]
+
+        def selected():  # index_select into a buffer, index_copy_ out of it, per layer
+            for k in range(mc.num_layers):
+                cb[k].index_copy_(1, dst_t, ca[k].index_select(1, src_t))
+
+        def by_runs():  # one plain copy per run of consecutive blocks, per layer
+            for k in range(mc.num_layers):
+                for s0, d0, m in runs:
+                    cb[k, :, d0:d0 + m].copy_(ca[k, :, s0:s0 + m])
+
+        per_layer = ca.shape[1] * ca.shape[2]  # (K and V planes of one layer, as rows of one block each)
+        k_src = torch.cat((src_t, src_t + ca.shape[2]))
+        k_dst = torch.cat((dst_t, dst_t + cb.shape[2]))
+
+        def kernel():  # a Triton copy of whole blocks, one launch per layer
+            for k in range(mc.num_layers):
+                copy_rows(ca[k].view(per_layer, -1), cb[k].view(per_layer, -1), k_src, k_dst)
 
         def whole():
             cb[:, :, dst_t] = ca[:, :, src_t]
 
         whole_s = _median_s(whole, device)
-        layer_s = _median_s(layerwise, device)  # (last: what B decodes from)
+        ways = {"indexed": _median_s(indexed, device), "index_copy": _median_s(selected, device)}
+        ways["runs"] = _median_s(by_runs, device)
+        if copy_rows is not None:  # (the last way is what B decodes from: its tokens check that copy)
+            ways["kernel"] = _median_s(kernel, device)
+        best = min(ways, key=ways.get)
+        layer_s = ways[best]
         for r in reqs:
             a.release(r.request_id)
             b.kv_arrived(r.request_id)
         while b.has_unfinished():
             b.step()
         nbytes = len(src) * block_bytes
-        row = {"prompt_len": n, "requests": B, "blocks": len(src), "bytes": nbytes, "prompt_step_s": prompt_s,
-               "layerwise_s": layer_s, "whole_s": whole_s, "layerwise_gbs": nbytes / layer_s / 1e9,
+        row = {"prompt_len": n, "requests": B, "blocks": len(src), "runs": len(runs), "bytes": nbytes,
+               "prompt_step_s": prompt_s, "layerwise_s": layer_s, "layerwise_way": best,
+               "layerwise_gbs_by_way": {k: nbytes / v / 1e9 for k, v in ways.items()},
+               "whole_s": whole_s, "layerwise_gbs": nbytes / layer_s / 1e9,
                "whole_gbs": nbytes / whole_s / 1e9,
                "outputs_identical": [r.output_token_ids for r in reqs] == [r.output_token_ids for r in alone]}
         if copy_gbs:
             sim = LinkModel(copy_gbs).send_time(nbytes, mc.num_layers)
             row.update(sim_s=sim, sim_error_pct=(sim - layer_s) / layer_s * 100)
         rows.append(row)
-        progress(f"  {B} x {n} tokens: {nbytes / 1e6:.0f} MB in {layer_s * 1e3:.2f} ms layer by layer "
-                 f"({row['layerwise_gbs']:.0f} GB/s), {whole_s * 1e3:.2f} ms at once; the prompt step "
+        by_way = ", ".join(f"{k} {v:.0f}" for k, v in row["layerwise_gbs_by_way"].items())
+        progress(f"  {B} x {n} tokens ({len(runs)} runs): {nbytes / 1e6:.0f} MB in {layer_s * 1e3:.2f} ms layer by "
+                 f"layer ({by_way} GB/s), {whole_s * 1e3:.2f} ms at once; the prompt step "
                  f"{prompt_s * 1e3:.1f} ms" + (f"; link model {row['sim_error_pct']:+.0f}%" if copy_gbs else "")
                  + f"; outputs identical: {row['outputs_identical']}")
     del a, b

@@ -102,6 +102,22 @@ def status() -> str:
     return f"PyTorch path: decode attention by gather + SDPA, element-wise ops by operator ({_state.get('why', '')})"
 
 
+def layer_ops(device: str):
+    """A layer's element-wise kernels (RMSNorm, residual add + RMSNorm, rotary, SiLU-mul) for a device, or
+    None for the PyTorch operators: the compiled C++ ones on CPU, the Triton ones on CUDA (and on CPU with
+    SERVEWISE_KERNELS=triton under TRITON_INTERPRET=1, as attention_kernel chooses)."""
+    choice = os.environ.get("SERVEWISE_KERNELS", "auto")
+    if choice == "torch":
+        return None
+    if choice == "triton" or device.startswith("cuda"):
+        try:
+            from servewise.kernels.triton_ops import TritonLayerOps
+        except ImportError:
+            return None
+        return TritonLayerOps() if device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1" else None
+    return cpu_ext() if device.startswith("cpu") else None
+
+
 def attention_kernel(device: str):
     """(the paged-attention kernels for a device, or None for the PyTorch path; what was chosen, in words).
 

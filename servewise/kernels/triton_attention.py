@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from servewise.kernels.triton_ops import TritonLayerOps
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -37,7 +39,7 @@ def _tanh(x):
 
 @triton.jit
 def _decode_split(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, scale, softcap, window,
-                  stride_bt, split_len,
+                  stride_q, stride_bt, split_len,
                   H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                   DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr,
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, WHILE: tl.constexpr):
@@ -50,7 +52,7 @@ def _decode_split(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, s
     g, d = tl.arange(0, GP), tl.arange(0, DP)
     dmask = d < D
     heads = kvh * G + g
-    q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=(g < G)[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(q_ptr + b * stride_q + heads[:, None] * D + d[None, :], mask=(g < G)[:, None] & dmask[None, :], other=0.0)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
@@ -193,6 +195,7 @@ class TritonAttention:
 
     full = True  # takes window and soft cap too (the compiled CPU kernel does not)
     name = "Triton paged attention (decode and prefill read KV blocks in place)"
+    write_kv = staticmethod(TritonLayerOps.write_kv)  # a step's keys and values into their slots, one kernel
 
     def __init__(self, decode_block_n: int | None = None, decode_warps: int = 4, min_split: int = 128):
         """decode_block_n: keys per decode iteration (None: 64, 32 for head dims over 128)."""
@@ -201,8 +204,11 @@ class TritonAttention:
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                                scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        """q: [B, H, D]; caches: [slots, KVH, D]; block_tables: [B, W]; context_lens: [B]. Returns [B, H, D]."""
+        """q: [B, H, D] (any row stride, each row's heads contiguous, as a view of the step's fused q/k/v);
+        caches: [slots, KVH, D]; block_tables: [B, W]; context_lens: [B]. Returns [B, H, D]."""
         B, H, D = q.shape
+        if q.stride(2) != 1 or q.stride(1) != D:
+            q = q.contiguous()
         KVH = k_cache.shape[1]
         G = H // KVH
         GP, DP = _pow2(G), _pow2(D)
@@ -214,10 +220,10 @@ class TritonAttention:
         l = torch.empty_like(m)
         acc = torch.empty(B, H, S, DP, dtype=torch.float32, device=q.device)
         _decode_split[(B, KVH, S)](q, k_cache, v_cache, block_tables, context_lens, m, l, acc, scale,
-                                   softcap or 0.0, window or 0, block_tables.stride(0), split_len,
+                                   softcap or 0.0, window or 0, q.stride(0), block_tables.stride(0), split_len,
                                    H, KVH, G, GP, D, DP, block_size, block_n, S, softcap is not None,
                                    window is not None, _prec(q.dtype), INTERPRETED, num_warps=self.decode_warps)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _decode_merge[(B, H)](m, l, acc, out, H, D, DP, S, triton.next_power_of_2(S), num_warps=4)
         return out
 

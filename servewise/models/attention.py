@@ -40,8 +40,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     """q: [T, H, D]; k, v: [T, KVH, D]; cache: [2, slots, KVH, D]. Returns [T, H * D]."""
     T, H, D = q.shape
     KVH = k.shape[1]
-    cache[0].index_copy_(0, meta.slot_mapping, k)
-    cache[1].index_copy_(0, meta.slot_mapping, v)
+    if hasattr(meta.kernel, "write_kv"):  # (Triton: keys and values in one kernel)
+        meta.kernel.write_kv(k, v, cache, meta.slot_mapping)
+    else:
+        cache[0].index_copy_(0, meta.slot_mapping, k)
+        cache[1].index_copy_(0, meta.slot_mapping, v)
     opts = Opts(window, scale, softcap)
     if meta.is_prefill and meta.prior_lens is not None and hasattr(meta.kernel, "paged_prefill_attention"):
         out = meta.kernel.paged_prefill_attention(q.contiguous(), cache[0], cache[1], meta.block_tables, meta.seq_lens,
@@ -123,7 +126,7 @@ def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, opts:
     KVH = cache.shape[2]
     full = getattr(meta.kernel, "full", False)  # (Triton's kernels take windows and caps too; the CPU one does not)
     if meta.kernel is not None and (full or opts.window is None and opts.softcap is None):
-        out = meta.kernel.paged_decode_attention(q.contiguous(), cache[0], cache[1], meta.block_tables,
+        out = meta.kernel.paged_decode_attention(q if full else q.contiguous(), cache[0], cache[1], meta.block_tables,
                                                  meta.context_lens, meta.block_size, _scale(D, opts.scale),
                                                  *((opts.window, opts.softcap) if full else ()))
         return out.view(T, H * D)

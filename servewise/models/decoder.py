@@ -57,11 +57,16 @@ class DecoderLayer(nn.Module):
         # the norms' effective scales (Gemma's weights are offsets from 1), kept beside the parameters
         self.norm_w = {n: getattr(self, n).detach() + c.norm_offset if c.norm_offset else getattr(self, n).detach()
                        for n in _norm_names(c)}
-        # gate and up as two matmuls give contiguous halves, on which the activation runs several times faster
+        # on CPU gate and up as two matmuls give contiguous halves, on which the activation runs several times
+        # faster; on a GPU one matmul reads the weights faster and launches once (the activation takes strides)
         gu = self.gate_up_bias
         self.qkv, self.o = Linear(self.qkv_proj, self.qkv_bias), Linear(self.o_proj, self.o_bias)
-        self.gate = Linear(self.gate_up_proj[:i], None if gu is None else gu[:i])
-        self.up = Linear(self.gate_up_proj[i:], None if gu is None else gu[i:])
+        if self.gate_up_proj.device.type == "cpu":
+            self.gate_up = None
+            self.gate = Linear(self.gate_up_proj[:i], None if gu is None else gu[:i])
+            self.up = Linear(self.gate_up_proj[i:], None if gu is None else gu[i:])
+        else:
+            self.gate_up, self.gate, self.up = Linear(self.gate_up_proj, gu), None, None
         self.down = Linear(self.down_proj, self.down_bias)
         self.ops = layer_ops(self.qkv_proj)
         window = c.window(self.index)
@@ -76,7 +81,10 @@ class DecoderLayer(nn.Module):
         return self.ops.rms_norm(x, w, eps) if self.ops else rms_norm(x, w, eps)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate(h), self.up(h)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(h).split(self.c.intermediate_size, dim=-1)
+        else:
+            gate, up = self.gate(h), self.up(h)
         if self.c.hidden_act == "gelu_tanh":
             return self.down(F.gelu(gate, approximate="tanh").mul_(up))
         return self.down(self.ops.silu_mul_(gate, up) if self.ops else F.silu(gate).mul_(up))
@@ -112,9 +120,9 @@ class DecoderLayer(nn.Module):
 
 
 def layer_ops(weight: torch.Tensor):
-    """The compiled CPU kernels for a layer's element-wise work (RMSNorm, rotary, SiLU-mul), or None:
-    the PyTorch path (other devices, SERVEWISE_KERNELS=torch, no build)."""
-    return kernels.cpu_ext() if weight.device.type == "cpu" else None
+    """The kernels for a layer's element-wise work (RMSNorm, rotary, SiLU-mul) on the weight's device:
+    compiled C++ on CPU, Triton on CUDA; or None: the PyTorch path (SERVEWISE_KERNELS=torch, no build)."""
+    return kernels.layer_ops(str(weight.device))
 
 
 class DecoderForCausalLM(nn.Module):
@@ -163,7 +171,8 @@ class DecoderForCausalLM(nn.Module):
             layer.finalize()
 
     def linears(self) -> list[Linear]:
-        return [self.head] + [lin for l in self.layers for lin in (l.qkv, l.o, l.gate, l.up, l.down)]
+        return [self.head] + [lin for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.gate, l.up, l.down)
+                              if lin is not None]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         c = self.c

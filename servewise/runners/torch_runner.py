@@ -71,8 +71,10 @@ class TorchRunner:
         flat = self.device_cache.view(mc.num_layers, 2, -1, *per_block[1:])
         self.kv_caches = list(flat.unbind(0))
         self.prefill_kernel = hasattr(self.attn_kernel, "paged_prefill_attention")  # every prefill reads the cache
+        ops = getattr(model.layers[0], "ops", None) if len(getattr(model, "layers", ())) else None
         self.paths = "; ".join((describe_linears(model.linears()) if hasattr(model, "linears") else "linear layers: F.linear",
-                                attn_path, keep_freed_memory() if self.device.type == "cpu" else "malloc: system defaults"))
+                                attn_path, *([ops.name] if hasattr(ops, "name") else []),
+                                keep_freed_memory() if self.device.type == "cpu" else "malloc: system defaults"))
         log.info("servewise: %s", self.paths)
         self.store = store
         self.layerwise_fetch = True  # fetched KV arrives layer by layer while the step computes
