@@ -99,6 +99,47 @@ def test_layerwise_transfer_on_a_hand_worked_example():
     assert late == pytest.approx(2.5 + total + total)
 
 
+def test_auto_transfer_picks_serialized_for_small_prompts_by_the_layerwise_fixed_cost():
+    """Splitwise's choice by prompt size: a layer-wise transfer shows a fixed 8 ms after any prompt
+    (its per-layer synchronisation); a serialized one shows its whole send. 100 GB/s, 4 layers, 10 us
+    a message: 0.5 GB sends in 5.04 ms < 8 ms + 1.26 ms (serialized), 2 GB in 20.04 ms > 13 ms (layer-wise)."""
+    from servewise.cluster.links import choose_mode
+
+    link = LinkModel(gbps=100, latency_s=10e-6, layerwise_fixed_s=0.008)
+    assert choose_mode("auto", link, 0.5e9, 4) == "serialized"
+    assert choose_mode("auto", link, 2e9, 4) == "layerwise"
+    assert choose_mode("layerwise", link, 0.5e9, 4) == "layerwise"
+    # the fixed part shows after a compute-bound prompt, on top of the last layer's send
+    assert transfer_end("layerwise", link, 2e9, 4, 0.0, 1.0, 0.0) == pytest.approx(1.0 + 0.008 + 0.00501)
+    assert transfer_end("auto", link, 0.5e9, 4, 0.0, 1.0, 0.0) == pytest.approx(1.0 + 0.00504)
+    assert transfer_end("auto", link, 2e9, 4, 0.0, 1.0, 0.0) == pytest.approx(1.0 + 0.008 + 0.00501)
+    # without a fixed cost auto is layer-wise, whatever the size
+    assert choose_mode("auto", LinkModel(100), 1e3, 4) == "layerwise"
+    net = Network([link] * 2)
+    net.plan("auto", 0, 1, 0.5e9, 4, 0.0, 1.0, 0.0)
+    net.plan("auto", 0, 1, 2e9, 4, 2.0, 1.0, 2.0)
+    assert net.modes == {"serialized": 1, "layerwise": 1}
+
+
+@needs_table
+def test_auto_transfer_in_a_simulated_split_cluster():
+    """Short and long prompts on one prompt + one token DGX-A100 (BLOOM-176B: about 4 MB of KV a token over
+    8 x 25 GB/s): with Splitwise's 8 ms the short ones go serialized and the long ones layer-wise, and
+    auto's KV arrives no later in sum than either mode alone."""
+    from servewise.cluster.sim import ClusterSim, Design
+
+    items = [WorkloadRequest(n, 2) for n in (64, 100, 3000, 4000)]
+    waits, modes = {}, {}
+    for mode in ("serialized", "layerwise", "auto"):
+        sim = ClusterSim("bloom-176b", Design({"dgx-a100": 1}, {"dgx-a100": 1}), perf_table=TABLE, transfer=mode,
+                         layerwise_fixed_s=0.008)
+        res = sim.run(items, [10.0 * i for i in range(len(items))])
+        waits[mode], modes[mode] = res.transfer_wait_s, res.transfer_modes
+    assert modes["auto"] == {"serialized": 2, "layerwise": 2}
+    assert modes["serialized"] == {"serialized": 4, "layerwise": 0}
+    assert waits["auto"] < min(waits["serialized"], waits["layerwise"])
+
+
 def pload(queued=0, waiting=0, committed=0, running=0):
     return EngineStats(running, waiting, 0, PoolStats(100, 100 - committed), PoolStats(0, 0), {}, queued, 0, committed)
 

@@ -81,3 +81,20 @@ def test_the_mixed_section_runs_the_design_under_both_policies_and_reports_them(
     text = report({"settings": {"sweep_trace": "conv", "provision_rate": 10, "duration_s": 10, "sweep_rates": []},
                    "transfer": [], "provisioning": {}, "throughput": [], "mixed": runs, "paper": {}, "wall_s": 0})
     assert "Mixed machines: Splitwise-HH 25 + 15" in text and "prompt-first" in text
+
+
+@needs_table
+def test_the_transfer_section_chooses_serialized_below_the_crossover_and_reports_it():
+    import os
+
+    from servewise.experiments.splitwise import Settings, report, transfer_overheads
+
+    s = Settings(data_dir=os.path.dirname(os.path.dirname(TABLE)), transfer_prompts=(128, 2048))
+    rows = transfer_overheads(s)
+    assert [r["auto_mode"] for r in rows] == ["serialized", "layerwise"] * 2  # A100, then H100
+    for r in rows:  # auto shows the lesser of the two modes (with the fixed time), never more
+        assert r["auto_s"] == pytest.approx(min(r["serialized_s"], r["layerwise_fixed_s"]))
+        assert r["layerwise_fixed_s"] > r["layerwise_s"]
+    text = report({"settings": {"sweep_trace": "conv", "provision_rate": 10, "duration_s": 10, "sweep_rates": []},
+                   "transfer": rows, "provisioning": {}, "throughput": [], "paper": {}, "wall_s": 0})
+    assert "auto chose" in text and "serialized" in text

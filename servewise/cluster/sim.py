@@ -171,6 +171,7 @@ class ClusterResult:
     batch_time: list[dict[int, float]] = field(default_factory=list)  # per instance: step tokens -> seconds
     store_kv_tokens: int = 0  # prompt tokens whose KV token instances read from the global store, not the link
     repurposed: int = 0  # instances Splitwise's pools moved to the other pool for good (repurpose_s)
+    transfer_modes: dict[str, int] = field(default_factory=dict)  # transfers by mode (auto chooses per request)
 
 
 class ClusterSim:
@@ -179,8 +180,9 @@ class ClusterSim:
     router: for a design without prompt/token pools, a routers.make_router name (round_robin, jsq,
     jsq_tokens); split designs use SplitwisePools. perf_table: Splitwise's measured GPU table (a path)
     for every GPU machine's times (token_axis: see predictors.measured), else the analytical roofline;
-    `this-cpu` machines take `predictors` (profiled on this machine). transfer: serialized or
-    layerwise, over links of the machines' bandwidth unless `link_gbps` is given. calibration: per
+    `this-cpu` machines take `predictors` (profiled on this machine). transfer: serialized, layerwise or
+    auto (by prompt size, see cluster.links), over links of the machines' bandwidth unless `link_gbps` is
+    given; layerwise_fixed_s: what every layer-wise transfer shows after its prompt. calibration: per
     role, predictors.perf.Calibrated's corrections (measured on real instances). split_router: a
     split design as a fixed split (routers.StaticSplit, prompts by this router) instead of Splitwise's
     pools. repurpose_s: Splitwise's coarse repurposing (an instance borrowed that long changes pool).
@@ -191,7 +193,7 @@ class ClusterSim:
                  token_axis: str = "batch", predictors=None, link_gbps: float | None = None,
                  calibration: dict[str, dict] | None = None, split_router: str | None = None, rebalance=None,
                  monitor_s: float | None = None, lease_s: float = 5.0, cost_models: list | None = None,
-                 repurpose_s: float | None = None, **engine_kw):
+                 repurpose_s: float | None = None, layerwise_fixed_s: float = 0.0, **engine_kw):
         if transfer not in MODES:
             raise ValueError(f"unknown transfer mode {transfer!r}; choose from {', '.join(MODES)}")
         from servewise.models.loader import load_model_config
@@ -244,7 +246,10 @@ class ClusterSim:
 
             p = self.engines[0].runner.perf
             self.rebalancer = Rebalancer(rebalance, p.L, p.H, p.layer_bytes, p.block_bytes, p.link)
-        self.network = Network([LinkModel(link_gbps or get_machine(m).nic_gbps, link_latency_s) for m, _ in specs])
+        if layerwise_fixed_s < 0:
+            raise ValueError(f"layerwise_fixed_s must be >= 0, got {layerwise_fixed_s}")
+        self.network = Network([LinkModel(link_gbps or get_machine(m).nic_gbps, link_latency_s, layerwise_fixed_s)
+                                for m, _ in specs])
         self.perf_labels = sorted({e.runner.perf.label for e in self.engines})
         self.routing = dict(router=router, max_pending_tokens=max_pending_tokens, split_router=split_router,
                             lease_s=lease_s, repurpose_s=repurpose_s)
@@ -487,4 +492,4 @@ class ClusterSim:
                              time.perf_counter() - t0, transfers, self.network.bytes_sent, wait_s,
                              co.pools.borrowed if co.pools else 0, self.perf_labels, load_log, migrations,
                              dict(co.handoffs), [s.batch_time for s in sims], store_tokens,
-                             getattr(co.pools, "repurposed", 0))
+                             getattr(co.pools, "repurposed", 0), dict(self.network.modes))

@@ -223,22 +223,33 @@ def _provision(args) -> dict:
             **({"frontier": p.frontier} if token else {}), "evaluated": evaluated}
 
 
+# what a layer-wise transfer showed after the prompt in Splitwise's implementation, whatever the size (Fig. 14)
+LAYERWISE_FIXED_S = {A: 0.008, H: 0.005}
+
+
 def transfer_overheads(s: Settings) -> list[dict]:
     """A lone request per prompt size on one prompt + one token machine: the KV arrival after the
-    prompt's end (what the transfer adds to the second token), serialized and layer-wise."""
+    prompt's end (what the transfer adds to the second token), serialized and layer-wise; then, with
+    the fixed time Splitwise's layer-wise transfer showed (LAYERWISE_FIXED_S), layer-wise and auto (the
+    mode by prompt size) and the mode auto chose."""
     from servewise.lab import Cluster, Spec, run
 
     rows = []
     for machine in (A, H):
         for prompt_len in s.transfer_prompts:
             row = {"machine": get_machine(machine).name, "prompt_tokens": prompt_len}
-            for mode in ("serialized", "layerwise"):
-                pair = Cluster(s.model, Design({machine: 1}, {machine: 1}), {"perf_table": s.table, "transfer": mode})
+            for key, mode, fixed in (("serialized", "serialized", 0.0), ("layerwise", "layerwise", 0.0),
+                                     ("layerwise_fixed", "layerwise", LAYERWISE_FIXED_S[machine]),
+                                     ("auto", "auto", LAYERWISE_FIXED_S[machine])):
+                pair = Cluster(s.model, Design({machine: 1}, {machine: 1}),
+                               {"perf_table": s.table, "transfer": mode, "layerwise_fixed_s": fixed})
                 rec = run(Spec(pair, [WorkloadRequest(prompt_len, 2)], [0.0]))
                 prompt_s, wait_s = rec.requests[0].first_token, rec.cluster["transfer_wait_s"]
                 row["prompt_s"] = prompt_s
-                row[f"{mode}_s"] = wait_s
-                row[f"{mode}_pct_of_prompt"] = 100 * wait_s / prompt_s
+                row[f"{key}_s"] = wait_s
+                row[f"{key}_pct_of_prompt"] = 100 * wait_s / prompt_s
+                if mode == "auto":
+                    row["auto_mode"] = next(m for m, n in rec.cluster["transfer_modes"].items() if n)
             rows.append(row)
     return rows
 
@@ -359,12 +370,16 @@ def report(r: dict) -> str:
                          f"{e['prompt_bias_pct']:+6.1f} / {e['prompt_mape_pct']:5.1f}  "
                          f"{e['token_bias_pct']:+6.1f} / {e['token_mape_pct']:5.1f}")
         lines.append("")
-    lines += ["KV transfer after the prompt's end, lone request (ms, and % of the prompt time)",
-              f"{'machine':<9} {'prompt':>6} {'prompt ms':>9} {'serialized':>17} {'layer-wise':>17}"]
+    lines += ["KV transfer after the prompt's end, lone request (ms, and % of the prompt time); +fixed: with the "
+              "time Splitwise's layer-wise transfer showed after any prompt (Fig. 14: 8 ms A100, 5 ms H100)",
+              f"{'machine':<9} {'prompt':>6} {'prompt ms':>9} {'serialized':>17} {'layer-wise':>17} "
+              f"{'+fixed':>8} {'auto':>8} {'auto chose':>10}"]
     for t in r["transfer"]:
+        fixed = (f" {t['layerwise_fixed_s'] * 1e3:>8.1f} {t['auto_s'] * 1e3:>8.1f} {t['auto_mode']:>10}"
+                 if "auto_s" in t else "")
         lines.append(f"{t['machine']:<9} {t['prompt_tokens']:>6} {t['prompt_s'] * 1e3:>9.1f} "
                      f"{t['serialized_s'] * 1e3:>8.1f} ({t['serialized_pct_of_prompt']:4.1f}%) "
-                     f"{t['layerwise_s'] * 1e3:>8.1f} ({t['layerwise_pct_of_prompt']:4.1f}%)")
+                     f"{t['layerwise_s'] * 1e3:>8.1f} ({t['layerwise_pct_of_prompt']:4.1f}%)" + fixed)
     lines += ["", f"Cheapest and least power-hungry designs, code trace at {r['settings']['provision_rate']:g} req/s "
               f"({r['settings']['duration_s']:g} s), all nine SLO percentiles met",
               f"{'design':<16} {'cheapest':>9} {'cost':>7} {'power':>7} {'least power':>11} {'cost':>7} {'power':>7} "
@@ -498,9 +513,10 @@ def plot(r: dict, out_dir: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))  # Figures 14-15
     for machine in dict.fromkeys(t["machine"] for t in r["transfer"]):
         ts = [t for t in r["transfer"] if t["machine"] == machine]
-        for mode, ls in (("serialized", "--"), ("layerwise", "-")):
-            ax.plot([t["prompt_tokens"] for t in ts], [t[f"{mode}_s"] * 1e3 for t in ts], ls=ls, marker=".",
-                    label=f"{machine}, {mode}")
+        for mode, ls in (("serialized", "--"), ("layerwise", "-"), ("layerwise_fixed", ":"), ("auto", "-.")):
+            if all(f"{mode}_s" in t for t in ts):
+                ax.plot([t["prompt_tokens"] for t in ts], [t[f"{mode}_s"] * 1e3 for t in ts], ls=ls, marker=".",
+                        label=f"{machine}, {mode.replace('_fixed', ' + Fig. 14 fixed')}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("KV transfer after the prompt (ms)")

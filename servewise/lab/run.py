@@ -124,7 +124,7 @@ def _run_cluster(spec: Spec, progress, sim=None) -> Record:
     cluster = {"handoffs": dict(res.handoffs), "transfers": res.transfers, "transfer_gb": res.transfer_bytes / 1e9,
                "transfer_wait_s": res.transfer_wait_s, "borrowed": res.borrowed, "makespan_s": res.makespan,
                "migrations": len(res.migrations), "perf": list(res.perf_labels),
-               "store_kv_tokens": res.store_kv_tokens}
+               "store_kv_tokens": res.store_kv_tokens, "transfer_modes": dict(res.transfer_modes)}
     return Record(dict(spec.tags), compute(records, spec.slo), records, res.rejected, steps, res.wall_s, prefix,
                   None, cluster, sim, res)
 
