@@ -26,6 +26,9 @@ def test_the_bench_measures_each_shape_and_dtype_and_saves_what_it_printed(tmp_p
         assert lo <= x["share_of_stream"] <= hi
         assert f"| {x['model']} ({x['heads']} / {x['kv_heads']} / {x['head_dim']}) | {x['dtype']} | " \
                f"{x['kernel_gbs']:.1f} |" in printed
+        assert x["pool_bytes"] > 0
+    if saved["last_level_cache_bytes"]:  # these small pools fit in any last-level cache: said so
+        assert saved["last_level_cache_bytes"] > 2**20 and "warning: tiny-llama/float32: its KV pool" in printed
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -59,6 +59,23 @@ def _best(fn, repeat: int) -> float:
     return min(times)
 
 
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache (per socket, from sysfs), or None where the system does not say."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text.rstrip("KMGkmg")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes) if sizes else None
+
+
 def stream_gbs(buf: torch.Tensor, repeat: int) -> float:
     return buf.numel() * buf.element_size() / _best(buf.sum, repeat) / 1e9
 
@@ -111,6 +128,13 @@ def main(s: Settings) -> dict:
         H, KVH, D = head_shape(model)
         for dt in s.dtypes:
             cases[(model, dt)] = (Case(H, KVH, D, getattr(torch, dt), s), (H, KVH, D))
+    llc = last_level_cache_bytes()
+    if llc:  # a case the cache holds measures the cache's bandwidth, not the memory the stream reads
+        for (model, dt), (case, _) in cases.items():
+            if case.cache.nbytes < 2 * llc:
+                print(f"warning: {model}/{dt}: its KV pool ({case.cache.nbytes / 2**20:.0f} MiB) is under twice the "
+                      f"last-level cache ({llc / 2**20:.0f} MiB); its share of the stream measures the cache as "
+                      f"much as memory (raise --batch or --context)", flush=True)
     buf = torch.ones(s.stream_mib << 18, dtype=torch.float32)
     rounds = []
     for r in range(s.rounds):
@@ -128,7 +152,7 @@ def main(s: Settings) -> dict:
     for (model, dt), (case, (H, KVH, D)) in cases.items():
         key = f"{model}/{dt}"
         shares = [row[key] / row["stream_gbs"] for row in rounds]
-        item = {"model": model, "dtype": dt, "heads": H, "kv_heads": KVH, "head_dim": D,
+        item = {"model": model, "dtype": dt, "heads": H, "kv_heads": KVH, "head_dim": D, "pool_bytes": case.cache.nbytes,
                 "kernel_gbs": statistics.median(row[key] for row in rounds),
                 "share_of_stream": statistics.median(shares), "share_range": [min(shares), max(shares)]}
         if s.torch_path:
@@ -140,7 +164,8 @@ def main(s: Settings) -> dict:
     stream = statistics.median(row["stream_gbs"] for row in rounds)
     print(f"stream (median of rounds): {stream:.1f} GB/s; medians over {s.rounds} rounds, shares taken round by round")
     result = {"settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(s).items()},
-              "threads": threads, "cpu_flags": cpu_flags(), "stream_gbs": stream, "summary": summary,
+              "threads": threads, "cpu_flags": cpu_flags(), "last_level_cache_bytes": llc, "stream_gbs": stream,
+              "summary": summary,
               "rounds": rounds}
     if s.out:
         save_json(result, s.out)
