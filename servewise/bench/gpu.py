@@ -453,12 +453,12 @@ def kv_section(s: Settings, dev: dict | None, progress=print, device: str = "cud
                     cb[k, :, d0:d0 + m].copy_(ca[k, :, s0:s0 + m])
 
         per_layer = ca.shape[1] * ca.shape[2]  # (K and V planes of one layer, as rows of one block each)
-        k_src = torch.cat((src_t, src_t + ca.shape[2]))
-        k_dst = torch.cat((dst_t, dst_t + cb.shape[2]))
+        rows_src = torch.cat((src_t, src_t + ca.shape[2]))  # the blocks' rows in the K plane, then the V plane
+        rows_dst = torch.cat((dst_t, dst_t + cb.shape[2]))
 
         def kernel():  # a Triton copy of whole blocks, one launch per layer
             for k in range(mc.num_layers):
-                copy_rows(ca[k].view(per_layer, -1), cb[k].view(per_layer, -1), k_src, k_dst)
+                copy_rows(ca[k].view(per_layer, -1), cb[k].view(per_layer, -1), rows_src, rows_dst)
 
         def whole():
             cb[:, :, dst_t] = ca[:, :, src_t]

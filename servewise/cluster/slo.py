@@ -45,7 +45,7 @@ def check(model: str, design, items, arrivals, *, options: dict | None = None, r
     m.update(tags or {})
     m.update(requests=len(items), rejected=len(res.rejected), wall_s=res.wall_s, steps=sum(res.steps),
              transfers=res.transfers, borrowed=res.borrowed, repurposed=res.repurposed,
-             preemptions=sum(r.preemptions["recompute"] + r.preemptions["swap"] for r in res.requests if r is not None),
+             preemptions=sum(r.times_preempted for r in res.requests if r is not None),
              transfer_share_of_e2e=res.transfer_wait_s / e2e if e2e else 0.0, perf=list(res.perf_labels),
              **design.totals())
     if batches:

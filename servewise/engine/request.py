@@ -55,6 +55,11 @@ class Request:
     priority: int = 0  # under the priority policy: lower values are served first (vLLM's convention)
 
     @property
+    def times_preempted(self) -> int:
+        """Preemptions of any kind, each once (a swap that fell back is among the recomputes)."""
+        return self.preemptions["recompute"] + self.preemptions["swap"]
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -102,20 +102,27 @@ def status() -> str:
     return f"PyTorch path: decode attention by gather + SDPA, element-wise ops by operator ({_state.get('why', '')})"
 
 
+def _family(device: str) -> str:
+    """Which kernels serve a device: "torch" (SERVEWISE_KERNELS=torch), "triton" (CUDA, or
+    SERVEWISE_KERNELS=triton on any device) or "compiled" (the C++ ones on CPU, none elsewhere)."""
+    choice = os.environ.get("SERVEWISE_KERNELS", "auto")
+    if choice == "torch":
+        return "torch"
+    return "triton" if choice == "triton" or device.startswith("cuda") else "compiled"
+
+
 def layer_ops(device: str):
     """A layer's element-wise kernels (RMSNorm, residual add + RMSNorm, rotary, SiLU-mul) for a device, or
     None for the PyTorch operators: the compiled C++ ones on CPU, the Triton ones on CUDA (and on CPU with
     SERVEWISE_KERNELS=triton under TRITON_INTERPRET=1, as attention_kernel chooses)."""
-    choice = os.environ.get("SERVEWISE_KERNELS", "auto")
-    if choice == "torch":
-        return None
-    if choice == "triton" or device.startswith("cuda"):
+    family = _family(device)
+    if family == "triton":
         try:
             from servewise.kernels.triton_ops import TritonLayerOps
         except ImportError:
             return None
         return TritonLayerOps() if device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1" else None
-    return cpu_ext() if device.startswith("cpu") else None
+    return cpu_ext() if family == "compiled" and device.startswith("cpu") else None
 
 
 def attention_kernel(device: str):
@@ -124,10 +131,10 @@ def attention_kernel(device: str):
     CPU: the compiled C++ decode kernel. CUDA: the Triton kernels (decode and prefill), when Triton
     imports. SERVEWISE_KERNELS=torch: the PyTorch path everywhere; SERVEWISE_KERNELS=triton: the
     Triton kernels on any device (on CPU under TRITON_INTERPRET=1, slowly: how the tests check them)."""
-    choice = os.environ.get("SERVEWISE_KERNELS", "auto")
-    if choice == "torch":
+    family = _family(device)
+    if family == "torch":
         return None, "PyTorch path: gather + SDPA (SERVEWISE_KERNELS=torch)"
-    if choice == "triton" or device.startswith("cuda"):
+    if family == "triton":
         try:
             from servewise.kernels.triton_attention import TritonAttention
         except ImportError as e:  # (Triton ships with PyTorch's CUDA builds; not with the CPU wheel)

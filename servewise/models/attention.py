@@ -126,6 +126,7 @@ def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, opts:
     KVH = cache.shape[2]
     full = getattr(meta.kernel, "full", False)  # (Triton's kernels take windows and caps too; the CPU one does not)
     if meta.kernel is not None and (full or opts.window is None and opts.softcap is None):
+        # (Triton's kernel reads q as the fused q/k/v projection's view; the CPU one wants it contiguous)
         out = meta.kernel.paged_decode_attention(q if full else q.contiguous(), cache[0], cache[1], meta.block_tables,
                                                  meta.context_lens, meta.block_size, _scale(D, opts.scale),
                                                  *((opts.window, opts.softcap) if full else ()))

@@ -104,7 +104,7 @@ class PromptFirst:
     def key(self, req: Request, now: float) -> tuple:
         if not req.output_token_ids:
             rank = 1
-        elif now - req.arrival_time >= self.age_s or req.preemptions["recompute"] + req.preemptions["swap"] >= self.cap:
+        elif now - req.arrival_time >= self.age_s or req.times_preempted >= self.cap:
             rank = 0
         else:
             rank = 2
