@@ -18,11 +18,14 @@ def _mc(name):
 def test_operations_add_up_and_scale_as_their_shapes_say():
     mc = _mc("llama-2-70b")
     cal = Calibration(gemm_eff=0.8, gemm_knee=64.0, mem_eff=0.9, attn_eff=0.5, step_s=1e-3, layer_s=2e-6,
-                      allreduce_s=5e-6, nvlink_eff=0.7, prompt_request_s=1e-4, decode_request_s=2e-5)
+                      ring_step_s=5e-6, nvlink_eff=0.7, prompt_request_s=1e-4, decode_request_s=2e-5)
     perf = OperationPerf(mc, "a100-80g", 16, cal, tp=4)
     # a GEMM with many rows is compute-bound at gemm_eff x rows / (rows + knee) of the peak
     m, k, n = 8192, 8192, 7168
     assert perf.gemm(m, k, n) == pytest.approx(2 * m * k * n / (312e12 * 0.8 * m / (m + 64)))
+    # past gemm_sat rows the efficiency falls towards gemm_sustained of it: half-way at gemm_sat rows
+    tired = OperationPerf(mc, "a100-80g", 16, Calibration(**{**vars(cal), "gemm_sustained": 0.5, "gemm_sat": m}), tp=4)
+    assert tired.gemm(m, k, n) == pytest.approx(perf.gemm(m, k, n) / 0.75)
     # one row is bound by reading the weights
     assert perf.gemm(1, k, n) == pytest.approx((k * n + k + n) * 2 / (2039e9 * 0.9))
     # a step: its layers' spans, the LM head, the fixed and per-request costs
@@ -30,25 +33,35 @@ def test_operations_add_up_and_scale_as_their_shapes_say():
     assert step == pytest.approx(perf.span(mc.num_layers, 768, 512 * 513 // 2 + 256 * 257 // 2, 768, 2)
                                  + 1e-3 + 2 * 1e-4)
     assert perf.decode([600] * 8) == pytest.approx(perf.span(mc.num_layers, 8, 4800, 4800, 8) + 1e-3 + 8 * 2e-5)
-    # two all-reduces a layer with more than one GPU, none with one
-    slow = Calibration(**{**vars(cal), "allreduce_s": cal.allreduce_s + 1e-3})
-    for tp, extra in ((1, 0.0), (2, 2 * mc.num_layers * 1e-3)):
+    # two all-reduces a layer with more than one GPU, none with one, each of 2 (tp - 1) ring steps
+    slow = Calibration(**{**vars(cal), "ring_step_s": cal.ring_step_s + 1e-3})
+    for tp, extra in ((1, 0.0), (2, 2 * mc.num_layers * 2e-3), (4, 2 * mc.num_layers * 6e-3)):
         a, b = (OperationPerf(mc, "a100-80g", 16, c, tp=tp).decode([100]) for c in (cal, slow))
         assert b - a == pytest.approx(extra, abs=1e-12)
 
 
-def test_the_fit_recovers_the_times_of_a_known_calibration():
-    truth = Calibration(gemm_eff=0.7, gemm_knee=32.0, mem_eff=0.8, attn_eff=0.4, step_s=3e-3, layer_s=20e-6,
-                        allreduce_s=30e-6, nvlink_eff=0.5, prompt_request_s=2e-3, decode_request_s=1e-4)
+def test_the_fit_recovers_the_times_of_known_calibrations_of_two_gpus_that_share_a_gemm_curve():
+    truth = {"a100-80gb": Calibration(gemm_eff=0.7, gemm_knee=32.0, mem_eff=0.8, attn_eff=0.4, step_s=3e-3,
+                                      layer_s=20e-6, ring_step_s=3e-6, nvlink_eff=0.5, prompt_request_s=2e-3,
+                                      decode_request_s=1e-4, gemm_sustained=0.6, gemm_sat=2048.0),
+             "h100-80gb": Calibration(gemm_eff=0.5, gemm_knee=32.0, mem_eff=0.9, attn_eff=0.3, step_s=8e-3,
+                                      layer_s=50e-6, ring_step_s=6e-6, nvlink_eff=0.4, prompt_request_s=5e-3,
+                                      decode_request_s=3e-4, gemm_sustained=0.6, gemm_sat=2048.0)}
     shapes = [("llama-2-70b", tp, "prompt", p, 1) for tp in (2, 4, 8) for p in (128, 512, 2048, 8192)] + \
         [("llama-2-70b", tp, "token", 512, b) for tp in (2, 4, 8) for b in (1, 4, 16, 64)] + \
         [("bloom-176b", 8, "prompt", 512, b) for b in (1, 2, 8, 32)] + [("bloom-176b", 8, "token", 512, b) for b in (1, 8, 64)]
-    pts = [Point(m, "a100-80gb", tp, ph, p, b, 1.0) for m, tp, ph, p, b in shapes]
-    pts = [Point(p.model, p.gpu, p.tp, p.phase, p.prompt, p.batch, predict(p, truth)) for p in pts]
-    cal = fit(pts)
-    e = errors(pts, cal)
-    assert e["prompt"]["max_pct"] < 1.0 and e["token"]["max_pct"] < 1.0
-    assert e["prompt"]["points"] == 16 and e["token"]["points"] == 15
+    pts = [Point(m, gpu, tp, ph, p, b, 1.0) for gpu in truth for m, tp, ph, p, b in shapes]
+    pts = [Point(p.model, p.gpu, p.tp, p.phase, p.prompt, p.batch, predict(p, truth[p.gpu])) for p in pts]
+    cals = fit(pts)
+    assert set(cals) == set(truth)
+    for gpu, cal in cals.items():
+        e = errors([p for p in pts if p.gpu == gpu], cal)
+        assert e["prompt"]["max_pct"] < 1.0 and e["token"]["max_pct"] < 1.0
+        assert e["prompt"]["points"] == 16 and e["token"]["points"] == 15
+    # the GEMM curve's shape is one for both; the rest is each GPU's own
+    a, h = cals["a100-80gb"], cals["h100-80gb"]
+    assert (a.gemm_knee, a.gemm_sustained, a.gemm_sat) == (h.gemm_knee, h.gemm_sustained, h.gemm_sat)
+    assert a.step_s != h.step_s
 
 
 def test_folds_leave_out_a_model_a_tp_degree_and_the_large_batches():
@@ -57,7 +70,9 @@ def test_folds_leave_out_a_model_a_tp_degree_and_the_large_batches():
     names = {name: (train, test) for name, train, test in folds(pts)}
     # (leaving TP 8 out would leave BLOOM, which has only TP 8, out too: that is the model fold)
     assert set(names) == {"model bloom-176b left out", "model llama-2-70b left out", "TP 2 left out",
-                          "batches 16-64 left out"}
+                          "batches 16-64 left out", "model llama-2-70b left out, seen TP only"}
+    train, test = names["model llama-2-70b left out, seen TP only"]  # (its TP 2 steps: a degree BLOOM never ran)
+    assert {p.tp for p in train} == {8} and {(p.model, p.tp) for p in test} == {("llama-2-70b", 8)}
     train, test = names["TP 2 left out"]
     assert all(p.tp != 2 for p in train) and {p.tp for p in test} == {2}
     train, test = names["batches 16-64 left out"]
@@ -84,6 +99,7 @@ def test_calibrated_on_splitwises_table_it_is_closer_than_the_roofline(data_dir)
     assert {p.gpu for p in pts} == {"a100-80gb", "h100-80gb", "h100-80gb-pcap"}
     r = calibrate_table(table, ["a100-80gb"])["a100-80gb"]
     folds_ = [f for f in r["folds"] if f["fold"] != "model llama-2-70b left out"]  # (that one saw BLOOM alone)
+    assert "model llama-2-70b left out, seen TP only" in [f["fold"] for f in folds_]
     for phase in ("prompt", "token"):
         assert r["fitted"][phase]["mape_pct"] < r["roofline"][phase]["mape_pct"] / 1.5  # in sample
         # on what the folds left out: closer than the roofline on average, and never far off

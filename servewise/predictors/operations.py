@@ -2,20 +2,25 @@
 
 A step's time is the sum of its operations rather than one roofline for the whole step:
 - per layer, four GEMMs (QKV, attention output, MLP up (and gate), MLP down), each split over the
-  `tp` GPUs and priced as max(FLOPs / (peak x e(m)), bytes / (bandwidth x memory efficiency)), where
-  e(m) = gemm_eff x m / (m + gemm_knee) rises with the GEMM's rows m (a small-M GEMM cannot fill the
-  tensor cores: the knee between memory- and compute-bound);
+  `tp` GPUs and priced as max(FLOPs / (peak x e(m)), bytes / (bandwidth x memory efficiency)), where the
+  efficiency e(m) depends on the GEMM's rows m: it rises as gemm_eff x m / (m + gemm_knee) (a small-M GEMM
+  cannot fill the tensor cores) and, past about gemm_sat rows, falls towards gemm_sustained x that
+  (long compute-bound steps run slower than short ones: clocks under the power limit, larger kernels'
+  tiles; Splitwise's table shows it as batched prompts costing more per token than one prompt);
 - per layer, attention: prefill over its (query, key) pairs at attn_eff of peak, decode reading its KV
   tokens at the memory efficiency;
-- per layer under TP, two all-reduces of the step's activations: allreduce_s + a ring's bytes over NVLink;
+- per layer under TP, two ring all-reduces of the step's activations: 2 (tp - 1) ring steps of
+  ring_step_s each, plus the ring's bytes over NVLink;
 - the LM head (a GEMM over the rows that sample);
 - the engine's own time: step_s per step, layer_s per layer (launches, synchronisation), and per request
   of the step, prompt_request_s for a prompt and decode_request_s for a decoding request.
 
-`fit` calibrates the parameters of one GPU on measured prompt and token times (Splitwise's table:
+`fit` calibrates the parameters on measured prompt and token times (Splitwise's table:
 servewise.predictors.measured) by least squares on log times, so every point weighs by its relative
-error; `calibrate_table` refits without one model, one TP degree or one batch-size range (`folds`) and
-reports the error on what was left out, beside the uncalibrated roofline's on the same points.
+error. Several GPUs are fitted together: the GEMM efficiency curve's shape (SHARED: knee, decline and
+its rows) is one for all of them (the same kernels and engine), every other constant is each GPU's own.
+`calibrate_table` refits without one model, one TP degree or one batch-size range (`folds`, each left
+out on every GPU) and reports the error on what was left out, beside the uncalibrated roofline's.
 """
 from __future__ import annotations
 
@@ -44,11 +49,12 @@ class Calibration:
     attn_eff: float = 0.3  # fraction of the tensor peak prefill attention reaches
     step_s: float = 2e-3  # the engine's own time per step
     layer_s: float = 1e-6  # per layer per step (kernel launches, synchronisation)
-    allreduce_s: float = 10e-6  # per all-reduce
+    ring_step_s: float = 5e-6  # per step of a ring all-reduce (2 (tp - 1) steps)
     nvlink_eff: float = 0.8  # fraction of the NVLink bandwidth an all-reduce's ring reaches
     prompt_request_s: float = 1e-5  # per prompt in a step
     decode_request_s: float = 1e-5  # per decoding request in a step
-
+    gemm_sustained: float = 1.0  # fraction of e(m) a GEMM keeps at many rows (1: no decline)
+    gemm_sat: float = 4096.0  # rows at which half of that decline is reached
 
 
 NAMES = [f.name for f in fields(Calibration)]
@@ -94,6 +100,7 @@ class OperationPerf(RooflinePerf):
             return 0.0
         cal = self.cal
         eff = cal.gemm_eff * m / (m + cal.gemm_knee)
+        eff *= cal.gemm_sustained + (1 - cal.gemm_sustained) * cal.gemm_sat / (cal.gemm_sat + m)
         return max(2 * m * k * n / (self.peak * eff), (k * n + m * (k + n)) * self.itemsize / (self.bw * cal.mem_eff))
 
     def span(self, layers: int, tokens: int, pairs: int, kv_tokens: int, heads: int) -> float:
@@ -104,7 +111,7 @@ class OperationPerf(RooflinePerf):
         per_layer += max(attn_flops / (self.peak * cal.attn_eff), kv_bytes / (self.bw * cal.mem_eff))
         if tp > 1:
             ring = 2 * (tp - 1) / tp * tokens * c.hidden_size * self.itemsize
-            per_layer += 2 * (cal.allreduce_s + ring / (self.hw.nvlink_gbps * 1e9 * cal.nvlink_eff))
+            per_layer += 2 * (2 * (tp - 1) * cal.ring_step_s + ring / (self.hw.nvlink_gbps * 1e9 * cal.nvlink_eff))
         head = self.gemm(heads, c.hidden_size, c.vocab_size / tp) if heads else 0.0
         return layers * (per_layer + cal.layer_s) + head
 
@@ -186,29 +193,39 @@ def predict(p: Point, cal: Calibration | None, block_size: int = 16) -> float:
 
 
 # fitted in log space within these bounds
-BOUNDS = {"gemm_eff": (0.05, 1.0), "gemm_knee": (0.01, 4096.0), "mem_eff": (0.05, 1.0), "attn_eff": (0.01, 1.0),
-          "step_s": (1e-6, 0.2), "layer_s": (1e-8, 2e-3), "allreduce_s": (1e-7, 2e-3), "nvlink_eff": (0.02, 1.0),
-          "prompt_request_s": (1e-7, 1.0), "decode_request_s": (1e-7, 0.1)}
+BOUNDS = {"gemm_eff": (0.05, 1.0), "gemm_knee": (0.01, 4096.0), "mem_eff": (0.5, 1.0), "attn_eff": (0.01, 1.0),
+          "step_s": (1e-6, 0.2), "layer_s": (1e-8, 2e-3), "ring_step_s": (1e-7, 2e-4), "nvlink_eff": (0.02, 1.0),
+          "prompt_request_s": (1e-7, 1.0), "decode_request_s": (1e-7, 0.1), "gemm_sustained": (0.1, 1.0),
+          "gemm_sat": (16.0, 1e6)}
+# the GEMM efficiency curve's shape, one for every GPU fitted together
+SHARED = ("gemm_knee", "gemm_sustained", "gemm_sat")
 
 
-def fit(points: list[Point], start: Calibration | None = None) -> Calibration:
-    """Least squares of log(predicted / measured) over the points (one GPU's), all constants at once."""
+def fit(points: list[Point], start: Calibration | None = None) -> dict[str, Calibration]:
+    """Least squares of log(predicted / measured) over the points, all constants at once: one calibration
+    per GPU of the points, sharing the SHARED constants."""
     from scipy.optimize import least_squares
 
     if not points:
         raise ValueError("no measured points to calibrate on")
     start = start or Calibration()
-    lo = np.log([BOUNDS[n][0] for n in NAMES])
-    hi = np.log([BOUNDS[n][1] for n in NAMES])
-    x0 = np.clip(np.log([getattr(start, n) for n in NAMES]), lo + 1e-9, hi - 1e-9)
+    gpus = sorted({p.gpu for p in points})
+    own = [n for n in NAMES if n not in SHARED]
+    keys = [(None, n) for n in SHARED] + [(g, n) for g in gpus for n in own]
+    lo = np.log([BOUNDS[n][0] for _, n in keys])
+    hi = np.log([BOUNDS[n][1] for _, n in keys])
+    x0 = np.clip(np.log([getattr(start, n) for _, n in keys]), lo + 1e-9, hi - 1e-9)
     y = np.log([p.seconds for p in points])
 
-    def residuals(x):
-        cal = Calibration(*np.exp(x))
-        return np.log([predict(p, cal) for p in points]) - y
+    def calibrations(x) -> dict[str, Calibration]:
+        values = dict(zip(keys, (float(v) for v in np.exp(x))))
+        return {g: Calibration(**{n: values[(None if n in SHARED else g, n)] for n in NAMES}) for g in gpus}
 
-    res = least_squares(residuals, x0, bounds=(lo, hi), x_scale=1.0)
-    return Calibration(*(float(v) for v in np.exp(res.x)))
+    def residuals(x):
+        cals = calibrations(x)
+        return np.log([predict(p, cals[p.gpu]) for p in points]) - y
+
+    return calibrations(least_squares(residuals, x0, bounds=(lo, hi), x_scale=1.0).x)
 
 
 def errors(points: list[Point], cal: Calibration | None) -> dict:
@@ -223,10 +240,16 @@ def errors(points: list[Point], cal: Calibration | None) -> dict:
 
 
 def folds(points: list[Point]) -> list[tuple[str, list[Point], list[Point]]]:
-    """Leave-one-out splits of one GPU's points: one model, one TP degree, one batch-size range out."""
+    """Leave-one-out splits: one model, one TP degree, one batch-size range left out (on every GPU). Where
+    the model left out runs at TP degrees the others never do, a second row gives its error at the degrees
+    they do: the fit cannot tell a per-layer cost from a per-ring-step one without two degrees."""
     out = []
     for m in sorted({p.model for p in points}):
-        out.append((f"model {m} left out", [p for p in points if p.model != m], [p for p in points if p.model == m]))
+        train, test = [p for p in points if p.model != m], [p for p in points if p.model == m]
+        out.append((f"model {m} left out", train, test))
+        seen = {p.tp for p in train}
+        if {p.tp for p in test} - seen and seen & {p.tp for p in test}:  # (what the TP degrees it never saw cost)
+            out.append((f"model {m} left out, seen TP only", train, [p for p in test if p.tp in seen]))
     for tp in sorted({p.tp for p in points}):
         train = [p for p in points if p.tp != tp]
         if {p.model for p in train} == {p.model for p in points}:  # (a model with only this degree is the model fold)
@@ -238,33 +261,37 @@ def folds(points: list[Point]) -> list[tuple[str, list[Point], list[Point]]]:
 
 
 def calibrate_table(table, gpus: list[str] | None = None, progress=None) -> dict:
-    """Per GPU of the table: the calibration on all its points, its in-sample error, the roofline's error,
-    and each leave-one-out fold's error on what it left out."""
+    """Per GPU of the table: the calibration on all the points (the GPUs fitted together), its in-sample
+    error, the roofline's error, and each leave-one-out fold's error on what it left out."""
     pts = table_points(table)
-    result = {}
-    for gpu in gpus or sorted({p.gpu for p in pts}):
-        mine = [p for p in pts if p.gpu == gpu]
-        if not mine:
-            raise ValueError(f"the table has no runs on {gpu}; it has {', '.join(sorted({p.gpu for p in pts}))}")
-        cal = fit(mine)
-        entry = {"calibration": asdict(cal), "points": len(mine), "fitted": errors(mine, cal),
-                 "roofline": errors(mine, None), "folds": []}
+    known = sorted({p.gpu for p in pts})
+    for gpu in gpus or []:
+        if gpu not in known:
+            raise ValueError(f"the table has no runs on {gpu}; it has {', '.join(known)}")
+    pts = [p for p in pts if p.gpu in (gpus or known)]
+    cals = fit(pts)
+    if progress:
+        progress(f"fitted on {len(pts)} points of {len(cals)} GPUs")
+    result = {g: {"calibration": asdict(cal), "points": sum(p.gpu == g for p in pts),
+                  "fitted": errors([p for p in pts if p.gpu == g], cal),
+                  "roofline": errors([p for p in pts if p.gpu == g], None), "folds": []}
+              for g, cal in cals.items()}
+    for name, train, test in folds(pts):
+        fcals = fit(train)  # from the defaults, not from the fit on all points (which saw the left-out ones)
+        for g, entry in result.items():
+            mine = [p for p in test if p.gpu == g]
+            if mine:
+                entry["folds"].append({"fold": name, "train": sum(p.gpu == g for p in train), "test": len(mine),
+                                       "error": errors(mine, fcals[g]), "roofline": errors(mine, None)})
         if progress:
-            progress(f"{gpu}: fitted on {len(mine)} points")
-        for name, train, test in folds(mine):
-            fcal = fit(train)  # from the defaults, not from the fit on all points (which saw the left-out ones)
-            entry["folds"].append({"fold": name, "train": len(train), "test": len(test),
-                                   "error": errors(test, fcal), "roofline": errors(test, None)})
-            if progress:
-                progress(f"{gpu}: {name}")
-        result[gpu] = entry
+            progress(name)
     return result
 
 
 def format_report(result: dict) -> str:
     lines = ["per-operation model calibrated per GPU; mean absolute % error (signed mean) on the points shown,",
              "prompt / token steps; the uncalibrated roofline on the same points beside it", ""]
-    row = "{:<16}{:<28}{:>7}  {:>22}  {:>22}"
+    row = "{:<16}{:<42}{:>7}  {:>22}  {:>22}"
     lines.append(row.format("GPU", "points", "count", "calibrated", "roofline"))
 
     def cell(e):
