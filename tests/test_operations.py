@@ -85,6 +85,7 @@ def test_calibration_files_plug_into_the_simulators_performance_models(tmp_path)
     path.write_text(json.dumps({"table": "t", "gpus": {"h100-80gb": {"calibration": vars(cal)}}}))
     perf = make_perf("h100-80g", _mc("llama-2-13b"), 16, table=str(path), tp=2)
     assert isinstance(perf, OperationPerf) and perf.cal == cal and "per-operation" in perf.label
+    assert load_calibration(str(path), "h100-80g") == (cal, None)
     with pytest.raises(ValueError, match="no calibration for a100-80g; it has h100-80gb"):
         load_calibration(str(path), "a100-80g")
     with pytest.raises(ValueError, match="not a calibration file"):
@@ -106,3 +107,70 @@ def test_calibrated_on_splitwises_table_it_is_closer_than_the_roofline(data_dir)
         mean = lambda key: sum(f[key][phase]["mape_pct"] for f in folds_) / len(folds_)  # noqa: E731
         assert mean("error") < mean("roofline")
         assert all(f["error"][phase]["mape_pct"] < 35.0 for f in folds_)
+
+
+def test_an_operations_table_interpolates_its_points_and_refuses_what_it_cannot_price(tmp_path):
+    from servewise.predictors.operations import OperationTable, load_operations
+
+    t = OperationTable([("gemm", 64, 128, 2, 8, 1e-5), ("gemm", 64, 128, 2, 16, 2e-5), ("gemm", 64, 128, 2, 32, 3e-5)])
+    assert t.time("gemm", 64, 128, 2, 24) == pytest.approx(2.5e-5)  # between points: linear
+    assert t.time("gemm", 64, 128, 2, 1) == pytest.approx(1e-5)  # below the smallest: its time
+    assert t.time("gemm", 64, 128, 2, 64) == pytest.approx(6e-5)  # past the largest: its throughput
+    assert t.time("gemm", 64, 128, 4, 16) is None and t.time("allreduce", 0, 0, 2, 16) is None
+    path = tmp_path / "ops.csv"
+    t.save(str(path))
+    again = load_operations(str(path))
+    assert again.time("gemm", 64, 128, 2, 24) == pytest.approx(2.5e-5)
+    with pytest.raises(ValueError, match="unknown operation 'softmax'"):
+        OperationTable([("softmax", 1, 1, 1, 1, 1.0)])
+    with pytest.raises(ValueError, match="must be positive"):
+        OperationTable([("gemm", 1, 1, 1, 0, 1.0)])
+    (tmp_path / "bad.csv").write_text("op,k,n,x\ngemm,1,1,1\n")
+    with pytest.raises(ValueError, match="not an operations table"):
+        load_operations(str(tmp_path / "bad.csv"))
+
+
+def test_measured_operations_take_the_place_of_their_curves_and_read_from_vidurs_layout(tmp_path):
+    from servewise.predictors.operations import load_operations
+
+    mc = _mc("llama-2-70b")  # 64 heads, 8 KV heads of 128, hidden 8192, MLP 28672 gated
+    stats = ["attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj", "mlp_act"]
+    header = [f"time_stats.{s}.{k}" for s in stats for k in ("min", "max", "mean", "median", "std")] + \
+        ["n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size", "use_gated_mlp", "num_tokens",
+         "num_tensor_parallel_workers"]
+    rows = []
+    for tokens, ms in ((16, 1.0), (512, 4.0)):
+        vals = {f"time_stats.{s}.median": ms * (j + 1) for j, s in enumerate(stats)}
+        rows.append([vals.get(h, 0.0) for h in header[:-8]] + [64, 8, 8192, 28672, 32000, "True", tokens, 4])
+    path = tmp_path / "mlp.csv"
+    path.write_text("\n".join(",".join(map(str, r)) for r in [header, *rows]) + "\n")
+    table = load_operations(str(path))
+    assert set(table.points) == {("gemm", 8192, 2560, 4), ("gemm", 2048, 8192, 4), ("gemm", 8192, 14336, 4),
+                                 ("gemm", 7168, 8192, 4)}  # QKV, output, gate and up, down on one of 4 GPUs
+    assert table.time("gemm", 8192, 14336, 4, 512) == pytest.approx(12e-3)  # mlp_up_proj's median, in seconds
+    perf = OperationPerf(mc, "h100-80g", 16, Calibration(), tp=4, table=table)
+    curve = OperationPerf(mc, "h100-80g", 16, Calibration(), tp=4)
+    assert perf.gemm(512, 8192, 2560) == pytest.approx(4e-3)
+    # a shape the table lacks (the LM head) keeps its curve, and so does a TP degree it lacks
+    assert perf.gemm(512, 8192, 8000) == curve.gemm(512, 8192, 8000)
+    # a step is its operations: the table's four GEMMs a layer where the curve had its own
+    gemms = lambda p: sum(p.gemm(512, k, n) for k, n in p.gemms)  # noqa: E731
+    assert perf.prefill([512]) - curve.prefill([512]) == pytest.approx(mc.num_layers * (gemms(perf) - gemms(curve)))
+    assert gemms(perf) == pytest.approx((4 + 8 + 12 + 16) * 1e-3)
+    # a calibration fitted with the table names it, and the simulators' model then prices with it
+    cal_path = tmp_path / "cal.json"
+    cal_path.write_text(json.dumps({"gpus": {"h100-80gb": {"calibration": vars(Calibration()), "operations": str(path)}}}))
+    sim = make_perf("h100-80g", mc, 16, table=str(cal_path), tp=4)
+    assert sim.table is not None and sim.prefill([512]) == pytest.approx(perf.prefill([512]))
+    with pytest.raises(ValueError, match="Vidur's mlp.csv layout"):
+        (tmp_path / "broken.csv").write_text("num_tokens,n_embd\n4,8\n")
+        load_operations(str(tmp_path / "broken.csv"))
+
+
+def test_calibrate_refuses_an_operations_flag_it_cannot_read(tmp_path, capsys):
+    from servewise.cli import main
+
+    for flag, said in (("nonsense", "--operations takes GPU=FILE"), (f"h100-80gb={tmp_path / 'none.csv'}", "none.csv")):
+        with pytest.raises(SystemExit) as e:
+            main(["calibrate", "--table", str(tmp_path / "t.csv"), "--operations", flag])
+        assert e.value.code == 2 and said in capsys.readouterr().err

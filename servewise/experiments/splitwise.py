@@ -69,6 +69,7 @@ class Settings:
     data_dir: str  # holds AzureLLMInferenceTrace_{code,conv}.csv.gz and splitwise/perf_model.csv.gz
     model: str = "bloom-176b"
     measured: bool = True  # Splitwise's measured table (else the analytical roofline)
+    calibration: str | None = None  # a per-operation calibration (`servewise calibrate`) instead of the table
     duration_s: float = 120.0  # of each rescaled trace (the paper's provisioning used 2-minute traces)
     provision_rate: float = 70.0  # code trace, Figure 12
     max_machines: int = 40  # per pool in the provisioning search; A100 pools 70, as the paper's simulator swept them
@@ -101,13 +102,21 @@ class Settings:
             raise ValueError(f"unknown section(s) {', '.join(sorted(bad))}; choose from {', '.join(SECTIONS)}")
         if self.splitwisesim and not self.measured:
             raise ValueError("--splitwisesim takes SplitwiseSim's measured table; it does not combine with --roofline")
+        if self.calibration and (self.splitwisesim or not self.measured):
+            raise ValueError("--calibration replaces the measured table; it does not combine with --roofline or "
+                             "--splitwisesim")
 
     def trace_path(self, name: str) -> str:
         return os.path.join(self.data_dir, f"AzureLLMInferenceTrace_{name}.csv.gz")
 
     @property
     def table(self) -> str | None:
-        return os.path.join(self.data_dir, "splitwise", "perf_model.csv.gz") if self.measured else None
+        """What prices the GPUs' steps: the measured table, a calibration, or None (the roofline)."""
+        return self.calibration or self.measured_table if self.measured else None
+
+    @property
+    def measured_table(self) -> str:
+        return os.path.join(self.data_dir, "splitwise", "perf_model.csv.gz")
 
 
 QUICK = dict(duration_s=20.0, max_machines=12, max_baseline_machines=24, provision_kinds=("Baseline-H100", "Splitwise-HH"),
@@ -292,7 +301,7 @@ def run_experiment(s: Settings, progress=print) -> dict:
 
     t0 = time.perf_counter()
     out: dict = {"settings": asdict(s), "paper": PAPER}
-    if s.measured:
+    if s.measured and not s.calibration:
         out["roofline_error"] = roofline_error(s.table)
     out["transfer"] = transfer_overheads(s) if "transfer" in s.sections else []
     progress(f"transfer overheads: {len(out['transfer'])} prompt sizes ({time.perf_counter() - t0:.0f} s)")
@@ -361,7 +370,10 @@ def _counts(kind: str, counts) -> str:
 
 
 def report(r: dict) -> str:
-    lines = []
+    st = r["settings"]
+    priced = (f"the per-operation model calibrated in {st['calibration']}" if st.get("calibration") else
+              "Splitwise's measured table" if st["measured"] else "the analytical roofline (labelled analytical)")
+    lines = [f"GPU steps priced by {priced}", ""]
     if "roofline_error" in r:
         lines += ["Roofline vs Splitwise's measured table (signed mean / mean absolute % error)",
                   f"{'model':<12} {'hardware':<9} {'TP':>2}  {'prompt':>14}  {'token':>14}"]
@@ -535,6 +547,7 @@ def main(s: Settings, out_dir: str = "results/splitwise") -> None:
         if not os.path.isfile(s.trace_path(name)):
             raise ValueError(f"no {s.trace_path(name)}: --data-dir must hold the Azure 2023 traces")
     if s.measured and not os.path.isfile(s.table):
-        raise ValueError(f"no {s.table}: --data-dir must hold splitwise/perf_model.csv.gz (or pass --roofline)")
+        raise ValueError(f"no {s.table}: --data-dir must hold splitwise/perf_model.csv.gz (or pass --roofline)"
+                         if not s.calibration else f"no calibration file {s.table}")
     r = run_experiment(s, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     publish(r, report(r), out_dir, "splitwise", plot)

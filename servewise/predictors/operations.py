@@ -60,9 +60,9 @@ class Calibration:
 NAMES = [f.name for f in fields(Calibration)]
 
 
-def load_calibration(path: str, hardware: str) -> Calibration:
+def load_calibration(path: str, hardware: str) -> tuple[Calibration, OperationTable | None]:
     """The calibration of `hardware` (a servewise GPU name: a100-80g, h100-80g, h100-80g-pcap) in a file
-    written by `servewise calibrate`."""
+    written by `servewise calibrate`, and the operations table it was fitted with (None: none)."""
     from servewise.predictors.measured import HARDWARE_NAMES
 
     try:
@@ -73,7 +73,105 @@ def load_calibration(path: str, hardware: str) -> Calibration:
     name = HARDWARE_NAMES.get(hardware, hardware)
     if name not in gpus:
         raise ValueError(f"{path} has no calibration for {hardware}; it has {', '.join(sorted(gpus))}")
-    return Calibration(**gpus[name]["calibration"])
+    ops = gpus[name].get("operations")
+    return Calibration(**gpus[name]["calibration"]), load_operations(ops) if ops else None
+
+
+class OperationTable:
+    """Measured times of single operations, looked up instead of their curves: a CSV with the columns
+    op, k, n, tp, x, seconds, where op is `gemm` (k x n the GEMM's shape on one GPU, x its rows) or
+    `allreduce` (k = n = 0, x the bytes all-reduced over `tp` GPUs). Times are interpolated linearly in x
+    between measured points; below the smallest x the smallest point's time holds, past the largest the
+    time grows in proportion to x (the largest point's throughput)."""
+
+    OPS = ("gemm", "allreduce")
+    COLUMNS = ("op", "k", "n", "tp", "x", "seconds")
+
+    def __init__(self, rows: list[tuple[str, int, int, int, float, float]], source: str = "table"):
+        self.source = source
+        points: dict[tuple, dict[float, float]] = {}
+        for op, k, n, tp, x, sec in rows:
+            if op not in self.OPS:
+                raise ValueError(f"{source}: unknown operation {op!r}; the table prices {', '.join(self.OPS)}")
+            if not (x > 0 and sec > 0):
+                raise ValueError(f"{source}: {op} {k}x{n} TP {tp}: x and seconds must be positive (got {x}, {sec})")
+            points.setdefault((op, int(k), int(n), int(tp)), {})[float(x)] = float(sec)
+        if not points:
+            raise ValueError(f"{source}: no operations in the table")
+        self.points = {key: (np.array(sorted(v)), np.array([v[x] for x in sorted(v)])) for key, v in points.items()}
+
+    @staticmethod
+    def load(path: str) -> OperationTable:
+        import csv
+        import gzip
+
+        opener = gzip.open if path.endswith(".gz") else open
+        try:
+            with opener(path, "rt", newline="") as f:
+                reader = csv.DictReader(f)
+                if missing := set(OperationTable.COLUMNS) - set(reader.fieldnames or []):
+                    raise ValueError(f"{path}: not an operations table (no column {', '.join(sorted(missing))})")
+                rows = [(r["op"], int(r["k"]), int(r["n"]), int(r["tp"]), float(r["x"]), float(r["seconds"]))
+                        for r in reader]
+        except OSError as e:
+            raise ValueError(f"{path}: {e.strerror or e}") from None
+        return OperationTable(rows, path)
+
+    def save(self, path: str) -> None:
+        import csv
+
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(self.COLUMNS)
+            for (op, k, n, tp), (xs, ts) in sorted(self.points.items()):
+                w.writerows((op, k, n, tp, f"{x:g}", f"{t:.6g}") for x, t in zip(xs, ts))
+
+    def time(self, op: str, k: float, n: float, tp: int, x: float) -> float | None:
+        """The operation's time at x, or None when the table has no such operation."""
+        found = self.points.get((op, round(k), round(n), tp))
+        if found is None:
+            return None
+        xs, ts = found
+        if x >= xs[-1]:
+            return float(ts[-1] * x / xs[-1])
+        return float(np.interp(x, xs, ts))
+
+
+def vidur_table(path: str) -> OperationTable:
+    """A per-operation table from a profile in Vidur's layout (its `mlp.csv`: time_stats.<op>.median in
+    milliseconds per num_tokens and num_tensor_parallel_workers, with the model's dimensions): its four
+    GEMMs (attn_pre_proj = QKV, attn_post_proj, mlp_up_proj (gate and up together when use_gated_mlp),
+    mlp_down_proj) become `gemm` rows; its norms, rotary, activation and adds are not priced by the model."""
+    import csv
+
+    rows = []
+    try:
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                h, i, tp = int(r["n_embd"]), int(r["n_expanded_embd"]), int(r["num_tensor_parallel_workers"])
+                heads, kv_heads, d = int(r["n_head"]), int(r["n_kv_head"]), int(r["n_embd"]) // int(r["n_head"])
+                up = i * (2 if r["use_gated_mlp"] == "True" else 1)
+                shapes = {"attn_pre_proj": (h, (heads + 2 * kv_heads) * d // tp), "attn_post_proj": (heads * d // tp, h),
+                          "mlp_up_proj": (h, up // tp), "mlp_down_proj": (i // tp, h)}
+                for name, (k, n) in shapes.items():
+                    rows.append(("gemm", k, n, tp, float(r["num_tokens"]), float(r[f"time_stats.{name}.median"]) / 1e3))
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"{path}: not a profile in Vidur's mlp.csv layout ({e})") from None
+    # (the same shape measured twice, e.g. a repeated row: the later one counts)
+    return OperationTable(rows, path)
+
+
+def load_operations(path: str) -> OperationTable:
+    """An operations table: servewise's own CSV layout (OperationTable.COLUMNS) or Vidur's mlp.csv."""
+    import csv
+    import gzip
+
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
+            header = next(csv.reader(f), [])
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    return vidur_table(path) if "num_tokens" in header else OperationTable.load(path)
 
 
 class OperationPerf(RooflinePerf):
@@ -82,9 +180,9 @@ class OperationPerf(RooflinePerf):
     analytical = True
 
     def __init__(self, c: ModelConfig, hw: Hardware | str, block_size: int, calibration: Calibration | None = None,
-                 tp: int = 1, label: str | None = None):
+                 tp: int = 1, label: str | None = None, table: OperationTable | None = None):
         super().__init__(c, hw.removesuffix("-pcap") if isinstance(hw, str) else hw, block_size, tp=tp)
-        self.cal = calibration or Calibration()
+        self.cal, self.table = calibration or Calibration(), table
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         up = (2 if c.arch == "llama" else 1) * c.intermediate_size
         # (k, n) of each layer GEMM, split over tp GPUs along n (QKV, up) or k (output, down)
@@ -95,13 +193,23 @@ class OperationPerf(RooflinePerf):
         self.label = label or f"per-operation model ({self.hw.name}{f' x{tp} TP' if tp > 1 else ''})"
 
     def gemm(self, m: float, k: float, n: float) -> float:
-        """One GEMM of m rows on one GPU."""
+        """One GEMM of m rows on one GPU: the table's time when it measured the shape, else the curve's."""
         if m <= 0:
             return 0.0
+        if self.table is not None and (t := self.table.time("gemm", k, n, self.tp, m)) is not None:
+            return t
         cal = self.cal
         eff = cal.gemm_eff * m / (m + cal.gemm_knee)
         eff *= cal.gemm_sustained + (1 - cal.gemm_sustained) * cal.gemm_sat / (cal.gemm_sat + m)
         return max(2 * m * k * n / (self.peak * eff), (k * n + m * (k + n)) * self.itemsize / (self.bw * cal.mem_eff))
+
+    def allreduce(self, nbytes: float) -> float:
+        """One all-reduce of nbytes over the TP GPUs: 2 (tp - 1) ring steps and the ring's bytes over NVLink."""
+        cal, tp = self.cal, self.tp
+        if self.table is not None and (t := self.table.time("allreduce", 0, 0, tp, nbytes)) is not None:
+            return t
+        ring = 2 * (tp - 1) / tp * nbytes
+        return 2 * (tp - 1) * cal.ring_step_s + ring / (self.hw.nvlink_gbps * 1e9 * cal.nvlink_eff)
 
     def span(self, layers: int, tokens: int, pairs: int, kv_tokens: int, heads: int) -> float:
         c, cal, tp = self.c, self.cal, self.tp
@@ -110,8 +218,7 @@ class OperationPerf(RooflinePerf):
         kv_bytes = kv_tokens * c.kv_bytes_per_token / c.num_layers / tp
         per_layer += max(attn_flops / (self.peak * cal.attn_eff), kv_bytes / (self.bw * cal.mem_eff))
         if tp > 1:
-            ring = 2 * (tp - 1) / tp * tokens * c.hidden_size * self.itemsize
-            per_layer += 2 * (2 * (tp - 1) * cal.ring_step_s + ring / (self.hw.nvlink_gbps * 1e9 * cal.nvlink_eff))
+            per_layer += 2 * self.allreduce(tokens * c.hidden_size * self.itemsize)
         head = self.gemm(heads, c.hidden_size, c.vocab_size / tp) if heads else 0.0
         return layers * (per_layer + cal.layer_s) + head
 
@@ -183,10 +290,12 @@ def _config(model: str) -> ModelConfig:
     return _CONFIGS[model]
 
 
-def predict(p: Point, cal: Calibration | None, block_size: int = 16) -> float:
-    """The point's time by the per-operation model with `cal`, or by the uncalibrated roofline (cal None)."""
+def predict(p: Point, cal: Calibration | None, block_size: int = 16, table: OperationTable | None = None) -> float:
+    """The point's time by the per-operation model with `cal` (and the operations `table` measured),
+    or by the uncalibrated roofline (cal None)."""
     mc, hw = _config(p.model), TABLE_GPUS[p.gpu]
-    perf = OperationPerf(mc, hw, block_size, cal, p.tp) if cal is not None else RooflinePerf(mc, hw, block_size, tp=p.tp)
+    perf = OperationPerf(mc, hw, block_size, cal, p.tp, table=table) if cal is not None else \
+        RooflinePerf(mc, hw, block_size, tp=p.tp)
     if p.phase == "prompt":
         return perf.prefill([p.prompt] * p.batch)
     return perf.decode([p.prompt + 64] * p.batch)
@@ -201,14 +310,16 @@ BOUNDS = {"gemm_eff": (0.05, 1.0), "gemm_knee": (0.01, 4096.0), "mem_eff": (0.5,
 SHARED = ("gemm_knee", "gemm_sustained", "gemm_sat")
 
 
-def fit(points: list[Point], start: Calibration | None = None) -> dict[str, Calibration]:
+def fit(points: list[Point], start: Calibration | None = None,
+        tables: dict[str, OperationTable] | None = None) -> dict[str, Calibration]:
     """Least squares of log(predicted / measured) over the points, all constants at once: one calibration
-    per GPU of the points, sharing the SHARED constants."""
+    per GPU of the points, sharing the SHARED constants; `tables`: per GPU, measured operations that
+    take the place of their curves."""
     from scipy.optimize import least_squares
 
     if not points:
         raise ValueError("no measured points to calibrate on")
-    start = start or Calibration()
+    start, tables = start or Calibration(), tables or {}
     gpus = sorted({p.gpu for p in points})
     own = [n for n in NAMES if n not in SHARED]
     keys = [(None, n) for n in SHARED] + [(g, n) for g in gpus for n in own]
@@ -223,16 +334,16 @@ def fit(points: list[Point], start: Calibration | None = None) -> dict[str, Cali
 
     def residuals(x):
         cals = calibrations(x)
-        return np.log([predict(p, cals[p.gpu]) for p in points]) - y
+        return np.log([predict(p, cals[p.gpu], table=tables.get(p.gpu)) for p in points]) - y
 
     return calibrations(least_squares(residuals, x0, bounds=(lo, hi), x_scale=1.0).x)
 
 
-def errors(points: list[Point], cal: Calibration | None) -> dict:
+def errors(points: list[Point], cal: Calibration | None, table: OperationTable | None = None) -> dict:
     """Per phase: signed mean and mean absolute percentage error of the predictions against the points."""
     out = {}
     for phase in ("prompt", "token"):
-        e = [(predict(p, cal) - p.seconds) / p.seconds * 100 for p in points if p.phase == phase]
+        e = [(predict(p, cal, table=table) - p.seconds) / p.seconds * 100 for p in points if p.phase == phase]
         if e:
             out[phase] = {"points": len(e), "bias_pct": statistics.fmean(e), "mape_pct": statistics.fmean(map(abs, e)),
                           "max_pct": max(map(abs, e))}
@@ -260,29 +371,34 @@ def folds(points: list[Point]) -> list[tuple[str, list[Point], list[Point]]]:
     return out
 
 
-def calibrate_table(table, gpus: list[str] | None = None, progress=None) -> dict:
+def calibrate_table(table, gpus: list[str] | None = None, progress=None,
+                    operations: dict[str, OperationTable] | None = None) -> dict:
     """Per GPU of the table: the calibration on all the points (the GPUs fitted together), its in-sample
-    error, the roofline's error, and each leave-one-out fold's error on what it left out."""
+    error, the roofline's error, and each leave-one-out fold's error on what it left out. `operations`:
+    per GPU, a measured operations table whose operations replace their curves (and are not fitted)."""
     pts = table_points(table)
     known = sorted({p.gpu for p in pts})
-    for gpu in gpus or []:
+    operations = operations or {}
+    for gpu in [*(gpus or []), *operations]:
         if gpu not in known:
             raise ValueError(f"the table has no runs on {gpu}; it has {', '.join(known)}")
     pts = [p for p in pts if p.gpu in (gpus or known)]
-    cals = fit(pts)
+    cals = fit(pts, tables=operations)
     if progress:
         progress(f"fitted on {len(pts)} points of {len(cals)} GPUs")
     result = {g: {"calibration": asdict(cal), "points": sum(p.gpu == g for p in pts),
-                  "fitted": errors([p for p in pts if p.gpu == g], cal),
+                  "fitted": errors([p for p in pts if p.gpu == g], cal, operations.get(g)),
+                  "operations": operations[g].source if g in operations else None,
                   "roofline": errors([p for p in pts if p.gpu == g], None), "folds": []}
               for g, cal in cals.items()}
     for name, train, test in folds(pts):
-        fcals = fit(train)  # from the defaults, not from the fit on all points (which saw the left-out ones)
+        fcals = fit(train, tables=operations)  # from the defaults, not the fit on all points (which saw these)
         for g, entry in result.items():
             mine = [p for p in test if p.gpu == g]
             if mine:
                 entry["folds"].append({"fold": name, "train": sum(p.gpu == g for p in train), "test": len(mine),
-                                       "error": errors(mine, fcals[g]), "roofline": errors(mine, None)})
+                                       "error": errors(mine, fcals[g], operations.get(g)),
+                                       "roofline": errors(mine, None)})
         if progress:
             progress(name)
     return result

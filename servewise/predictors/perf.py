@@ -93,8 +93,11 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
     if isinstance(table, str) and table.endswith(".json"):  # a per-operation calibration (servewise calibrate)
         from servewise.predictors.operations import OperationPerf, load_calibration
 
-        return OperationPerf(mc, hardware, block_size, load_calibration(table, hardware), tp,
-                             label=f"per-operation model calibrated on measured steps ({hardware}, TP {tp}; {table})")
+        cal, ops = load_calibration(table, hardware)
+        measured = f", operations measured in {ops.source}" if ops else ""
+        return OperationPerf(mc, hardware, block_size, cal, tp, table=ops,
+                             label=f"per-operation model calibrated on measured steps ({hardware}, TP {tp}; {table}"
+                                   f"{measured})")
     if table is not None:
         from servewise.predictors.measured import MeasuredPerf
 

@@ -11,6 +11,9 @@ def arguments(p) -> None:
     p.add_argument("--data-dir", required=True,
                    help="directory with AzureLLMInferenceTrace_{code,conv}.csv.gz and splitwise/perf_model.csv.gz")
     p.add_argument("--roofline", action="store_true", help="the analytical roofline instead of the measured table")
+    p.add_argument("--calibration", default=None,
+                   help="a per-operation calibration (.json from `servewise calibrate`) pricing the GPUs' steps "
+                        "instead of the measured table")
     p.add_argument("--splitwisesim", action="store_true",
                    help="SplitwiseSim's assumptions: token times by its lookup (flat in the batch size) and KV "
                         "memory of 8 x 80 GiB less its weights figure, no reserve")
@@ -42,5 +45,6 @@ def run(a) -> None:
         kw["designs"] = tuple(a.designs.split(","))
     if a.sections:
         kw["sections"] = tuple(a.sections.split(","))
-    main(Settings(data_dir=a.data_dir, measured=not a.roofline, seed=a.seed, splitwisesim=a.splitwisesim,
+    main(Settings(data_dir=a.data_dir, measured=not a.roofline, calibration=a.calibration, seed=a.seed,
+                  splitwisesim=a.splitwisesim,
                   baseline_batching=a.baseline_batching, **kw), a.out_dir)
