@@ -87,6 +87,7 @@ class Settings:
     trace: str | None = None  # the Azure conv trace CSV, for workload azure-conv
     seed: int = 0
     out_dir: str = "results/banaserve"
+    calibration: str | None = None  # a per-operation calibration (`servewise calibrate`) instead of the roofline
 
     def __post_init__(self):
         for x in self.systems:
@@ -96,14 +97,15 @@ class Settings:
             raise ValueError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
 
 
-def cluster(model: str, system: str, instances: int, store_gb: float) -> lab.Cluster:
+def cluster(model: str, system: str, instances: int, store_gb: float, calibration: str | None = None) -> lab.Cluster:
     """The system's cluster: `instances` one-GPU A100s with prefix caching, mixed or half prompt, half
-    token instances; loads sampled every MONITOR_S seconds (banaserve: and rebalanced)."""
+    token instances; loads sampled every MONITOR_S seconds (banaserve: and rebalanced). `calibration`:
+    the A100's steps priced per operation by that calibration (else the roofline)."""
     from servewise.cluster.rebalance import Rebalancing
     from servewise.cluster.sim import Design
 
     roles, router, store, migrate = SYSTEMS[system]
-    kw = dict(enable_prefix_caching=True)
+    kw = dict(enable_prefix_caching=True, **({"perf_table": calibration} if calibration else {}))
     if migrate:
         kw.update(rebalance=Rebalancing(period_s=MONITOR_S, loop=migrate))
     else:  # the same load samples, without acting on them
@@ -211,7 +213,8 @@ def report(res: dict) -> str:
     what = (f"{res['prefixes']} system prompts of {res['prefix_len']} tokens, Zipf {res['zipf']}"
             if res.get("workload", "shared-prefix") == "shared-prefix" else
             f"workload {res['workload']}, mean prompt {res['mean_prompt']:.0f} / output {res['mean_output']:.0f} tokens")
-    lines = [f"BanaServe dispatch: {res['instances']} x A100 ({res['model']}, analytical roofline), {res['num_requests']} "
+    priced = f"per-operation model, {res['calibration']}" if res.get("calibration") else "analytical roofline"
+    lines = [f"BanaServe dispatch: {res['instances']} x A100 ({res['model']}, {priced}), {res['num_requests']} "
              f"requests, {what}",
              f"{'rate':>5} {'system':<18}{'req/s':>7}{'TTFT ms':>9}{'p99 TTFT':>9}{'TPOT ms':>8}{'E2E s':>7}{'hits':>7}{'store':>7}"
              f"{'skew':>6}{'prefill skew':>13}{'U gap':>6}{'moves':>6}  requests per instance"]
@@ -311,7 +314,7 @@ def main(s: Settings) -> None:
            "workload": s.workload, "mean_prompt": statistics.mean(it.prompt_len for it in items),
            "mean_output": statistics.mean(it.output_len for it in items),
            "prefixes": s.prefixes, "prefix_len": s.prefix_len, "suffix_len": s.suffix_len, "output_len": s.output_len,
-           "zipf": s.zipf, "store_gb": s.store_gb, "rates": list(s.rates), "runs": []}
+           "zipf": s.zipf, "store_gb": s.store_gb, "rates": list(s.rates), "calibration": s.calibration, "runs": []}
     t0 = time.perf_counter()
     bar = tqdm(total=len(s.rates) * len(s.systems), desc="simulations", unit="run", disable=not sys.stderr.isatty())
     for rate in s.rates:
@@ -320,7 +323,7 @@ def main(s: Settings) -> None:
         else:  # the trace's gaps, rescaled: mean rate `rate`
             arrivals = list(itertools.accumulate(g / rate for g in gaps))
         for system in s.systems:
-            spec = lab.Spec(cluster(s.model, system, s.instances, s.store_gb), items, arrivals,
+            spec = lab.Spec(cluster(s.model, system, s.instances, s.store_gb, s.calibration), items, arrivals,
                             tags={"system": system, "rate": rate})
             res["runs"].append(row(lab.run(spec), s.instances))
             bar.update()

@@ -28,6 +28,9 @@ def arguments(p) -> None:
                    help="shared system prompts (dispatch by cache vs load), or the thesis's rate-sweep workloads: "
                         "short (alpaca), long (longbench) prompts, or the Azure conv trace (--trace)")
     p.add_argument("--trace", default=None, help="Azure conv trace CSV, for --workload azure-conv")
+    p.add_argument("--calibration", default=None,
+                   help="a per-operation calibration (.json from `servewise calibrate`) pricing the A100s' steps "
+                        "instead of the roofline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default="results/banaserve")
@@ -40,4 +43,4 @@ def run(a) -> None:
                   systems=tuple(a.systems.split(",")) if a.systems else tuple(SYSTEMS), num_requests=a.num_requests,
                   prefixes=a.prefixes, prefix_len=a.prefix_len, suffix_len=a.suffix_len, output_len=a.output_len,
                   zipf=a.zipf, store_gb=a.store_gb, rates=tuple(a.rates), workload=a.workload, trace=a.trace,
-                  seed=a.seed, out_dir=a.out_dir))
+                  seed=a.seed, out_dir=a.out_dir, calibration=a.calibration))
