@@ -395,7 +395,7 @@ def calibrate_table(table, gpus: list[str] | None = None, progress=None,
         fcals = fit(train, tables=operations)  # from the defaults, not the fit on all points (which saw these)
         for g, entry in result.items():
             mine = [p for p in test if p.gpu == g]
-            if mine:
+            if mine and g in fcals:  # (a GPU the fold left nothing of to fit on is not judged)
                 entry["folds"].append({"fold": name, "train": sum(p.gpu == g for p in train), "test": len(mine),
                                        "error": errors(mine, fcals[g], operations.get(g)),
                                        "roofline": errors(mine, None)})
