@@ -1,15 +1,16 @@
 """`servewise bench operations`: this CPU's steps in the per-operation form of the GPU model.
 
-The engine's own linear layers (a layer's QKV, output, gate, up and down projections, and the LM head)
-are timed one by one at a range of row counts and written as an operations table (the CSV that
-`servewise calibrate --operations` and predictors.operations.OperationTable read). Real prefill and
-decode steps of the same model are then timed through the runner, and each step is split into what
-its GEMMs cost by the table (every layer's five, the LM head's rows) and the rest (attention, norms,
-rotary, activation, the runner's own work). The rest is fitted, as the per-operation model prices it,
-to a fixed cost plus costs per token and per attention pair (prefill) or per request and per KV token
-(decode) on half of the steps; the other half measures how well "measured operations + fitted rest"
-predicts a step, beside a fit of the whole step on the same terms (what a model without the operation
-table does).
+Real prefill and decode steps of a model are timed through the runner, half of them (every other
+shape) with each call of the engine's linear layers (a layer's QKV, output, gate, up and down
+projections, and the LM head) timed in place: those calls make an operations table (the CSV that
+`servewise calibrate --operations` and predictors.operations.OperationTable read). Each step is then
+split into what its GEMMs cost by the table and the rest (attention, norms, rotary, activation, the
+runner's own work), which is fitted as the per-operation model prices it, a fixed cost plus costs per
+token and per attention pair (prefill) or per request and per KV token (decode), on the training steps;
+the held-out half measures how well "measured operations + fitted rest" predicts a step, beside a fit
+of the whole step on the same terms (what a model without the operation table does). The same GEMMs
+are also timed alone, their weights flushed from the caches first, and compared with their time in a
+step.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import torch
 
 from servewise.kernels import cpu_flags
 
-ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 PREFILL = ((1, 32), (1, 128), (1, 512), (1, 1024), (2, 64), (2, 256), (4, 32), (4, 128), (4, 384), (8, 64),
            (8, 192), (16, 32), (16, 96), (2, 768), (3, 640), (6, 256))  # (prompts, mean tokens)
 DECODE = ((1, 64), (1, 512), (2, 256), (4, 128), (4, 1024), (8, 64), (8, 512), (16, 256), (16, 1024), (32, 128),
@@ -35,7 +35,6 @@ DECODE = ((1, 64), (1, 512), (2, 256), (4, 128), (4, 1024), (8, 64), (8, 512), (
 class Settings:
     model: str = "llama-200m"
     dtype: str = "float32"
-    rows: tuple[int, ...] = ROWS
     rounds: int = 5
     repeat: int = 5
     seed: int = 0
@@ -43,10 +42,14 @@ class Settings:
     table: str = "results/operations_cpu.csv"
 
 
-def _median_time(fn, repeat: int) -> float:
+def _median_time(fn, repeat: int, flush: torch.Tensor) -> float:
+    """Median of `repeat` calls, each after reading `flush` (larger than the caches): in a step a layer's
+    weights were last read a whole pass over the model ago, and have left the caches since; called back to
+    back, a GEMM would find them there (on a CPU with a last-level cache of hundreds of MiB, all of them)."""
     fn()  # (a kernel built for this shape before it is timed)
     times = []
     for _ in range(repeat):
+        flush.sum()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -66,7 +69,11 @@ def _shape(lin) -> tuple[int, int]:
 
 
 def time_gemms(model, rows, repeat: int, dtype) -> list[tuple]:
-    """Operation-table rows (gemm, k, n, 1, rows, seconds) of the layer's GEMMs and the LM head."""
+    """Operation-table rows (gemm, k, n, 1, rows, seconds) of the layer's GEMMs and the LM head, each
+    timed with its weights out of the caches."""
+    from servewise.bench.attention import last_level_cache_bytes
+
+    flush = torch.ones(max(2 * (last_level_cache_bytes() or 0), 64 << 20) // 4, dtype=torch.float32)
     lins = {**layer_gemms(model), "head": model.head}
     out, seen = [], set()
     for name, lin in lins.items():
@@ -76,7 +83,7 @@ def time_gemms(model, rows, repeat: int, dtype) -> list[tuple]:
         seen.add((k, n))
         for m in rows:
             x = torch.randn(m, k, dtype=dtype)
-            out.append(("gemm", k, n, 1, m, _median_time(lambda: lin(x), repeat)))
+            out.append(("gemm", k, n, 1, m, _median_time(lambda: lin(x), repeat, flush)))
     return out
 
 
@@ -94,13 +101,14 @@ def _fit(features: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def split_error(steps: list[dict], kind: str) -> dict:
-    """Fit on the even-numbered steps, judge on the odd: the per-operation form (table GEMMs + fitted
-    rest) against a fit of the whole step on the same terms."""
+    """Fit the rest on the steps marked "train", judge on the others: the per-operation form (table GEMMs +
+    fitted rest) against a fit of the whole step on the same terms."""
     feats = np.array([[1.0, s["tokens"], s["pairs"]] if kind == "prefill" else [1.0, s["rows"], s["kv_tokens"]]
                       for s in steps])
     y = np.array([s["seconds"] for s in steps])
     g = np.array([s["gemm_s"] for s in steps])
-    train, test = np.arange(len(y)) % 2 == 0, np.arange(len(y)) % 2 == 1
+    train = np.array([s["train"] for s in steps])
+    test = ~train
     rest = _fit(feats[train], np.maximum(y[train] - g[train], 1e-9))
     whole = _fit(feats[train], y[train])
     per_op = g[test] + feats[test] @ rest
@@ -108,6 +116,44 @@ def split_error(steps: list[dict], kind: str) -> dict:
     err = lambda p: float(np.mean(np.abs(p - y[test]) / y[test]) * 100)  # noqa: E731
     return {"held_out": int(test.sum()), "per_operation_mape_pct": err(per_op), "whole_step_fit_mape_pct": err(direct),
             "gemm_share_pct": float(np.mean(g / y) * 100), "rest_coefficients": rest.tolist()}
+
+
+class InStep:
+    """Times every call of the engine's linear layers while it is on: (k, n, rows) -> seconds of each call."""
+
+    def __init__(self):
+        self.calls: dict[tuple[int, int, int], list[float]] = {}
+
+    def __enter__(self):
+        from servewise.models.linear import Linear
+
+        self.original, calls = Linear.__call__, self.calls
+        original = self.original
+
+        def timed(lin, x):
+            t0 = time.perf_counter()
+            y = original(lin, x)
+            calls.setdefault((*_shape(lin), x.shape[0]), []).append(time.perf_counter() - t0)
+            return y
+
+        Linear.__call__ = timed
+        return self
+
+    def __exit__(self, *exc):
+        from servewise.models.linear import Linear
+
+        Linear.__call__ = self.original
+
+    def rows(self) -> list[tuple]:
+        """Operation-table rows: each shape's median call at each row count it ran at."""
+        return [("gemm", k, n, 1, m, statistics.median(ts)) for (k, n, m), ts in sorted(self.calls.items())]
+
+
+def _shape_of(batch, kind: str) -> dict:
+    if kind == "prefill":
+        lens = batch.num_scheduled_tokens
+        return {"tokens": sum(lens), "pairs": sum(n * (n + 1) // 2 for n in lens), "rows": len(lens)}
+    return {"tokens": len(batch.context_lens), "rows": len(batch.context_lens), "kv_tokens": sum(batch.context_lens)}
 
 
 def main(s: Settings) -> dict:
@@ -125,30 +171,42 @@ def main(s: Settings) -> dict:
     bench = _Bench(mc, "cpu", 16, num_device_blocks=most // 16 * 2 + 64, num_host_blocks=4)
     model = bench.runner.model
     t0 = time.perf_counter()
-    rows = time_gemms(model, s.rows, s.repeat, getattr(torch, s.dtype))
-    table = OperationTable(rows, "this CPU")
-    os.makedirs(os.path.dirname(os.path.abspath(s.table)) or ".", exist_ok=True)
-    table.save(s.table)
-    print(f"GEMMs: {len(rows)} timings of {len({r[1:3] for r in rows})} shapes at {len(s.rows)} row counts "
-          f"({time.perf_counter() - t0:.0f} s); table: {s.table}", flush=True)
     out = {"settings": asdict(s), "threads": threads, "cpu_flags": cpu_flags(), "model": s.model,
            "layers": mc.num_layers, "hidden": mc.hidden_size}
+    runs = {}
     for kind, points in (("prefill", PREFILL), ("decode", DECODE)):
-        sweep = bench.sweep(list(points), decode=kind == "decode")
+        # every other point trains (its steps' GEMMs timed in place); the rest is held out, run untouched
+        train, test = bench.sweep(list(points[::2]), decode=kind == "decode"), \
+            bench.sweep(list(points[1::2]), decode=kind == "decode")
+        in_step = InStep()
         for r in range(s.rounds):
-            sweep.round()
+            with in_step:
+                train.round()
+            test.round()
             print(f"{kind}: round {r + 1}/{s.rounds}", flush=True)
+        runs[kind] = (train, test, in_step)
+    rows = [row for _, _, in_step in runs.values() for row in in_step.rows()]
+    table = OperationTable(rows, "this CPU, in step")
+    os.makedirs(os.path.dirname(os.path.abspath(s.table)) or ".", exist_ok=True)
+    table.save(s.table)
+    shapes = sorted({r[1:3] for r in rows})
+    print(f"GEMMs timed in the training steps: {len(shapes)} shapes at {len({r[4] for r in rows})} row counts; "
+          f"table: {s.table}", flush=True)
+    # the same GEMMs timed alone, their weights flushed from the caches first, against their time in a step
+    alone = OperationTable(time_gemms(model, sorted({int(r[4]) for r in rows}), s.repeat, getattr(torch, s.dtype)),
+                           "this CPU, alone")
+    ratios = [alone.time("gemm", k, n, 1, m) / t for _, k, n, _, m, t in rows]
+    out["alone_over_in_step"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    print(f"a GEMM timed alone (weights flushed from the caches) takes {statistics.median(ratios):.2f}x its time in a "
+          f"step (median; {min(ratios):.2f}-{max(ratios):.2f}x)", flush=True)
+    for kind, (train, test, _) in runs.items():
         steps = []
-        for batch, secs in zip(sweep.setups, sweep.medians()):
-            if kind == "prefill":
-                lens = batch.num_scheduled_tokens
-                shape = {"tokens": sum(lens), "pairs": sum(n * (n + 1) // 2 for n in lens), "rows": len(lens)}
-                gemm = gemm_seconds(table, model, mc.num_layers, shape["tokens"], len(lens))
-            else:
-                ctx = batch.context_lens
-                shape = {"tokens": len(ctx), "rows": len(ctx), "kv_tokens": sum(ctx)}
-                gemm = gemm_seconds(table, model, mc.num_layers, len(ctx), len(ctx))
-            steps.append({**shape, "seconds": secs, "gemm_s": gemm})
+        for sweep, is_train in ((train, True), (test, False)):
+            for batch, secs in zip(sweep.setups, sweep.medians()):
+                shape = _shape_of(batch, kind)
+                sampled = shape["rows"]
+                steps.append({**shape, "seconds": secs, "train": is_train,
+                              "gemm_s": gemm_seconds(table, model, mc.num_layers, shape["tokens"], sampled)})
         out[kind] = {"steps": steps, **split_error(steps, kind)}
         e = out[kind]
         print(f"{kind}: GEMMs by the table are {e['gemm_share_pct']:.0f}% of a step on average; held-out steps "
