@@ -58,6 +58,10 @@ class Settings:
     trace: str | None = None  # an Azure LLM inference trace CSV: the workload "trace" samples its lengths
     predictors: str | None = None  # for adaptive preemption on the real engine; None: cached, profiled on first use
     group_priority: str = "groups"  # what fair admission compares (SchedulerConfig.group_priority)
+    # a per-operation calibration (`servewise calibrate`) pricing the simulated GPU instead of the roofline,
+    # with the constants of `calibration_gpu` (the A800 is the A100's chip) and `hardware`'s peaks
+    calibration: str | None = None
+    calibration_gpu: str = "a100-80g"
     seed: int = 0
 
     def __post_init__(self):
@@ -146,7 +150,7 @@ def spec(kind: str, backend: str, model: str, items, wl: str, max_out: int, syst
     if backend == "real":
         engine = Engine("real", model, predictors=s.predictors, options=options)
     else:
-        perf = make_perf(s.hardware, load_model_config(model, "float16")[0], s.block_size, efficiency=efficiency)
+        perf = sim_perf(model, s, efficiency)
         if (swap := swap or s.swap_model) is not None:
             perf = perf.with_swap(swap)
         engine = Engine("sim", model, s.hardware, perf=perf, options=options | {"dtype": "float16"})
@@ -196,16 +200,25 @@ def measure_all(specs: Iterable[Spec], say=None) -> list[dict]:
     return out
 
 
+def sim_perf(model: str, s: Settings, efficiency: dict | None = None):
+    """The simulated GPU's performance model: the roofline, or the per-operation model with s.calibration;
+    `efficiency` overrides the roofline's assumed efficiencies (the host link's for either)."""
+    mc, _ = load_model_config(model, "float16")
+    if s.calibration is None:
+        return make_perf(s.hardware, mc, s.block_size, efficiency=efficiency)
+    from servewise.predictors.operations import OperationPerf, load_calibration
+
+    cal, ops = load_calibration(s.calibration, s.calibration_gpu)
+    perf = OperationPerf(mc, s.hardware, s.block_size, cal, table=ops,
+                         label=f"per-operation model ({s.hardware}'s peaks, {s.calibration_gpu}'s calibration)")
+    return perf.with_efficiency(**efficiency) if efficiency else perf
+
+
 def crossover(model: str, s: Settings, link_efficiency: float | None = None,
               tokens=(16, 64, 256, 1024, 2048), swap=None) -> list[dict]:
     """Predicted recompute and swap costs of one request by length on the simulated GPU (swaps priced by
     the roofline's link, or by a gpu_swap model)."""
-    from servewise.predictors.roofline import RooflinePerf
-
-    mc, _ = load_model_config(model, "float16")
-    perf = RooflinePerf(mc, s.hardware, s.block_size)
-    if link_efficiency is not None:
-        perf = perf.with_efficiency(link=link_efficiency)
+    perf = sim_perf(model, s, None if link_efficiency is None else {"link": link_efficiency})
     if swap is not None:
         perf = perf.with_swap(swap)
     rows = []
@@ -420,6 +433,9 @@ def report(result: dict) -> str:
     s = result["settings"]
     parts = [f"torch threads: {result['threads']}; {s['num_device_blocks']} device / {s['num_host_blocks']} host "
              f"blocks of {s['block_size']}; all requests submitted at once"]
+    if s.get("calibration"):
+        parts.append(f"simulated GPU ({s['hardware']}) priced per operation: {s['calibration_gpu']}'s calibration in "
+                     f"{s['calibration']} (the tables' 'analytical' runs are these)")
     for mo in s["max_output_lens"]:
         parts += ["", *speedup_table(result, mo)]
     for fn in (throughput_table, preemption_table, steps_table, turnaround_table, slow_link_table, overhead_lines,

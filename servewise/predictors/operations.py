@@ -180,8 +180,9 @@ class OperationPerf(RooflinePerf):
     analytical = True
 
     def __init__(self, c: ModelConfig, hw: Hardware | str, block_size: int, calibration: Calibration | None = None,
-                 tp: int = 1, label: str | None = None, table: OperationTable | None = None):
-        super().__init__(c, hw.removesuffix("-pcap") if isinstance(hw, str) else hw, block_size, tp=tp)
+                 tp: int = 1, label: str | None = None, table: OperationTable | None = None, eff=None):
+        """eff: the roofline's Efficiency, of which this model uses the host link's (block copies)."""
+        super().__init__(c, hw.removesuffix("-pcap") if isinstance(hw, str) else hw, block_size, eff, tp=tp)
         self.cal, self.table = calibration or Calibration(), table
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         up = (2 if c.arch == "llama" else 1) * c.intermediate_size
@@ -191,6 +192,9 @@ class OperationPerf(RooflinePerf):
         self.peak = self.hw.fp16_tflops * 1e12
         self.bw = self.hw.hbm_gbps * 1e9
         self.label = label or f"per-operation model ({self.hw.name}{f' x{tp} TP' if tp > 1 else ''})"
+
+    def _copy(self, eff) -> OperationPerf:
+        return OperationPerf(self.c, self.hw, self.block_size, self.cal, self.tp, self.label, self.table, eff)
 
     def gemm(self, m: float, k: float, n: float) -> float:
         """One GEMM of m rows on one GPU: the table's time when it measured the shape, else the curve's."""

@@ -116,11 +116,14 @@ class RooflinePerf:
         a SwapModel)."""
         from servewise.predictors.gpu_swap import get_swap_model
 
-        perf = RooflinePerf(self.c, self.hw, self.block_size, self.eff, self.tp, self.weight_bits,
-                            self.dequant_pass)
+        perf = self._copy(self.eff)
         perf.swap = get_swap_model(model)
         perf.label = f"{self.label}, swaps: {perf.swap.name}"
         return perf
+
+    def _copy(self, eff: Efficiency) -> RooflinePerf:
+        """This model with other efficiencies (a subclass keeps its own pricing)."""
+        return RooflinePerf(self.c, self.hw, self.block_size, eff, self.tp, self.weight_bits, self.dequant_pass)
 
     @property
     def copy_overlaps(self) -> bool:
@@ -128,8 +131,7 @@ class RooflinePerf:
         return self.swap is not None and self.swap.overlap
 
     def with_efficiency(self, **kw) -> RooflinePerf:
-        perf = RooflinePerf(self.c, self.hw, self.block_size, replace(self.eff, **kw), self.tp, self.weight_bits,
-                            self.dequant_pass)
+        perf = self._copy(replace(self.eff, **kw))
         perf.swap = self.swap
         if kw:
             perf.label += ", " + ", ".join(f"{k} efficiency {v}" for k, v in kw.items())

@@ -29,6 +29,9 @@ def arguments(p) -> None:
     p.add_argument("--group-priority", default=None, choices=["groups", "queues"],
                    help="what fair admission compares: the fitting groups' mean priorities (default) or the whole "
                         "waiting and swapped queues' (the paper's two readings)")
+    p.add_argument("--calibration", default=None,
+                   help="a per-operation calibration (.json from `servewise calibrate`) pricing the simulated GPU "
+                        "instead of the roofline, with the A100's constants (the A800 is its chip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out-dir", default="results/adaptivellm")
@@ -47,6 +50,7 @@ def run(a) -> None:
                  max_output_lens=None if a.max_output_lens is None else tuple(a.max_output_lens),
                  num_requests_real=a.num_requests or None, num_requests_sim=a.num_requests or None,
                  real_models=names(a.real_models), sim_models=names(a.sim_models), workloads=names(a.workloads),
-                 systems=names(a.systems), group_priority=a.group_priority)
+                 systems=names(a.systems), group_priority=a.group_priority,
+                 calibration=a.calibration)
     s = replace(FULL if a.full else QUICK, **{k: v for k, v in given.items() if v is not None})
     main(s, a.out_dir, "full" if a.full else "quick")
