@@ -372,7 +372,7 @@ def _counts(kind: str, counts) -> str:
 def report(r: dict) -> str:
     st = r["settings"]
     priced = (f"the per-operation model calibrated in {st['calibration']}" if st.get("calibration") else
-              "Splitwise's measured table" if st["measured"] else "the analytical roofline (labelled analytical)")
+              "Splitwise's measured table" if st.get("measured", True) else "the analytical roofline (labelled analytical)")
     lines = [f"GPU steps priced by {priced}", ""]
     if "roofline_error" in r:
         lines += ["Roofline vs Splitwise's measured table (signed mean / mean absolute % error)",
