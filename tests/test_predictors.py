@@ -120,9 +120,9 @@ def test_profiled_decode_batches_are_laid_out_as_an_engine_lays_them_out():
     """Mixed contexts averaging the point's length, on blocks taken in shuffled order (in-place attention);
     uniform contexts where the attention pads to the longest."""
     from servewise.config import ModelConfig
-    from servewise.predictors.profiler import _Bench, scaled_config
+    from servewise.predictors.profiler import StepBench, scaled_config
 
-    bench = _Bench(ModelConfig.from_hf(scaled_config(hf_config("tiny-llama"), 1, 64)), "cpu", 16, 64, 4)
+    bench = StepBench(ModelConfig.from_hf(scaled_config(hf_config("tiny-llama"), 1, 64)), "cpu", 16, 64, 4)
     out = bench._requests(5, 40, decode=True)
     blocks = [b for r in out.new_requests for b in r.block_ids]
     if bench.runner.attn_kernel is not None:

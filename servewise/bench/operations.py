@@ -160,7 +160,7 @@ def main(s: Settings) -> dict:
     """Run the benchmark; the CLI has already applied --threads."""
     from servewise.models.loader import load_model_config
     from servewise.predictors.operations import OperationTable
-    from servewise.predictors.profiler import _Bench
+    from servewise.predictors.profiler import StepBench
 
     torch.manual_seed(s.seed)
     mc, _ = load_model_config(s.model, s.dtype)
@@ -168,7 +168,7 @@ def main(s: Settings) -> dict:
     print(f"{s.model} ({mc.num_layers} layers, hidden {mc.hidden_size}, {s.dtype}); torch threads {threads}; "
           f"CPU flags: {cpu_flags()}", flush=True)
     most = max(b * n * 3 // 2 + 16 for b, n in (*PREFILL, *DECODE))
-    bench = _Bench(mc, "cpu", 16, num_device_blocks=most // 16 * 2 + 64, num_host_blocks=4)
+    bench = StepBench(mc, "cpu", 16, num_device_blocks=most // 16 * 2 + 64, num_host_blocks=4)
     model = bench.runner.model
     t0 = time.perf_counter()
     out = {"settings": asdict(s), "threads": threads, "cpu_flags": cpu_flags(), "model": s.model,

@@ -104,7 +104,7 @@ def decode_layout(mean: int, rows: int, num_blocks: int, block_size: int, seed: 
     return lens, tables
 
 
-class _Bench:
+class StepBench:
     """One model on a TorchRunner with pools big enough for the sweep."""
 
     def __init__(self, cfg: ModelConfig, device: str, block_size: int, num_device_blocks: int, num_host_blocks: int,
@@ -184,7 +184,7 @@ class _Sweep:
     4th run took 7.3%, 4.0%, 2.9% and 1.6% longer than its steady state (runs 5-8), an 8-32-request
     batch's 3.5%, 1.4%, 1.1% and 0.8%: medians of 240 trials each.)"""
 
-    def __init__(self, bench: _Bench, setups: list[SchedulerOutput], decode: bool):
+    def __init__(self, bench: StepBench, setups: list[SchedulerOutput], decode: bool):
         self.bench, self.setups, self.decode = bench, setups, decode
         for out in setups:
             bench.runner.execute(out)  # warm-up
@@ -235,7 +235,7 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
                                  "kv_heads": cfg.num_kv_heads, "intermediate": cfg.intermediate_size,
                                  "vocab": cfg.vocab_size, "kv_bytes_per_token": cfg.kv_bytes_per_token})
         capture = (max_batch, cfg.max_model_len) if graphs and device.startswith("cuda") else None
-        bench = _Bench(cfg, device, block_size, n_dev, n_host, capture)
+        bench = StepBench(cfg, device, block_size, n_dev, n_host, capture)
         result["decode_attention"] = IN_PLACE if bench.runner.attn_kernel is not None else PADDED
         # context: the same prompt chunks with and without earlier context (what attending to a cached prefix costs)
         chunks = [bench._chunks(b, n, p) for b, n, p in context_pts] + [bench._chunks(b, n, 0) for b, n, _ in context_pts]
@@ -298,7 +298,7 @@ class _Within:
 LOOP_POOL_BLOCKS = 96  # device blocks of the engine that loop_overhead runs: requests wait and are preempted
 
 
-def loop_overhead(bench: _Bench, requests: int = 256, seed: int = 0) -> list[dict]:
+def loop_overhead(bench: StepBench, requests: int = 256, seed: int = 0) -> list[dict]:
     """The engine's own time per step outside the runner (scheduling, block bookkeeping, postprocessing,
     taking in new requests), measured on a real engine around this size's runner, its pool cut to
     LOOP_POOL_BLOCKS so that requests queue and get preempted as in a loaded engine: `requests` prompts
@@ -346,7 +346,7 @@ def context_points_for(n: int, max_tokens: int, max_ctx: int, seed: int) -> list
     return sorted(pts)
 
 
-def _swap_requests(bench: _Bench, key: dict, block_bytes: int, lengths: list[int], reps: int, seed: int,
+def _swap_requests(bench: StepBench, key: dict, block_bytes: int, lengths: list[int], reps: int, seed: int,
                    real_kv: bool) -> list[dict]:
     """Swap requests of the given token lengths out and back in, timing both directions.
 
