@@ -49,3 +49,18 @@ def test_bench_operations_writes_a_table_the_calibration_reads_and_splits_real_s
     assert [st["rows"] for st in saved["decode"]["steps"]] == [1, 2, 4, 8]
     assert saved["alone_over_in_step"]["min"] > 0
     assert out["threads"] >= 1 and saved["cpu_flags"] == out["cpu_flags"]
+
+
+def test_timing_the_linear_layers_in_place_leaves_them_as_they_were_even_on_an_error():
+    import torch
+
+    from servewise.models.linear import Linear
+
+    original, lin = Linear.__call__, Linear(torch.ones(3, 2))
+    timer = bench_ops.InStep()
+    with pytest.raises(RuntimeError, match="boom"):
+        with timer:
+            lin(torch.ones(5, 2))
+            raise RuntimeError("boom")
+    assert Linear.__call__ is original and list(timer.calls) == [(2, 3, 5)]
+    assert timer.rows()[0][:5] == ("gemm", 2, 3, 1, 5)

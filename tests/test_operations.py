@@ -58,10 +58,6 @@ def test_the_fit_recovers_the_times_of_known_calibrations_of_two_gpus_that_share
         e = errors([p for p in pts if p.gpu == gpu], cal)
         assert e["prompt"]["max_pct"] < 1.0 and e["token"]["max_pct"] < 1.0
         assert e["prompt"]["points"] == 16 and e["token"]["points"] == 15
-    # the GEMM curve's shape is one for both; the rest is each GPU's own
-    a, h = cals["a100-80gb"], cals["h100-80gb"]
-    assert (a.gemm_knee, a.gemm_sustained, a.gemm_sat) == (h.gemm_knee, h.gemm_sustained, h.gemm_sat)
-    assert a.step_s != h.step_s
 
 
 def test_folds_leave_out_a_model_a_tp_degree_and_the_large_batches():
@@ -174,3 +170,53 @@ def test_calibrate_refuses_an_operations_flag_it_cannot_read(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(["calibrate", "--table", str(tmp_path / "t.csv"), "--operations", flag])
         assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_the_per_operation_model_keeps_its_pricing_through_copies_and_prices_tables_all_reduces():
+    from servewise.predictors.operations import OperationTable
+
+    mc = _mc("llama-2-70b")
+    table = OperationTable([("allreduce", 0, 0, 4, 1e6, 1e-3), ("allreduce", 0, 0, 4, 1e8, 2e-2)])
+    cal = Calibration(step_s=7e-3, gemm_eff=0.5)
+    perf = OperationPerf(mc, "a100-80g", 16, cal, tp=4, table=table)
+    # an all-reduce the table measured: interpolated; at another TP degree: the ring's curve
+    assert perf.allreduce(5.05e7) == pytest.approx(1.05e-2)
+    assert OperationPerf(mc, "a100-80g", 16, cal, tp=2, table=table).allreduce(1e6) == pytest.approx(
+        2 * cal.ring_step_s + 1e6 / (300e9 * cal.nvlink_eff))
+    # a slower host link or a swap model: the same pricing of steps, its own of copies
+    for other in (perf.with_efficiency(link=0.2), perf.with_swap("pinned-overlap")):
+        assert type(other) is OperationPerf and other.cal == cal and other.table is table
+        assert other.decode([600] * 8) == perf.decode([600] * 8)
+    assert perf.with_efficiency(link=0.2).copy(10, True) > perf.copy(10, True)
+    with pytest.raises(ValueError, match="takes its memory from its calibration"):
+        perf.with_efficiency(memory=0.1)
+    # what load monitoring and migration read: the fixed cost a step, the weights' read, compute at peak
+    assert perf.fixed_step_s == 7e-3
+    weights = sum(k * n for k, n in perf.gemms) * 2 / (2039e9 * cal.mem_eff)
+    assert perf.span_parts(mc.num_layers, 0, 0, 0, 0) == pytest.approx((0.0, mc.num_layers * weights))
+    c512, m512 = perf.span_parts(mc.num_layers, 512, 512 * 513 // 2, 512, 1)
+    assert c512 > m512 > 0  # a 512-token prompt: compute-bound
+
+
+def test_the_splitwise_experiment_takes_a_calibration_in_place_of_the_measured_table(tmp_path):
+    from servewise.experiments.splitwise import Settings
+
+    s = Settings(data_dir=str(tmp_path), calibration="cal.json")
+    assert s.table == "cal.json" and Settings(data_dir=str(tmp_path)).measured_table.endswith("perf_model.csv.gz")
+    assert Settings(data_dir=str(tmp_path), measured=False).table is None
+    for bad in (dict(measured=False), dict(splitwisesim=True)):
+        with pytest.raises(ValueError, match="--calibration replaces the measured table"):
+            Settings(data_dir=str(tmp_path), calibration="cal.json", **bad)
+
+
+def test_calibrate_refuses_operations_that_price_none_of_the_steps(data_dir, tmp_path):
+    from servewise.predictors.operations import OperationTable
+
+    table = os.path.join(data_dir, "splitwise", "perf_model.csv.gz")
+    if not os.path.isfile(table):
+        pytest.skip("Splitwise's measured table is not in the shared data")
+    ops = OperationTable([("gemm", 123, 456, 4, 1, 1e-4)])
+    with pytest.raises(ValueError, match="prices none of the GEMMs of a100-80gb's measured steps"):
+        calibrate_table(table, ["a100-80gb"], operations={"a100-80gb": ops})
+    with pytest.raises(ValueError, match="which --gpus leaves out"):
+        calibrate_table(table, ["a100-80gb"], operations={"h100-80gb": ops})

@@ -56,11 +56,11 @@ def _median_time(fn, repeat: int, flush: torch.Tensor) -> float:
     return statistics.median(times)
 
 
-def layer_gemms(model) -> dict[str, object]:
-    """The linear layers one decoder layer runs (gate and up apart on CPU, fused elsewhere)."""
-    layer = model.layers[0]
-    names = ("qkv", "o", "gate_up", "gate", "up", "down")
-    return {n: getattr(layer, n) for n in names if getattr(layer, n, None) is not None}
+def layer_gemms(model) -> list:
+    """The linear layers one decoder layer runs (on CPU gate and up apart, elsewhere fused)."""
+    from servewise.models.linear import Linear
+
+    return [v for v in vars(model.layers[0]).values() if isinstance(v, Linear)]
 
 
 def _shape(lin) -> tuple[int, int]:
@@ -74,9 +74,8 @@ def time_gemms(model, rows, repeat: int, dtype) -> list[tuple]:
     from servewise.bench.attention import last_level_cache_bytes
 
     flush = torch.ones(max(2 * (last_level_cache_bytes() or 0), 64 << 20) // 4, dtype=torch.float32)
-    lins = {**layer_gemms(model), "head": model.head}
     out, seen = [], set()
-    for name, lin in lins.items():
+    for lin in [*layer_gemms(model), model.head]:
         k, n = _shape(lin)
         if (k, n) in seen:  # (gate and up share a shape: timed once)
             continue
@@ -89,15 +88,16 @@ def time_gemms(model, rows, repeat: int, dtype) -> list[tuple]:
 
 def gemm_seconds(table, model, num_layers: int, tokens: int, sampled: int) -> float:
     """A step's GEMMs by the table: every layer's over `tokens` rows, the LM head over `sampled`."""
-    per_layer = sum(table.time("gemm", *_shape(lin), 1, tokens) for lin in layer_gemms(model).values())
+    per_layer = sum(table.time("gemm", *_shape(lin), 1, tokens) for lin in layer_gemms(model))
     return num_layers * per_layer + table.time("gemm", *_shape(model.head), 1, sampled)
 
 
-def _fit(features: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares on relative error (each step weighs alike)."""
+def _fit(features: np.ndarray, target: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares of features @ x = target, each row weighed by 1 / y (its step's time):
+    every step counts by its relative error."""
     from scipy.optimize import nnls
 
-    return nnls(features / y[:, None], np.ones_like(y))[0]
+    return nnls(features / y[:, None], target / y)[0]
 
 
 def split_error(steps: list[dict], kind: str) -> dict:
@@ -109,8 +109,8 @@ def split_error(steps: list[dict], kind: str) -> dict:
     g = np.array([s["gemm_s"] for s in steps])
     train = np.array([s["train"] for s in steps])
     test = ~train
-    rest = _fit(feats[train], np.maximum(y[train] - g[train], 1e-9))
-    whole = _fit(feats[train], y[train])
+    rest = _fit(feats[train], y[train] - g[train], y[train])
+    whole = _fit(feats[train], y[train], y[train])
     per_op = g[test] + feats[test] @ rest
     direct = feats[test] @ whole
     err = lambda p: float(np.mean(np.abs(p - y[test]) / y[test]) * 100)  # noqa: E731
@@ -173,19 +173,20 @@ def main(s: Settings) -> dict:
     t0 = time.perf_counter()
     out = {"settings": asdict(s), "threads": threads, "cpu_flags": cpu_flags(), "model": s.model,
            "layers": mc.num_layers, "hidden": mc.hidden_size}
-    runs = {}
+    runs, in_step = {}, InStep()
     for kind, points in (("prefill", PREFILL), ("decode", DECODE)):
-        # every other point trains (its steps' GEMMs timed in place); the rest is held out, run untouched
-        train, test = bench.sweep(list(points[::2]), decode=kind == "decode"), \
-            bench.sweep(list(points[1::2]), decode=kind == "decode")
-        in_step = InStep()
+        # every other point trains (its steps' GEMMs timed in place, in rounds of their own); the rest is held out
+        decode = kind == "decode"
+        train, test = bench.sweep(list(points[::2]), decode), bench.sweep(list(points[1::2]), decode)
+        calls = bench.sweep([], decode, setups=train.setups)
         for r in range(s.rounds):
-            with in_step:
-                train.round()
+            train.round()
             test.round()
+            with in_step:
+                calls.round()
             print(f"{kind}: round {r + 1}/{s.rounds}", flush=True)
-        runs[kind] = (train, test, in_step)
-    rows = [row for _, _, in_step in runs.values() for row in in_step.rows()]
+        runs[kind] = (train, test)
+    rows = in_step.rows()
     table = OperationTable(rows, "this CPU, in step")
     os.makedirs(os.path.dirname(os.path.abspath(s.table)) or ".", exist_ok=True)
     table.save(s.table)
@@ -199,7 +200,7 @@ def main(s: Settings) -> dict:
     out["alone_over_in_step"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
     print(f"a GEMM timed alone (weights flushed from the caches) takes {statistics.median(ratios):.2f}x its time in a "
           f"step (median; {min(ratios):.2f}-{max(ratios):.2f}x)", flush=True)
-    for kind, (train, test, _) in runs.items():
+    for kind, (train, test) in runs.items():
         steps = []
         for sweep, is_train in ((train, True), (test, False)):
             for batch, secs in zip(sweep.setups, sweep.medians()):

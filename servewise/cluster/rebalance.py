@@ -319,7 +319,7 @@ class MigratingPerf:
 
     def __init__(self, base, clock, link_bytes_per_s: float, link_latency_s: float):
         if not hasattr(base, "span_parts"):
-            raise ValueError("load monitoring and migration need the analytical roofline (per-layer, attention and "
+            raise ValueError("load monitoring and migration need an analytical GPU model (per-layer, attention and "
                              "FLOP costs)")
         self.base, self.clock, c = base, clock, base.c
         self.L, self.H, self.g, self.D = c.num_layers, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
@@ -364,7 +364,7 @@ class MigratingPerf:
     def _step(self, t: float, tokens: int, pairs: int, kv_tokens: int, rows: int) -> float:
         base, now = self.base, self.clock.now()
         wait = max(0.0, self.queue_until - now)
-        work = t - base.eff.step_overhead_s  # the layers' share (and the LM head's, counted alike)
+        work = t - base.fixed_step_s  # the layers' share (and the LM head's, counted alike)
         c_attn, m_attn = base.span_parts(self.L, 0, pairs, kv_tokens, 0)
         attn = min(work, max(c_attn, m_attn - self.weights_s))  # attention alone: its FLOPs or its KV bytes
         flops_s = base.span_parts(self.L, tokens, pairs, kv_tokens, rows)[0]  # its compute at peak

@@ -29,8 +29,14 @@ def run(a) -> None:
         gpu, sep, path = spec.partition("=")
         if not sep or not gpu or not path:
             raise ValueError(f"--operations takes GPU=FILE (a GPU of the table, e.g. h100-80gb), not {spec!r}")
+        if gpu in tables:
+            raise ValueError(f"--operations names {gpu} twice")
         tables[gpu] = load_operations(path)
     result = calibrate_table(a.table, a.gpus, progress=lambda m: print(m, flush=True), operations=tables)
+    here = os.path.dirname(os.path.abspath(a.out)) or "."
+    for entry in result.values():  # (the calibration file names its tables relative to its own folder)
+        if entry["operations"]:
+            entry["operations"] = os.path.relpath(os.path.abspath(entry["operations"]), here)
     print(format_report(result))
     print(f"largest leave-one-out error: {worst(result):.1f}%")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)

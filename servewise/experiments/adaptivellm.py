@@ -202,16 +202,9 @@ def measure_all(specs: Iterable[Spec], say=None) -> list[dict]:
 
 def sim_perf(model: str, s: Settings, efficiency: dict | None = None):
     """The simulated GPU's performance model: the roofline, or the per-operation model with s.calibration;
-    `efficiency` overrides the roofline's assumed efficiencies (the host link's for either)."""
-    mc, _ = load_model_config(model, "float16")
-    if s.calibration is None:
-        return make_perf(s.hardware, mc, s.block_size, efficiency=efficiency)
-    from servewise.predictors.operations import OperationPerf, load_calibration
-
-    cal, ops = load_calibration(s.calibration, s.calibration_gpu)
-    perf = OperationPerf(mc, s.hardware, s.block_size, cal, table=ops,
-                         label=f"per-operation model ({s.hardware}'s peaks, {s.calibration_gpu}'s calibration)")
-    return perf.with_efficiency(**efficiency) if efficiency else perf
+    `efficiency` overrides the roofline's assumed efficiencies (the per-operation model's host link only)."""
+    return make_perf(s.hardware, load_model_config(model, "float16")[0], s.block_size, efficiency=efficiency,
+                     table=s.calibration, calibrated_as=s.calibration_gpu if s.calibration else None)
 
 
 def crossover(model: str, s: Settings, link_efficiency: float | None = None,

@@ -112,7 +112,7 @@ class Settings:
     @property
     def table(self) -> str | None:
         """What prices the GPUs' steps: the measured table, a calibration, or None (the roofline)."""
-        return self.calibration or self.measured_table if self.measured else None
+        return (self.calibration or self.measured_table) if self.measured else None
 
     @property
     def measured_table(self) -> str:

@@ -24,8 +24,11 @@ out on every GPU) and reports the error on what was left out, beside the uncalib
 """
 from __future__ import annotations
 
+import csv
+import gzip
 import json
 import math
+import os
 import statistics
 from dataclasses import asdict, dataclass, fields
 
@@ -73,8 +76,28 @@ def load_calibration(path: str, hardware: str) -> tuple[Calibration, OperationTa
     name = HARDWARE_NAMES.get(hardware, hardware)
     if name not in gpus:
         raise ValueError(f"{path} has no calibration for {hardware}; it has {', '.join(sorted(gpus))}")
-    ops = gpus[name].get("operations")
-    return Calibration(**gpus[name]["calibration"]), load_operations(ops) if ops else None
+    try:
+        cal = Calibration(**gpus[name]["calibration"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: {hardware}'s calibration is not one this servewise writes ({e}); run "
+                         "`servewise calibrate` again") from None
+    ops = gpus[name].get("operations")  # (a path relative to the calibration file's folder)
+    return cal, load_operations(os.path.join(os.path.dirname(os.path.abspath(path)), ops)) if ops else None
+
+
+def _key(op: str, k: float, n: float, tp: int) -> tuple[str, int, int, int]:
+    return op, round(k), round(n), int(tp)
+
+
+def _csv_rows(path: str):
+    """(line number, row as a dict) of a CSV file, gzipped or not, and its header."""
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
+            reader = csv.DictReader(f)
+            rows = [(i + 2, r) for i, r in enumerate(reader)]
+            return reader.fieldnames or [], rows
+    except (OSError, csv.Error, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: {getattr(e, 'strerror', None) or e}") from None
 
 
 class OperationTable:
@@ -95,31 +118,25 @@ class OperationTable:
                 raise ValueError(f"{source}: unknown operation {op!r}; the table prices {', '.join(self.OPS)}")
             if not (x > 0 and sec > 0):
                 raise ValueError(f"{source}: {op} {k}x{n} TP {tp}: x and seconds must be positive (got {x}, {sec})")
-            points.setdefault((op, int(k), int(n), int(tp)), {})[float(x)] = float(sec)
+            points.setdefault(_key(op, k, n, tp), {})[float(x)] = float(sec)  # (a repeated point: the later)
         if not points:
             raise ValueError(f"{source}: no operations in the table")
         self.points = {key: (np.array(sorted(v)), np.array([v[x] for x in sorted(v)])) for key, v in points.items()}
 
     @staticmethod
     def load(path: str) -> OperationTable:
-        import csv
-        import gzip
-
-        opener = gzip.open if path.endswith(".gz") else open
-        try:
-            with opener(path, "rt", newline="") as f:
-                reader = csv.DictReader(f)
-                if missing := set(OperationTable.COLUMNS) - set(reader.fieldnames or []):
-                    raise ValueError(f"{path}: not an operations table (no column {', '.join(sorted(missing))})")
-                rows = [(r["op"], int(r["k"]), int(r["n"]), int(r["tp"]), float(r["x"]), float(r["seconds"]))
-                        for r in reader]
-        except OSError as e:
-            raise ValueError(f"{path}: {e.strerror or e}") from None
+        header, found = _csv_rows(path)
+        if missing := set(OperationTable.COLUMNS) - set(header):
+            raise ValueError(f"{path}: not an operations table (no column {', '.join(sorted(missing))})")
+        rows = []
+        for line, r in found:
+            try:
+                rows.append((r["op"], int(r["k"]), int(r["n"]), int(r["tp"]), float(r["x"]), float(r["seconds"])))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path}, line {line}: {e}") from None
         return OperationTable(rows, path)
 
     def save(self, path: str) -> None:
-        import csv
-
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(self.COLUMNS)
@@ -128,7 +145,7 @@ class OperationTable:
 
     def time(self, op: str, k: float, n: float, tp: int, x: float) -> float | None:
         """The operation's time at x, or None when the table has no such operation."""
-        found = self.points.get((op, round(k), round(n), tp))
+        found = self.points.get(_key(op, k, n, tp))
         if found is None:
             return None
         xs, ts = found
@@ -142,35 +159,26 @@ def vidur_table(path: str) -> OperationTable:
     milliseconds per num_tokens and num_tensor_parallel_workers, with the model's dimensions): its four
     GEMMs (attn_pre_proj = QKV, attn_post_proj, mlp_up_proj (gate and up together when use_gated_mlp),
     mlp_down_proj) become `gemm` rows; its norms, rotary, activation and adds are not priced by the model."""
-    import csv
-
+    _, found = _csv_rows(path)
     rows = []
-    try:
-        with open(path, newline="") as f:
-            for r in csv.DictReader(f):
-                h, i, tp = int(r["n_embd"]), int(r["n_expanded_embd"]), int(r["num_tensor_parallel_workers"])
-                heads, kv_heads, d = int(r["n_head"]), int(r["n_kv_head"]), int(r["n_embd"]) // int(r["n_head"])
-                up = i * (2 if r["use_gated_mlp"] == "True" else 1)
-                shapes = {"attn_pre_proj": (h, (heads + 2 * kv_heads) * d // tp), "attn_post_proj": (heads * d // tp, h),
-                          "mlp_up_proj": (h, up // tp), "mlp_down_proj": (i // tp, h)}
-                for name, (k, n) in shapes.items():
-                    rows.append(("gemm", k, n, tp, float(r["num_tokens"]), float(r[f"time_stats.{name}.median"]) / 1e3))
-    except (OSError, KeyError, ValueError) as e:
-        raise ValueError(f"{path}: not a profile in Vidur's mlp.csv layout ({e})") from None
-    # (the same shape measured twice, e.g. a repeated row: the later one counts)
+    for line, r in found:
+        try:
+            h, i, tp = int(r["n_embd"]), int(r["n_expanded_embd"]), int(r["num_tensor_parallel_workers"])
+            heads, kv_heads = int(r["n_head"]), int(r["n_kv_head"])
+            d = h / heads
+            up = i * (2 if r["use_gated_mlp"].lower() == "true" else 1)
+            shapes = {"attn_pre_proj": (h, (heads + 2 * kv_heads) * d / tp), "attn_post_proj": (heads * d / tp, h),
+                      "mlp_up_proj": (h, up / tp), "mlp_down_proj": (i / tp, h)}
+            for name, (k, n) in shapes.items():
+                rows.append(("gemm", k, n, tp, float(r["num_tokens"]), float(r[f"time_stats.{name}.median"]) / 1e3))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+            raise ValueError(f"{path}, line {line}: not a profile in Vidur's mlp.csv layout ({e!r})") from None
     return OperationTable(rows, path)
 
 
 def load_operations(path: str) -> OperationTable:
     """An operations table: servewise's own CSV layout (OperationTable.COLUMNS) or Vidur's mlp.csv."""
-    import csv
-    import gzip
-
-    try:
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
-            header = next(csv.reader(f), [])
-    except OSError as e:
-        raise ValueError(f"{path}: {e.strerror or e}") from None
+    header, _ = _csv_rows(path)
     return vidur_table(path) if "num_tokens" in header else OperationTable.load(path)
 
 
@@ -196,16 +204,42 @@ class OperationPerf(RooflinePerf):
     def _copy(self, eff) -> OperationPerf:
         return OperationPerf(self.c, self.hw, self.block_size, self.cal, self.tp, self.label, self.table, eff)
 
+    @property
+    def fixed_step_s(self) -> float:
+        return self.cal.step_s
+
+    def gemm_parts(self, m: float, k: float, n: float) -> tuple[float, float]:
+        """One GEMM of m rows on one GPU by the curves: (its FLOPs at e(m) of the peak, its bytes at the memory
+        efficiency); m = 0: reading the weights alone."""
+        cal = self.cal
+        nbytes = (k * n + m * (k + n)) * self.itemsize / (self.bw * cal.mem_eff)
+        if m <= 0:
+            return 0.0, nbytes
+        eff = cal.gemm_eff * m / (m + cal.gemm_knee)
+        eff *= cal.gemm_sustained + (1 - cal.gemm_sustained) * cal.gemm_sat / (cal.gemm_sat + m)
+        return 2 * m * k * n / (self.peak * eff), nbytes
+
     def gemm(self, m: float, k: float, n: float) -> float:
         """One GEMM of m rows on one GPU: the table's time when it measured the shape, else the curve's."""
         if m <= 0:
             return 0.0
         if self.table is not None and (t := self.table.time("gemm", k, n, self.tp, m)) is not None:
             return t
-        cal = self.cal
-        eff = cal.gemm_eff * m / (m + cal.gemm_knee)
-        eff *= cal.gemm_sustained + (1 - cal.gemm_sustained) * cal.gemm_sat / (cal.gemm_sat + m)
-        return max(2 * m * k * n / (self.peak * eff), (k * n + m * (k + n)) * self.itemsize / (self.bw * cal.mem_eff))
+        return max(self.gemm_parts(m, k, n))
+
+    def span_parts(self, layers: int, tokens: int, pairs: int, kv_tokens: int, heads: int) -> tuple[float, float]:
+        """(compute, memory) seconds of span's GEMMs and attention by the curves (a measured table's times do
+        not split), for load monitoring and migration (cluster.rebalance)."""
+        parts = [self.gemm_parts(tokens, k, n) for k, n in self.gemms]
+        attn = self._attention_parts(pairs, kv_tokens)
+        head = self.gemm_parts(heads, self.c.hidden_size, self.c.vocab_size / self.tp) if heads else (0.0, 0.0)
+        return tuple(layers * (sum(p[i] for p in parts) + attn[i]) + head[i] for i in (0, 1))
+
+    def _attention_parts(self, pairs: int, kv_tokens: int) -> tuple[float, float]:
+        """One layer's attention: its FLOPs at attn_eff of the peak, its KV bytes at the memory efficiency."""
+        c, cal = self.c, self.cal
+        return (4 * c.num_heads / self.tp * c.head_dim * pairs / (self.peak * cal.attn_eff),
+                kv_tokens * c.kv_bytes_per_token / c.num_layers / self.tp / (self.bw * cal.mem_eff))
 
     def allreduce(self, nbytes: float) -> float:
         """One all-reduce of nbytes over the TP GPUs: 2 (tp - 1) ring steps and the ring's bytes over NVLink."""
@@ -217,10 +251,7 @@ class OperationPerf(RooflinePerf):
 
     def span(self, layers: int, tokens: int, pairs: int, kv_tokens: int, heads: int) -> float:
         c, cal, tp = self.c, self.cal, self.tp
-        per_layer = sum(self.gemm(tokens, k, n) for k, n in self.gemms)
-        attn_flops = 4 * c.num_heads / tp * c.head_dim * pairs
-        kv_bytes = kv_tokens * c.kv_bytes_per_token / c.num_layers / tp
-        per_layer += max(attn_flops / (self.peak * cal.attn_eff), kv_bytes / (self.bw * cal.mem_eff))
+        per_layer = sum(self.gemm(tokens, k, n) for k, n in self.gemms) + max(self._attention_parts(pairs, kv_tokens))
         if tp > 1:
             per_layer += 2 * self.allreduce(tokens * c.hidden_size * self.itemsize)
         head = self.gemm(heads, c.hidden_size, c.vocab_size / tp) if heads else 0.0
@@ -240,7 +271,14 @@ class OperationPerf(RooflinePerf):
             self.cal.decode_request_s * len(ctx_lens)
 
     def prior_context(self, pairs: int) -> float:
-        return self.c.num_layers * 4 * self.c.num_heads / self.tp * self.c.head_dim * pairs / (self.peak * self.cal.attn_eff)
+        return self.c.num_layers * self._attention_parts(pairs, 0)[0]
+
+    def with_efficiency(self, **kw) -> OperationPerf:
+        """Only the host link's efficiencies apply here (the rest is the calibration's)."""
+        if bad := set(kw) - {"link", "copy_call_s", "copy_fixed_s"}:
+            raise ValueError(f"the per-operation model takes its {', '.join(sorted(bad))} from its calibration, "
+                             "not from an efficiency override")
+        return super().with_efficiency(**kw)
 
 
 # ---- calibration on measured steps -------------------------------------------------------------------
@@ -387,6 +425,14 @@ def calibrate_table(table, gpus: list[str] | None = None, progress=None,
         if gpu not in known:
             raise ValueError(f"the table has no runs on {gpu}; it has {', '.join(known)}")
     pts = [p for p in pts if p.gpu in (gpus or known)]
+    for g, t in operations.items():
+        if g not in {p.gpu for p in pts}:
+            raise ValueError(f"operations given for {g}, which --gpus leaves out")
+        shapes = {(k, n, p.tp) for p in pts if p.gpu == g
+                  for k, n in OperationPerf(_config(p.model), TABLE_GPUS[g], 16, tp=p.tp).gemms}
+        if not any(t.time("gemm", k, n, tp, 1) is not None for k, n, tp in shapes):
+            raise ValueError(f"{t.source} prices none of the GEMMs of {g}'s measured steps (their shapes, k x n "
+                             f"on one GPU: {', '.join(f'{k:g}x{n:g} TP {tp}' for k, n, tp in sorted(shapes))})")
     cals = fit(pts, tables=operations)
     if progress:
         progress(f"fitted on {len(pts)} points of {len(cals)} GPUs")
@@ -409,7 +455,8 @@ def calibrate_table(table, gpus: list[str] | None = None, progress=None,
 
 
 def format_report(result: dict) -> str:
-    lines = ["per-operation model calibrated per GPU; mean absolute % error (signed mean) on the points shown,",
+    lines = ["per-operation model calibrated per GPU (the GEMM curve's shape shared); mean absolute % error "
+             "(signed mean) on the points shown,",
              "prompt / token steps; the uncalibrated roofline on the same points beside it", ""]
     row = "{:<16}{:<42}{:>7}  {:>22}  {:>22}"
     lines.append(row.format("GPU", "points", "count", "calibrated", "roofline"))
@@ -424,6 +471,8 @@ def format_report(result: dict) -> str:
         c = r["calibration"]
         lines.append("  constants: " + ", ".join(
             f"{k} {v * 1e6:.1f} us" if k.endswith("_s") else f"{k} {v:.3g}" for k, v in c.items()))
+        if pinned := [k for k, v in c.items() if k in BOUNDS and min(abs(math.log(v / b)) for b in BOUNDS[k]) < 0.01]:
+            lines.append(f"  at a bound of the fit (the data ask for more than it allows): {', '.join(pinned)}")
     return "\n".join(lines)
 
 

@@ -74,11 +74,13 @@ class Calibrated:
 
 
 def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: dict | None = None, tp: int = 1,
-              table: str | dict | None = None, model: str | None = None, token_axis: str = "batch"):
+              table: str | dict | None = None, model: str | None = None, token_axis: str = "batch",
+              calibrated_as: str | None = None):
     """hardware 'profile': this machine, from fitted predictors (a Predictors or a path); with `table`
     (Splitwise's measured perf_model.csv, a path), that table's runs of `model` on `hardware` with `tp`
     GPUs (predictors.measured, with its `token_axis`); with `table` a calibration (.json, written by
-    `servewise calibrate`), any model on `hardware` priced per operation (predictors.operations);
+    `servewise calibrate`), any model on `hardware` priced per operation (predictors.operations), with the
+    constants of the calibrated GPU `calibrated_as` (default: `hardware` itself);
     otherwise a roofline GPU by name, with `efficiency` overriding its assumed efficiencies
     (roofline.Efficiency), over `tp` GPUs."""
     if hardware == PROFILE:
@@ -93,11 +95,13 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
     if isinstance(table, str) and table.endswith(".json"):  # a per-operation calibration (servewise calibrate)
         from servewise.predictors.operations import OperationPerf, load_calibration
 
-        cal, ops = load_calibration(table, hardware)
+        cal, ops = load_calibration(table, calibrated_as or hardware)
         measured = f", operations measured in {ops.source}" if ops else ""
-        return OperationPerf(mc, hardware, block_size, cal, tp, table=ops,
-                             label=f"per-operation model calibrated on measured steps ({hardware}, TP {tp}; {table}"
-                                   f"{measured})")
+        as_ = f" with {calibrated_as}'s constants" if calibrated_as and calibrated_as != hardware else ""
+        perf = OperationPerf(mc, hardware, block_size, cal, tp, table=ops,
+                             label=f"per-operation model calibrated on measured steps ({hardware}{as_}, TP {tp}; "
+                                   f"{table}{measured})")
+        return perf.with_efficiency(**efficiency) if efficiency else perf
     if table is not None:
         from servewise.predictors.measured import MeasuredPerf
 

@@ -121,6 +121,11 @@ class RooflinePerf:
         perf.label = f"{self.label}, swaps: {perf.swap.name}"
         return perf
 
+    @property
+    def fixed_step_s(self) -> float:
+        """What every step costs whatever its size (the rest of a step is its layers' and LM head's work)."""
+        return self.eff.step_overhead_s
+
     def _copy(self, eff: Efficiency) -> RooflinePerf:
         """This model with other efficiencies (a subclass keeps its own pricing)."""
         return RooflinePerf(self.c, self.hw, self.block_size, eff, self.tp, self.weight_bits, self.dequant_pass)
