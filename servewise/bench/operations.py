@@ -14,7 +14,6 @@ step.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from servewise.kernels import cpu_flags
+from servewise.metrics import save_json
 
 PREFILL = ((1, 32), (1, 128), (1, 512), (1, 1024), (2, 64), (2, 256), (4, 32), (4, 128), (4, 384), (8, 64),
            (8, 192), (16, 32), (16, 96), (2, 768), (3, 640), (6, 256))  # (prompts, mean tokens)
@@ -133,7 +133,8 @@ class InStep:
         def timed(lin, x):
             t0 = time.perf_counter()
             y = original(lin, x)
-            calls.setdefault((*_shape(lin), x.shape[0]), []).append(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0  # (before the bookkeeping below)
+            calls.setdefault((*_shape(lin), x.shape[0]), []).append(seconds)
             return y
 
         Linear.__call__ = timed
@@ -205,17 +206,14 @@ def main(s: Settings) -> dict:
         for sweep, is_train in ((train, True), (test, False)):
             for batch, secs in zip(sweep.setups, sweep.medians()):
                 shape = _shape_of(batch, kind)
-                sampled = shape["rows"]
                 steps.append({**shape, "seconds": secs, "train": is_train,
-                              "gemm_s": gemm_seconds(table, model, mc.num_layers, shape["tokens"], sampled)})
+                              "gemm_s": gemm_seconds(table, model, mc.num_layers, shape["tokens"], shape["rows"])})
         out[kind] = {"steps": steps, **split_error(steps, kind)}
         e = out[kind]
         print(f"{kind}: GEMMs by the table are {e['gemm_share_pct']:.0f}% of a step on average; held-out steps "
               f"({e['held_out']}): measured operations + fitted rest {e['per_operation_mape_pct']:.1f}% off, "
               f"the whole step fitted on the same terms {e['whole_step_fit_mape_pct']:.1f}%", flush=True)
     out["wall_s"] = time.perf_counter() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(s.out)) or ".", exist_ok=True)
-    with open(s.out, "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(out, s.out)
     print(f"saved {s.out}")
     return out

@@ -39,7 +39,7 @@ def run(a) -> None:
             entry["operations"] = os.path.relpath(os.path.abspath(entry["operations"]), here)
     print(format_report(result))
     print(f"largest leave-one-out error: {worst(result):.1f}%")
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
+    os.makedirs(here, exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"table": a.table, "gpus": result}, f, indent=1)
     print(f"saved {a.out}")

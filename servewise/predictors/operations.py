@@ -123,19 +123,6 @@ class OperationTable:
             raise ValueError(f"{source}: no operations in the table")
         self.points = {key: (np.array(sorted(v)), np.array([v[x] for x in sorted(v)])) for key, v in points.items()}
 
-    @staticmethod
-    def load(path: str) -> OperationTable:
-        header, found = _csv_rows(path)
-        if missing := set(OperationTable.COLUMNS) - set(header):
-            raise ValueError(f"{path}: not an operations table (no column {', '.join(sorted(missing))})")
-        rows = []
-        for line, r in found:
-            try:
-                rows.append((r["op"], int(r["k"]), int(r["n"]), int(r["tp"]), float(r["x"]), float(r["seconds"])))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{path}, line {line}: {e}") from None
-        return OperationTable(rows, path)
-
     def save(self, path: str) -> None:
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
@@ -154,12 +141,25 @@ class OperationTable:
         return float(np.interp(x, xs, ts))
 
 
-def vidur_table(path: str) -> OperationTable:
-    """A per-operation table from a profile in Vidur's layout (its `mlp.csv`: time_stats.<op>.median in
-    milliseconds per num_tokens and num_tensor_parallel_workers, with the model's dimensions): its four
-    GEMMs (attn_pre_proj = QKV, attn_post_proj, mlp_up_proj (gate and up together when use_gated_mlp),
-    mlp_down_proj) become `gemm` rows; its norms, rotary, activation and adds are not priced by the model."""
-    _, found = _csv_rows(path)
+def _own_table(path: str, header: list[str], found: list) -> OperationTable:
+    """An operations table from the rows of a CSV in servewise's layout (OperationTable.COLUMNS)."""
+    if missing := set(OperationTable.COLUMNS) - set(header):
+        raise ValueError(f"{path}: not an operations table (no column {', '.join(sorted(missing))})")
+    rows = []
+    for line, r in found:
+        try:
+            rows.append((r["op"], int(r["k"]), int(r["n"]), int(r["tp"]), float(r["x"]), float(r["seconds"])))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}, line {line}: {e}") from None
+    return OperationTable(rows, path)
+
+
+def _vidur_table(path: str, found: list) -> OperationTable:
+    """An operations table from the rows of a profile in Vidur's layout (its `mlp.csv`:
+    time_stats.<op>.median in milliseconds per num_tokens and num_tensor_parallel_workers, with the model's
+    dimensions): its four GEMMs (attn_pre_proj = QKV, attn_post_proj, mlp_up_proj (gate and up together when
+    use_gated_mlp), mlp_down_proj) become `gemm` rows; its norms, rotary, activation and adds are not priced
+    by the model."""
     rows = []
     for line, r in found:
         try:
@@ -178,8 +178,8 @@ def vidur_table(path: str) -> OperationTable:
 
 def load_operations(path: str) -> OperationTable:
     """An operations table: servewise's own CSV layout (OperationTable.COLUMNS) or Vidur's mlp.csv."""
-    header, _ = _csv_rows(path)
-    return vidur_table(path) if "num_tokens" in header else OperationTable.load(path)
+    header, found = _csv_rows(path)
+    return _vidur_table(path, found) if "num_tokens" in header else _own_table(path, header, found)
 
 
 class OperationPerf(RooflinePerf):
