@@ -116,6 +116,20 @@ def test_swap_model_finds_the_per_copy_cost_where_issuing_copies_binds():
     assert line.out.per_copy_s == 0 and line.mape(rows)["out"] > 3 * m.mape(rows)["out"]
 
 
+def test_swap_model_counts_calls_the_way_its_profile_issued_them():
+    """A profile made with the block-copy kernel (a launch per layer, whatever the runs) prices a swap's
+    calls by layers; one made with copy calls, per run of blocks, per layer, for K and for V."""
+    rows = [{"direction": d, "bytes": b * (8 << 20), "copies": 32, "copy_path": "layer",
+             "time": 600e-6 + max(32 * 50e-6, b * (8 << 20) / 51e9)} for d in DIRECTIONS for b in (1, 4, 16, 64, 256)]
+    kernel = SwapCostModel.fit(rows)
+    assert kernel.copies_per == "layer" and kernel.copies(32, 100, runs=100) == kernel.copies(32, 100, runs=1) == 32
+    assert kernel.copies(32, 0) == 0 and kernel.out.per_copy_s == pytest.approx(50e-6, rel=0.05)
+    runs = SwapCostModel.fit([{**r, "copy_path": "run"} for r in rows])
+    assert runs.copies_per == "run" and runs.copies(32, 100, runs=3) == 2 * 32 * 3 and runs.copies(32, 5) == 320
+    with pytest.raises(ValueError, match="different ways"):
+        SwapCostModel.fit(rows + [{**rows[0], "copy_path": "run"}])
+
+
 def test_profiled_decode_batches_are_laid_out_as_an_engine_lays_them_out():
     """Mixed contexts averaging the point's length, on blocks taken in shuffled order (in-place attention);
     uniform contexts where the attention pads to the longest."""

@@ -9,7 +9,8 @@ Sections (each recorded on its own; one that fails is reported and the rest stil
   size, against the roofline (weights and KV read once per step at the measured bandwidth, or the
   step's FLOPs at the measured matmul rate, whichever is longer), CUDA graphs on and off;
 - swap: swap-out and swap-in times of a Llama-2-7B-shaped KV cache between the GPU and the pinned
-  host pool over many sizes, AdaptiveLLM's swap-cost model (fixed + per-copy + bytes / bandwidth)
+  host pool over many sizes, through the engine's block-copy kernel and through copy calls per run of
+  blocks, AdaptiveLLM's swap-cost model (fixed + max(calls x per-call, bytes / bandwidth))
   fitted on half of them and its error on the other half;
 - fidelity: a GPU profile of one model shape (its step times with CUDA graphs, as the engine runs them,
   and its swap copies), the predictors fitted on it (the swap-cost model that prices `--preemption
@@ -244,7 +245,10 @@ def roofline_section(s: Settings, dev: dict, progress=print) -> dict:
 
 def swap_section(progress=print) -> dict:
     """Swaps of a Llama-2-7B-shaped KV cache (32 layers, 32 KV heads, head dim 128, blocks of 16
-    tokens: 8 MiB a block) through the runner's own swap path (its stream, per-layer copies)."""
+    tokens: 8 MiB a block) through the runner's own swap path (its stream, an event per layer), twice
+    side by side: the engine's block-copy kernel (a launch per layer, the GPU reading and writing the
+    pinned host pool in place) and the copy calls it replaced (one per run of blocks, per layer, for K
+    and for V). The fitted model and its held-out error per path; the top level is the engine's path."""
     from servewise.config import ModelConfig
     from servewise.engine.interfaces import KVMove, Pool
     from servewise.models.loader import hf_config
@@ -259,35 +263,74 @@ def swap_section(progress=print) -> dict:
     mc = ModelConfig.from_hf(hf_config("llama-2-7b"), dtype="bfloat16")
     n = 520
     runner = TorchRunner(Stub(), mc, n, n, 16, "cuda")
+    kernel = runner.swap_kernel
     block_bytes = mc.kv_bytes_per_token * 16
-    points = []
-    rng = random.Random(0)
-    for b in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-        for layout in ("consecutive", "scattered"):
-            if layout == "consecutive":
-                src, dst = list(range(b)), list(range(n - b, n))
-            else:
-                src, dst = sorted(rng.sample(range(0, n, 2), b)), sorted(rng.sample(range(1, n, 2), b))
-            for to_host in (True, False):
-                pairs = list(zip(src, dst)) if to_host else list(zip(dst, src))
-                move = KVMove(Pool.DEVICE, Pool.HOST, pairs) if to_host else KVMove(Pool.HOST, Pool.DEVICE, pairs)
-                times = []
-                for _ in range(7):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    runner.move_blocks(move)
-                    runner.finish_moves()
-                    times.append(time.perf_counter() - t0)
-                points.append({"blocks": b, "layout": layout, "to_host": to_host, "runs": len(block_runs(pairs)),
-                               "copies": runner.copy_calls(pairs), "bytes": b * block_bytes,
-                               "seconds": statistics.median(times)})
-    fit = _fit_swap(points)
-    progress(f"  swap model: {fit['fixed_us']:.0f} us + max({fit['per_copy_us']:.2f} us/copy, bytes / "
-             f"{fit['gbs']:.1f} GB/s); held-out error mean {fit['heldout_mean_err'] * 100:.1f}%, "
-             f"max {fit['heldout_max_err'] * 100:.1f}%")
+    paths = {}
+    for path in ("kernel", "copies") if kernel is not None else ("copies",):
+        runner.swap_kernel = kernel if path == "kernel" else None
+        points = []
+        rng = random.Random(0)
+        for b in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            for layout in ("consecutive", "scattered"):
+                if layout == "consecutive":
+                    src, dst = list(range(b)), list(range(n - b, n))
+                else:
+                    src, dst = sorted(rng.sample(range(0, n, 2), b)), sorted(rng.sample(range(1, n, 2), b))
+                for to_host in (True, False):
+                    pairs = list(zip(src, dst)) if to_host else list(zip(dst, src))
+                    move = KVMove(Pool.DEVICE, Pool.HOST, pairs) if to_host else KVMove(Pool.HOST, Pool.DEVICE, pairs)
+                    times, issue = [], []
+                    for _ in range(7):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        issue.append(runner.move_blocks(move))
+                        runner.finish_moves()
+                        times.append(time.perf_counter() - t0)
+                    points.append({"blocks": b, "layout": layout, "to_host": to_host, "runs": len(block_runs(pairs)),
+                                   "copies": runner.copy_calls(pairs), "copy_path": runner.copy_path,
+                                   "bytes": b * block_bytes, "seconds": statistics.median(times),
+                                   "issue_seconds": statistics.median(issue)})
+        fit = _fit_swap(points)
+        paths[path] = {"points": points, "fit": fit, "overlap": _swap_overlap(runner, n)}
+        progress(f"  swap model, {path}: {fit['fixed_us']:.0f} us + max({fit['per_copy_us']:.2f} us/copy, bytes / "
+                 f"{fit['gbs']:.1f} GB/s); held-out error mean {fit['heldout_mean_err'] * 100:.1f}%, "
+                 f"max {fit['heldout_max_err'] * 100:.1f}%; overlap with compute {paths[path]['overlap']}")
     del runner
     torch.cuda.empty_cache()
-    return {"block_bytes": block_bytes, "points": points, "fit": fit}
+    return {"block_bytes": block_bytes, **paths[next(iter(paths))], "paths": paths}
+
+
+def _swap_overlap(runner, n: int) -> dict:
+    """Decode-sized matmuls (64 x 4096 x 11008, bf16, 400 of them) on the compute stream, six swaps of
+    128 scattered blocks (out, in, ...) on the swap stream, and both issued together: seconds each."""
+    from servewise.engine.interfaces import KVMove, Pool
+
+    x = torch.randn(64, 4096, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(11008, 4096, dtype=torch.bfloat16, device="cuda")
+    rng = random.Random(1)
+    pairs = list(zip(sorted(rng.sample(range(n), 128)), sorted(rng.sample(range(n), 128))))
+
+    def swaps():
+        for k in range(6):
+            runner.move_blocks(KVMove(Pool.DEVICE, Pool.HOST, pairs) if k % 2 == 0 else
+                               KVMove(Pool.HOST, Pool.DEVICE, pairs))
+            runner._swap_events, runner.model.before_layer = None, None  # no step waits for them here
+
+    def gemms():
+        for _ in range(400):
+            torch.nn.functional.linear(x, w)
+
+    out = {}
+    for name, work in (("matmuls_s", (gemms,)), ("swaps_s", (swaps,)), ("together_s", (swaps, gemms))):
+        for warm in (True, False):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for fn in work:
+                fn()
+            torch.cuda.synchronize()
+            if not warm:
+                out[name] = round(time.perf_counter() - t0, 5)
+    return out
 
 
 def _fit_swap(points: list[dict]) -> dict:
@@ -316,6 +359,7 @@ def fidelity_section(s: Settings, progress=print) -> dict:
     """Profile `fidelity_model` (bf16, random weights) on this GPU, fit its predictors, and run the
     workload through the real engine and the simulator on them (servewise.bench.fidelity.run_pair)."""
     from servewise.bench.fidelity import MODELS, format_replay, run_pair
+    from servewise.kernels.triton_attention import compiled_variants
     from servewise.models.loader import hf_config, load_model_config
     from servewise.predictors.fit import fit_predictors
     from servewise.predictors.profiler import profile
@@ -342,17 +386,20 @@ def fidelity_section(s: Settings, progress=print) -> dict:
         for mode in ("recompute", "swap", "adaptive"):
             kw = dict(num_device_blocks=s.fidelity_blocks, num_host_blocks=4 * s.fidelity_blocks, preemption=mode,
                       load_format="dummy", dtype="bfloat16")
+            compiled = compiled_variants()
             r = run_pair(s.fidelity_model, items, arrivals, preds, kw, predictors_path=saved, replay=s.fidelity_replay)
+            compiled = compiled_variants() - compiled
             kept = {name: {"rows": r[name]["rows"], "steps": r[name]["steps"]} for name in MODELS}
             runs[f"{rate:g}/{mode}"] = {"real": {k: r["real"][k] for k in ("duration_s", "mean_ttft_ms", "mean_tpot_ms",
                                                                              "mean_e2el_ms", "preemptions")},
-                                        "loop": r["loop"], "replay": r.get("replay"), **kept}
+                                        "loop": r["loop"], "replay": r.get("replay"),
+                                        "kernels_compiled_during_run": compiled, **kept}
             if r.get("replay"):
                 progress("  " + format_replay(r["replay"]))
             rows = r["profiled"]["rows"]
             progress(f"  {rate:g} req/s, {mode}: " + ", ".join(
                 f"{label} {v['error_pct']:+.1f}%" for label, v in rows.items() if v["error_pct"] is not None)
-                + f"; preemptions {r['real']['preemptions']}")
+                + f"; preemptions {r['real']['preemptions']}; Triton kernels compiled during the run: {compiled}")
     return {"model": s.fidelity_model, "size": list(size), "profile_s": profile_s, "workload": s.fidelity_workload,
             "requests": s.fidelity_requests, "blocks": s.fidelity_blocks,
             "held_out_mape": rep["held_out_mape"], "swap_links": rep["swap_links"],
@@ -547,11 +594,19 @@ def report(r: dict) -> str:
         lines.append("")
     s = r.get("swap")
     if isinstance(s, dict) and "fit" in s:
-        fit = s["fit"]
         lines += ["## Swaps between the GPU and pinned host memory (Llama-2-7B KV blocks of 8 MiB)", "",
-                  f"Fitted on {fit['train_points']} points: {fit['fixed_us']:.0f} us + max({fit['per_copy_us']:.2f} us "
-                  f"per copy, bytes / {fit['gbs']:.1f} GB/s). Error on the {fit['test_points']} held-out points: mean "
-                  f"{fit['heldout_mean_err'] * 100:.1f}%, max {fit['heldout_max_err'] * 100:.1f}%.", ""]
+                  "| path | fitted model | held-out error mean / max | 256 blocks out, consecutive / scattered | "
+                  "matmuls / swaps / both at once |", "|---|---|---|---|---|"]
+        for path, p in s.get("paths", {"engine": s}).items():
+            fit = p["fit"]
+            big = {x["layout"]: x for x in p["points"] if x["blocks"] == 256 and x["to_host"]}
+            lines.append(f"| {path} | {fit['fixed_us']:.0f} us + max({fit['per_copy_us']:.2f} us x calls, bytes / "
+                         f"{fit['gbs']:.1f} GB/s) | {fit['heldout_mean_err'] * 100:.1f}% / "
+                         f"{fit['heldout_max_err'] * 100:.1f}% | " + " / ".join(
+                             f"{big[k]['seconds'] * 1e3:.1f} ms" for k in ("consecutive", "scattered") if k in big)
+                         + " | " + " / ".join(f"{p['overlap'][k] * 1e3:.0f} ms" for k in ("matmuls_s", "swaps_s", "together_s")
+                                              if k in p.get("overlap", {})) + " |")
+        lines.append("")
     f = r.get("fidelity")
     if isinstance(f, dict) and "runs" in f:
         lines += [f"## Simulator fidelity on this GPU ({f['model']}, bf16, {f['requests']} {f['workload']} requests, "

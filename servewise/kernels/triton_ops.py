@@ -83,15 +83,18 @@ def _copy_rows(src_ptr, dst_ptr, si_ptr, di_ptr, n, BLOCK: tl.constexpr):
     tl.store(dst_ptr + d * n + cols, tl.load(src_ptr + s * n + cols, mask=m), mask=m)
 
 
-def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
-    """dst[dst_idx[j]] = src[src_idx[j]] for contiguous [rows, ...] tensors on one device: KV blocks between
-    two caches in one launch (PyTorch's index_copy_ moves 2-byte elements one by one, at a tenth of the
-    memory's speed, measured in docs/gpu.md)."""
-    if not (src.is_contiguous() and dst.is_contiguous()) or src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
-        raise ValueError("copy_rows: src and dst must be contiguous, of one dtype and row shape")
-    if len(src_idx) != len(dst_idx):
-        raise ValueError(f"copy_rows: {len(src_idx)} source rows for {len(dst_idx)} destinations")
-    n = src[0].numel() if len(src) else 0
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
+              check: bool = True) -> None:
+    """dst[dst_idx[j]] = src[src_idx[j]] for contiguous [rows, ...] tensors: KV blocks between two caches in
+    one launch (PyTorch's index_copy_ moves 2-byte elements one by one, at a tenth of the memory's speed,
+    measured in docs/gpu.md). Either tensor may be pinned host memory, which the GPU reads and writes in
+    place (a swap); the indices are on the GPU. check=False: the caller has checked the shapes once."""
+    if check:
+        if not (src.is_contiguous() and dst.is_contiguous()) or src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+            raise ValueError("copy_rows: src and dst must be contiguous, of one dtype and row shape")
+        if len(src_idx) != len(dst_idx):
+            raise ValueError(f"copy_rows: {len(src_idx)} source rows for {len(dst_idx)} destinations")
+    n = src.numel() // src.shape[0] if src.shape[0] else 0
     if len(src_idx) and n:
         block = min(4096, triton.next_power_of_2(n))
         _copy_rows[(len(src_idx), triton.cdiv(n, block))](src, dst, src_idx, dst_idx, n, block, num_warps=8)

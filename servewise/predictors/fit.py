@@ -70,7 +70,7 @@ class RequestCosts:
 
     def copies(self, num_blocks: int, runs: int | None = None) -> int:
         """Copy calls of moving num_blocks blocks in `runs` runs of consecutive blocks (None: one a block)."""
-        return 2 * self.num_layers * (num_blocks if runs is None else runs)
+        return self.swap_model.copies(self.num_layers, num_blocks, runs)
 
     def swap(self, num_tokens: int, runs: int | None = None) -> float:
         """Predicted swap-out plus swap-in time of the request's KV blocks."""

@@ -375,7 +375,8 @@ def _swap_requests(bench: StepBench, key: dict, block_bytes: int, lengths: list[
         bm.free(rid)
         for d, plan, t in (("out", plan_out, t_out), ("in", plan_in, t_in)):
             rows.append({**key, "request": i, "direction": d, "tokens": length, "blocks": len(plan),
-                         "copies": bench.runner.copy_calls(plan), "bytes": len(plan) * block_bytes,
+                         "copies": bench.runner.copy_calls(plan), "copy_path": bench.runner.copy_path,
+                         "bytes": len(plan) * block_bytes,
                          "time": t})
     return rows
 

@@ -2,14 +2,15 @@
 
 A request's KV bytes follow from the model's dimensions, the block size and the dtype
 (whole blocks move). A swap in each direction costs a fixed time plus the longer of two: issuing its
-copies (one per run of consecutive blocks, per layer, for K and for V) and moving its bytes over the
-link. On a GPU the host issues copies on a stream of their own while the DMA engine moves those
-already issued, so a swap of many scattered blocks is bound by the host and one of long runs by the
-link (measured on an H100: 9-16 us a copy, 55-58 GB/s; docs/gpu.md). On CPU blocks are copied in staged
-groups whatever their runs: the profile counts no calls there and the fit is the line. Fitted per
-direction on the profile's block-copy sweep.
+copy calls and moving its bytes over the link. A call is one block-copy kernel per layer (the GPU
+engine's path), or one copy per run of consecutive blocks, per layer, for K and for V (the copy-call
+path); which one the profile's rows say. On a GPU the host issues the calls on a stream of their own
+while the GPU moves what was already issued, so a swap is bound by the host or by the link (measured
+on H100s: 24-28 us a kernel and 50-51 GB/s; 8-16 us a copy call and 55-60 GB/s; docs/gpu.md). On CPU
+blocks are copied in staged groups whatever their runs: the profile counts no calls there and the fit
+is the line. Fitted per direction on the profile's block-copy sweep.
 
-The fit is per model size: a copy moves 2 x layers x runs separate chunks, so the effective
+The fit is per model size: a swap moves 2 x layers x blocks separate chunks, so the effective
 bandwidth of small models (small chunks) is lower than that of large ones on the same link.
 """
 from __future__ import annotations
@@ -66,6 +67,7 @@ def fit_link(nbytes, copies, times) -> Link:
 class SwapCostModel:
     out: Link
     in_: Link
+    copies_per: str = "run"  # what a copy call moves: "run" (of blocks, per layer, K or V) or "layer" (a kernel)
 
     @classmethod
     def fit(cls, copy_rows: list[dict]) -> SwapCostModel:
@@ -80,7 +82,17 @@ class SwapCostModel:
                                     [r["time"] for r in rows])
             except ValueError as e:
                 raise ValueError(f"swap-{d}: {e}") from None
-        return cls(links["out"], links["in"])
+        paths = {r.get("copy_path", "run") for r in copy_rows}
+        if len(paths) > 1:
+            raise ValueError(f"swap rows counted their copy calls in different ways ({', '.join(sorted(paths))})")
+        return cls(links["out"], links["in"], "layer" if paths == {"layer"} else "run")
+
+    def copies(self, num_layers: int, num_blocks: int, runs: int | None = None) -> int:
+        """Copy calls of moving num_blocks blocks in `runs` runs of consecutive blocks (None: one a block):
+        one per run, per layer, for K and for V; or one kernel per layer."""
+        if getattr(self, "copies_per", "run") == "layer":  # (pickles from before the field lack it)
+            return num_layers if num_blocks else 0
+        return 2 * num_layers * (num_blocks if runs is None else runs)
 
     def link(self, direction: str) -> Link:
         return self.out if direction == "out" else self.in_

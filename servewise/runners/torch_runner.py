@@ -86,6 +86,23 @@ class TorchRunner:
         # of the step waits only for layer i's copies (vLLM 0.2.x's cache events)
         self.swap_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._swap_events: list | None = None
+        # with Triton, one block-copy kernel a layer moves a swap's K and V blocks (the host pool is pinned,
+        # so the GPU reads and writes it in place) instead of one copy call per run of blocks
+        # (SERVEWISE_SWAP=copies keeps the copy calls, to compare)
+        self.swap_kernel, self._swap_rows = None, {}
+        if self.swap_stream is not None and os.environ.get("SERVEWISE_SWAP", "kernel") == "kernel":
+            try:
+                from servewise.kernels.triton_ops import copy_rows
+            except ImportError:
+                pass
+            else:  # each pool's layers as [K blocks..., V blocks...] rows, made once (views cost host time)
+                self.swap_kernel = copy_rows
+                for pool, cache in ((Pool.DEVICE, self.device_cache), (Pool.HOST, self.host_cache)):
+                    self._swap_rows[pool] = [c.view(2 * c.shape[1], block_size * mc.num_kv_heads * mc.head_dim)
+                                             for c in cache.unbind(0)]
+        if self.swap_stream is not None:
+            self.paths += "; swaps: " + ("a block-copy kernel a layer" if self.swap_kernel else
+                                         "a copy call per run of blocks, per layer, for K and for V")
         self.graphs = None
         if graphs is not None:
             from servewise.runners.cuda_graphs import DecodeGraphs
@@ -156,7 +173,7 @@ class TorchRunner:
         pools = {Pool.DEVICE: self.device_cache, Pool.HOST: self.host_cache}
         src_pool, dst_pool = pools[move.src], pools[move.dst]
         if self.swap_stream is not None:
-            return self._swap_async(src_pool, dst_pool, move.pairs, t0)
+            return self._swap_async(move.src, move.dst, move.pairs, t0)
         block_bytes = self.device_cache[:, :, 0].numel() * self.device_cache.element_size()
         group = max(1, (8 << 20) // block_bytes)
         for i in range(0, len(move.pairs), group):
@@ -167,28 +184,48 @@ class TorchRunner:
         self._sync()
         return time.perf_counter() - t0
 
-    def copy_calls(self, pairs: list[tuple[int, int]]) -> int:
-        """Copy calls a swap of these (src, dst) block pairs issues on the swap stream: one per run of
-        consecutive blocks, per layer, for K and for V. 0 without the stream (CPU): blocks go in staged
-        groups there, whose cost the runs do not change."""
-        return 2 * self.device_cache.shape[0] * len(block_runs(pairs)) if self.swap_stream is not None else 0
+    @property
+    def copy_path(self) -> str:
+        """How copy_calls counts a swap's calls: "layer" (a kernel a layer), "run" (per run of blocks), or
+        "none" (CPU)."""
+        return "none" if self.swap_stream is None else "layer" if self.swap_kernel is not None else "run"
 
-    def _swap_async(self, src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs, t0: float) -> float:
-        """Issue a swap's copies on the swap stream, layer by layer (one copy per run of consecutive
-        blocks, per layer, for K and for V), with an event after each layer; returns the host time
-        spent issuing them. The copies start after the work already queued on the compute stream (a
-        swap-out reads what the last step wrote) and the next step's layers wait for them."""
-        runs = block_runs(pairs)
+    def copy_calls(self, pairs: list[tuple[int, int]]) -> int:
+        """Copy calls a swap of these (src, dst) block pairs issues on the swap stream: one block-copy
+        kernel per layer with Triton, else one copy per run of consecutive blocks, per layer, for K and
+        for V. 0 without the stream (CPU): blocks go in staged groups there, whose cost the runs do not
+        change."""
+        if self.swap_stream is None:
+            return 0
+        layers = self.device_cache.shape[0]
+        return layers if self.swap_kernel is not None else 2 * layers * len(block_runs(pairs))
+
+    def _swap_async(self, src: Pool, dst: Pool, pairs, t0: float) -> float:
+        """Issue a swap's copies on the swap stream, layer by layer, with an event after each layer;
+        returns the host time spent issuing them. The copies start after the work already queued on the
+        compute stream (a swap-out reads what the last step wrote) and the next step's layers wait for them."""
         cur = torch.cuda.current_stream(self.device)
         self.swap_stream.wait_stream(cur)
-        events = self._swap_events or [torch.cuda.Event() for _ in range(src_pool.shape[0])]
+        events = self._swap_events or [torch.cuda.Event() for _ in range(self.device_cache.shape[0])]
         with torch.cuda.stream(self.swap_stream):
-            for layer, event in enumerate(events):
-                for kv in (0, 1):
-                    src, dst = src_pool[layer, kv], dst_pool[layer, kv]
-                    for s, d, n in runs:
-                        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
-                event.record(self.swap_stream)
+            if self.swap_kernel is not None:
+                src_rows, dst_rows = self._swap_rows[src], self._swap_rows[dst]
+                s, d = (torch.tensor([p[i] for p in pairs]) for i in (0, 1))
+                n_src, n_dst = src_rows[0].shape[0] // 2, dst_rows[0].shape[0] // 2
+                si = torch.cat([s, s + n_src]).pin_memory().to(self.device, non_blocking=True)
+                di = torch.cat([d, d + n_dst]).pin_memory().to(self.device, non_blocking=True)
+                for layer, event in enumerate(events):
+                    self.swap_kernel(src_rows[layer], dst_rows[layer], si, di, check=False)
+                    event.record(self.swap_stream)
+            else:
+                pools = {Pool.DEVICE: self.device_cache, Pool.HOST: self.host_cache}
+                runs = block_runs(pairs)
+                for layer, event in enumerate(events):
+                    for kv in (0, 1):
+                        src_kv, dst_kv = pools[src][layer, kv], pools[dst][layer, kv]
+                        for s, d, n in runs:
+                            dst_kv[d:d + n].copy_(src_kv[s:s + n], non_blocking=True)
+                    event.record(self.swap_stream)
         self._swap_events = events
         self.model.before_layer = self._before_layer
         return time.perf_counter() - t0
