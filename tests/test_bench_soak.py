@@ -73,6 +73,19 @@ def test_poisson_arrivals_keep_their_rate_and_window():
     assert 0.9 < len(a) / (20 * 300) < 1.1
 
 
+def test_the_last_window_replays_the_first_windows_arrivals():
+    s = soak.Settings(minutes=5.0, warmup_minutes=1.0, window_minutes=1.0)
+    times = soak.arrivals(s, 20.0, 300.0)
+    first, last, window = soak.windows(s, 300.0)
+    assert (first, last, window) == (60.0, 240.0, 60.0) and times == sorted(times)
+    a = [t - first for t in times if first <= t < first + window]
+    b = [t - last for t in times if t >= last]
+    assert len(a) > 900 and a == pytest.approx(b)
+    fresh = soak.arrivals(soak.Settings(**{**vars(s), "replay_window": False}), 20.0, 300.0)
+    assert fresh == soak.poisson(20.0, 300.0, s.seed) and [t - last for t in fresh if t >= last] != pytest.approx(a)
+    assert [t for t in fresh if t < last] == [t for t in times if t < last]  # only the last window changes
+
+
 def test_bad_settings_are_refused_before_any_server(tmp_path):
     for bad, msg in ((dict(configs=["huge"]), "unknown config"), (dict(load=1.5), "load must be"),
                      (dict(warmup_minutes=3.0, minutes=2.0), "warmup")):

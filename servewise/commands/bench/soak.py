@@ -32,6 +32,9 @@ def arguments(p) -> None:
     p.add_argument("--port", type=at_least(1, 65535), default=8050)
     p.add_argument("--max-growth", type=positive, default=0.05, help="memory growth after the warm-up that passes")
     p.add_argument("--max-drift", type=positive, default=0.10, help="latency drift, last vs first window, that passes")
+    p.add_argument("--no-replay-window", dest="replay_window", action="store_false",
+                   help="draw the last window's arrivals afresh (default: they repeat the first window's, so the "
+                        "two windows' latencies compare under one arrival pattern)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_soak.json")
 
