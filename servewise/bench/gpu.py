@@ -359,7 +359,7 @@ def fidelity_section(s: Settings, progress=print) -> dict:
     """Profile `fidelity_model` (bf16, random weights) on this GPU, fit its predictors, and run the
     workload through the real engine and the simulator on them (servewise.bench.fidelity.run_pair)."""
     from servewise.bench.fidelity import MODELS, format_replay, run_pair
-    from servewise.kernels.triton_attention import compiled_variants
+    from servewise.kernels import triton_compiled
     from servewise.models.loader import hf_config, load_model_config
     from servewise.predictors.fit import fit_predictors
     from servewise.predictors.profiler import profile
@@ -386,9 +386,9 @@ def fidelity_section(s: Settings, progress=print) -> dict:
         for mode in ("recompute", "swap", "adaptive"):
             kw = dict(num_device_blocks=s.fidelity_blocks, num_host_blocks=4 * s.fidelity_blocks, preemption=mode,
                       load_format="dummy", dtype="bfloat16")
-            compiled = compiled_variants()
+            compiled = triton_compiled()
             r = run_pair(s.fidelity_model, items, arrivals, preds, kw, predictors_path=saved, replay=s.fidelity_replay)
-            compiled = compiled_variants() - compiled
+            compiled = triton_compiled() - compiled
             kept = {name: {"rows": r[name]["rows"], "steps": r[name]["steps"]} for name in MODELS}
             runs[f"{rate:g}/{mode}"] = {"real": {k: r["real"][k] for k in ("duration_s", "mean_ttft_ms", "mean_tpot_ms",
                                                                              "mean_e2el_ms", "preemptions")},

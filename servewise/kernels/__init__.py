@@ -145,3 +145,14 @@ def attention_kernel(device: str):
         return kernel, kernel.name
     kernel = cpu_ext() if device.startswith("cpu") else None
     return kernel, status() if device.startswith("cpu") else "PyTorch path: gather + SDPA"
+
+
+def triton_compiled() -> int:
+    """Kernels Triton has compiled in this process so far: every specialization of every kernel of the
+    GPU path (0 without Triton, and under its interpreter)."""
+    try:
+        from servewise.kernels import triton_attention, triton_ops
+    except ImportError:
+        return 0
+    return sum(len(cache[0]) for module in (triton_attention, triton_ops) for fn in vars(module).values()
+               for cache in getattr(fn, "device_caches", {}).values())

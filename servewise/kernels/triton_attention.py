@@ -163,15 +163,6 @@ def _prefill(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, tile_row_ptr, tile_q0_ptr, qsta
              mask=qmask[:, None] & dmask[None, :])
 
 
-def compiled_variants() -> int:
-    """Kernels Triton has compiled in this process so far: every specialization of every kernel of the
-    GPU path (0 under the interpreter)."""
-    from servewise.kernels import triton_ops
-
-    return sum(len(cache[0]) for module in (globals(), vars(triton_ops)) for fn in module.values()
-               for cache in getattr(fn, "device_caches", {}).values())
-
-
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
