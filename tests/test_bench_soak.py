@@ -84,6 +84,11 @@ def test_the_last_window_replays_the_first_windows_arrivals():
     fresh = soak.arrivals(soak.Settings(**{**vars(s), "replay_window": False}), 20.0, 300.0)
     assert fresh == soak.poisson(20.0, 300.0, s.seed) and [t - last for t in fresh if t >= last] != pytest.approx(a)
     assert [t for t in fresh if t < last] == [t for t in times if t < last]  # only the last window changes
+    # no warm-up, a window of more than half the run: the two windows halve it and touch
+    s = soak.Settings(minutes=2.0, warmup_minutes=0.0, window_minutes=5.0)
+    assert soak.windows(s, 120.0) == (0.0, 60.0, 60.0)
+    times = soak.arrivals(s, 10.0, 120.0)
+    assert [t - 60.0 for t in times if t >= 60.0] == pytest.approx([t for t in times if t < 60.0])
 
 
 def test_bad_settings_are_refused_before_any_server(tmp_path):

@@ -313,7 +313,7 @@ def _swap_overlap(runner, n: int) -> dict:
     def swaps():
         for k in range(6):
             runner.move_blocks(KVMove(Pool.DEVICE, Pool.HOST, pairs) if k % 2 == 0 else
-                               KVMove(Pool.HOST, Pool.DEVICE, pairs))
+                               KVMove(Pool.HOST, Pool.DEVICE, [(d, s) for s, d in pairs]))
             runner._swap_events, runner.model.before_layer = None, None  # no step waits for them here
 
     def gemms():
@@ -399,7 +399,8 @@ def fidelity_section(s: Settings, progress=print) -> dict:
             rows = r["profiled"]["rows"]
             progress(f"  {rate:g} req/s, {mode}: " + ", ".join(
                 f"{label} {v['error_pct']:+.1f}%" for label, v in rows.items() if v["error_pct"] is not None)
-                + f"; preemptions {r['real']['preemptions']}; Triton kernels compiled during the run: {compiled}")
+                + f"; preemptions {r['real']['preemptions']}; Triton kernels compiled (or read from its disk cache) "
+                  f"from the engine's build to the run's end: {compiled}")
     return {"model": s.fidelity_model, "size": list(size), "profile_s": profile_s, "workload": s.fidelity_workload,
             "requests": s.fidelity_requests, "blocks": s.fidelity_blocks,
             "held_out_mape": rep["held_out_mape"], "swap_links": rep["swap_links"],

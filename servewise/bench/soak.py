@@ -147,12 +147,13 @@ def windows(s: Settings, seconds: float) -> tuple[float, float, float]:
 
 def arrivals(s: Settings, rate: float, seconds: float) -> list[float]:
     """Poisson arrivals at `rate` over `seconds`; with s.replay_window, those of the last window are
-    replaced by the first window's, shifted to it."""
+    replaced by the first window's, shifted to it (the times only: the requests are drawn as before, and
+    with the workload's fixed lengths only the prefixes' order differs)."""
     times = poisson(rate, seconds, s.seed)
     if not s.replay_window:
         return times
     first, last, window = windows(s, seconds)
-    return [t for t in times if t < last] + [last + t - first for t in times if first <= t < first + window]
+    return [t for t in times if t < last] + [last + (t - first) for t in times if first <= t < first + window]
 
 
 def latency_summary(records) -> dict:

@@ -42,7 +42,7 @@ def prefix_names(tokens: list[int], root: bytes, block_size: int) -> list[bytes]
 
 def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(src, dst) block pairs as runs (src start, dst start, count) where both sides are consecutive:
-    what a copy between pools moves in one call per layer, for K and for V."""
+    what a copy call between pools moves per layer, for K and for V (on the GPU's copy-call swap path)."""
     runs: list[list[int]] = []
     for s, d in pairs:
         if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:

@@ -69,7 +69,8 @@ class RequestCosts:
         return kv_bytes(num_tokens, self.kv_bytes_per_token, self.block_size)
 
     def copies(self, num_blocks: int, runs: int | None = None) -> int:
-        """Copy calls of moving num_blocks blocks in `runs` runs of consecutive blocks (None: one a block)."""
+        """Copy calls of moving num_blocks blocks in `runs` runs of consecutive blocks (None: one a block), as
+        the profile's swap path issued them (SwapCostModel.copies)."""
         return self.swap_model.copies(self.num_layers, num_blocks, runs)
 
     def swap(self, num_tokens: int, runs: int | None = None) -> float:

@@ -90,16 +90,11 @@ class TorchRunner:
         # so the GPU reads and writes it in place) instead of one copy call per run of blocks
         # (SERVEWISE_SWAP=copies keeps the copy calls, to compare)
         self.swap_kernel, self._swap_rows = None, {}
-        if self.swap_stream is not None and os.environ.get("SERVEWISE_SWAP", "kernel") == "kernel":
-            try:
-                from servewise.kernels.triton_ops import copy_rows
-            except ImportError:
-                pass
-            else:  # each pool's layers as [K blocks..., V blocks...] rows, made once (views cost host time)
-                self.swap_kernel = copy_rows
-                for pool, cache in ((Pool.DEVICE, self.device_cache), (Pool.HOST, self.host_cache)):
-                    self._swap_rows[pool] = [c.view(2 * c.shape[1], block_size * mc.num_kv_heads * mc.head_dim)
-                                             for c in cache.unbind(0)]
+        swap = os.environ.get("SERVEWISE_SWAP", "kernel")
+        if swap not in ("kernel", "copies"):
+            raise ValueError(f"SERVEWISE_SWAP={swap!r}: choose kernel or copies")
+        if self.swap_stream is not None and swap == "kernel":
+            self._swap_kernel_start(block_size * mc.num_kv_heads * mc.head_dim)
         if self.swap_stream is not None:
             self.paths += "; swaps: " + ("a block-copy kernel a layer" if self.swap_kernel else
                                          "a copy call per run of blocks, per layer, for K and for V")
@@ -114,6 +109,27 @@ class TorchRunner:
             self.paths += f"; CUDA graphs for decode batches up to {max_batch} ({len(self.graphs.sizes)} " \
                           f"captured in {took:.1f} s)"
             log.info("servewise: decode CUDA graphs captured for %d batch sizes in %.1f s", len(self.graphs.sizes), took)
+
+    def _swap_kernel_start(self, row: int) -> None:
+        """Take the block-copy kernel for swaps if Triton is there and the kernel runs here: it is compiled
+        now (not in the middle of the first preemption) by copying a host row onto itself, which reaches
+        pinned memory from the GPU as a swap does; any failure leaves the copy calls, said in the log."""
+        try:
+            from servewise.kernels.triton_ops import copy_rows
+        except ImportError:
+            return
+        # each pool's layers as [K blocks..., V blocks...] rows, made once (views cost host time)
+        rows = {pool: [c.view(2 * c.shape[1], row) for c in cache.unbind(0)]
+                for pool, cache in ((Pool.DEVICE, self.device_cache), (Pool.HOST, self.host_cache))}
+        if len(rows[Pool.HOST][0]):
+            try:
+                zero = torch.zeros(1, dtype=torch.long, device=self.device)
+                copy_rows(rows[Pool.HOST][0], rows[Pool.HOST][0], zero, zero)
+                torch.cuda.synchronize(self.device)
+            except Exception as e:  # (a Triton that cannot reach pinned memory, a compile failure)
+                log.warning("servewise: swaps by copy calls: the block-copy kernel did not run here (%s)", e)
+                return
+        self.swap_kernel, self._swap_rows = copy_rows, rows
 
     def _graphs_apply(self, model, connector, store) -> bool:
         """CUDA graphs need the Triton kernels, no per-layer hooks, and a model with no host-side
@@ -170,10 +186,9 @@ class TorchRunner:
             else:
                 self._fetch.run()
             return time.perf_counter() - t0
-        pools = {Pool.DEVICE: self.device_cache, Pool.HOST: self.host_cache}
-        src_pool, dst_pool = pools[move.src], pools[move.dst]
         if self.swap_stream is not None:
             return self._swap_async(move.src, move.dst, move.pairs, t0)
+        src_pool, dst_pool = self._pool(move.src), self._pool(move.dst)
         block_bytes = self.device_cache[:, :, 0].numel() * self.device_cache.element_size()
         group = max(1, (8 << 20) // block_bytes)
         for i in range(0, len(move.pairs), group):
@@ -183,6 +198,9 @@ class TorchRunner:
             dst_pool.index_copy_(2, dst, src_pool.index_select(2, src).to(dst_pool.device, non_blocking=False))
         self._sync()
         return time.perf_counter() - t0
+
+    def _pool(self, pool: Pool) -> torch.Tensor:
+        return self.device_cache if pool is Pool.DEVICE else self.host_cache
 
     @property
     def copy_path(self) -> str:
@@ -195,7 +213,7 @@ class TorchRunner:
         kernel per layer with Triton, else one copy per run of consecutive blocks, per layer, for K and
         for V. 0 without the stream (CPU): blocks go in staged groups there, whose cost the runs do not
         change."""
-        if self.swap_stream is None:
+        if self.swap_stream is None or not pairs:
             return 0
         layers = self.device_cache.shape[0]
         return layers if self.swap_kernel is not None else 2 * layers * len(block_runs(pairs))
@@ -210,19 +228,20 @@ class TorchRunner:
         with torch.cuda.stream(self.swap_stream):
             if self.swap_kernel is not None:
                 src_rows, dst_rows = self._swap_rows[src], self._swap_rows[dst]
-                s, d = (torch.tensor([p[i] for p in pairs]) for i in (0, 1))
-                n_src, n_dst = src_rows[0].shape[0] // 2, dst_rows[0].shape[0] // 2
-                si = torch.cat([s, s + n_src]).pin_memory().to(self.device, non_blocking=True)
-                di = torch.cat([d, d + n_dst]).pin_memory().to(self.device, non_blocking=True)
+                n_src, n_dst = src_rows[0].shape[0] // 2, dst_rows[0].shape[0] // 2  # blocks; V rows after K's
+                s, d = [p[0] for p in pairs], [p[1] for p in pairs]
+                if min(s + d) < 0 or max(s) >= n_src or max(d) >= n_dst:  # the kernel would not notice
+                    raise ValueError(f"swap: a block outside its pool ({n_src} source, {n_dst} destination blocks)")
+                idx = torch.tensor([*s, *(b + n_src for b in s), *d, *(b + n_dst for b in d)], pin_memory=True)
+                idx = idx.to(self.device, non_blocking=True).view(2, -1)
                 for layer, event in enumerate(events):
-                    self.swap_kernel(src_rows[layer], dst_rows[layer], si, di, check=False)
+                    self.swap_kernel(src_rows[layer], dst_rows[layer], idx[0], idx[1], check=False)
                     event.record(self.swap_stream)
             else:
-                pools = {Pool.DEVICE: self.device_cache, Pool.HOST: self.host_cache}
                 runs = block_runs(pairs)
                 for layer, event in enumerate(events):
                     for kv in (0, 1):
-                        src_kv, dst_kv = pools[src][layer, kv], pools[dst][layer, kv]
+                        src_kv, dst_kv = self._pool(src)[layer, kv], self._pool(dst)[layer, kv]
                         for s, d, n in runs:
                             dst_kv[d:d + n].copy_(src_kv[s:s + n], non_blocking=True)
                     event.record(self.swap_stream)
