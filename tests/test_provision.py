@@ -98,3 +98,22 @@ def test_the_transfer_section_chooses_serialized_below_the_crossover_and_reports
     text = report({"settings": {"sweep_trace": "conv", "provision_rate": 10, "duration_s": 10, "sweep_rates": []},
                    "transfer": rows, "provisioning": {}, "throughput": [], "paper": {}, "wall_s": 0})
     assert "auto chose" in text and "serialized" in text
+
+
+def test_the_iso_search_says_how_far_it_is(monkeypatch):
+    """The iso-power / iso-cost search is the splitwise experiment's longest section: it reports each split
+    searched, and keeps the best split of each budget and design."""
+    from servewise.experiments import splitwise as sw
+
+    monkeypatch.setattr(sw, "_best_load", lambda t: {"cluster": t[1], "kind": t[2], "counts": t[3],
+                                                     "max_rate": float(sum(t[3]))})
+
+    class Serial:
+        map = staticmethod(map)
+
+    seen = []
+    found = sw.iso_search(sw.Settings(data_dir="unused"), Serial(), lambda done, total: seen.append((done, total)))
+    total = seen[-1][1]
+    assert total > 0 and seen == [(i, total) for i in range(1, total + 1)]
+    assert sum(len(r["splits"]) for r in found) == total
+    assert all(r["max_rate"] == max(rate for _, rate in r["splits"]) for r in found)

@@ -281,14 +281,15 @@ def _best_load(args) -> dict:
     return {"cluster": cluster, "kind": kind, "counts": counts, "max_rate": rate}
 
 
-def iso_search(s: Settings, pool) -> list[dict]:
+def iso_search(s: Settings, pool, progress=lambda done, total: None) -> list[dict]:
     """For each budget and split design kind, the split within the budget that sustains the highest
-    load (ties: the fewest machines)."""
+    load (ties: the fewest machines). progress(done, total) after each split searched."""
     tasks = [(s, cluster, kind, c) for cluster, (attr, budget) in BUDGETS.items() for kind in KINDS
              if KINDS[kind][1] is not None and kind in s.designs for c in budget_splits(*KINDS[kind], attr, budget)]
     found: dict = {}
     splits: dict = {}
-    for r in pool.map(_best_load, tasks):
+    for i, r in enumerate(pool.map(_best_load, tasks), 1):
+        progress(i, len(tasks))
         key = (r["cluster"], r["kind"])
         splits.setdefault(key, []).append((r["counts"], r["max_rate"]))
         if key not in found or (r["max_rate"], -sum(r["counts"])) > (found[key]["max_rate"], -sum(found[key]["counts"])):
@@ -323,7 +324,10 @@ def run_experiment(s: Settings, progress=print) -> dict:
             points.append(m)
             if len(points) % 10 == 0 or len(points) == len(tasks):
                 progress(f"load sweep: {len(points)}/{len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
-        out["iso_search"] = iso_search(s, pool) if "iso" in s.sections else []
+        def searched(done: int, total: int) -> None:
+            if done % 5 == 0 or done == total:
+                progress(f"iso-power and iso-cost search: {done}/{total} splits ({time.perf_counter() - t0:.0f} s)")
+        out["iso_search"] = iso_search(s, pool, searched) if "iso" in s.sections else []
         progress(f"iso-power and iso-cost splits searched ({time.perf_counter() - t0:.0f} s)")
         tasks = [(s, policy, rate) for rate in s.mixed_rates for policy in ("fcfs", "prompt-first")
                  if "mixed" in s.sections and MIXED[0] in s.designs]
