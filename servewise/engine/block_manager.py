@@ -52,6 +52,14 @@ def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
+def copy_calls(path: str, layers: int, runs: int) -> int:
+    """Calls a swap of `runs` runs of blocks issues: "layer", one block-copy kernel per layer; "run", one
+    copy per run, per layer, for K and for V; "none" (CPU: staged groups whatever the runs), none."""
+    if path == "layer":
+        return layers if runs else 0
+    return 2 * layers * runs if path == "run" else 0
+
+
 class BlockManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int, watermark: float = 0.0,
                  prefix_key: str | None = None):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from servewise.engine.block_manager import blocks_for
+from servewise.engine.block_manager import blocks_for, copy_calls
 
 DIRECTIONS = ("out", "in")  # out: device -> host; in: host -> device
 
@@ -89,10 +89,8 @@ class SwapCostModel:
 
     def copies(self, num_layers: int, num_blocks: int, runs: int | None = None) -> int:
         """Copy calls of moving num_blocks blocks in `runs` runs of consecutive blocks (None: one a block):
-        one per run, per layer, for K and for V; or one kernel per layer."""
-        if getattr(self, "copies_per", "run") == "layer":  # (pickles from before the field lack it)
-            return num_layers if num_blocks else 0
-        return 2 * num_layers * (num_blocks if runs is None else runs)
+        one per run, per layer, for K and for V; or one kernel per layer (block_manager.copy_calls)."""
+        return copy_calls(self.copies_per, num_layers, num_blocks if runs is None else runs)
 
     def link(self, direction: str) -> Link:
         return self.out if direction == "out" else self.in_

@@ -13,7 +13,7 @@ import torch
 from servewise import kernels
 from servewise.config import ModelConfig
 from servewise.connectors.base import KVConnector
-from servewise.engine.block_manager import block_runs
+from servewise.engine.block_manager import block_runs, copy_calls
 from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, StepResult
 from servewise.models.attention import AttentionMetadata, decode_mask
 from servewise.models.linear import describe as describe_linears
@@ -213,10 +213,7 @@ class TorchRunner:
         kernel per layer with Triton, else one copy per run of consecutive blocks, per layer, for K and
         for V. 0 without the stream (CPU): blocks go in staged groups there, whose cost the runs do not
         change."""
-        if self.swap_stream is None or not pairs:
-            return 0
-        layers = self.device_cache.shape[0]
-        return layers if self.swap_kernel is not None else 2 * layers * len(block_runs(pairs))
+        return copy_calls(self.copy_path, self.device_cache.shape[0], len(block_runs(pairs)))
 
     def _swap_async(self, src: Pool, dst: Pool, pairs, t0: float) -> float:
         """Issue a swap's copies on the swap stream, layer by layer, with an event after each layer;
