@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servewise.kernels import cpu_ext, cpu_flags, status
+from servewise.kernels import cpu_ext, cpu_flags, last_level_cache_bytes, status
 from servewise.metrics.summary import save_json
 
 
@@ -57,23 +57,6 @@ def _best(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
-
-
-def last_level_cache_bytes() -> int | None:
-    """The largest CPU cache (per socket, from sysfs), or None where the system does not say."""
-    import glob
-
-    sizes = []
-    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        try:
-            text = open(path).read().strip()
-        except OSError:
-            continue
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
-        digits = text.rstrip("KMGkmg")
-        if digits.isdigit():
-            sizes.append(int(digits) * unit)
-    return max(sizes) if sizes else None
 
 
 def stream_gbs(buf: torch.Tensor, repeat: int) -> float:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from servewise.kernels import cpu_flags
+from servewise.kernels import cpu_flags, last_level_cache_bytes
 from servewise.metrics import save_json
 
 PREFILL = ((1, 32), (1, 128), (1, 512), (1, 1024), (2, 64), (2, 256), (4, 32), (4, 128), (4, 384), (8, 64),
@@ -71,8 +71,6 @@ def _shape(lin) -> tuple[int, int]:
 def time_gemms(model, rows, repeat: int, dtype) -> list[tuple]:
     """Operation-table rows (gemm, k, n, 1, rows, seconds) of the layer's GEMMs and the LM head, each
     timed with its weights out of the caches."""
-    from servewise.bench.attention import last_level_cache_bytes
-
     flush = torch.ones(max(2 * (last_level_cache_bytes() or 0), 64 << 20) // 4, dtype=torch.float32)
     out, seen = [], set()
     for lin in [*layer_gemms(model), model.head]:

@@ -29,6 +29,23 @@ def cpu_flags() -> str:
     return " ".join(f for f in wanted if f in have) or "unknown"
 
 
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache (per socket, from sysfs), or None where the system does not say."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text.rstrip("KMGkmg")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes) if sizes else None
+
+
 SOURCES = ("paged_attention.cpp", "layer_ops.cpp")  # one module; paged_attention.cpp declares its functions
 
 
