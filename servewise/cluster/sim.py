@@ -20,7 +20,6 @@ are both there, and the prompt instance frees its blocks when the coordinator sa
 """
 from __future__ import annotations
 
-import gc
 import heapq
 import time
 from dataclasses import dataclass, field, replace
@@ -31,6 +30,7 @@ from servewise.cluster.links import MODES, LinkModel, Network
 from servewise.cluster.machines import get_machine
 from servewise.engine.block_manager import prefix_names
 from servewise.engine.clock import VirtualClock
+from servewise.engine.heap import quiet_gc
 from servewise.engine.request import Request
 from servewise.predictors.perf import Calibrated, make_perf
 from servewise.workloads.datasets import WorkloadRequest
@@ -332,18 +332,12 @@ class ClusterSim:
 
     def run(self, items: list[WorkloadRequest], arrivals: list[float], progress=None) -> ClusterResult:
         """Run the workload to the end (arrival times in seconds from the start). The garbage collector
-        is kept mostly out of the way meanwhile, as in simulator.simulate."""
+        is kept mostly out of the way meanwhile (engine.heap.quiet_gc)."""
         if len(arrivals) != len(items):
             raise ValueError(f"{len(arrivals)} arrival times for {len(items)} requests")
         t0 = time.perf_counter()
-        thresholds = gc.get_threshold()
-        gc.freeze()
-        gc.set_threshold(50_000, *thresholds[1:])
-        try:
+        with quiet_gc():
             return self._run(items, arrivals, progress, t0)
-        finally:
-            gc.set_threshold(*thresholds)
-            gc.unfreeze()
 
     def _run(self, items, arrivals, progress, t0) -> ClusterResult:
         engines, clock, n = self.engines, self.clock, len(self.engines)

@@ -69,6 +69,8 @@ def run(a: argparse.Namespace) -> None:
 
     import torch
 
+    from servewise.engine.heap import freeze_startup_heap
+
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     cluster = None
     if a.instances is not None:
@@ -104,6 +106,7 @@ def run(a: argparse.Namespace) -> None:
         engine.shutdown()   # (instances, their shared files and any KV store leases would be left behind)
 
     app.router.lifespan_context = lifespan
+    freeze_startup_heap()
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     finally:

@@ -96,6 +96,7 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
     import torch
 
     from servewise.builder import build_engine
+    from servewise.engine.heap import freeze_startup_heap
 
     if threading.current_thread() is threading.main_thread():  # a process of its own, not a Ray actor's thread
         # A signal to the whole process group (Ctrl-C, a supervisor's SIGTERM) is the parent's to act on: it
@@ -115,6 +116,7 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
         return
     eng = inst.engine
     outs.send(("ready", eng.tokenizer, eng.limits, eng.stats(), inst.layers, inst.cache_file))
+    freeze_startup_heap()
     while True:
         timeout = 0 if eng.has_unfinished() else 0.002 if inst.in_flight() else 0.5
         refused: list = []
