@@ -17,6 +17,15 @@ def test_the_process_readings_see_this_process():
         assert soak._fds(os.getpid()) == before + 1
 
 
+def test_a_sample_tells_the_servers_memory_from_its_engines(monkeypatch):
+    monkeypatch.setattr(soak, "metrics", lambda port: {})
+    pid, pgid = os.getpid(), os.getpgid(0)
+    x = soak.sample(pgid, 0, None, 0.0)
+    leader = soak._pss_kib(pgid) / 1024
+    assert x["pss_mib"] >= soak._pss_kib(pid) / 1024 - 1
+    assert x["pss_mib_server"] == pytest.approx(leader, abs=2) and x["pss_mib_server"] <= x["pss_mib"]
+
+
 def samples(pss: list[float], every: float = 10.0) -> list[dict]:
     return [{"t": i * every, "pss_mib": p} for i, p in enumerate(pss)]
 

@@ -112,7 +112,9 @@ def sample(pgid: int, port: int, store: str | None, t: float) -> dict:
     """One reading of the server: its process group, /dev/shm, the store and /metrics."""
     pids = _group(pgid)
     m = metrics(port)
-    return {"t": round(t, 2), "processes": len(pids), "pss_mib": round(sum(map(_pss_kib, pids)) / 1024, 1),
+    pss = {pid: _pss_kib(pid) for pid in pids}
+    return {"t": round(t, 2), "processes": len(pids), "pss_mib": round(sum(pss.values()) / 1024, 1),
+            "pss_mib_server": round(pss.get(pgid, 0) / 1024, 1),  # the HTTP server; the rest is its engines'
             "fds": sum(map(_fds, pids)), "shm_entries": _entries("/dev/shm", "servewise-"),
             "store_entries": _entries(store) if store else None,
             "device_blocks_used": m.get('servewise_kv_blocks_used{pool="device"}', math.nan),
@@ -294,7 +296,11 @@ def plot(results: list[dict], path: str) -> None:
     fig, axes = plt.subplots(len(results), 1, figsize=(8, 2.6 * len(results)), squeeze=False)
     for ax, r in zip(axes[:, 0], results):
         t = [x["t"] / 60 for x in r["samples"]]
-        ax.plot(t, [x["pss_mib"] for x in r["samples"]], color="tab:blue")
+        ax.plot(t, [x["pss_mib"] for x in r["samples"]], color="tab:blue", label="all processes")
+        if "pss_mib_server" in r["samples"][0]:
+            ax.plot(t, [x["pss_mib"] - x["pss_mib_server"] for x in r["samples"]], color="tab:blue", ls="--",
+                    label="engines")
+            ax.legend(loc="lower right", fontsize=7)
         ax.set_ylabel("PSS (MiB)", color="tab:blue")
         ax.set_title(f"{r['config']}: {r['rate_req_s']:.2f} req/s")
         twin = ax.twinx()
