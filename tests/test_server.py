@@ -140,6 +140,21 @@ def test_models_health_and_metrics(server, client):
         assert name in text, name
 
 
+def test_metrics_count_the_servers_garbage_collections(server):
+    import gc
+
+    def full():
+        lines = httpx.get(server[0] + "/metrics").text.splitlines()
+        pick = lambda name: next(float(x.split()[-1]) for x in lines if x.startswith(name + '{generation="2"}'))  # noqa: E731
+        return (pick("servewise_server_gc_collections_total"), pick("servewise_server_gc_pause_seconds_total"),
+                pick("servewise_server_gc_pause_max_seconds"))
+
+    n0, s0, _ = full()
+    gc.collect()  # the server runs in this process
+    n1, s1, longest = full()
+    assert n1 >= n0 + 1 and s1 > s0 and longest > 0
+
+
 BAD = [
     ("not json", b'{"model": "tiny-llama", "prompt": ', 400, None),
     ("missing prompt", {"model": "tiny-llama"}, 400, "prompt"),

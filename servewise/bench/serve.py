@@ -88,9 +88,9 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict, r
 async def run_bench(base_url: str, model: str, items, arrivals: list[float], max_concurrency: int | None = None,
                     api_key: str | None = None, timeout: float = 600.0, progress=None) -> tuple[list[RequestRecord], float]:
     """Send every item at its arrival time; returns (records, wall seconds). A request's task is made
-    when it is sent, so the client holds only what is in flight (made all at once, a half-hour run's
-    tens of thousands of sleeping tasks made each garbage collection of the client long enough to
-    show in the latencies it measures); the garbage collector is kept out of the way meanwhile."""
+    when it is sent, so the client holds only what is in flight, and the garbage collector is kept out
+    of the way (made at the start, a half-hour run's tens of thousands of sleeping tasks made each of
+    the client's full collections long enough to show in the latencies it measures)."""
     url = base_url.rstrip("/") + "/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None

@@ -4,8 +4,9 @@ For each configuration (one engine; prefix caching with a small KV store; a prom
 `servewise serve` process is started; its capacity is measured (a burst of requests all at once, in
 requests/s) unless a rate is given; then requests arrive as a Poisson process at `load` times that
 capacity for `minutes`. Every `interval_s` seconds a sampler reads the server's whole process group
-(proportional set size, open file descriptors), the shared-memory entries and store files it made, and
-its /metrics (KV blocks in use, queues). When the load ends and the server is idle it is read again.
+(proportional set size, the server's apart from its engines', open file descriptors), the shared-memory
+entries and store files it made, and its /metrics (KV blocks in use, queues, the server's garbage
+collections). When the load ends and the server is idle it is read again.
 
 Verdicts, each with its figures: memory does not grow after the warm-up (PSS of the last samples under
 load against the first after warm-up, within `max_growth`; the growth over the second half is reported
@@ -121,7 +122,10 @@ def sample(pgid: int, port: int, store: str | None, t: float) -> dict:
             "host_blocks_used": m.get('servewise_kv_blocks_used{pool="host"}', math.nan),
             "cached_blocks": m.get("servewise_prefix_cached_blocks", math.nan),
             "running": m.get('servewise_requests{state="running"}', math.nan),
-            "waiting": m.get('servewise_requests{state="waiting"}', math.nan)}
+            "waiting": m.get('servewise_requests{state="waiting"}', math.nan),
+            "server_gc_full": m.get('servewise_server_gc_collections_total{generation="2"}', math.nan),
+            "server_gc_s": sum(m.get(f'servewise_server_gc_pause_seconds_total{{generation="{g}"}}', math.nan)
+                               for g in range(3))}
 
 
 def workload(s: Settings, n: int, seed: int):

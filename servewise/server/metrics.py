@@ -2,6 +2,9 @@
 scrape time, latency histograms and outcome counters updated as requests finish."""
 from __future__ import annotations
 
+import gc
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -81,10 +84,48 @@ class _EngineState:
             yield up
 
 
+class _GcPauses:
+    """The server process's garbage collections: how many, their total and longest pause by generation
+    (a full collection stalls every stream the server is sending). One per process, whatever the apps."""
+
+    def __init__(self):
+        self.count, self.seconds, self.longest = [0] * 3, [0.0] * 3, [0.0] * 3
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        g, dt = info["generation"], time.perf_counter() - self._start
+        self.count[g] += 1
+        self.seconds[g] += dt
+        self.longest[g] = max(self.longest[g], dt)
+
+    def collect(self):
+        n = CounterMetricFamily("servewise_server_gc_collections", "Garbage collections of the HTTP server's "
+                                "process by generation (2: full)", labels=["generation"])
+        s = CounterMetricFamily("servewise_server_gc_pause_seconds", "Time the HTTP server's process spent in "
+                                "garbage collections, by generation", labels=["generation"])
+        m = GaugeMetricFamily("servewise_server_gc_pause_max_seconds", "The longest garbage collection of the HTTP "
+                              "server's process so far, by generation", labels=["generation"])
+        for g in range(3):
+            n.add_metric([str(g)], self.count[g])
+            s.add_metric([str(g)], self.seconds[g])
+            m.add_metric([str(g)], self.longest[g])
+        yield from (n, s, m)
+
+
+_gc_pauses: _GcPauses | None = None
+
+
 class ServerMetrics:
     def __init__(self, engine):
+        global _gc_pauses
+        _gc_pauses = _gc_pauses or _GcPauses()
         self.registry = CollectorRegistry()
         self.registry.register(_EngineState(engine))
+        self.registry.register(_gc_pauses)
         self.requests = Counter("servewise_requests_finished", "Requests by outcome (stop, length, abort, "
                                 "rejected: refused for overload, error)", ["outcome"], registry=self.registry)
         self.ttft = Histogram("servewise_time_to_first_token_seconds", "Time to first token",
