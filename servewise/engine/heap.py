@@ -23,7 +23,8 @@ def quiet_gc(young: int | None = 50_000):
     """For a run that allocates many small, mostly long-lived objects (a simulation's requests, a load
     client's records): what exists before it is frozen out of the scans, and (unless `young` is None)
     the youngest generation is collected every `young` allocations instead of 700; both are restored
-    afterwards."""
+    afterwards (the unfreeze releases every frozen object, a start-up freeze's too: not for use inside a
+    serving process)."""
     thresholds = gc.get_threshold()
     gc.freeze()
     gc.set_threshold(young or thresholds[0], *thresholds[1:])
