@@ -1,6 +1,9 @@
 """The soak benchmark's readings and verdicts (the long run itself is a benchmark, not a test)."""
 import math
 import os
+import signal
+import subprocess
+import time
 
 import pytest
 
@@ -19,11 +22,22 @@ def test_the_process_readings_see_this_process():
 
 def test_a_sample_tells_the_servers_memory_from_its_engines(monkeypatch):
     monkeypatch.setattr(soak, "metrics", lambda port: {})
-    pid, pgid = os.getpid(), os.getpgid(0)
-    x = soak.sample(pgid, 0, None, 0.0)
-    leader = soak._pss_kib(pgid) / 1024
-    assert x["pss_mib"] >= soak._pss_kib(pid) / 1024 - 1
-    assert x["pss_mib_server"] == pytest.approx(leader, abs=2) and x["pss_mib_server"] <= x["pss_mib"]
+    # a stand-in server: a group leader with two children of its own
+    leader = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
+    try:
+        end = time.monotonic() + 10
+        while len(soak._group(leader.pid)) < 3 and time.monotonic() < end:
+            time.sleep(0.05)
+        children = [p for p in soak._group(leader.pid) if p != leader.pid]
+        assert len(children) == 2
+        x = soak.sample(leader.pid, 0, None, 0.0)
+        own, rest = soak._pss_kib(leader.pid) / 1024, sum(map(soak._pss_kib, children)) / 1024
+        assert x["processes"] == 3 and own > 0 and rest > 0.3  # apart by more than the tolerance below
+        assert x["pss_mib_server"] == pytest.approx(own, abs=0.15)
+        assert x["pss_mib"] == pytest.approx(own + rest, abs=0.15)
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
 
 
 def samples(pss: list[float], every: float = 10.0) -> list[dict]:

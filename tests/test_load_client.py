@@ -38,14 +38,22 @@ def test_requests_go_in_arrival_order_and_only_those_in_flight_are_held(monkeypa
     records, _ = asyncio.run(serve.run_bench("http://127.0.0.1:1/v1", "m", _items(len(arrivals)), arrivals))
     index = {id(r): i for i, r in enumerate(records)}
     assert [index[r] for r in sent] == sorted(range(len(arrivals)), key=arrivals.__getitem__)
-    # the main task, the sender and at most a couple still finishing: not one task per request up front
-    assert max(live) <= 4, live
+    # the main task (which sends) and the few in flight, not one task per request made up front (41 here);
+    # loose enough for a stalled loop on a busy machine to catch up on a few arrivals at once
+    assert max(live) <= 10, live
 
 
 def test_an_error_in_a_request_task_ends_the_run(monkeypatch):
+    calls = []
+
     async def one(client, url, headers, body, rec, t0):
-        raise RuntimeError("broken client")
+        calls.append(rec)
+        if len(calls) == 1:
+            raise RuntimeError("broken client")
+        await asyncio.sleep(10)  # cancelled when the run ends, not waited for
 
     monkeypatch.setattr(serve, "_one", one)
     with pytest.raises(RuntimeError, match="broken client"):
-        asyncio.run(serve.run_bench("http://127.0.0.1:1/v1", "m", _items(3), [0.0, 0.01, 0.02]))
+        asyncio.run(asyncio.wait_for(serve.run_bench("http://127.0.0.1:1/v1", "m", _items(5),
+                                                     [0.0, 0.0, 0.3, 0.6, 0.9]), 5))
+    assert len(calls) == 2  # the second had been sent with the first; the later three never were

@@ -118,15 +118,21 @@ async def run_bench(base_url: str, model: str, items, arrivals: list[float], max
     with quiet_gc(young=None):
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             t0 = time.perf_counter()
-            for i in sorted(range(len(items)), key=arrivals.__getitem__):
-                if errors:
-                    break
-                if (delay := arrivals[i] - (time.perf_counter() - t0)) > 0:
-                    await asyncio.sleep(delay)
-                task = asyncio.create_task(send(client, i, t0))
-                in_flight.add(task)
-                task.add_done_callback(done)
-            await asyncio.gather(*list(in_flight))
+            try:
+                for i in sorted(range(len(items)), key=arrivals.__getitem__):
+                    if (delay := arrivals[i] - (time.perf_counter() - t0)) > 0:
+                        await asyncio.sleep(delay)
+                    if errors:
+                        break
+                    task = asyncio.create_task(send(client, i, t0))
+                    in_flight.add(task)
+                    task.add_done_callback(done)
+                if not errors:
+                    await asyncio.gather(*list(in_flight))
+            finally:  # an error or a cancellation: what is still in flight stops before the client closes
+                for task in in_flight:
+                    task.cancel()
+                await asyncio.gather(*list(in_flight), return_exceptions=True)
             if errors:
                 raise errors[0]
             return records, time.perf_counter() - t0

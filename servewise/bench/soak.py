@@ -301,7 +301,7 @@ def plot(results: list[dict], path: str) -> None:
     for ax, r in zip(axes[:, 0], results):
         t = [x["t"] / 60 for x in r["samples"]]
         ax.plot(t, [x["pss_mib"] for x in r["samples"]], color="tab:blue", label="all processes")
-        if "pss_mib_server" in r["samples"][0]:
+        if r["samples"] and "pss_mib_server" in r["samples"][0]:
             ax.plot(t, [x["pss_mib"] - x["pss_mib_server"] for x in r["samples"]], color="tab:blue", ls="--",
                     label="engines")
             ax.legend(loc="lower right", fontsize=7)

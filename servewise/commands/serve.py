@@ -70,6 +70,7 @@ def run(a: argparse.Namespace) -> None:
     import torch
 
     from servewise.engine.heap import freeze_startup_heap
+    from servewise.server.metrics import serving_starts
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     cluster = None
@@ -107,6 +108,7 @@ def run(a: argparse.Namespace) -> None:
 
     app.router.lifespan_context = lifespan
     freeze_startup_heap()
+    serving_starts()
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     finally:

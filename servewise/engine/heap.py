@@ -4,8 +4,8 @@ A full collection walks every container object the process holds. A server holds
 thousand after start-up (modules, the model's configuration, the tokenizer, the web framework), so
 each full collection stalled its event loop for 100-190 ms under load on a 2-core machine (measured
 in `bench soak`), once a minute or so, and set the tail latencies of whichever requests were in flight.
-Objects that outlive start-up are frozen out of the collector's scans; they are still freed when
-nothing refers to them."""
+Objects that outlive start-up are frozen out of the collector's scans: still freed by reference
+counting when nothing refers to them, but a reference cycle among them is never collected."""
 from __future__ import annotations
 
 import contextlib
@@ -22,12 +22,12 @@ def freeze_startup_heap() -> None:
 def quiet_gc(young: int | None = 50_000):
     """For a run that allocates many small, mostly long-lived objects (a simulation's requests, a load
     client's records): what exists before it is frozen out of the scans, and (unless `young` is None)
-    the youngest generation is collected every `young` allocations instead of 700; both are restored
+    the youngest generation is collected every `young` allocations (700 by default); both are restored
     afterwards (the unfreeze releases every frozen object, a start-up freeze's too: not for use inside a
     serving process)."""
     thresholds = gc.get_threshold()
     gc.freeze()
-    gc.set_threshold(young or thresholds[0], *thresholds[1:])
+    gc.set_threshold(thresholds[0] if young is None else young, *thresholds[1:])
     try:
         yield
     finally:

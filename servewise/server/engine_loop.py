@@ -115,8 +115,8 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
                    isinstance(e, USER_ERRORS)))
         return
     eng = inst.engine
+    freeze_startup_heap()  # before "ready": the first steps do not wait behind it
     outs.send(("ready", eng.tokenizer, eng.limits, eng.stats(), inst.layers, inst.cache_file))
-    freeze_startup_heap()
     while True:
         timeout = 0 if eng.has_unfinished() else 0.002 if inst.in_flight() else 0.5
         refused: list = []

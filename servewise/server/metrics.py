@@ -119,6 +119,13 @@ class _GcPauses:
 _gc_pauses: _GcPauses | None = None
 
 
+def serving_starts() -> None:
+    """The longest pause counts from here: the start-up collection (freeze_startup_heap) is not a stall
+    of any request."""
+    if _gc_pauses is not None:
+        _gc_pauses.longest = [0.0] * 3
+
+
 class ServerMetrics:
     def __init__(self, engine):
         global _gc_pauses
