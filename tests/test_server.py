@@ -132,6 +132,9 @@ def test_stop_strings_end_the_output_before_the_stop(client):
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny-llama"]
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+    # one request of its own that ends on its length, so the finished-request series exist when run alone
+    assert client.completions.create(model="tiny-llama", prompt="hi", max_tokens=2,
+                                     temperature=0).choices[0].finish_reason == "length"
     text = httpx.get(server[0] + "/metrics").text
     for name in ('servewise_requests{state="running"}', 'servewise_kv_blocks_used{pool="device"}',
                  'servewise_kv_usage_ratio{pool="host"}', 'servewise_preemptions_total{kind="swap"}',
