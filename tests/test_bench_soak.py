@@ -90,6 +90,17 @@ def test_growth_leaks_and_drift_each_fail():
     assert not soak.verdicts(settings(), samples([1000.0] * 12), IDLE, IDLE, failed, 120.0)["requests"]["ok"]
 
 
+def test_the_engines_busy_share_per_window_tells_slower_steps():
+    # busy 0.5 s per second in the first minute, 0.6 in the second: the same work took 20% longer
+    xs = [{**x, "engine_busy_s": 0.5 * min(x["t"], 60) + 0.6 * max(x["t"] - 60, 0)} for x in samples([1000.0] * 13)]
+    assert soak.busy_share(xs, 0, 60) == pytest.approx(0.5) and soak.busy_share(xs, 60, 120) == pytest.approx(0.6)
+    assert math.isnan(soak.busy_share(xs, 61, 69))  # fewer than two samples
+    lat = soak.verdicts(settings(), xs, IDLE, IDLE, records(0.1, 0.1), 120.0)["latency"]
+    assert lat["engine_busy_share"] == [0.5, 0.6] and lat["engine_busy_drift"] == pytest.approx(0.2)
+    no_metric = soak.verdicts(settings(), samples([1000.0] * 13), IDLE, IDLE, records(0.1, 0.1), 120.0)["latency"]
+    assert math.isnan(no_metric["engine_busy_drift"])  # an older server without the metric
+
+
 def test_poisson_arrivals_keep_their_rate_and_window():
     a = soak.poisson(20.0, 300.0, seed=1)
     assert all(0 < x < 300 for x in a) and a == sorted(a)

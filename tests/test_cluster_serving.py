@@ -213,7 +213,7 @@ def test_a_prompt_instance_killed_after_commit_does_not_stop_the_decode(transpor
         task = asyncio.ensure_future(_collect(q))
         await asyncio.to_thread(wait_until, lambda: c.handoffs["committed"] == 1, 60, "the hand-off to commit")
         running = not task.done()  # else the decode ended before the kill: the test would prove nothing
-        counted.append(c.stats().admitted_tokens)  # (the prompt instance's, reported with the first token)
+        counted.append(c.stats())  # (the prompt instance's counts, reported with the first token)
         os.kill(c.members[0].pid, signal.SIGKILL)
         return running, await asyncio.wait_for(task, 60)
 
@@ -222,7 +222,9 @@ def test_a_prompt_instance_killed_after_commit_does_not_stop_the_decode(transpor
         assert asyncio.run(go()) == (True, ref)
         assert c.handoffs["lost"] == 0
         wait_until(lambda: c.members[0].restarts == 1 and c.members[0].up, 60, "the prompt instance to come back")
-        assert counted[0] >= len(PROMPTS[3]) and c.stats().admitted_tokens >= counted[0]  # counts outlive a restart
+        after = c.stats()  # counts outlive a restart
+        assert counted[0].admitted_tokens >= len(PROMPTS[3]) and after.admitted_tokens >= counted[0].admitted_tokens
+        assert counted[0].busy_s > 0 and after.busy_s >= counted[0].busy_s
         assert settled(c)
     finally:
         c.shutdown()

@@ -79,7 +79,7 @@ def test_killing_the_engine_process_fails_open_requests_at_once_and_the_server_r
         try:
             results = asyncio.run(_streams_until_killed(url, engine, 6))
             assert [r[0] for r in results] == ["error"] * 6
-            admitted = engine.stats().admitted_tokens  # the dead engine's last count
+            admitted, busy = engine.stats().admitted_tokens, engine.stats().busy_s  # the dead engine's last counts
             assert all("engine" in r[1] for r in results), results
             wait_until(lambda: engine.restarts == 1, 60, "the restart to begin")  # (it is held)
             assert not engine.alive
@@ -97,6 +97,7 @@ def test_killing_the_engine_process_fails_open_requests_at_once_and_the_server_r
         sender.join(120)
         assert held[0].status_code == 200 and held[0].json()["usage"]["completion_tokens"] == 2
         assert admitted > 0 and engine.stats().admitted_tokens > admitted  # counts carry over the restart
+        assert busy > 0 and engine.stats().busy_s > busy
         wait_until(lambda: httpx.get(url + "/health").status_code == 200, 120, "the engine to come back")
         assert engine.pid != first_pid and engine.restarts == 1
         r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "after", "max_tokens": 5,

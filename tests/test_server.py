@@ -139,8 +139,10 @@ def test_models_health_and_metrics(server, client):
     for name in ('servewise_requests{state="running"}', 'servewise_kv_blocks_used{pool="device"}',
                  'servewise_kv_usage_ratio{pool="host"}', 'servewise_preemptions_total{kind="swap"}',
                  "servewise_time_to_first_token_seconds_bucket", "servewise_e2e_request_latency_seconds_count",
-                 'servewise_requests_finished_total{outcome="length"}'):
+                 'servewise_requests_finished_total{outcome="length"}', "servewise_engine_busy_seconds_total"):
         assert name in text, name
+    busy = next(float(x.split()[-1]) for x in text.splitlines() if x.startswith("servewise_engine_busy_seconds_total"))
+    assert busy > 0  # the request above took steps
 
 
 def test_metrics_count_the_servers_garbage_collections(server):

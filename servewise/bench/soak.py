@@ -123,6 +123,7 @@ def sample(pgid: int, port: int, store: str | None, t: float) -> dict:
             "cached_blocks": m.get("servewise_prefix_cached_blocks", math.nan),
             "running": m.get('servewise_requests{state="running"}', math.nan),
             "waiting": m.get('servewise_requests{state="waiting"}', math.nan),
+            "engine_busy_s": m.get("servewise_engine_busy_seconds_total", math.nan),
             "server_gc_full": m.get('servewise_server_gc_collections_total{generation="2"}', math.nan),
             "server_gc_s": sum(m.get(f'servewise_server_gc_pause_seconds_total{{generation="{g}"}}', math.nan)
                                for g in range(3))}
@@ -172,6 +173,15 @@ def latency_summary(records) -> dict:
     return out
 
 
+def busy_share(samples: list[dict], start: float, end: float) -> float:
+    """The engines' busy share (seconds in steps per second, summed over instances) between the first and the
+    last sample taken in [start, end]."""
+    xs = [x for x in samples if start <= x["t"] <= end and not math.isnan(x.get("engine_busy_s", math.nan))]
+    if len(xs) < 2 or xs[-1]["t"] <= xs[0]["t"]:
+        return math.nan
+    return (xs[-1]["engine_busy_s"] - xs[0]["engine_busy_s"]) / (xs[-1]["t"] - xs[0]["t"])
+
+
 def verdicts(s: Settings, samples: list[dict], idle_before: dict, idle_after: dict, records, seconds: float) -> dict:
     warm = s.warmup_minutes * 60
     under = [x for x in samples if warm <= x["t"] <= seconds]
@@ -184,6 +194,9 @@ def verdicts(s: Settings, samples: list[dict], idle_before: dict, idle_after: di
     first = latency_summary([r for r in records if w0 <= r.arrival < w0 + window])
     last = latency_summary([r for r in records if r.arrival >= last_start])
     drift = {key: round(last[key] / first[key] - 1, 4) for key in first if key.endswith("_ms") and first[key] > 0}
+    # the same arrivals (replayed) in both windows: the engines' busy share rising says their steps got slower
+    # (the machine or the engine), a latency drift with an unchanged share lies in queueing or the server
+    busy = [round(busy_share(samples, w0, w0 + window), 4), round(busy_share(samples, last_start, seconds), 4)]
     failed = [r.finish_reason for r in records if not r.completed]
     growth = end / start - 1 if start else math.nan
     return {
@@ -198,6 +211,8 @@ def verdicts(s: Settings, samples: list[dict], idle_before: dict, idle_after: di
                             and idle_after["shm_entries"] <= idle_before["shm_entries"])},
         "requests": {"sent": len(records), "failed": len(failed), "examples": failed[:5], "ok": not failed},
         "latency": {"window_s": window, "replayed": s.replay_window, "first": first, "last": last, "drift": drift,
+                    "engine_busy_share": busy,
+                    "engine_busy_drift": round(busy[1] / busy[0] - 1, 4) if busy[0] else math.nan,
                     "ok": bool(drift) and all(v <= s.max_drift for v in drift.values()),  # no slower than that
                     "within_both_ways": bool(drift) and all(abs(v) <= s.max_drift for v in drift.values())},
     }
@@ -287,7 +302,8 @@ def report(results: list[dict]) -> str:
                      f"({v['memory']['growth']:+.1%}; second half {v['memory']['growth_second_half']:+.1%}) "
                      f"| {v['idle']['device_blocks_used']:.0f}, "
                      f"{v['idle']['fds_before']} -> {v['idle']['fds_after']}, {v['idle']['shm_before']} -> "
-                     f"{v['idle']['shm_after']} | worst {worst[0]} {worst[1]:+.1%} | {ok} |")
+                     f"{v['idle']['shm_after']} | worst {worst[0]} {worst[1]:+.1%}; engines busy "
+                     f"{v['latency'].get('engine_busy_drift', math.nan):+.1%} | {ok} |")
     return "\n".join(lines)
 
 

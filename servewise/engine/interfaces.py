@@ -203,8 +203,8 @@ class EngineStats:
                        swap_bytes=(self.swap_bytes[0] + earlier.swap_bytes[0], self.swap_bytes[1] + earlier.swap_bytes[1]))
 
 
-COUNTS = ("admitted_tokens", "prefix_hit_tokens", "store_hit_tokens", "dropped_tokens")  # since start, besides
-# the preemption counts and swap bytes
+COUNTS = ("admitted_tokens", "prefix_hit_tokens", "store_hit_tokens", "dropped_tokens", "busy_s")  # since start,
+# besides the preemption counts and swap bytes
 
 
 @dataclass(slots=True)

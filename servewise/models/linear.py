@@ -45,6 +45,13 @@ def packing_available(weight: torch.Tensor) -> bool:
 # row depends on its input row only), so that prompts of every length share 1 / PAD_TO of the kernels
 # and meet them built; small counts (decode batches) are few and kept exact.
 PAD_ABOVE, PAD_TO = 64, 16
+_KERNEL_SHAPES: set[tuple] = set()  # (rows, in, out, dtype) the prepacked path has run: oneDNN built one kernel each
+
+
+def kernel_shapes() -> int:
+    """How many shapes oneDNN has built a kernel for in this process: a serving loop that sees it grow
+    returns the free heap the building left (engine/heap.py)."""
+    return len(_KERNEL_SHAPES)
 
 
 class Linear:
@@ -57,6 +64,7 @@ class Linear:
         self.weight_t = weight.t().contiguous() if transposed else None
         self.weight = None if transposed else weight.contiguous()
         self.packed = None
+        self.shape = (weight.shape[1], weight.shape[0], weight.dtype)  # in, out, dtype
         if packing_available(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -67,7 +75,9 @@ class Linear:
         if self.packed is not None and (n := x.shape[0]) <= PACKED_MAX_ROWS:
             if n > PAD_ABOVE and n % PAD_TO:  # a bounded set of row counts: oneDNN builds a kernel per count
                 x = torch.cat((x, x.new_zeros(PAD_TO - n % PAD_TO, x.shape[1])))
+                _KERNEL_SHAPES.add((x.shape[0], *self.shape))
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:n]
+            _KERNEL_SHAPES.add((n, *self.shape))
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.weight_t is not None:
             y = x @ self.weight_t

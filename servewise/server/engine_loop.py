@@ -19,6 +19,7 @@ import time
 
 from servewise.server.client import EngineLoop
 
+log = logging.getLogger("servewise")
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError)
 
 
@@ -96,7 +97,8 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
     import torch
 
     from servewise.builder import build_engine
-    from servewise.engine.heap import freeze_startup_heap
+    from servewise.engine.heap import freeze_startup_heap, release_free_heap
+    from servewise.models.linear import kernel_shapes
 
     if threading.current_thread() is threading.main_thread():  # a process of its own, not a Ray actor's thread
         # A signal to the whole process group (Ctrl-C, a supervisor's SIGTERM) is the parent's to act on: it
@@ -116,6 +118,8 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
         return
     eng = inst.engine
     freeze_startup_heap()  # before "ready": the first steps do not wait behind it
+    release_free_heap()  # what loading left free
+    shapes = kernel_shapes()
     outs.send(("ready", eng.tokenizer, eng.limits, eng.stats(), inst.layers, inst.cache_file))
     while True:
         timeout = 0 if eng.has_unfinished() else 0.002 if inst.in_flight() else 0.5
@@ -140,6 +144,11 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
                 outs.send(("out", refused + stepped, eng.stats(), events))
             if later := inst.after_report():  # (a serialized hand-off's checksums, after its first token)
                 outs.send(("out", [], eng.stats(), later))
+            if did and (n := kernel_shapes()) != shapes:  # new step shapes built kernels; their outputs are sent
+                shapes = n
+                freed = release_free_heap()
+                log.debug("servewise: %d kernel shapes; %s MiB of free heap returned", n,
+                          "?" if freed is None else f"{freed / 2**20:.1f}")
         except (BrokenPipeError, EOFError):
             return
         except Exception as e:

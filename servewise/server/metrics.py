@@ -69,6 +69,8 @@ class _EngineState:
         prefix.add_metric(["hit"], st.prefix_hit_tokens)
         prefix.add_metric(["store"], st.store_hit_tokens)
         yield prefix
+        yield CounterMetricFamily("servewise_engine_busy_seconds", "Seconds the engines spent in steps (compute and "
+                                  "copies), summed over instances: its rate is their utilisation", value=st.busy_s)
         yield GaugeMetricFamily("servewise_prefix_cached_blocks", "Device blocks holding cached prefix KV that no "
                                 "request holds (counted free)", value=st.cached_blocks)
         if (handoffs := getattr(self.engine, "handoffs", None)) is not None:  # a cluster

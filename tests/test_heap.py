@@ -1,0 +1,65 @@
+"""A serving process's heap: free chunks given back, kernels counted by shape, the engine loop trimming
+after steps that built kernels."""
+import logging
+import multiprocessing as mp
+import threading
+
+import pytest
+import torch
+
+from servewise.engine.heap import _resident_bytes, release_free_heap
+from servewise.models import linear
+from servewise.runners.torch_runner import keep_freed_memory
+from servewise.sampling_params import SamplingParams
+from servewise.server.engine_loop import engine_main, single_engine
+
+
+def test_free_heap_chunks_go_back_to_the_system():
+    if "kept" not in keep_freed_memory():  # large blocks from the heap, kept when freed: as in the engine
+        pytest.skip("no glibc malloc here")
+    blocks = [bytearray(b"\x01") * (1 << 20) for _ in range(64)]  # 64 MiB written, so resident
+    held = _resident_bytes()
+    del blocks
+    assert _resident_bytes() > held - (16 << 20)  # freed, but the kept heap holds the pages
+    assert release_free_heap() >= 32 << 20
+
+
+@pytest.mark.skipif(not linear.packing_available(torch.zeros(1)), reason="no prepacked oneDNN weights here")
+def test_kernel_shapes_count_row_counts_after_padding():
+    lin = linear.Linear(torch.randn(24, 40))
+    before = linear.kernel_shapes()
+    lin(torch.randn(3, 40))
+    lin(torch.randn(3, 40))
+    assert linear.kernel_shapes() == before + 1
+    lin(torch.randn(70, 40))
+    lin(torch.randn(75, 40))  # both padded to 80 rows: one kernel
+    assert linear.kernel_shapes() == before + 2
+    linear.Linear(torch.randn(24, 40))(torch.randn(3, 40))  # another weight of the same shape: the same kernel
+    assert linear.kernel_shapes() == before + 2
+
+
+@pytest.mark.skipif(not linear.packing_available(torch.zeros(1)), reason="no prepacked oneDNN weights here")
+def test_the_engine_loop_returns_the_free_heap_after_steps_that_built_kernels(caplog):
+    level = logging.getLogger("servewise").level  # engine_main sets it; put back after
+    cmds_out, cmds_in = mp.Pipe()
+    outs_in, outs_out = mp.Pipe()
+    loop = threading.Thread(target=engine_main, args=(
+        {"model": "tiny-llama", "num_device_blocks": 64, "seed": 0}, torch.get_num_threads(), None,
+        single_engine, logging.DEBUG, cmds_out, outs_in), daemon=True)
+    with caplog.at_level(logging.DEBUG, logger="servewise"):
+        loop.start()
+        assert outs_out.recv()[0] == "ready"
+        seen = linear.kernel_shapes()
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        cmds_in.send(("add", "a", list(range(5, 5 + 263)), params))  # a prompt of a row count no test used
+        finished = False
+        while not finished:
+            msg = outs_out.recv()
+            assert msg[0] == "out", msg
+            finished = any(o[3] for o in msg[1])  # (rid, new ids, logprobs, finished, reason)
+        cmds_in.send(("stop",))
+        loop.join(30)
+    logging.getLogger("servewise").setLevel(level)
+    assert not loop.is_alive() and linear.kernel_shapes() > seen
+    assert any("kernel shapes;" in r.getMessage() and "MiB of free heap returned" in r.getMessage()
+               for r in caplog.records)
