@@ -6,7 +6,7 @@ requests/s) unless a rate is given; then requests arrive as a Poisson process at
 capacity for `minutes`. Every `interval_s` seconds a sampler reads the server's whole process group
 (proportional set size, the server's apart from its engines', open file descriptors), the shared-memory
 entries and store files it made, and its /metrics (KV blocks in use, queues, the server's garbage
-collections). When the load ends and the server is idle it is read again.
+collections, the engines' busy seconds). When the load ends and the server is idle it is read again.
 
 Verdicts, each with its figures: memory does not grow after the warm-up (PSS of the last samples under
 load against the first after warm-up, within `max_growth`; the growth over the second half is reported
