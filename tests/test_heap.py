@@ -46,12 +46,13 @@ def test_the_engine_loop_returns_the_free_heap_after_steps_that_built_kernels(ca
     loop = threading.Thread(target=engine_main, args=(
         {"model": "tiny-llama", "num_device_blocks": 64, "seed": 0}, torch.get_num_threads(), None,
         single_engine, logging.DEBUG, cmds_out, outs_in), daemon=True)
+    linear._KERNEL_SHAPES.clear()  # every shape new to the loop, whatever earlier tests ran in this process
     with caplog.at_level(logging.DEBUG, logger="servewise"):
         loop.start()
         assert outs_out.recv()[0] == "ready"
         seen = linear.kernel_shapes()
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-        cmds_in.send(("add", "a", list(range(5, 5 + 263)), params))  # a prompt of a row count no test used
+        cmds_in.send(("add", "a", list(range(5, 5 + 263)), params))
         finished = False
         while not finished:
             msg = outs_out.recv()
