@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 
@@ -38,6 +39,18 @@ def quiet_gc(young: int | None = 50_000):
         gc.unfreeze()
 
 
+@functools.cache
+def glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (mallopt's and malloc_trim's meanings are glibc's), else None; looked up
+    once (the lookup runs ldconfig)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # glibc only
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -50,11 +63,8 @@ def release_free_heap() -> int | None:
     chunks in the heap, which the kept-heap setting (runners/torch_runner.py) and fragmentation hold on
     to (measured on tiny-llama: 40-prompt rounds of mixed lengths grew an engine's PSS by 131 MiB, and
     a trim gave back all but 14)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    if (libc := glibc()) is None:
         return None
     before = _resident_bytes()
-    trim(0)
+    libc.malloc_trim(0)
     return before - _resident_bytes()

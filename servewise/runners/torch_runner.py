@@ -1,8 +1,6 @@
 """Real execution: forward passes over a paged KV cache and real block copies between pools."""
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import threading
@@ -14,6 +12,7 @@ from servewise import kernels
 from servewise.config import ModelConfig
 from servewise.connectors.base import KVConnector
 from servewise.engine.block_manager import block_runs, copy_calls
+from servewise.engine.heap import glibc
 from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, StepResult
 from servewise.models.attention import AttentionMetadata, decode_mask
 from servewise.models.linear import describe as describe_linears
@@ -34,10 +33,7 @@ def keep_freed_memory() -> str:
     activations needed at most). Process-wide; SERVEWISE_MALLOC=system keeps the defaults."""
     if os.environ.get("SERVEWISE_MALLOC", "keep") == "system":
         return "malloc: system defaults (SERVEWISE_MALLOC=system)"
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # glibc only: mallopt's parameter numbers are glibc's
-    except (OSError, AttributeError):
+    if (libc := glibc()) is None:  # mallopt's parameter numbers are glibc's
         return "malloc: system defaults (not glibc)"
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     if libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1):
