@@ -10,7 +10,7 @@ holds on every machine.
 """
 import pytest
 
-from servewise.bench.fidelity import MODELS, loop_check, step_check
+from servewise.bench.fidelity import MODELS, format_rows, loop_check, step_check
 from servewise.builder import build_engine, build_sim_engine
 from servewise.metrics import RequestRecord, compute
 from servewise.models.loader import hf_config
@@ -177,6 +177,45 @@ def test_bench_fidelity_repeats_and_summarises_every_simulation(predictors, tmp_
     assert online["measured_s"] == pytest.approx(runs[0]["profiled"]["steps"]["decode"]["measured_s"])
     # the simulation that follows the run is judged one step ahead, on the run's own steps
     assert runs[0]["following"]["steps"]["decode"]["predicted_s"] == pytest.approx(online["predicted_s"])
+
+
+def test_bench_fidelity_simulates_on_a_per_operation_model_too(predictors, tmp_path, capsys):
+    """With --operations the workload is simulated a fifth time, its steps priced by that model: here GEMMs
+    of a picosecond a row and a rest of 1 s a step, so its same-batch prediction is one second a step."""
+    import json
+
+    from servewise.cli import main
+    from servewise.models.loader import load_model_config
+    from servewise.predictors.cpu_operations import OperationSteps
+    from servewise.predictors.operations import OperationTable
+
+    mc, _ = load_model_config("tiny-llama", "float32")
+    q, kv, h, i = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.hidden_size, mc.intermediate_size
+    layer = [[h, q + 2 * kv], [q, h], [h, i], [i, h]]
+    OperationTable([("gemm", k, n, 1, 1, 1e-12) for k, n in (*layer, (h, mc.vocab_size))]).save(str(tmp_path / "t.csv"))
+    ops = OperationSteps("tiny-llama", "float32", 2, mc.num_layers, h, layer, [h, mc.vocab_size], "t.csv",
+                         [1.0, 0.0, 0.0], [1.0, 0.0, 0.0])
+    ops.save(str(tmp_path / "ops.json"))
+    path, out = str(tmp_path / "p.pkl"), tmp_path / "fid.json"
+    predictors.save(path)
+    args = ["bench", "fidelity", "--predictors", path, "--workload", "chatbot", "--num-requests", "6",
+            "--max-output-len", "6", "--rate", "20", "--preemption", "recompute", "--out", str(out)]
+    main(args + ["--operations", str(tmp_path / "ops.json")])
+    run = json.loads(out.read_text())["results"]["20/recompute"][0]
+    per_op, profiled = run["per_operation"], run["profiled"]
+    assert per_op["sim"]["completed"] == 6
+    for kind in ("prefill", "decode"):
+        steps = per_op["steps"][kind]
+        assert steps["steps"] == profiled["steps"][kind]["steps"] > 0
+        assert steps["predicted_s"] == pytest.approx(steps["steps"] * 1.0)
+        assert steps["measured_s"] == profiled["steps"][kind]["measured_s"]
+    assert per_op["sim"]["duration_s"] > profiled["sim"]["duration_s"]
+    assert format_rows("", per_op["rows"]).partition("\n")[2] in capsys.readouterr().out
+    ops.hidden = h * 2  # a model of another size is refused
+    ops.save(str(tmp_path / "ops.json"))
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--operations", str(tmp_path / "ops.json")])
+    assert e.value.code == 2 and "not a model of 4 layers and hidden 256" in capsys.readouterr().err
 
 
 def test_online_correction_learns_from_the_steps_before_each_step_only():

@@ -20,6 +20,7 @@ from servewise.engine.clock import VirtualClock
 from servewise.lab import Engine, Spec, run
 from servewise.lab.run import build
 from servewise.predictors import drift
+from servewise.predictors.cpu_operations import OperationSteps, StepOperationsPerf
 from servewise.predictors.fit import LOOP_INTERRUPTION_S
 from servewise.predictors.perf import PROFILE, Calibrated, make_perf
 from servewise.predictors.profiler import decode_layout, time_decode
@@ -28,6 +29,7 @@ from servewise.predictors.profiler import decode_layout, time_decode
 # right before the run, scaled by the run's own first fifth of steps, and following the run's own steps
 # as they went (at each moment, scaled by what the steps before it measured)
 MODELS = ("profiled", "drift_corrected", "run_start_corrected", "following")
+PER_OPERATION = "per_operation"  # with an operations file: the profile's steps priced per operation instead
 COMPARED = (("duration_s", "makespan (s)"), ("mean_e2el_ms", "mean E2E (ms)"), ("p99_e2el_ms", "p99 E2E (ms)"),
             ("mean_ttft_ms", "mean TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"))
 
@@ -54,21 +56,31 @@ class Settings:
     repeat: int = 1
     interval: float = 0.0
     replay: int = 0
+    operations: str | None = None  # a per-operation model of this machine (`bench operations`): simulated too
     out: str = "results/bench_fidelity.json"
 
 
+def simulated(run: dict) -> list[str]:
+    """The simulations a run holds (MODELS, and PER_OPERATION when it had an operations file)."""
+    return [name for name in (*MODELS, PER_OPERATION) if name in run]
+
+
 def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None, replay: int = 0,
-             predictors_path: str | None = None) -> dict:
+             predictors_path: str | None = None, operations: str | None = None) -> dict:
     """The workload through the real engine, then through the simulator four times (MODELS): on the
     profiled predictors as they are, corrected by the machine's drift (predictors.drift) measured right
     before the run, corrected by the run's own first fifth of steps, and following the run's own steps as
     they went (Following).
     `replay`: that many of the run's decode batches are timed again afterwards (replay_decode).
     `predictors_path`: the file `predictors` came from, for the real engine's cost-aware preemption (both
-    sides then price a preemption alike)."""
+    sides then price a preemption alike).
+    `operations`: a per-operation model of this machine (predictors.cpu_operations), simulated a fifth time
+    (PER_OPERATION) on the profile's copies and loop with its steps priced per operation."""
     spec = Spec(Engine("real", model, predictors=predictors_path, options=engine_kw), items, arrivals)
     real = build(spec.engine)  # warmed up
-    perf = make_perf(PROFILE, real.model_config, real.block_manager.block_size, predictors)
+    mc = real.model_config
+    perf = make_perf(PROFILE, mc, real.block_manager.block_size, predictors)
+    per_op = StepOperationsPerf.load(perf, operations, mc.num_layers, mc.hidden_size) if operations else None
     before = drift.measure(real, perf)
     steps = []  # (is_prefill, token counts, measured seconds) of every real step that ran a batch
     ends = []  # when each of them ended, seconds from the run's start
@@ -110,7 +122,10 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     out["online_steps"] = online_totals(ahead)
     clock = VirtualClock()
     following = Following(perf, schedule, clock)
-    for name, p in zip(MODELS, (perf, corrected, early, following)):
+    models = dict(zip(MODELS, (perf, corrected, early, following)))
+    if per_op is not None:
+        models[PER_OPERATION] = per_op
+    for name, p in models.items():
         kw = dict(engine_kw, clock=clock) if p is following else engine_kw
         sim = run(Spec(Engine("sim", model, perf=p, options=kw), items, arrivals))
         m_sim = sim.metrics
@@ -354,9 +369,9 @@ SUMMARISED = (("makespan", lambda r: r["rows"]["makespan (s)"]["error_pct"]),
 
 
 def summarise(runs: list[dict]) -> dict:
-    """Per model (MODELS) and error: mean, min, max and the largest miss over the runs."""
+    """Per model (MODELS, PER_OPERATION) and error: mean, min, max and the largest miss over the runs."""
     out = {}
-    for name in MODELS:
+    for name in simulated(runs[0]):
         out[name] = {}
         for label, get in SUMMARISED:
             v = [get(r[name]) for r in runs if get(r[name]) is not None]
@@ -373,10 +388,11 @@ def format_summary(title: str, summary: dict, runs: list[dict]) -> str:
     lines = [title, f"decode drift before each run (measured / profiled): {drifts}",
              f"engine's own time between decode steps, profiled against measured, each run: {loops or '-'}",
              f"{'error over ' + str(len(runs)) + ' runs':<26}{'profiled: mean [min, max]':>30}{'drift-corrected':>30}"
-             f"{'run-start-corrected':>30}{'following (online)':>30}"]
+             f"{'run-start-corrected':>30}{'following (online)':>30}"
+             + (f"{'per-operation':>30}" if PER_OPERATION in summary else "")]
     for label, _ in SUMMARISED:
         cells = []
-        for name in MODELS:
+        for name in summary:
             c = summary[name].get(label)
             cells.append(f"{c['mean']:+.1f}% [{c['min']:+.1f}, {c['max']:+.1f}]" if c else "-")
         lines.append(f"{label:<26}" + "".join(f"{c:>30}" for c in cells))
@@ -394,6 +410,8 @@ def main(s: Settings) -> None:
         torch.set_num_threads(threads)
     print(f"torch threads: {torch.get_num_threads()} (the profile's); predictors: {s.predictors}", file=sys.stderr)
     mc, tok = load_model_config(s.model)
+    if s.operations:  # (refused before any run)
+        OperationSteps.load(s.operations, mc.num_layers, mc.hidden_size)
     workloads = {rate: build_workload(s.workload, tok, mc.vocab_size, data=s.data, num_requests=s.num_requests,
                                       max_output_len=s.max_output_len, max_prompt_len=s.max_prompt_len,
                                       arrival="poisson", rate=rate, seed=s.seed) for rate in s.rate}
@@ -409,12 +427,13 @@ def main(s: Settings) -> None:
             for mode in s.preemption:
                 kw = dict(num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks, preemption=mode,
                           max_num_seqs=s.max_num_seqs)
-                r = run_pair(s.model, items, arrivals, preds, kw, replay=s.replay, predictors_path=s.predictors)
+                r = run_pair(s.model, items, arrivals, preds, kw, replay=s.replay, predictors_path=s.predictors,
+                             operations=s.operations)
                 r["ended"] = time.strftime("%H:%M:%S")
                 results.setdefault(f"{rate:g}/{mode}", []).append(r)
                 head = f"\n[run {rep + 1}/{s.repeat}, {rate:g} req/s, {mode}] {s.num_device_blocks} device / " \
                        f"{s.num_host_blocks} host blocks"
-                for name in MODELS:
+                for name in simulated(r):
                     print(format_rows(f"{head}; simulated on the {name.replace('_', '-')} predictors", r[name]["rows"]))
                     print(format_steps(r[name]["steps"]))
                     later = r[name]["later_steps"]["decode"]

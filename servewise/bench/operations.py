@@ -10,7 +10,8 @@ token and per attention pair (prefill) or per request and per KV token (decode),
 the held-out half measures how well "measured operations + fitted rest" predicts a step, beside a fit
 of the whole step on the same terms (what a model without the operation table does). The same GEMMs
 are also timed alone, their weights flushed from the caches first, and compared with their time in a
-step.
+step. The table and the rest fitted on all the steps are written as the simulator's per-operation model of
+this machine (predictors.cpu_operations; `servewise bench fidelity --operations FILE` runs on it).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 
 from servewise.kernels import cpu_flags, last_level_cache_bytes
 from servewise.metrics import save_json
+from servewise.predictors.cpu_operations import OperationSteps, decode_terms, prefill_terms
 
 PREFILL = ((1, 32), (1, 128), (1, 512), (1, 1024), (2, 64), (2, 256), (4, 32), (4, 128), (4, 384), (8, 64),
            (8, 192), (16, 32), (16, 96), (2, 768), (3, 640), (6, 256))  # (prompts, mean tokens)
@@ -40,6 +42,7 @@ class Settings:
     seed: int = 0
     out: str = "results/bench_operations.json"
     table: str = "results/operations_cpu.csv"
+    steps_out: str = "results/operations_cpu.json"  # the simulator's per-operation model (cpu_operations)
 
 
 def _median_time(fn, repeat: int, flush: torch.Tensor) -> float:
@@ -84,12 +87,6 @@ def time_gemms(model, rows, repeat: int, dtype) -> list[tuple]:
     return out
 
 
-def gemm_seconds(table, model, num_layers: int, tokens: int, sampled: int) -> float:
-    """A step's GEMMs by the table: every layer's over `tokens` rows, the LM head over `sampled`."""
-    per_layer = sum(table.time("gemm", *_shape(lin), 1, tokens) for lin in layer_gemms(model))
-    return num_layers * per_layer + table.time("gemm", *_shape(model.head), 1, sampled)
-
-
 def _fit(features: np.ndarray, target: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares of features @ x = target, each row weighed by 1 / y (its step's time):
     every step counts by its relative error."""
@@ -98,13 +95,23 @@ def _fit(features: np.ndarray, target: np.ndarray, y: np.ndarray) -> np.ndarray:
     return nnls(features / y[:, None], target / y)[0]
 
 
+def _arrays(steps: list[dict], kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The steps' rest terms (cpu_operations.PREFILL_TERMS or DECODE_TERMS), measured times and table GEMM times."""
+    feats = np.array([(1.0, s["tokens"], s["pairs"]) if kind == "prefill" else (1.0, s["rows"], s["kv_tokens"])
+                      for s in steps])
+    return feats, np.array([s["seconds"] for s in steps]), np.array([s["gemm_s"] for s in steps])
+
+
+def fit_rest(steps: list[dict], kind: str) -> list[float]:
+    """The rest's coefficients fitted on all the steps: what the simulator's per-operation model uses."""
+    feats, y, g = _arrays(steps, kind)
+    return _fit(feats, y - g, y).tolist()
+
+
 def split_error(steps: list[dict], kind: str) -> dict:
     """Fit the rest on the steps marked "train", judge on the others: the per-operation form (table GEMMs +
     fitted rest) against a fit of the whole step on the same terms."""
-    feats = np.array([[1.0, s["tokens"], s["pairs"]] if kind == "prefill" else [1.0, s["rows"], s["kv_tokens"]]
-                      for s in steps])
-    y = np.array([s["seconds"] for s in steps])
-    g = np.array([s["gemm_s"] for s in steps])
+    feats, y, g = _arrays(steps, kind)
     train = np.array([s["train"] for s in steps])
     test = ~train
     rest = _fit(feats[train], y[train] - g[train], y[train])
@@ -150,9 +157,10 @@ class InStep:
 
 def _shape_of(batch, kind: str) -> dict:
     if kind == "prefill":
-        lens = batch.num_scheduled_tokens
-        return {"tokens": sum(lens), "pairs": sum(n * (n + 1) // 2 for n in lens), "rows": len(lens)}
-    return {"tokens": len(batch.context_lens), "rows": len(batch.context_lens), "kv_tokens": sum(batch.context_lens)}
+        _, tokens, pairs = prefill_terms(batch.num_scheduled_tokens)
+        return {"tokens": int(tokens), "pairs": int(pairs), "rows": len(batch.num_scheduled_tokens)}
+    _, rows, kv_tokens = decode_terms(batch.context_lens)
+    return {"tokens": int(rows), "rows": int(rows), "kv_tokens": int(kv_tokens)}
 
 
 def main(s: Settings) -> dict:
@@ -199,18 +207,26 @@ def main(s: Settings) -> dict:
     out["alone_over_in_step"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
     print(f"a GEMM timed alone (weights flushed from the caches) takes {statistics.median(ratios):.2f}x its time in a "
           f"step (median; {min(ratios):.2f}-{max(ratios):.2f}x)", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(s.steps_out)) or ".", exist_ok=True)
+    ops = OperationSteps(s.model, s.dtype, threads, mc.num_layers, mc.hidden_size,
+                         [list(_shape(lin)) for lin in layer_gemms(model)], list(_shape(model.head)),
+                         os.path.relpath(os.path.abspath(s.table), os.path.dirname(os.path.abspath(s.steps_out))), [], [])
     for kind, (train, test) in runs.items():
         steps = []
         for sweep, is_train in ((train, True), (test, False)):
             for batch, secs in zip(sweep.setups, sweep.medians()):
                 shape = _shape_of(batch, kind)
                 steps.append({**shape, "seconds": secs, "train": is_train,
-                              "gemm_s": gemm_seconds(table, model, mc.num_layers, shape["tokens"], shape["rows"])})
+                              "gemm_s": ops.gemm_s(table, shape["tokens"], shape["rows"])})
         out[kind] = {"steps": steps, **split_error(steps, kind)}
         e = out[kind]
         print(f"{kind}: GEMMs by the table are {e['gemm_share_pct']:.0f}% of a step on average; held-out steps "
               f"({e['held_out']}): measured operations + fitted rest {e['per_operation_mape_pct']:.1f}% off, "
               f"the whole step fitted on the same terms {e['whole_step_fit_mape_pct']:.1f}%", flush=True)
+    ops.prefill_rest, ops.decode_rest = fit_rest(out["prefill"]["steps"], "prefill"), fit_rest(out["decode"]["steps"], "decode")
+    ops.save(s.steps_out)
+    print(f"the simulator's per-operation model (the table's GEMMs + the rest fitted on all steps): {s.steps_out} "
+          f"(`servewise bench fidelity --operations {s.steps_out}`)", flush=True)
     out["wall_s"] = time.perf_counter() - t0
     save_json(out, s.out)
     print(f"saved {s.out}")

@@ -225,6 +225,10 @@ class Settings:
     systems: tuple[str, ...] | None = None
     real_blocks: int = 512  # device KV blocks of the real engine
     out_dir: str = "results/length_aware"
+    # a per-operation calibration (`servewise calibrate`) pricing the simulated V100 instead of the roofline:
+    # the V100's peaks with the constants of `calibration_gpu` (no V100 steps were measured to fit its own)
+    calibration: str | None = None
+    calibration_gpu: str = "a100-80g"
 
     def __post_init__(self):
         self.systems = tuple(self.systems or EXPERIMENTS[self.experiment])
@@ -255,21 +259,31 @@ def quantized(weight_bits: float, dequant_pass: bool = False) -> tuple[object, i
     return quant, SYSTEMS["vanilla"][0]["batch_size"] * quant.device_blocks() // full.device_blocks()
 
 
-def supported(backend: str, system: str) -> bool:
-    """Quantized weights (VSQ) are simulated only: the real engine has no low-bit kernels."""
-    return backend == "sim" or "weight_bits" not in SYSTEMS[system][0]
+def supported(backend: str, system: str, calibrated: bool = False) -> bool:
+    """Quantized weights (VSQ) are simulated only: the real engine has no low-bit kernels, and the
+    per-operation model of a calibration prices fp16 weights only."""
+    return "weight_bits" not in SYSTEMS[system][0] or (backend == "sim" and not calibrated)
 
 
-def engine(backend: str, system: str, real_blocks: int) -> lab.Engine:
-    """Simulated llama-7b on a V100 (as Magnus's ChatGLM-6B), or the real tiny-llama with `real_blocks`
-    device blocks and no swap space; no warm-up request (it would run through the batcher and teach
-    Magnus's batch-time estimator a batch that is not the workload's)."""
+def engine(backend: str, system: str, real_blocks: int, calibration: str | None = None,
+           calibration_gpu: str = "a100-80g") -> lab.Engine:
+    """Simulated llama-7b on a V100 (as Magnus's ChatGLM-6B), priced by the roofline or, with `calibration`,
+    per operation with `calibration_gpu`'s constants; or the real tiny-llama with `real_blocks` device
+    blocks and no swap space; no warm-up request (it would run through the batcher and teach Magnus's
+    batch-time estimator a batch that is not the workload's)."""
     options = dict(SYSTEMS[system][0])
-    if not supported(backend, system):
-        raise ValueError(f"{system} runs on the simulated backend only (quantized weights)")
+    if not supported(backend, system, calibration is not None):
+        raise ValueError(f"{system} runs on the roofline simulator only (quantized weights)")
     if backend == "sim":
         if bits := options.pop("weight_bits", None):
             perf, options["batch_size"] = quantized(bits, options.pop("dequant_pass", False))
+            return lab.Engine("sim", SIM_MODEL, perf=perf, options={"dtype": "float16", **options})
+        if calibration:
+            from servewise.models.loader import load_model_config
+            from servewise.predictors.perf import make_perf
+
+            perf = make_perf(SIM_GPU, load_model_config(SIM_MODEL, "float16")[0], 16, table=calibration,
+                             calibrated_as=calibration_gpu)
             return lab.Engine("sim", SIM_MODEL, perf=perf, options={"dtype": "float16", **options})
         return lab.Engine("sim", SIM_MODEL, hardware=SIM_GPU, options=options)
     return lab.Engine("real", "tiny-llama", options={"num_device_blocks": real_blocks, "num_host_blocks": 0, **options},
@@ -308,9 +322,9 @@ def run_experiment(s: Settings) -> dict:
         for rate in s.rates or be.rates:
             arrivals = arrival_times(be.num_requests, "poisson", rate, seed=s.seed)
             for system in s.systems:
-                if not supported(b, system):
+                if not supported(b, system, s.calibration is not None):
                     continue
-                spec = lab.Spec(engine(b, system, s.real_blocks), items[SYSTEMS[system][1]], arrivals,
+                spec = lab.Spec(engine(b, system, s.real_blocks, s.calibration, s.calibration_gpu), items[SYSTEMS[system][1]], arrivals,
                                 tags={"backend": b, "system": system, "rate": rate})
                 runs.append(r := row(spec, lab.run(spec)))
                 print(f"{b:<4} {rate:>5g} req/s {system:<14} {r['request_throughput']:7.2f} req/s  mean E2E "
@@ -318,11 +332,15 @@ def run_experiment(s: Settings) -> dict:
                       f"  ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     return {"experiment": s.experiment, "train": s.train, "accuracy": accuracies, "runs": runs,
             "backends": {b: be.__dict__ for b, be in plan.items()}, "seed": s.seed,
-            "systems": {x: {"options": SYSTEMS[x][0], "prediction": SYSTEMS[x][1]} for x in s.systems}}
+            "systems": {x: {"options": SYSTEMS[x][0], "prediction": SYSTEMS[x][1]} for x in s.systems},
+            "calibration": s.calibration, "calibration_gpu": s.calibration_gpu if s.calibration else None}
 
 
 def report(res: dict) -> str:
     lines = [f"{res['experiment']} experiment: predictors trained on {res['train']} ShareGPT pairs"]
+    if res.get("calibration"):
+        lines.append(f"  simulated V100 priced per operation: {res['calibration_gpu']}'s constants from "
+                     f"{res['calibration']} with the V100's peaks (quantized systems not run: fp16 only)")
     for name, acc in res["accuracy"].items():
         lines.append(f"  {name} predictor on the workload: MAE {acc['mae']:.1f} tokens, bucket accuracy "
                      f"{acc['bucket_accuracy']:.3f}, Pearson {acc['pearson']:.3f}")
@@ -358,7 +376,8 @@ def plot(res: dict, out_dir: str) -> list[str]:
             ax.set_ylabel(label, fontsize=8)
             ax.tick_params(labelsize=7)
         axes[0].legend(fontsize=7)
-        title = "llama-7b on a simulated V100-32G" if backend == "sim" else "tiny-llama, real engine on this CPU"
+        title = "llama-7b on a simulated V100-32G" + (" (calibrated per operation)" if res.get("calibration") else "") \
+            if backend == "sim" else "tiny-llama, real engine on this CPU"
         fig.suptitle(f"{res['experiment']}: {title}", fontsize=9)
         paths.append(save_figure(fig, out_dir, f"{res['experiment']}_{backend}.png"))
     return paths

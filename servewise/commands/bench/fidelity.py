@@ -28,6 +28,10 @@ def arguments(p) -> None:
     p.add_argument("--replay", type=at_least(0), default=0,
                    help="after each run, time this many of its decode batches again: as they ran, and as the "
                         "profile would have timed them (where the step-time error comes from)")
+    p.add_argument("--operations", default=None,
+                   help="a per-operation model of this machine (the .json `servewise bench operations` writes for "
+                        "the same model): the workload is simulated on it too, steps priced as measured GEMMs plus a "
+                        "fitted rest")
     p.add_argument("--out", default="results/bench_fidelity.json")
 
 

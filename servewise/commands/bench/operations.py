@@ -17,6 +17,9 @@ def arguments(p) -> None:
     threads_arg(p)
     p.add_argument("--out", default="results/bench_operations.json")
     p.add_argument("--table", default="results/operations_cpu.csv", help="where the operations table is written")
+    p.add_argument("--steps-out", default="results/operations_cpu.json",
+                   help="where the simulator's per-operation model is written (the table's GEMMs + the fitted "
+                        "rest; `bench fidelity --operations` reads it)")
 
 
 def run(a) -> None:

@@ -20,6 +20,11 @@ def arguments(p) -> None:
     p.add_argument("--real-blocks", type=at_least(16), default=512,
                    help="device KV blocks of the real engine (16 tokens each)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--calibration", default=None,
+                   help="a per-operation calibration (.json from `servewise calibrate`) pricing the simulated V100 "
+                        "instead of the roofline: the V100's peaks with --calibration-gpu's constants (quantized "
+                        "systems are then not run)")
+    p.add_argument("--calibration-gpu", default="a100-80g", help="whose constants in --calibration (default a100-80g)")
     p.add_argument("--out-dir", default="results/length_aware")
 
 
@@ -30,4 +35,4 @@ def run(a) -> None:
                   backends=tuple(b for b in (a.backends or "sim,real").split(",") if b),
                   rates=tuple(a.rates) if a.rates else None, num_requests=a.num_requests,
                   systems=tuple(a.systems.split(",")) if a.systems else None, real_blocks=a.real_blocks,
-                  out_dir=a.out_dir))
+                  out_dir=a.out_dir, calibration=a.calibration, calibration_gpu=a.calibration_gpu))
