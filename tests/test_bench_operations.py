@@ -26,7 +26,7 @@ def test_bench_operations_writes_a_table_the_calibration_reads_and_splits_real_s
     monkeypatch.setattr(bench_ops, "PREFILL", ((1, 16), (2, 32), (1, 48), (3, 24)))
     monkeypatch.setattr(bench_ops, "DECODE", ((1, 16), (4, 32), (2, 64), (8, 16)))
     s = bench_ops.Settings(model="tiny-llama", rounds=1, repeat=1, out=str(tmp_path / "ops.json"),
-                           table=str(tmp_path / "ops.csv"))
+                           table=str(tmp_path / "ops.csv"), steps_out=str(tmp_path / "steps.json"))
     out = bench_ops.main(s)
     table = load_operations(s.table)
     from servewise.models.loader import load_model_config
