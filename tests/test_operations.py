@@ -220,3 +220,25 @@ def test_calibrate_refuses_operations_that_price_none_of_the_steps(data_dir, tmp
         calibrate_table(table, ["a100-80gb"], operations={"a100-80gb": ops})
     with pytest.raises(ValueError, match="which --gpus leaves out"):
         calibrate_table(table, ["a100-80gb"], operations={"h100-80gb": ops})
+
+
+def test_the_length_aware_experiments_price_their_v100_per_operation_with_another_gpus_constants():
+    """--calibration on magnus / uellm: the simulated V100 keeps its peaks and takes the A100's fitted
+    constants; the quantized systems, which the per-operation model cannot price, are not run."""
+    from servewise.experiments.length_aware import SIM_GPU, engine, supported
+    from servewise.predictors.operations import load_calibration
+
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "figures", "calibration_splitwise.json")
+    roofline = engine("sim", "continuous", 512)
+    calibrated = engine("sim", "continuous", 512, calibration=path)
+    assert roofline.perf is None and roofline.hardware == SIM_GPU
+    perf = calibrated.perf
+    assert isinstance(perf, OperationPerf) and perf.hw.name.startswith("V100") and perf.hw.fp16_tflops == 125
+    assert perf.cal == load_calibration(path, "a100-80g")[0]
+    # the A100's per-request costs make a V100 decode step of 64 requests slower than the roofline's
+    assert perf.decode([500] * 64) > make_perf(SIM_GPU, perf.c, 16).decode([500] * 64)
+    assert supported("sim", "vsq") and not supported("sim", "vsq", calibrated=True)
+    assert supported("sim", "continuous", calibrated=True) and not supported("real", "vsq")
+    with pytest.raises(ValueError, match="roofline simulator only"):
+        engine("sim", "vsq", 512, calibration=path)
+

@@ -411,7 +411,11 @@ def main(s: Settings) -> None:
     print(f"torch threads: {torch.get_num_threads()} (the profile's); predictors: {s.predictors}", file=sys.stderr)
     mc, tok = load_model_config(s.model)
     if s.operations:  # (refused before any run)
-        OperationSteps.load(s.operations, mc.num_layers, mc.hidden_size)
+        ops, _ = OperationSteps.load(s.operations, mc.num_layers, mc.hidden_size)
+        if ops.threads != torch.get_num_threads():
+            print(f"warning: {s.operations} was measured with {ops.threads} torch threads, the profile with "
+                  f"{torch.get_num_threads()}: the per-operation simulation runs at another thread count's speed",
+                  file=sys.stderr)
     workloads = {rate: build_workload(s.workload, tok, mc.vocab_size, data=s.data, num_requests=s.num_requests,
                                       max_output_len=s.max_output_len, max_prompt_len=s.max_prompt_len,
                                       arrival="poisson", rate=rate, seed=s.seed) for rate in s.rate}

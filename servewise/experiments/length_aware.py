@@ -324,8 +324,8 @@ def run_experiment(s: Settings) -> dict:
             for system in s.systems:
                 if not supported(b, system, s.calibration is not None):
                     continue
-                spec = lab.Spec(engine(b, system, s.real_blocks, s.calibration, s.calibration_gpu), items[SYSTEMS[system][1]], arrivals,
-                                tags={"backend": b, "system": system, "rate": rate})
+                spec = lab.Spec(engine(b, system, s.real_blocks, s.calibration, s.calibration_gpu),
+                                items[SYSTEMS[system][1]], arrivals, tags={"backend": b, "system": system, "rate": rate})
                 runs.append(r := row(spec, lab.run(spec)))
                 print(f"{b:<4} {rate:>5g} req/s {system:<14} {r['request_throughput']:7.2f} req/s  mean E2E "
                       f"{r['mean_e2e_s']:8.2f} s  p99 {r['p99_e2e_s']:8.2f} s  SLO viol. {r['slo_violation_rate']:.0%}"
