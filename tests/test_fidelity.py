@@ -211,6 +211,14 @@ def test_bench_fidelity_simulates_on_a_per_operation_model_too(predictors, tmp_p
         assert steps["measured_s"] == profiled["steps"][kind]["measured_s"]
     assert per_op["sim"]["duration_s"] > profiled["sim"]["duration_s"]
     assert format_rows("", per_op["rows"]).partition("\n")[2] in capsys.readouterr().out
+    # `simulate` takes the same file as this machine's table: the same workload, the same simulated run
+    main(["simulate", "--hardware", "profile", "--predictors", path, "--perf-table", str(tmp_path / "ops.json"),
+          "--workload", "chatbot", "--num-requests", "6", "--max-output-len", "6", "--arrival", "poisson", "--rate", "20",
+          "--preemption", "recompute", "--num-device-blocks", "96", "--num-host-blocks", "256",
+          "--out", str(tmp_path / "sim.json")])
+    sim = json.loads((tmp_path / "sim.json").read_text())
+    assert sim["perf"].startswith("per-operation (tiny-llama") and not sim["analytical"]
+    assert sim["duration_s"] == pytest.approx(per_op["sim"]["duration_s"])
     ops.hidden = h * 2  # a model of another size is refused
     ops.save(str(tmp_path / "ops.json"))
     with pytest.raises(SystemExit) as e:

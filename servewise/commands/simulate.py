@@ -16,7 +16,9 @@ def arguments(p) -> None:
     p.add_argument("--tp", type=at_least(1), default=1, help="GPUs per instance, tensor parallel (analytical GPUs only)")
     p.add_argument("--perf-table", default=None,
                    help="for an analytical GPU: a calibration (.json, from `servewise calibrate`) pricing each "
-                        "operation, or Splitwise's measured table (perf_model.csv.gz; its two models only)")
+                        "operation, or Splitwise's measured table (perf_model.csv.gz; its two models only); for "
+                        "--hardware profile: this machine's per-operation model (.json, from `servewise bench "
+                        "operations`), in place of the profile's step-time predictors")
     workload_args(p)
     slo_args(p)
     p.add_argument("--out", default="results/simulate.json")

@@ -76,7 +76,8 @@ class Calibrated:
 def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: dict | None = None, tp: int = 1,
               table: str | dict | None = None, model: str | None = None, token_axis: str = "batch",
               calibrated_as: str | None = None):
-    """hardware 'profile': this machine, from fitted predictors (a Predictors or a path); with `table`
+    """hardware 'profile': this machine, from fitted predictors (a Predictors or a path), its steps priced per
+    operation when `table` is a step file of `servewise bench operations` (predictors.cpu_operations); with `table`
     (Splitwise's measured perf_model.csv, a path), that table's runs of `model` on `hardware` with `tp`
     GPUs (predictors.measured, with its `token_axis`); with `table` a calibration (.json, written by
     `servewise calibrate`), any model on `hardware` priced per operation (predictors.operations), with the
@@ -86,12 +87,18 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
     if hardware == PROFILE:
         if predictors is None:
             raise ValueError("hardware 'profile' needs fitted predictors (run `servewise profile` first)")
-        if tp != 1 or table is not None:
-            raise ValueError("hardware 'profile' is this machine: no tensor parallelism, no measured GPU table")
+        if tp != 1 or not (table is None or isinstance(table, str) and table.endswith(".json")):
+            raise ValueError("hardware 'profile' is this machine: no tensor parallelism, no measured GPU table (its "
+                             "table is a per-operation step file, .json from `servewise bench operations`)")
         from servewise.predictors.fit import Predictors
 
         preds = Predictors.load(predictors) if isinstance(predictors, str) else predictors
-        return ProfiledPerf(preds, mc.num_layers, mc.hidden_size, mc.kv_bytes_per_token, block_size)
+        perf = ProfiledPerf(preds, mc.num_layers, mc.hidden_size, mc.kv_bytes_per_token, block_size)
+        if table is None:
+            return perf
+        from servewise.predictors.cpu_operations import StepOperationsPerf
+
+        return StepOperationsPerf.load(perf, table, mc.num_layers, mc.hidden_size)
     if isinstance(table, str) and table.endswith(".json"):  # a per-operation calibration (servewise calibrate)
         from servewise.predictors.operations import OperationPerf, load_calibration
 
