@@ -21,7 +21,8 @@ def test_the_process_readings_see_this_process():
 
 
 def test_a_sample_tells_the_servers_memory_from_its_engines(monkeypatch):
-    monkeypatch.setattr(soak, "metrics", lambda port: {})
+    monkeypatch.setattr(soak, "metrics", lambda port: {"servewise_engine_heap_trims_total": 3.0,
+                                                        "servewise_engine_heap_released_bytes_total": 2.0 * 2**20})
     # a stand-in server: a group leader with two children of its own
     leader = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
     try:
@@ -35,6 +36,7 @@ def test_a_sample_tells_the_servers_memory_from_its_engines(monkeypatch):
         assert x["processes"] == 3 and own > 0 and rest > 0.3  # apart by more than the tolerance below
         assert x["pss_mib_server"] == pytest.approx(own, abs=0.15)
         assert x["pss_mib"] == pytest.approx(own + rest, abs=0.15)
+        assert (x["heap_trims"], x["heap_released_mib"]) == (3.0, 2.0)  # the engines' trims, beside their memory
     finally:
         os.killpg(leader.pid, signal.SIGKILL)
         leader.wait()

@@ -53,14 +53,22 @@ def test_the_engine_loop_returns_the_free_heap_after_steps_that_built_kernels(ca
         seen = linear.kernel_shapes()
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
         cmds_in.send(("add", "a", list(range(5, 5 + 263)), params))
-        finished = False
+        finished, trims = False, []
         while not finished:
             msg = outs_out.recv()
             assert msg[0] == "out", msg
             finished = any(o[3] for o in msg[1])  # (rid, new ids, logprobs, finished, reason)
+            trims.append(msg[2].heap_trims)
+        cmds_in.send(("add", "b", [5, 6], params))  # its report carries the trims after "a"'s steps
+        while (msg := outs_out.recv()) and not any(o[3] for o in msg[1]):
+            trims.append(msg[2].heap_trims)
+        trims.append(msg[2].heap_trims)
         cmds_in.send(("stop",))
         loop.join(30)
     logging.getLogger("servewise").setLevel(level)
     assert not loop.is_alive() and linear.kernel_shapes() > seen
     assert any("kernel shapes;" in r.getMessage() and "MiB of free heap returned" in r.getMessage()
                for r in caplog.records)
+    # the reports count the trims: one at start, then one after each step that built new kernels
+    logged = sum("MiB of free heap returned" in r.getMessage() for r in caplog.records)
+    assert trims[0] >= 1 and trims == sorted(trims) and trims[-1] == 1 + logged

@@ -141,8 +141,13 @@ def test_models_health_and_metrics(server, client):
                  "servewise_time_to_first_token_seconds_bucket", "servewise_e2e_request_latency_seconds_count",
                  'servewise_requests_finished_total{outcome="length"}', "servewise_engine_busy_seconds_total"):
         assert name in text, name
-    busy = next(float(x.split()[-1]) for x in text.splitlines() if x.startswith("servewise_engine_busy_seconds_total"))
-    assert busy > 0  # the request above took steps
+    value = lambda name: next(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name))  # noqa: E731
+    assert value("servewise_engine_busy_seconds_total") > 0  # the request above took steps
+    # the engine gave its free heap back at least once (at start) and counts what that released
+    from servewise.engine.heap import glibc
+
+    assert value("servewise_engine_heap_trims_total") >= (glibc() is not None)
+    assert value("servewise_engine_heap_released_bytes_total") >= 0
 
 
 def test_metrics_count_the_servers_garbage_collections(server):

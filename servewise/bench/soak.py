@@ -124,6 +124,8 @@ def sample(pgid: int, port: int, store: str | None, t: float) -> dict:
             "running": m.get('servewise_requests{state="running"}', math.nan),
             "waiting": m.get('servewise_requests{state="waiting"}', math.nan),
             "engine_busy_s": m.get("servewise_engine_busy_seconds_total", math.nan),
+            "heap_trims": m.get("servewise_engine_heap_trims_total", math.nan),
+            "heap_released_mib": m.get("servewise_engine_heap_released_bytes_total", math.nan) / 2**20,
             "server_gc_full": m.get('servewise_server_gc_collections_total{generation="2"}', math.nan),
             "server_gc_s": sum(m.get(f'servewise_server_gc_pause_seconds_total{{generation="{g}"}}', math.nan)
                                for g in range(3))}

@@ -374,7 +374,8 @@ class ClusterClient(StreamingClient):
                            total(lambda s: s.cached_blocks), counted(lambda s: s.store_hit_tokens),
                            counted(lambda s: s.dropped_tokens),
                            (counted(lambda s: s.swap_bytes[0]), counted(lambda s: s.swap_bytes[1])), by_priority,
-                           busy_s=counted(lambda s: s.busy_s))
+                           busy_s=counted(lambda s: s.busy_s), heap_trims=counted(lambda s: s.heap_trims),
+                           heap_released_bytes=counted(lambda s: s.heap_released_bytes))
 
     def fault(self, i: int, name: str, rate: float = 1.0) -> None:
         """Inject a failure into instance i (tests, chaos): see instance.FAULTS; rate: the share of its hand-offs

@@ -184,6 +184,8 @@ class EngineStats:
     preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # under the priority policy
     lengths: dict | None = None  # the output-length predictor's figures (LengthService.stats), when there is one
     busy_s: float = 0.0  # seconds of steps (compute and copies) run by the snapshot, since start
+    heap_trims: int = 0  # times a serving engine gave its free heap back (engine_loop), since start
+    heap_released_bytes: int = 0  # resident bytes those trims released, since start
     at_s: float = 0.0  # the snapshot's time on the engine's clock (busy_s's change over a stretch of it: utilisation)
 
     @property
@@ -203,7 +205,8 @@ class EngineStats:
                        swap_bytes=(self.swap_bytes[0] + earlier.swap_bytes[0], self.swap_bytes[1] + earlier.swap_bytes[1]))
 
 
-COUNTS = ("admitted_tokens", "prefix_hit_tokens", "store_hit_tokens", "dropped_tokens", "busy_s")  # since start,
+COUNTS = ("admitted_tokens", "prefix_hit_tokens", "store_hit_tokens", "dropped_tokens", "busy_s", "heap_trims",
+          "heap_released_bytes")  # since start,
 # besides the preemption counts and swap bytes
 
 

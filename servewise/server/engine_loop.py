@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 
 from servewise.server.client import EngineLoop
 
@@ -118,9 +119,20 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
         return
     eng = inst.engine
     freeze_startup_heap()  # before "ready": the first steps do not wait behind it
-    release_free_heap()  # what loading left free
+    trims = [0, 0]  # the heap given back since start: times, resident bytes
+
+    def trim() -> int | None:
+        if (freed := release_free_heap()) is not None:  # (None: no glibc, nothing given back)
+            trims[0] += 1
+            trims[1] += max(freed, 0)
+        return freed
+
+    def stats():
+        return replace(eng.stats(), heap_trims=trims[0], heap_released_bytes=trims[1])
+
+    trim()  # what loading left free
     shapes = kernel_shapes()
-    outs.send(("ready", eng.tokenizer, eng.limits, eng.stats(), inst.layers, inst.cache_file))
+    outs.send(("ready", eng.tokenizer, eng.limits, stats(), inst.layers, inst.cache_file))
     while True:
         timeout = 0 if eng.has_unfinished() else 0.002 if inst.in_flight() else 0.5
         refused: list = []
@@ -141,12 +153,12 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
             stepped, did = inst.tick()
             events = inst.take_events()
             if touched or did or events:
-                outs.send(("out", refused + stepped, eng.stats(), events))
+                outs.send(("out", refused + stepped, stats(), events))
             if later := inst.after_report():  # (a serialized hand-off's checksums, after its first token)
-                outs.send(("out", [], eng.stats(), later))
+                outs.send(("out", [], stats(), later))
             if did and (n := kernel_shapes()) != shapes:  # new step shapes built kernels; their outputs are sent
                 shapes = n
-                freed = release_free_heap()
+                freed = trim()  # (counted in the next report's stats)
                 log.debug("servewise: %d kernel shapes; %s MiB of free heap returned", n,
                           "?" if freed is None else f"{freed / 2**20:.1f}")
         except (BrokenPipeError, EOFError):

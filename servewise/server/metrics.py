@@ -71,6 +71,11 @@ class _EngineState:
         yield prefix
         yield CounterMetricFamily("servewise_engine_busy_seconds", "Seconds the engines spent in steps (compute and "
                                   "copies), summed over instances: its rate is their utilisation", value=st.busy_s)
+        yield CounterMetricFamily("servewise_engine_heap_trims", "Times the engines gave their free heap back to the "
+                                  "system (at start and after steps that built kernels for new shapes), summed over "
+                                  "instances", value=st.heap_trims)
+        yield CounterMetricFamily("servewise_engine_heap_released_bytes", "Resident bytes those trims released",
+                                  value=st.heap_released_bytes)
         yield GaugeMetricFamily("servewise_prefix_cached_blocks", "Device blocks holding cached prefix KV that no "
                                 "request holds (counted free)", value=st.cached_blocks)
         if (handoffs := getattr(self.engine, "handoffs", None)) is not None:  # a cluster
