@@ -239,6 +239,6 @@ def test_the_length_aware_experiments_price_their_v100_per_operation_with_anothe
     assert perf.decode([500] * 64) > make_perf(SIM_GPU, perf.c, 16).decode([500] * 64)
     assert supported("sim", "vsq") and not supported("sim", "vsq", calibrated=True)
     assert supported("sim", "continuous", calibrated=True) and not supported("real", "vsq")
-    with pytest.raises(ValueError, match="roofline simulator only"):
+    with pytest.raises(ValueError, match="simulated backend only .*, priced by the roofline"):
         engine("sim", "vsq", 512, calibration=path)
 

@@ -273,7 +273,7 @@ def engine(backend: str, system: str, real_blocks: int, calibration: str | None 
     batch-time estimator a batch that is not the workload's)."""
     options = dict(SYSTEMS[system][0])
     if not supported(backend, system, calibration is not None):
-        raise ValueError(f"{system} runs on the roofline simulator only (quantized weights)")
+        raise ValueError(f"{system} runs on the simulated backend only (quantized weights), priced by the roofline")
     if backend == "sim":
         if bits := options.pop("weight_bits", None):
             perf, options["batch_size"] = quantized(bits, options.pop("dequant_pass", False))
