@@ -166,7 +166,7 @@ def _shape_of(batch, kind: str) -> dict:
 def main(s: Settings) -> dict:
     """Run the benchmark; the CLI has already applied --threads."""
     from servewise.models.loader import load_model_config
-    from servewise.predictors.operations import OperationTable
+    from servewise.predictors.operations import OperationTable, load_operations
     from servewise.predictors.profiler import StepBench
 
     torch.manual_seed(s.seed)
@@ -194,9 +194,10 @@ def main(s: Settings) -> dict:
             print(f"{kind}: round {r + 1}/{s.rounds}", flush=True)
         runs[kind] = (train, test)
     rows = in_step.rows()
-    table = OperationTable(rows, "this CPU, in step")
     os.makedirs(os.path.dirname(os.path.abspath(s.table)) or ".", exist_ok=True)
-    table.save(s.table)
+    OperationTable(rows, "this CPU, in step").save(s.table)
+    table = load_operations(s.table)  # the steps are priced by the table as written (6 significant digits), as
+    # the simulator reading the step file prices them
     shapes = sorted({r[1:3] for r in rows})
     print(f"GEMMs timed in the training steps: {len(shapes)} shapes at {len({r[4] for r in rows})} row counts; "
           f"table: {s.table}", flush=True)
