@@ -66,7 +66,7 @@ def simulated(run: dict) -> list[str]:
 
 
 def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None, replay: int = 0,
-             predictors_path: str | None = None, operations: str | None = None) -> dict:
+             predictors_path: str | None = None, operations: tuple | None = None) -> dict:
     """The workload through the real engine, then through the simulator four times (MODELS): on the
     profiled predictors as they are, corrected by the machine's drift (predictors.drift) measured right
     before the run, corrected by the run's own first fifth of steps, and following the run's own steps as
@@ -74,13 +74,13 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     `replay`: that many of the run's decode batches are timed again afterwards (replay_decode).
     `predictors_path`: the file `predictors` came from, for the real engine's cost-aware preemption (both
     sides then price a preemption alike).
-    `operations`: a per-operation model of this machine (predictors.cpu_operations), simulated a fifth time
-    (PER_OPERATION) on the profile's copies and loop with its steps priced per operation."""
+    `operations`: a per-operation model of this machine (OperationSteps.load's step file and table, and the
+    file's path), simulated a fifth time (PER_OPERATION) on the profile's copies and loop with its steps priced per operation."""
     spec = Spec(Engine("real", model, predictors=predictors_path, options=engine_kw), items, arrivals)
     real = build(spec.engine)  # warmed up
     mc = real.model_config
     perf = make_perf(PROFILE, mc, real.block_manager.block_size, predictors)
-    per_op = StepOperationsPerf.load(perf, operations, mc.num_layers, mc.hidden_size) if operations else None
+    per_op = StepOperationsPerf(perf, *operations) if operations else None
     before = drift.measure(real, perf)
     steps = []  # (is_prefill, token counts, measured seconds) of every real step that ran a batch
     ends = []  # when each of them ended, seconds from the run's start
@@ -410,8 +410,10 @@ def main(s: Settings) -> None:
         torch.set_num_threads(threads)
     print(f"torch threads: {torch.get_num_threads()} (the profile's); predictors: {s.predictors}", file=sys.stderr)
     mc, tok = load_model_config(s.model)
-    if s.operations:  # (refused before any run)
-        ops, _ = OperationSteps.load(s.operations, mc.num_layers, mc.hidden_size)
+    operations = None
+    if s.operations:  # (read once; refused before any run)
+        operations = (*OperationSteps.load(s.operations, mc.num_layers, mc.hidden_size), s.operations)
+        ops = operations[0]
         if ops.threads != torch.get_num_threads():
             print(f"warning: {s.operations} was measured with {ops.threads} torch threads, the profile with "
                   f"{torch.get_num_threads()}: the per-operation simulation runs at another thread count's speed",
@@ -432,7 +434,7 @@ def main(s: Settings) -> None:
                 kw = dict(num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks, preemption=mode,
                           max_num_seqs=s.max_num_seqs)
                 r = run_pair(s.model, items, arrivals, preds, kw, replay=s.replay, predictors_path=s.predictors,
-                             operations=s.operations)
+                             operations=operations)
                 r["ended"] = time.strftime("%H:%M:%S")
                 results.setdefault(f"{rate:g}/{mode}", []).append(r)
                 head = f"\n[run {rep + 1}/{s.repeat}, {rate:g} req/s, {mode}] {s.num_device_blocks} device / " \
