@@ -11,9 +11,11 @@ from servewise.predictors.auto import QUICK_PROFILE
 
 @pytest.mark.slow
 def test_the_fidelity_section_runs_its_whole_path(tmp_path, monkeypatch):
+    import servewise.predictors.drift as drift
+    import servewise.predictors.fit as fit
     import servewise.predictors.profiler as profiler
 
-    real_profile = profiler.profile
+    real_profile, real_fit, real_drift = profiler.profile, fit.fit_predictors, drift.measure
 
     def quick(*a, **kw):  # the quick sweep: what it measures is not under test here, only that it flows through
         kw.pop("reps", None)
@@ -21,8 +23,10 @@ def test_the_fidelity_section_runs_its_whole_path(tmp_path, monkeypatch):
                                    "context_points": 4, "loop_requests": 16})
 
     monkeypatch.setattr(profiler, "profile", quick)
+    monkeypatch.setattr(fit, "fit_predictors", lambda prof, **kw: real_fit(prof, names=["linear"], degrees=[1, 2]))
+    monkeypatch.setattr(drift, "measure", lambda engine, perf: real_drift(engine, perf, reps=3))
     s = gpu.Settings(fidelity_model="tiny-llama", fidelity_requests=24, fidelity_rates=[32.0], fidelity_blocks=24,
-                     out=str(tmp_path / "bench_gpu.json"))
+                     fidelity_replay=4, out=str(tmp_path / "bench_gpu.json"))
     f = gpu.fidelity_section(s, progress=lambda m: None)
     assert os.path.isfile(tmp_path / "bench_gpu_predictors.pkl")  # what the adaptive runs priced with
     assert set(f["runs"]) == {"32/recompute", "32/swap", "32/adaptive"}

@@ -357,7 +357,8 @@ def _fit_swap(points: list[dict]) -> dict:
 
 def fidelity_section(s: Settings, progress=print) -> dict:
     """Profile `fidelity_model` (bf16, random weights) on this GPU, fit its predictors, and run the
-    workload through the real engine and the simulator on them (servewise.bench.fidelity.run_pair)."""
+    workload through the real engine and the simulator on them (servewise.bench.fidelity.run_pair). On a
+    CPU (where the section is only checked) in float32: bf16 there is emulated on CPUs without bf16 units."""
     from servewise.bench.fidelity import MODELS, format_replay, run_pair
     from servewise.kernels import triton_compiled
     from servewise.models.loader import hf_config, load_model_config
@@ -369,7 +370,8 @@ def fidelity_section(s: Settings, progress=print) -> dict:
     size = (hf["num_hidden_layers"], hf["hidden_size"])
     t0 = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: to check the section here)
-    prof = profile(hf, [size], dtype="bfloat16", device=device, reps=5, progress=progress)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    prof = profile(hf, [size], dtype=dtype, device=device, reps=5, progress=progress)
     profile_s = time.perf_counter() - t0
     preds = fit_predictors(prof)
     saved = os.path.splitext(s.out)[0] + "_predictors.pkl"
@@ -385,7 +387,7 @@ def fidelity_section(s: Settings, progress=print) -> dict:
                                          arrival="poisson", rate=rate, seed=0)
         for mode in ("recompute", "swap", "adaptive"):
             kw = dict(num_device_blocks=s.fidelity_blocks, num_host_blocks=4 * s.fidelity_blocks, preemption=mode,
-                      load_format="dummy", dtype="bfloat16")
+                      load_format="dummy", dtype=dtype)
             compiled = triton_compiled()
             r = run_pair(s.fidelity_model, items, arrivals, preds, kw, predictors_path=saved, replay=s.fidelity_replay)
             compiled = triton_compiled() - compiled
