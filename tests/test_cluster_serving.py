@@ -459,5 +459,6 @@ def test_chaos_loses_nothing_and_leaks_nothing(tmp_path):
     assert not any(msg.startswith("503") for msg in r["errors"])  # a request meeting no instance up waited for one
     st = r["store"]
     assert st["entries_damaged"] > 0 and len(st["outages"]) == 1
-    assert st["corrupt"] >= 1  # the prompt instance killed first came back with an empty pool and read damaged entries
+    # every entry is damaged before any read of it is served, so each entry's first read finds it damaged
+    assert st["hits"] >= 1 and st["corrupt"] >= 1
     assert r["ok"] and json.loads(out.read_text())["correct"] == r["correct"]

@@ -23,6 +23,7 @@ import math
 import os
 import random
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -130,13 +131,25 @@ class Store:
         self.rng = random.Random(s.seed + 3)
         self.seen: set[str] = set()
         self.corrupted, self.stopped, self.retired = 0, [], []
+        self.lock = threading.Lock()
         self.server = None
         self.start()
 
     def start(self) -> None:
-        from servewise.connectors.store_server import StoreServer
+        from servewise.connectors.store_server import GET, StoreServer
 
-        self.server = StoreServer(self.dir, 256 << 20, port=self.port, key=b"").start()
+        damage = self.damage
+
+        class Server(StoreServer):
+            """Damages the entries written since the last pass before it serves a read: a read never
+            outruns the damage (the chaos loop's passes, every 0.25 s, count the entries held)."""
+
+            def _op(self, store, op, name, payload):
+                if op == GET:
+                    damage()
+                return StoreServer._op(store, op, name, payload)
+
+        self.server = Server(self.dir, 256 << 20, port=self.port, key=b"").start()
         self.port, self.url = self.server.address[1], self.server.url
 
     def stop(self, now: float) -> None:
@@ -147,6 +160,10 @@ class Store:
     def damage(self) -> None:
         """Change one byte of the KV (past the header and checksums) of a share of the entries written since
         the last call."""
+        with self.lock:
+            self._damage()
+
+    def _damage(self) -> None:
         for sub in os.scandir(self.dir):
             if not sub.is_dir():
                 continue
