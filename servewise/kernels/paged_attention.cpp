@@ -10,7 +10,8 @@
 // value accumulators in registers, rows asked for ahead of use); others a scalar loop. At 256 requests
 // of 257-320 tokens, 2 threads, AVX-512 (`servewise bench attention`, machine's stream 31.7 GB/s): KV
 // read at 28.1 / 18.9 GB/s in fp32 (tiny-llama / llama-200m head shapes) and 24.3 / 19.8 in bf16; the
-// scalar loop alone, side by side in one run, read 14.7 / 10.6 and 8.2 / 5.4.
+// scalar loop alone, side by side in one run, read 14.7 / 10.6 and 8.2 / 5.4. On an AVX2-only EPYC
+// (stream 33.9 GB/s): 13.7 / 9.5 in fp32 and 7.5 / 5.5 in bf16 (docs/notes/speed.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -222,24 +223,64 @@ void score_keys(const Request<T>& r, float* S) {
   }
 }
 
+// The value pass runs in the machine's own vector width. AVX-512 holds a 16-lane vector in one register;
+// AVX2 needs two, and there GCC keeps 16-lane accumulators on the stack and broadcasts each weight by 16
+// scalar stores: 8-lane vectors on AVX2, and fewer query heads a pass so that the accumulators fit its
+// 16 registers.
+#if defined(__AVX512F__)
+constexpr int kNative = 16, kValueHeads = 4;
+#else
+constexpr int kNative = 8, kValueHeads = 2;
+#endif
+typedef float vn __attribute__((vector_size(kNative * sizeof(float))));
+typedef uint16_t vn16 __attribute__((vector_size(kNative * sizeof(uint16_t))));
+typedef uint32_t vn32 __attribute__((vector_size(kNative * sizeof(uint32_t))));
+
+inline vn load_native(const float* p) {
+  vn v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vn load_native(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  return load16(p);
+#else
+  vn16 u;
+  std::memcpy(&u, p, sizeof u);
+  const vn32 w = __builtin_convertvector(u, vn32) << 16;
+  vn v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+#endif
+}
+
+template <typename T>
+inline vn load_native(const T* p) {
+  vn v;
+  for (int i = 0; i < kNative; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
 // The values of KV head h weighted by the probabilities P of its query heads hq0 .. hq0 + GN - 1, the
 // accumulators in registers, written to out normalized by the softmax sums.
 template <typename T, int NC, int GN>
 void weigh_values(const Request<T>& r, int64_t h, int64_t hq0, const float* P, const float* inv, T* out) {
   constexpr int64_t D = NC * kLanes;
-  vf acc[GN][NC] = {};
+  constexpr int NN = D / kNative;
+  vn acc[GN][NN] = {};
   for (int64_t blk = 0, t = 0; t < r.n; ++blk) {
     const int64_t slot0 = r.table[blk] * r.block_size, end = std::min(r.n, t + r.block_size);
     for (int64_t slot = slot0; t < end; ++t, ++slot) {
       const T* v = r.v + slot * r.v_row + h * D;
-      vf vv[NC];
+      vn vv[NN];
 #pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c) vv[c] = load16(v + c * kLanes);
+      for (int c = 0; c < NN; ++c) vv[c] = load_native(v + c * kNative);
 #pragma GCC unroll 16
       for (int g = 0; g < GN; ++g) {
         const float p = P[t * r.H + hq0 + g];
 #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) acc[g][c] += p * vv[c];
+        for (int c = 0; c < NN; ++c) acc[g][c] += p * vv[c];
       }
     }
   }
@@ -247,11 +288,11 @@ void weigh_values(const Request<T>& r, int64_t h, int64_t hq0, const float* P, c
   for (int g = 0; g < GN; ++g) {
     T* o = out + (hq0 + g) * D;
 #pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) {
-      float x[kLanes];
-      const vf y = acc[g][c] * inv[hq0 + g];
+    for (int c = 0; c < NN; ++c) {
+      float x[kNative];
+      const vn y = acc[g][c] * inv[hq0 + g];
       std::memcpy(x, &y, sizeof x);
-      for (int i = 0; i < kLanes; ++i) o[c * kLanes + i] = static_cast<T>(x[i]);
+      for (int i = 0; i < kNative; ++i) o[c * kNative + i] = static_cast<T>(x[i]);
     }
   }
 }
@@ -265,7 +306,8 @@ void decode_request(const Request<T>& r, std::vector<float>& scores, std::vector
   softmax_columns(scores.data(), r.n, r.H, inv.data());
   for (int64_t h = 0; h < r.KVH; ++h) {
     int64_t hq = h * G;
-    for (; hq + 4 <= (h + 1) * G; hq += 4) weigh_values<T, NC, 4>(r, h, hq, scores.data(), inv.data(), out);
+    for (; hq + kValueHeads <= (h + 1) * G; hq += kValueHeads)
+      weigh_values<T, NC, kValueHeads>(r, h, hq, scores.data(), inv.data(), out);
     for (; hq < (h + 1) * G; ++hq) weigh_values<T, NC, 1>(r, h, hq, scores.data(), inv.data(), out);
   }
 }
