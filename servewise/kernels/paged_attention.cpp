@@ -47,17 +47,23 @@ inline vf load16(const float* p) {
   return v;
 }
 
-inline vf load16(const c10::BFloat16* p) {  // bf16 is the top half of a float
-#if defined(__AVX512F__)  // (GCC lowers the portable conversion below to four instructions, not one)
+// bf16 is the top half of a float: lanes widened to 32 bits and shifted (F, U16, U32: one vector width).
+template <typename F, typename U16, typename U32>
+inline F widen_bf16(const c10::BFloat16* p) {
+  U16 u;
+  std::memcpy(&u, p, sizeof u);
+  const U32 w = __builtin_convertvector(u, U32) << 16;
+  F v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline vf load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)  // (GCC lowers the portable conversion to four instructions, not one)
   const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
   return reinterpret_cast<vf>(w);
 #else
-  vu16 u;
-  std::memcpy(&u, p, sizeof u);
-  const vu32 w = __builtin_convertvector(u, vu32) << 16;
-  vf v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
+  return widen_bf16<vf, vu16, vu32>(p);
 #endif
 }
 
@@ -246,12 +252,7 @@ inline vn load_native(const c10::BFloat16* p) {
 #if defined(__AVX512F__)
   return load16(p);
 #else
-  vn16 u;
-  std::memcpy(&u, p, sizeof u);
-  const vn32 w = __builtin_convertvector(u, vn32) << 16;
-  vn v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
+  return widen_bf16<vn, vn16, vn32>(p);
 #endif
 }
 
