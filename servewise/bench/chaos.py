@@ -136,17 +136,18 @@ class Store:
         self.start()
 
     def start(self) -> None:
+        from servewise.connectors.kv_store import entry_file
         from servewise.connectors.store_server import GET, StoreServer
 
-        damage = self.damage
+        judge = self.judge
 
         class Server(StoreServer):
-            """Damages the entries written since the last pass before it serves a read: a read never
-            outruns the damage (the chaos loop's passes, every 0.25 s, count the entries held)."""
+            """Judges the entry asked for (damaged or not, once per write) before it serves it: a read never
+            outruns the damage (the chaos loop's passes, every 0.25 s, judge and count the entries held)."""
 
             def _op(self, store, op, name, payload):
                 if op == GET:
-                    damage()
+                    judge(entry_file(store.dirs["memory"], name))
                 return StoreServer._op(store, op, name, payload)
 
         self.server = Server(self.dir, 256 << 20, port=self.port, key=b"").start()
@@ -158,31 +159,32 @@ class Store:
         self.stopped.append({"at_s": round(now, 2), "for_s": self.s.outage_s})
 
     def damage(self) -> None:
-        """Change one byte of the KV (past the header and checksums) of a share of the entries written since
-        the last call."""
-        with self.lock:
-            self._damage()
-
-    def _damage(self) -> None:
+        """Judge every entry written since the last pass."""
         for sub in os.scandir(self.dir):
-            if not sub.is_dir():
-                continue
-            for e in os.scandir(sub.path):
-                if not e.name.endswith(".kv") or e.path in self.seen:
-                    continue
-                self.seen.add(e.path)
-                if self.rng.random() >= self.s.store_corrupt:
-                    continue
-                try:
-                    with open(e.path, "r+b") as f:
-                        size = os.fstat(f.fileno()).st_size
-                        f.seek(self.rng.randrange(size // 2, size))  # (the KV fills more than the back half)
-                        byte = f.read(1)
-                        f.seek(-1, 1)
-                        f.write(bytes([byte[0] ^ 0xFF]))
-                    self.corrupted += 1
-                except (FileNotFoundError, IndexError):
-                    pass  # evicted meanwhile
+            if sub.is_dir():
+                for e in os.scandir(sub.path):
+                    if e.name.endswith(".kv"):
+                        self.judge(e.path)
+
+    def judge(self, path: str) -> None:
+        """Change one byte of the KV (past the header and checksums) of a share of the entries, each entry
+        judged once (the first time a pass or a read meets it)."""
+        with self.lock:
+            if path in self.seen or not os.path.exists(path):
+                return
+            self.seen.add(path)
+            if self.rng.random() >= self.s.store_corrupt:
+                return
+            try:
+                with open(path, "r+b") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    f.seek(self.rng.randrange(size // 2, size))  # (the KV fills more than the back half)
+                    byte = f.read(1)
+                    f.seek(-1, 1)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+                self.corrupted += 1
+            except (FileNotFoundError, IndexError):
+                pass  # evicted meanwhile
 
     def stats(self) -> dict:
         """The servers' counts, summed (a restarted server counts afresh)."""
