@@ -412,8 +412,8 @@ def main(s: Settings) -> None:
     mc, tok = load_model_config(s.model)
     operations = None
     if s.operations:  # (read once; refused before any run)
-        operations = (*OperationSteps.load(s.operations, mc.num_layers, mc.hidden_size), s.operations)
-        ops = operations[0]
+        ops, table = OperationSteps.load(s.operations, mc.num_layers, mc.hidden_size)
+        operations = (ops, table, s.operations)
         if ops.threads != torch.get_num_threads():
             print(f"warning: {s.operations} was measured with {ops.threads} torch threads, the profile with "
                   f"{torch.get_num_threads()}: the per-operation simulation runs at another thread count's speed",
