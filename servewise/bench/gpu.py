@@ -26,6 +26,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -104,29 +105,44 @@ def device_section() -> dict:
             "hbm_gbs": 2 * n / copy_s / 1e9, "bf16_tflops": 2 * 8192 ** 3 / mm_s / 1e12}
 
 
+def _pytest(args: list[str], root: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=root, capture_output=True, text=True)
+    tail = proc.stdout.strip().splitlines()
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)",
+                                                tail[-1] if tail else "")}
+    return proc, counts
+
+
 def tests_section(s: Settings) -> dict:
-    args = [sys.executable, "-m", "pytest", *s.test_args.split(), "-p", "no:cacheprovider"]
+    """The suite as the README runs it: the parallel part, then the tests marked `alone` by themselves."""
+    base = [*shlex.split(s.test_args), "-p", "no:cacheprovider"]
+    parallel = list(base)
     try:
         import xdist  # noqa: F401
 
         if s.test_workers > 1:
-            args += ["-n", str(s.test_workers), "--dist", "loadfile"]
+            parallel += ["-n", str(s.test_workers), "--dist", "loadfile"]
     except ImportError:
         pass
     t0 = time.perf_counter()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run(args, cwd=root, capture_output=True, text=True)
+    runs = [_pytest(parallel + ["-m", "not alone"], root), _pytest(base + ["-m", "alone"], root)]
     log = os.path.splitext(s.out)[0] + "_tests.log"  # every failure's message and traceback
     os.makedirs(os.path.dirname(os.path.abspath(log)) or ".", exist_ok=True)
     with open(log, "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    tail = proc.stdout.strip().splitlines()[-40:]
-    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)",
-                                                tail[-1] if tail else "")}
-    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in proc.stdout.splitlines()
+        f.write("".join(proc.stdout + proc.stderr for proc, _ in runs))
+    counts: dict[str, int] = {}
+    for _, c in runs:
+        for k, v in c.items():
+            if k != "deselected":
+                counts[k] = counts.get(k, 0) + v
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for proc, _ in runs for line in proc.stdout.splitlines()
               if line.startswith(("FAILED ", "ERROR "))]
-    return {"command": " ".join(args[1:]), "exit": proc.returncode, "seconds": time.perf_counter() - t0,
-            "counts": counts, "failed": failed, "tail": tail[-15:], "log": os.path.basename(log)}
+    tail = runs[0][0].stdout.strip().splitlines()[-12:] + runs[1][0].stdout.strip().splitlines()[-3:]
+    codes = [proc.returncode for proc, _ in runs]
+    codes[1] = 0 if codes[1] == 5 else codes[1]  # 5: no test selected (a selection without an `alone` test)
+    return {"command": shlex.join(parallel + ["-m", "not alone"]) + "; then: -m alone", "exit": max(codes), "seconds": time.perf_counter() - t0,
+            "counts": counts, "failed": failed, "tail": tail, "log": os.path.basename(log)}
 
 
 def attention_section() -> dict:
