@@ -44,7 +44,7 @@ def test_the_engine_loop_returns_the_free_heap_after_steps_that_built_kernels(ca
     cmds_out, cmds_in = mp.Pipe()
     outs_in, outs_out = mp.Pipe()
     loop = threading.Thread(target=engine_main, args=(
-        {"model": "tiny-llama", "num_device_blocks": 64, "seed": 0}, torch.get_num_threads(), None,
+        {"model": "tiny-llama", "num_device_blocks": 64, "seed": 0, "device": "cpu"}, torch.get_num_threads(), None,
         single_engine, logging.DEBUG, cmds_out, outs_in), daemon=True)
     linear._KERNEL_SHAPES.clear()  # every shape new to the loop, whatever earlier tests ran in this process
     with caplog.at_level(logging.DEBUG, logger="servewise"):

@@ -130,6 +130,18 @@ def test_swap_model_counts_calls_the_way_its_profile_issued_them():
         SwapCostModel.fit(rows + [{**rows[0], "copy_path": "run"}])
 
 
+def test_swap_model_fits_swaps_whose_time_does_not_grow_with_their_bytes():
+    """A small model's swaps on a GPU cost their launches and fixed part whatever they move (a quick
+    profile on an H100 measured such times, and building the engine failed on them): the fit says what
+    those sizes cost, with and without counted calls, instead of refusing."""
+    for copies in (0, 12):
+        rows = [{"direction": d, "bytes": b * 32768, "copies": copies, "copy_path": "layer",
+                 "time": 900e-6 * (1 + 0.03 * ((b * 7) % 5 - 2)) - 1e-9 * b} for d in DIRECTIONS for b in (1, 2, 4, 8, 16)]
+        m = SwapCostModel.fit(rows)
+        assert m.mape(rows)["out"] < 5 and m.mape(rows)["in"] < 5
+        assert m.out.time(16 * 32768, copies) == pytest.approx(900e-6, rel=0.06)
+
+
 def test_profiled_decode_batches_are_laid_out_as_an_engine_lays_them_out():
     """Mixed contexts averaging the point's length, on blocks taken in shuffled order (in-place attention);
     uniform contexts where the attention pads to the longest."""
