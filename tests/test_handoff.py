@@ -131,3 +131,28 @@ def test_a_book_keeps_its_live_transfers_and_only_the_latest_ended_ones():
     assert book.expire(1e9) == []  # not leased until renewed
     book.renew(live.id, 0.0)
     assert [t.id for t in book.expire(2.0)] == [live.id] and not book.live
+
+
+def test_a_value_flipped_on_the_way_leaves_the_senders_blocks_as_they_were(tmp_path):
+    """The shared-memory link's injected corruption: the receiver's copy fails its checksum, and the sender's
+    blocks stay as computed (its prefix cache serves them to the next prompt that shares them; damaging them
+    there answered a later request of the chaos bench with wrong tokens)."""
+    import torch
+
+    from servewise.cluster.instance import Incoming
+    from servewise.connectors.shm import map_file
+    from servewise.connectors.transport import ShmLink
+
+    shape = (3, 2, 4, 4, 1, 8)  # layer, K/V, block, slot, KV head, head dim
+    cache_file, record = str(tmp_path / "cache-a"), str(tmp_path / "r.rec")
+    src = map_file(cache_file, shape, torch.float32, create=True)
+    src.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+    before = src.clone()
+    sender, receiver = ShmLink(src, 3), ShmLink(torch.zeros(shape), 3)
+    for k in range(3):
+        sender.send("r", record, k, [1, 2], corrupt=k == 1)
+    assert torch.equal(src, before)
+    inc = Incoming((record, cache_file), 3)
+    receiver.receive(inc, [3, 0], 2)
+    assert inc.copied == 3 and [s == e for s, e in zip(inc.sums, inc.expected)] == [True, False, True]
+    assert torch.equal(receiver.cache[:, :, [3, 0]], before[:, :, [1, 2]])  # the data itself came through

@@ -327,14 +327,18 @@ def run(s: Settings, say=print) -> dict:
             store.close()
     counts = {"correct": 0, "wrong": 0, "error": 0, "lost": 0}
     errors: dict[str, int] = {}
-    for (outcome, text, _), (_, want, _) in zip(answers, reference):
+    wrong = []  # which requests, and where their text parts from the reference's (the first 10)
+    for i, ((outcome, text, _), (_, want, _)) in enumerate(zip(answers, reference)):
         kind = ("correct" if text == want else "wrong") if outcome == "ok" else outcome
         counts[kind] += 1
+        if kind == "wrong" and len(wrong) < 10:
+            at = next((j for j, (x, y) in enumerate(zip(text, want)) if x != y), min(len(text), len(want)))
+            wrong.append({"request": i, "from_char": at, "got": text[at:at + 40], "want": want[at:at + 40]})
         if outcome != "ok":
             errors[text[:120]] = errors.get(text[:120], 0) + 1
     blocks_left = (st.device_blocks.total - st.device_blocks.free) + (st.host_blocks.total - st.host_blocks.free)
     result = {"requests": len(bodies), **counts, "kills": chaos.done, "restarts": restarts, "handoffs": handoffs,
-              "idle": idle, "blocks_in_use_after": blocks_left, "running_after": st.running + st.waiting + st.swapped,
+              "wrong_requests": wrong, "idle": idle, "blocks_in_use_after": blocks_left, "running_after": st.running + st.waiting + st.swapped,
               "all_up_after": all(m.up for m in c.members), "wall_s": round(wall, 1), "errors": errors,
               "slowest_s": {kind: max((t for o, _, t in answers if o == kind), default=None)
                             for kind in ("ok", "error")},
@@ -360,4 +364,6 @@ def report(r: dict) -> str:
                      f"{st['corrupt']} found damaged on reading (dropped, their KV computed again); stopped "
                      f"{len(st['outages'])} times")
     lines += [f"  {n} x {why}" for why, n in sorted(r["errors"].items(), key=lambda kv: -kv[1])[:6]]
+    lines += [f"  wrong: request {w['request']} from character {w['from_char']}: {w['got']!r} instead of {w['want']!r}"
+              for w in r.get("wrong_requests", [])]
     return "\n".join(lines)

@@ -71,9 +71,9 @@ class ShmLink:
         rec = self.records.get(rid)
         if rec is None:
             rec = self.records[rid] = Record(route, self.layers, blocks)
-        rec.publish(layer, crc(self.cache[layer, :, blocks]))
-        if corrupt:  # after the checksum: a bit flipped on the way
-            self.cache[layer, 0, blocks[0]].view(-1)[0] += 1.0
+        # corrupt: the reader's copy will not match the record, as with a bit flipped on the way (the data
+        # is not touched: these blocks are the sender's own, and its prefix cache may serve them again)
+        rec.publish(layer, crc(self.cache[layer, :, blocks]) ^ (1 if corrupt else 0))
 
     def sent(self, rid: str) -> list[int] | None:
         """The checksums the receiver must be told (None: it reads them from the record)."""
