@@ -5,13 +5,14 @@
 // row stride); block_tables: [B, max_blocks] int64; context_lens: [B] int64. Returns [B, H, D].
 // A work item is one request: each token's keys (and values) of all KV heads are one contiguous row,
 // read once, and the H / KVH query heads of a group share it. Scores, softmax and the weighted sum of
-// values accumulate in float. Head dims that are a multiple of 16 take the vector path (dot products
-// reduced sixteen at a time, bf16 keys by the CPU's bf16 dot-product instruction where it has one, the
-// value accumulators in registers, rows asked for ahead of use); others a scalar loop. At 256 requests
+// values accumulate in float. Head dims that are a multiple of 16 take the vector path, in the machine's
+// vector width (dot products reduced a vector's lanes at a time, bf16 keys by the CPU's bf16 dot-product
+// instruction where it has one, the softmax over whole vectors, the value accumulators in registers, rows
+// asked for ahead of use); others a scalar loop. At 256 requests
 // of 257-320 tokens, 2 threads, AVX-512 (`servewise bench attention`, machine's stream 31.7 GB/s): KV
 // read at 28.1 / 18.9 GB/s in fp32 (tiny-llama / llama-200m head shapes) and 24.3 / 19.8 in bf16; the
 // scalar loop alone, side by side in one run, read 14.7 / 10.6 and 8.2 / 5.4. On an AVX2-only EPYC
-// (stream 33.9 GB/s): 13.7 / 9.5 in fp32 and 7.5 / 5.5 in bf16 (docs/notes/speed.md).
+// (stream 29.5 GB/s): 14.8 / 14.7 in fp32 and 13.0 / 9.4 in bf16 (docs/notes/speed.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -138,101 +139,10 @@ struct Slots {
   }
 };
 
-// Each column of S [n, H] (a query head's scores) becomes exp(s - max); inv[hq] = 1 / the column's sum.
-// With fewer than 16 heads (a divisor of 16) the loops run over 16 scores at a time, whatever their
-// heads, so that the exponentials fill the vector lanes.
-inline void softmax_columns(float* S, int64_t n, int64_t H, float* inv) {
-  const int64_t W = kLanes % H == 0 ? kLanes : H, N = n * H, full = N - N % W;  // W: a multiple of H
-  std::vector<float> m(W, -std::numeric_limits<float>::infinity()), sum(W, 0.f);
-  for (int64_t i = 0; i < full; i += W) {
-#pragma omp simd
-    for (int64_t j = 0; j < W; ++j) m[j] = std::max(m[j], S[i + j]);
-  }
-  for (int64_t i = full; i < N; ++i) m[i - full] = std::max(m[i - full], S[i]);
-  for (int64_t j = H; j < W; ++j) m[j % H] = std::max(m[j % H], m[j]);
-  for (int64_t j = H; j < W; ++j) m[j] = m[j % H];
-  for (int64_t i = 0; i < full; i += W) {
-#pragma omp simd
-    for (int64_t j = 0; j < W; ++j) {
-      S[i + j] = servewise::fast_exp(S[i + j] - m[j]);
-      sum[j] += S[i + j];
-    }
-  }
-  for (int64_t i = full; i < N; ++i) {
-    S[i] = servewise::fast_exp(S[i] - m[i - full]);
-    sum[i - full] += S[i];
-  }
-  for (int64_t j = H; j < W; ++j) sum[j % H] += sum[j];
-  for (int64_t hq = 0; hq < H; ++hq) inv[hq] = 1.f / sum[hq];
-}
-
-// Scores S[t * H + hq] of every token and query head: each key row is loaded once per KV head and
-// its G query heads' dot products gathered sixteen at a time for sum_lanes16. Asks for the rows
-// ahead (see prefetch).
-template <typename T, int NC>
-void score_keys(const Request<T>& r, float* S) {
-  constexpr int64_t D = NC * kLanes;
-  const int64_t G = r.H / r.KVH, row_bytes = r.KVH * D * sizeof(T);
-  vf pending[kLanes];
-  int np = 0;
-  float* at = S;  // where the pending scores go: they come in S's order
-  auto push = [&](vf a) {
-    pending[np++] = a;
-    if (np == kLanes) {
-      const vf sums = sum_lanes16(pending);
-      std::memcpy(at, &sums, sizeof sums);
-      at += kLanes;
-      np = 0;
-    }
-  };
-  Slots ahead(r.table, r.n, r.block_size, std::max<int64_t>(1, std::min(kAheadTokens, kAheadBytes / (2 * row_bytes))));
-  for (int64_t blk = 0, t = 0; t < r.n; ++blk) {
-    const int64_t slot0 = r.table[blk] * r.block_size, end = std::min(r.n, t + r.block_size);
-    for (int64_t slot = slot0; t < end; ++t, ++slot) {
-      const T* krow = r.k + slot * r.k_row;
-      if (const int64_t a = ahead.next(); a >= 0) {
-        prefetch(r.k + a * r.k_row, row_bytes);
-        prefetch(r.v + a * r.v_row, row_bytes);
-      }
-      for (int64_t h = 0; h < r.KVH; ++h) {
-        if constexpr (kBf16Dots<T, NC>) {
-#if defined(__AVX512BF16__)
-          __m512bh k[NC / 2];
-          for (int c = 0; c < NC / 2; ++c)
-            k[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(krow + h * D + 2 * c * kLanes));
-          for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
-            const T* qh = r.q_raw + hq * D;
-            __m512 a = _mm512_setzero_ps();
-            for (int c = 0; c < NC / 2; ++c)
-              a = _mm512_dpbf16_ps(a, reinterpret_cast<__m512bh>(_mm512_loadu_si512(qh + 2 * c * kLanes)), k[c]);
-            push(reinterpret_cast<vf>(a) * r.scale);
-          }
-#endif
-        } else {
-          vf k[NC];
-          for (int c = 0; c < NC; ++c) k[c] = load16(krow + h * D + c * kLanes);
-          for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
-            const float* qh = r.q + hq * D;
-            vf a = load16(qh) * k[0];
-            for (int c = 1; c < NC; ++c) a += load16(qh + c * kLanes) * k[c];
-            push(a);
-          }
-        }
-      }
-    }
-  }
-  if (np > 0) {
-    const int used = np;
-    while (np < kLanes) pending[np++] = vf{};
-    const vf sums = sum_lanes16(pending);
-    std::memcpy(at, &sums, used * sizeof(float));
-  }
-}
-
-// The value pass runs in the machine's own vector width. AVX-512 holds a 16-lane vector in one register;
-// AVX2 needs two, and there GCC keeps 16-lane accumulators on the stack and broadcasts each weight by 16
-// scalar stores: 8-lane vectors on AVX2, and fewer query heads a pass so that the accumulators fit its
-// 16 registers.
+// The key and value passes run in the machine's own vector width. AVX-512 holds a 16-lane vector in one
+// register; AVX2 needs two, and there GCC keeps 16-lane vectors on the stack (the value pass's accumulators
+// and weights, the key pass's pending dot products) and shuffles them across registers: 8-lane vectors on
+// AVX2, and fewer query heads a value pass so that its accumulators fit the 16 registers.
 #if defined(__AVX512F__)
 constexpr int kNative = 16, kValueHeads = 4;
 #else
@@ -261,6 +171,139 @@ inline vn load_native(const T* p) {
   vn v;
   for (int i = 0; i < kNative; ++i) v[i] = static_cast<float>(p[i]);
   return v;
+}
+
+// kNative dot products end as kNative vectors whose lanes each must be summed: r[i] = sum(a[i]). With
+// 8 lanes (AVX2), two rounds of pairwise sums within each 128-bit half, then the halves added.
+inline vn sum_lanes_native(vn* a) {
+#if defined(__AVX512F__)
+  return sum_lanes16(a);
+#else
+  typedef int32_t vni __attribute__((vector_size(kNative * sizeof(int32_t))));
+  const vni even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = even + 1;
+  const vni lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = lo + 4;
+  for (int i = 0; i < 4; ++i) a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
+  for (int i = 0; i < 2; ++i) a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
+  return __builtin_shuffle(a[0], a[1], lo) + __builtin_shuffle(a[0], a[1], hi);
+#endif
+}
+
+// Each column of S [n, H] (a query head's scores) becomes exp(s - max); inv[hq] = 1 / the column's sum.
+// With fewer than 16 heads (a divisor of 16) the loops run over 16 scores at a time, whatever their
+// heads, so that the exponentials fill the vector lanes: W scores a row, a multiple of H; each lane j
+// keeps the max and sum of column j % H, and the lanes of one column are combined at the end. Rows of
+// whole native vectors are written with them (GCC left the plain loops scalar); the rest lane by lane.
+inline void softmax_columns(float* S, int64_t n, int64_t H, float* inv) {
+  typedef int32_t vni __attribute__((vector_size(kNative * sizeof(int32_t))));
+  constexpr int64_t kMaxW = 256;
+  const int64_t W = kLanes % H == 0 ? kLanes : H, N = n * H, full = N - N % W;  // W: a multiple of H
+  const bool vec = W % kNative == 0 && W <= kMaxW;
+  const int64_t NV = vec ? W / kNative : 0;
+  std::vector<float> m(W, -std::numeric_limits<float>::infinity()), sum(W, 0.f);
+  if (vec) {
+    vn mv[kMaxW / kNative], sv[kMaxW / kNative];
+    for (int64_t v = 0; v < NV; ++v) mv[v] = load_native(m.data() + v * kNative);
+    for (int64_t i = 0; i < full; i += W)
+      for (int64_t v = 0; v < NV; ++v) {
+        const vn x = load_native(S + i + v * kNative);
+        mv[v] = x > mv[v] ? x : mv[v];
+      }
+    for (int64_t v = 0; v < NV; ++v) std::memcpy(m.data() + v * kNative, &mv[v], sizeof(vn));
+    for (int64_t i = full; i < N; ++i) m[i - full] = std::max(m[i - full], S[i]);
+    for (int64_t j = H; j < W; ++j) m[j % H] = std::max(m[j % H], m[j]);
+    for (int64_t j = H; j < W; ++j) m[j] = m[j % H];
+    for (int64_t v = 0; v < NV; ++v) mv[v] = load_native(m.data() + v * kNative), sv[v] = vn{};
+    for (int64_t i = 0; i < full; i += W)
+      for (int64_t v = 0; v < NV; ++v) {
+        const vn e = servewise::fast_exp<vn, vni>(load_native(S + i + v * kNative) - mv[v]);
+        std::memcpy(S + i + v * kNative, &e, sizeof e);
+        sv[v] += e;
+      }
+    for (int64_t v = 0; v < NV; ++v) std::memcpy(sum.data() + v * kNative, &sv[v], sizeof(vn));
+  } else {
+    for (int64_t i = 0; i < full; i += W)
+      for (int64_t j = 0; j < W; ++j) m[j] = std::max(m[j], S[i + j]);
+    for (int64_t i = full; i < N; ++i) m[i - full] = std::max(m[i - full], S[i]);
+    for (int64_t j = H; j < W; ++j) m[j % H] = std::max(m[j % H], m[j]);
+    for (int64_t j = H; j < W; ++j) m[j] = m[j % H];
+    for (int64_t i = 0; i < full; i += W)
+      for (int64_t j = 0; j < W; ++j) {
+        S[i + j] = servewise::fast_exp(S[i + j] - m[j]);
+        sum[j] += S[i + j];
+      }
+  }
+  for (int64_t i = full; i < N; ++i) {
+    S[i] = servewise::fast_exp(S[i] - m[i - full]);
+    sum[i - full] += S[i];
+  }
+  for (int64_t j = H; j < W; ++j) sum[j % H] += sum[j];
+  for (int64_t hq = 0; hq < H; ++hq) inv[hq] = 1.f / sum[hq];
+}
+
+// Scores S[t * H + hq] of every token and query head: each key row is loaded once per KV head and
+// its G query heads' dot products gathered kNative at a time for sum_lanes_native. Asks for the rows
+// ahead (see prefetch).
+template <typename T, int NC>
+void score_keys(const Request<T>& r, float* S) {
+  constexpr int64_t D = NC * kLanes;
+  constexpr int NN = D / kNative;
+  const int64_t G = r.H / r.KVH, row_bytes = r.KVH * D * sizeof(T);
+  vn pending[kNative];
+  int np = 0;
+  float* at = S;  // where the pending scores go: they come in S's order
+  auto push = [&](vn a) {
+    pending[np++] = a;
+    if (np == kNative) {
+      const vn sums = sum_lanes_native(pending);
+      std::memcpy(at, &sums, sizeof sums);
+      at += kNative;
+      np = 0;
+    }
+  };
+  Slots ahead(r.table, r.n, r.block_size, std::max<int64_t>(1, std::min(kAheadTokens, kAheadBytes / (2 * row_bytes))));
+  for (int64_t blk = 0, t = 0; t < r.n; ++blk) {
+    const int64_t slot0 = r.table[blk] * r.block_size, end = std::min(r.n, t + r.block_size);
+    for (int64_t slot = slot0; t < end; ++t, ++slot) {
+      const T* krow = r.k + slot * r.k_row;
+      if (const int64_t a = ahead.next(); a >= 0) {
+        prefetch(r.k + a * r.k_row, row_bytes);
+        prefetch(r.v + a * r.v_row, row_bytes);
+      }
+      for (int64_t h = 0; h < r.KVH; ++h) {
+        if constexpr (kBf16Dots<T, NC>) {
+#if defined(__AVX512BF16__)
+          __m512bh k[NC / 2];
+          for (int c = 0; c < NC / 2; ++c)
+            k[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(krow + h * D + 2 * c * kLanes));
+          for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
+            const T* qh = r.q_raw + hq * D;
+            __m512 a = _mm512_setzero_ps();
+            for (int c = 0; c < NC / 2; ++c)
+              a = _mm512_dpbf16_ps(a, reinterpret_cast<__m512bh>(_mm512_loadu_si512(qh + 2 * c * kLanes)), k[c]);
+            push(reinterpret_cast<vn>(a) * r.scale);
+          }
+#endif
+        } else {
+          vn k[NN];
+#pragma GCC unroll 16
+          for (int c = 0; c < NN; ++c) k[c] = load_native(krow + h * D + c * kNative);
+          for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
+            const float* qh = r.q + hq * D;
+            vn a = load_native(qh) * k[0];
+#pragma GCC unroll 16
+            for (int c = 1; c < NN; ++c) a += load_native(qh + c * kNative) * k[c];
+            push(a);
+          }
+        }
+      }
+    }
+  }
+  if (np > 0) {
+    const int used = np;
+    while (np < kNative) pending[np++] = vn{};
+    const vn sums = sum_lanes_native(pending);
+    std::memcpy(at, &sums, used * sizeof(float));
+  }
 }
 
 // The values of KV head h weighted by the probabilities P of its query heads hq0 .. hq0 + GN - 1, the
