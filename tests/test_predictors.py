@@ -136,7 +136,8 @@ def test_swap_model_fits_swaps_whose_time_does_not_grow_with_their_bytes():
     those sizes cost, with and without counted calls, instead of refusing."""
     for copies in (0, 12):
         rows = [{"direction": d, "bytes": b * 32768, "copies": copies, "copy_path": "layer",
-                 "time": 900e-6 * (1 + 0.03 * ((b * 7) % 5 - 2)) - 1e-9 * b} for d in DIRECTIONS for b in (1, 2, 4, 8, 16)]
+                 "time": 900e-6 * (1 + 0.03 * ((b * 7) % 5 - 2)) - 1e-9 * b}
+                for d in DIRECTIONS for b in (1, 2, 4, 8, 16)]
         m = SwapCostModel.fit(rows)
         assert m.mape(rows)["out"] < 5 and m.mape(rows)["in"] < 5
         assert m.out.time(16 * 32768, copies) == pytest.approx(900e-6, rel=0.06)

@@ -337,8 +337,9 @@ def run(s: Settings, say=print) -> dict:
         if outcome != "ok":
             errors[text[:120]] = errors.get(text[:120], 0) + 1
     blocks_left = (st.device_blocks.total - st.device_blocks.free) + (st.host_blocks.total - st.host_blocks.free)
-    result = {"requests": len(bodies), **counts, "kills": chaos.done, "restarts": restarts, "handoffs": handoffs,
-              "wrong_requests": wrong, "idle": idle, "blocks_in_use_after": blocks_left, "running_after": st.running + st.waiting + st.swapped,
+    result = {"requests": len(bodies), **counts, "wrong_requests": wrong, "kills": chaos.done, "restarts": restarts,
+              "handoffs": handoffs, "idle": idle, "blocks_in_use_after": blocks_left,
+              "running_after": st.running + st.waiting + st.swapped,
               "all_up_after": all(m.up for m in c.members), "wall_s": round(wall, 1), "errors": errors,
               "slowest_s": {kind: max((t for o, _, t in answers if o == kind), default=None)
                             for kind in ("ok", "error")},

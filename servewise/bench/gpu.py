@@ -141,8 +141,9 @@ def tests_section(s: Settings) -> dict:
     tail = runs[0][0].stdout.strip().splitlines()[-12:] + runs[1][0].stdout.strip().splitlines()[-3:]
     codes = [proc.returncode for proc, _ in runs]
     codes[1] = 0 if codes[1] == 5 else codes[1]  # 5: no test selected (a selection without an `alone` test)
-    return {"command": shlex.join(parallel + ["-m", "not alone"]) + "; then: -m alone", "exit": max(codes), "seconds": time.perf_counter() - t0,
-            "counts": counts, "failed": failed, "tail": tail, "log": os.path.basename(log)}
+    return {"command": shlex.join(parallel + ["-m", "not alone"]) + "; then: -m alone", "exit": max(codes),
+            "seconds": time.perf_counter() - t0, "counts": counts, "failed": failed, "tail": tail,
+            "log": os.path.basename(log)}
 
 
 def attention_section() -> dict:

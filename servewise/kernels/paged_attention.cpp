@@ -182,8 +182,9 @@ inline vn sum_lanes_native(vn* a) {
   typedef int32_t vni __attribute__((vector_size(kNative * sizeof(int32_t))));
   const vni even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = even + 1;
   const vni lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = lo + 4;
-  for (int i = 0; i < 4; ++i) a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
-  for (int i = 0; i < 2; ++i) a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
+  auto pairs = [&](vn x, vn y) { return __builtin_shuffle(x, y, even) + __builtin_shuffle(x, y, odd); };
+  for (int i = 0; i < 4; ++i) a[i] = pairs(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) a[i] = pairs(a[2 * i], a[2 * i + 1]);
   return __builtin_shuffle(a[0], a[1], lo) + __builtin_shuffle(a[0], a[1], hi);
 #endif
 }
