@@ -11,17 +11,22 @@
 
 namespace servewise {
 
-inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float k = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;  // ln2 in two parts: k * hi is exact
-  float p = 1.f / 720;
-  p = p * r + 1.f / 120;
+// exp(x - k ln2), k the integer nearest x / ln2, by the polynomial above (F: a float or a vector of floats).
+template <typename F>
+inline F exp_reduced(F x, F k) {
+  const F r = x - k * 0.693359375f + k * 2.12194440e-4f;  // ln2 in two parts: k * hi is exact
+  F p = r * (1.f / 720) + 1.f / 120;
   p = p * r + 1.f / 24;
   p = p * r + 1.f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.f;
-  p = p * r + 1.f;
+  return p * r + 1.f;
+}
+
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float k = std::nearbyint(x * 1.44269504088896341f);
+  const float p = exp_reduced(x, k);
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -37,14 +42,7 @@ inline V fast_exp(V x) {
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
   const V k = (x * 1.44269504088896341f + magic) - magic;
-  const V r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  V p = V{} + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const V p = exp_reduced(x, k);
   const VI bits = (__builtin_convertvector(k, VI) + 127) << 23;
   V scale;
   std::memcpy(&scale, &bits, sizeof scale);

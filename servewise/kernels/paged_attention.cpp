@@ -201,8 +201,8 @@ inline void softmax_columns(float* S, int64_t n, int64_t H, float* inv) {
   const bool vec = W % kNative == 0 && W <= kMaxW;
   const int64_t NV = vec ? W / kNative : 0;
   std::vector<float> m(W, -std::numeric_limits<float>::infinity()), sum(W, 0.f);
+  vn mv[kMaxW / kNative], sv[kMaxW / kNative];
   if (vec) {
-    vn mv[kMaxW / kNative], sv[kMaxW / kNative];
     for (int64_t v = 0; v < NV; ++v) mv[v] = load_native(m.data() + v * kNative);
     for (int64_t i = 0; i < full; i += W)
       for (int64_t v = 0; v < NV; ++v) {
@@ -210,9 +210,14 @@ inline void softmax_columns(float* S, int64_t n, int64_t H, float* inv) {
         mv[v] = x > mv[v] ? x : mv[v];
       }
     for (int64_t v = 0; v < NV; ++v) std::memcpy(m.data() + v * kNative, &mv[v], sizeof(vn));
-    for (int64_t i = full; i < N; ++i) m[i - full] = std::max(m[i - full], S[i]);
-    for (int64_t j = H; j < W; ++j) m[j % H] = std::max(m[j % H], m[j]);
-    for (int64_t j = H; j < W; ++j) m[j] = m[j % H];
+  } else {
+    for (int64_t i = 0; i < full; i += W)
+      for (int64_t j = 0; j < W; ++j) m[j] = std::max(m[j], S[i + j]);
+  }
+  for (int64_t i = full; i < N; ++i) m[i - full] = std::max(m[i - full], S[i]);
+  for (int64_t j = H; j < W; ++j) m[j % H] = std::max(m[j % H], m[j]);
+  for (int64_t j = H; j < W; ++j) m[j] = m[j % H];
+  if (vec) {
     for (int64_t v = 0; v < NV; ++v) mv[v] = load_native(m.data() + v * kNative), sv[v] = vn{};
     for (int64_t i = 0; i < full; i += W)
       for (int64_t v = 0; v < NV; ++v) {
@@ -222,11 +227,6 @@ inline void softmax_columns(float* S, int64_t n, int64_t H, float* inv) {
       }
     for (int64_t v = 0; v < NV; ++v) std::memcpy(sum.data() + v * kNative, &sv[v], sizeof(vn));
   } else {
-    for (int64_t i = 0; i < full; i += W)
-      for (int64_t j = 0; j < W; ++j) m[j] = std::max(m[j], S[i + j]);
-    for (int64_t i = full; i < N; ++i) m[i - full] = std::max(m[i - full], S[i]);
-    for (int64_t j = H; j < W; ++j) m[j % H] = std::max(m[j % H], m[j]);
-    for (int64_t j = H; j < W; ++j) m[j] = m[j % H];
     for (int64_t i = 0; i < full; i += W)
       for (int64_t j = 0; j < W; ++j) {
         S[i + j] = servewise::fast_exp(S[i + j] - m[j]);
