@@ -50,3 +50,24 @@ def test_the_kv_section_hands_off_between_two_engines_and_decodes_as_one_engine(
         assert x["layerwise_s"] > 0 and x["whole_s"] > 0 and x["sim_s"] > 0
     report = gpu.report({"kv": k})
     assert "| 3 x 70 |" in report and "KV hand-off between two engines" in report
+
+
+def test_the_tests_section_runs_the_parallel_part_then_the_alone_tests_with_the_users_markers(tmp_path, monkeypatch):
+    import subprocess
+
+    calls = []
+
+    def fake(args, root):  # (pytest itself is not run: what it is asked to run is under test)
+        calls.append(args)
+        code, counts = ((5, {}) if "alone" in args[-1] and "not alone" not in args[-1] else (0, {"passed": 3}))
+        return subprocess.CompletedProcess(args, code, "", ""), counts
+
+    monkeypatch.setattr(gpu, "_pytest", fake)
+    r = gpu.tests_section(gpu.Settings(test_args="-q -m 'not slow' tests/test_sampling.py", test_workers=1,
+                                       out=str(tmp_path / "b.json")))
+    assert [c[-2:] for c in calls] == [["-m", "(not slow) and not alone"], ["-m", "(not slow) and alone"]]
+    assert all("tests/test_sampling.py" in c and "not slow" not in c for c in calls)
+    assert r["exit"] == 0 and r["counts"] == {"passed": 3}  # no `alone` test in that selection: not a failure
+    calls.clear()
+    gpu.tests_section(gpu.Settings(test_args="-q", test_workers=1, out=str(tmp_path / "b.json")))
+    assert [c[-1] for c in calls] == ["not alone", "alone"]

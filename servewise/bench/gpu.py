@@ -115,7 +115,12 @@ def _pytest(args: list[str], root: str) -> tuple[subprocess.CompletedProcess, di
 
 def tests_section(s: Settings) -> dict:
     """The suite as the README runs it: the parallel part, then the tests marked `alone` by themselves."""
-    base = [*shlex.split(s.test_args), "-p", "no:cacheprovider"]
+    args, user = shlex.split(s.test_args), None
+    if "-m" in args[:-1]:  # the user's own marker expression joins each part's
+        i = args.index("-m")
+        user, args = args[i + 1], args[:i] + args[i + 2:]
+    base = args + ["-p", "no:cacheprovider"]
+    marks = [f"({user}) and not alone", f"({user}) and alone"] if user else ["not alone", "alone"]
     parallel = list(base)
     try:
         import xdist  # noqa: F401
@@ -126,7 +131,7 @@ def tests_section(s: Settings) -> dict:
         pass
     t0 = time.perf_counter()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    runs = [_pytest(parallel + ["-m", "not alone"], root), _pytest(base + ["-m", "alone"], root)]
+    runs = [_pytest(parallel + ["-m", marks[0]], root), _pytest(base + ["-m", marks[1]], root)]
     log = os.path.splitext(s.out)[0] + "_tests.log"  # every failure's message and traceback
     os.makedirs(os.path.dirname(os.path.abspath(log)) or ".", exist_ok=True)
     with open(log, "w") as f:
@@ -140,9 +145,10 @@ def tests_section(s: Settings) -> dict:
               if line.startswith(("FAILED ", "ERROR "))]
     tail = runs[0][0].stdout.strip().splitlines()[-12:] + runs[1][0].stdout.strip().splitlines()[-3:]
     codes = [proc.returncode for proc, _ in runs]
-    codes[1] = 0 if codes[1] == 5 else codes[1]  # 5: no test selected (a selection without an `alone` test)
-    return {"command": shlex.join(parallel + ["-m", "not alone"]) + "; then: -m alone", "exit": max(codes),
-            "seconds": time.perf_counter() - t0, "counts": counts, "failed": failed, "tail": tail,
+    # 5: no test selected; a part may select none (a selection without an `alone` test), not both
+    exit_code = 5 if codes == [5, 5] else max(0 if c == 5 else c for c in codes)
+    return {"command": shlex.join(parallel + ["-m", marks[0]]) + f"; then: -m {shlex.quote(marks[1])}",
+            "exit": exit_code, "seconds": time.perf_counter() - t0, "counts": counts, "failed": failed, "tail": tail,
             "log": os.path.basename(log)}
 
 

@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__FAST_MATH__)  // (it would fold the vector form's (y + 1.5 * 2^23) - 1.5 * 2^23 into y)
+#error "fast_exp.h needs IEEE float arithmetic: build without -ffast-math"
+#endif
+
 namespace servewise {
 
 // exp(x - k ln2), k the integer nearest x / ln2, by the polynomial above (F: a float or a vector of floats).

@@ -43,8 +43,9 @@ def fit_link(nbytes, copies, times) -> Link:
     """fixed + max(copies x per_copy, bytes / bandwidth), least relative error. Two starts: the straight
     line of time on bytes (no per-copy term; where the link binds), and one where the copies bind; the
     better fit is kept. Where the times do not grow with the bytes (a small model's swaps on a GPU: a few
-    launches and the fixed cost, whatever they move), the bytes' term starts at a bandwidth too high to
-    count over the sizes measured, and the fit says what the sizes cost as they were measured."""
+    launches and the fixed cost, whatever they move), the bytes' term starts at the highest bandwidth the fit
+    allows, and the fit says what the sizes cost as they were measured; it cannot tell the link's speed, so
+    swaps far larger than the profile's are priced near their fixed part."""
     from scipy.optimize import least_squares
 
     x, c, t = (np.asarray(v, float) for v in (nbytes, copies, times))
@@ -55,15 +56,16 @@ def fit_link(nbytes, copies, times) -> Link:
     def model(th):  # th: fixed (us), per copy (us), bandwidth (GB/s)
         return th[0] * 1e-6 + np.maximum(th[1] * 1e-6 * c, x / (th[2] * 1e9))
 
-    hi = np.array([1e6, 1e4, 1e5])
-    if slope > 0:
+    lo, hi = np.array([0.0, 0.0, 1e-3]), np.array([1e6, 1e4, 1e5])
+    if slope > 0 and 1e-9 / slope < hi[2]:
         line = np.array([max(float(intercept), 0.0) * 1e6, 0.0, 1e-9 / float(slope)])
-    else:  # flat: the bytes at 100 TB/s (within the bounds) cost nothing at these sizes
-        line = np.array([float(np.median(t)) * 1e6, 0.0, 1e5])
-    starts = [np.clip(line, 0, hi)]
+    else:  # flat (or nearly): the bytes at the highest bandwidth allowed
+        line = np.array([float(np.median(t)) * 1e6, 0.0, hi[2]])
+    starts = [line]
     if c.any():
         starts.append(np.array([float(t.min()) * 5e5, float(np.median(t / np.maximum(c, 1))) * 1e6, line[2]]))
-    fits = [least_squares(lambda th: (model(th) - t) / t, th0, bounds=([0, 0, 1e-3], hi)).x for th0 in starts]
+    starts = [np.clip(th0, lo, hi) for th0 in starts]
+    fits = [least_squares(lambda th: (model(th) - t) / t, th0, bounds=(lo, hi)).x for th0 in starts]
     th = min(fits, key=lambda th: float((np.abs(model(th) - t) / t).sum()))
     return Link(float(th[0]) * 1e-6, float(th[2]) * 1e9, float(th[1]) * 1e-6)
 
