@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -108,8 +109,7 @@ def device_section() -> dict:
 def _pytest(args: list[str], root: str) -> tuple[subprocess.CompletedProcess, dict]:
     proc = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=root, capture_output=True, text=True)
     tail = proc.stdout.strip().splitlines()
-    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)",
-                                                tail[-1] if tail else "")}
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", tail[-1] if tail else "")}
     return proc, counts
 
 
@@ -136,11 +136,7 @@ def tests_section(s: Settings) -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(log)) or ".", exist_ok=True)
     with open(log, "w") as f:
         f.write("".join(proc.stdout + proc.stderr for proc, _ in runs))
-    counts: dict[str, int] = {}
-    for _, c in runs:
-        for k, v in c.items():
-            if k != "deselected":
-                counts[k] = counts.get(k, 0) + v
+    counts = dict(sum((Counter(c) for _, c in runs), Counter()))
     failed = [line.split(" ", 1)[1].split(" - ")[0] for proc, _ in runs for line in proc.stdout.splitlines()
               if line.startswith(("FAILED ", "ERROR "))]
     tail = runs[0][0].stdout.strip().splitlines()[-12:] + runs[1][0].stdout.strip().splitlines()[-3:]

@@ -151,6 +151,7 @@ constexpr int kNative = 8, kValueHeads = 2;
 typedef float vn __attribute__((vector_size(kNative * sizeof(float))));
 typedef uint16_t vn16 __attribute__((vector_size(kNative * sizeof(uint16_t))));
 typedef uint32_t vn32 __attribute__((vector_size(kNative * sizeof(uint32_t))));
+typedef int32_t vni __attribute__((vector_size(kNative * sizeof(int32_t))));
 
 inline vn load_native(const float* p) {
   vn v;
@@ -179,7 +180,6 @@ inline vn sum_lanes_native(vn* a) {
 #if defined(__AVX512F__)
   return sum_lanes16(a);
 #else
-  typedef int32_t vni __attribute__((vector_size(kNative * sizeof(int32_t))));
   const vni even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = even + 1;
   const vni lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = lo + 4;
   auto pairs = [&](vn x, vn y) { return __builtin_shuffle(x, y, even) + __builtin_shuffle(x, y, odd); };
@@ -195,7 +195,6 @@ inline vn sum_lanes_native(vn* a) {
 // keeps the max and sum of column j % H, and the lanes of one column are combined at the end. Rows of
 // whole native vectors are written with them (GCC left the plain loops scalar); the rest lane by lane.
 inline void softmax_columns(float* S, int64_t n, int64_t H, float* inv) {
-  typedef int32_t vni __attribute__((vector_size(kNative * sizeof(int32_t))));
   constexpr int64_t kMaxW = 256;
   const int64_t W = kLanes % H == 0 ? kLanes : H, N = n * H, full = N - N % W;  // W: a multiple of H
   const bool vec = W % kNative == 0 && W <= kMaxW;
