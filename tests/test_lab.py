@@ -75,3 +75,39 @@ def test_a_record_pairs_its_requests_with_the_items_the_engine_took():
     kept = rec.kept(items)
     assert kept == [items[0], items[2], items[3]] and len(rec.requests) == 3
     assert [r.prompt_tokens for r in rec.requests] == [20, 30, 40]
+
+
+def _square(x):
+    _square.calls += 1
+    return {"x": x, "square": x * x, "counts": (x, x)}
+
+
+_square.calls = 0
+
+
+def test_a_checkpoint_keeps_finished_points_for_the_same_settings_and_code(tmp_path):
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from servewise.lab.checkpoint import Checkpoint
+
+    cp = Checkpoint(str(tmp_path / "points"))
+    with ProcessPoolExecutor(2, mp_context=get_context("fork")) as pool:  # kept by the workers that ran them
+        first = list(cp.map(pool, _square, [1, 2, 3]))
+    assert cp.kept(_square, [1, 2, 3, 4]) == 3 and not list(tmp_path.glob("points/*.tmp"))
+    _square.calls = 0
+    again = [cp.call(_square, x) for x in (1, 2, 3, 4)]
+    assert again[:3] == first and again[3]["square"] == 16 and _square.calls == 1  # only the new point ran
+    assert again[0]["counts"] == (1, 1)  # its types as returned, not as JSON would give them back
+    _square.calls = 0
+    assert Checkpoint(cp.dir, code="other code").call(_square, 1) == first[0] and _square.calls == 1
+    assert Checkpoint(None).call(_square, 1) == first[0] and _square.calls == 2 and cp.kept(_square, [5]) == 0
+
+
+def test_the_splitwise_points_do_not_depend_on_what_only_chooses_the_points():
+    from servewise.experiments.splitwise import Settings, point_settings
+
+    a = Settings(data_dir="d", jobs=2, sections=("sweep",), designs=("Splitwise-HH",))
+    b = Settings(data_dir="d", jobs=1)
+    assert repr(point_settings(a)) == repr(point_settings(b))
+    assert repr(point_settings(a)) != repr(point_settings(Settings(data_dir="d", seed=1)))

@@ -35,6 +35,7 @@ from servewise.cluster.machines import get_machine
 from servewise.cluster.provision import budget_splits, highest_load, provision
 from servewise.cluster.sim import Design
 from servewise.cluster.slo import check
+from servewise.lab.checkpoint import Checkpoint
 from servewise.metrics.slowdown import PERCENTILES
 from servewise.workloads.datasets import WorkloadRequest, load_azure_trace
 
@@ -281,14 +282,14 @@ def _best_load(args) -> dict:
     return {"cluster": cluster, "kind": kind, "counts": counts, "max_rate": rate}
 
 
-def iso_search(s: Settings, pool, progress=lambda done, total: None) -> list[dict]:
+def iso_search(s: Settings, pool, progress=lambda done, total: None, checkpoint: Checkpoint = Checkpoint(None)) -> list[dict]:
     """For each budget and split design kind, the split within the budget that sustains the highest
     load (ties: the fewest machines). progress(done, total) after each split searched."""
-    tasks = [(s, cluster, kind, c) for cluster, (attr, budget) in BUDGETS.items() for kind in KINDS
+    tasks = [(point_settings(s), cluster, kind, c) for cluster, (attr, budget) in BUDGETS.items() for kind in KINDS
              if KINDS[kind][1] is not None and kind in s.designs for c in budget_splits(*KINDS[kind], attr, budget)]
     found: dict = {}
     splits: dict = {}
-    for i, r in enumerate(pool.map(_best_load, tasks), 1):
+    for i, r in enumerate(checkpoint.map(pool, _best_load, tasks), 1):
         progress(i, len(tasks))
         key = (r["cluster"], r["kind"])
         splits.setdefault(key, []).append((r["counts"], r["max_rate"]))
@@ -297,10 +298,19 @@ def iso_search(s: Settings, pool, progress=lambda done, total: None) -> list[dic
     return [{**r, "splits": splits[key]} for key, r in found.items()]
 
 
-def run_experiment(s: Settings, progress=print) -> dict:
+def point_settings(s: Settings) -> Settings:
+    """s as the points see it: without what only chooses which points run (so that a resumed run with
+    other sections, designs or jobs finds the points it shares with the first)."""
+    return replace(s, jobs=1, sections=SECTIONS, designs=tuple(KINDS), provision_kinds=tuple(KINDS))
+
+
+def run_experiment(s: Settings, progress=print, checkpoint: Checkpoint = Checkpoint(None)) -> dict:
+    """Every section of s; with a checkpoint's directory, each finished point is kept there and a run
+    of the same settings on the same code picks them up (see servewise.lab.checkpoint)."""
     from servewise.predictors.measured import roofline_error
 
     t0 = time.perf_counter()
+    p = point_settings(s)
     out: dict = {"settings": asdict(s), "paper": PAPER}
     if s.measured and not s.calibration:
         out["roofline_error"] = roofline_error(s.table)
@@ -310,37 +320,37 @@ def run_experiment(s: Settings, progress=print) -> dict:
     with ProcessPoolExecutor(max_workers=s.jobs, mp_context=ctx) as pool:
         prov = {}
         kinds = [k for k in s.provision_kinds if k in s.designs and "provision" in s.sections]
-        for kind, res in zip(kinds, pool.map(_provision, [(s, k) for k in kinds])):
+        for kind, res in zip(kinds, checkpoint.map(pool, _provision, [(p, k) for k in kinds])):
             prov[kind] = res
             best = res["best"]
             progress(f"cost-optimal {kind}: {best['counts'] if best else 'none within the search bounds'} "
                      f"({len(res['evaluated'])} designs simulated, {time.perf_counter() - t0:.0f} s)")
         out["provisioning"] = prov
-        tasks = [(s, name, kind, counts, rate) for name, table in (("iso-power", ISO_POWER), ("iso-cost", ISO_COST))
+        tasks = [(p, name, kind, counts, rate) for name, table in (("iso-power", ISO_POWER), ("iso-cost", ISO_COST))
                  for kind, counts in table.items() if kind in s.designs and "sweep" in s.sections
                  for rate in s.sweep_rates]
         points = []
-        for m in pool.map(_sweep_point, tasks):
+        for m in checkpoint.map(pool, _sweep_point, tasks):
             points.append(m)
             if len(points) % 10 == 0 or len(points) == len(tasks):
                 progress(f"load sweep: {len(points)}/{len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
         def searched(done: int, total: int) -> None:
             if done % 5 == 0 or done == total:
                 progress(f"iso-power and iso-cost search: {done}/{total} splits ({time.perf_counter() - t0:.0f} s)")
-        out["iso_search"] = iso_search(s, pool, searched) if "iso" in s.sections else []
+        out["iso_search"] = iso_search(s, pool, searched, checkpoint) if "iso" in s.sections else []
         progress(f"iso-power and iso-cost splits searched ({time.perf_counter() - t0:.0f} s)")
-        tasks = [(s, policy, rate) for rate in s.mixed_rates for policy in ("fcfs", "prompt-first")
+        tasks = [(p, policy, rate) for rate in s.mixed_rates for policy in ("fcfs", "prompt-first")
                  if "mixed" in s.sections and MIXED[0] in s.designs]
-        out["mixed"] = list(pool.map(_mixed_point, tasks))
+        out["mixed"] = list(checkpoint.map(pool, _mixed_point, tasks))
         progress(f"mixed machines: {len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
-        tasks = [(s, kind, counts) for kind, counts in ISO_POWER.items() if kind in s.designs and "batches" in s.sections]
-        out["batches"] = list(pool.map(_batches_point, tasks))
+        tasks = [(p, kind, counts) for kind, counts in ISO_POWER.items() if kind in s.designs and "batches" in s.sections]
+        out["batches"] = list(checkpoint.map(pool, _batches_point, tasks))
         progress(f"batch sizes: {len(tasks)} designs ({time.perf_counter() - t0:.0f} s)")
         best = {k: p["best"]["counts"] for k, p in prov.items() if p["best"]}
-        tasks = [(s, kind, counts, trace, model, repurpose) for kind, counts in best.items() if "robustness" in s.sections
+        tasks = [(p, kind, counts, trace, model, repurpose) for kind, counts in best.items() if "robustness" in s.sections
                  for trace, model in (("code", s.model), ("conv", s.model), ("code", s.robustness_model))
                  for repurpose in ((False, True) if KINDS[kind][1] and (trace, model) != ("code", s.model) else (False,))]
-        out["robustness"] = list(pool.map(_robust_point, tasks))
+        out["robustness"] = list(checkpoint.map(pool, _robust_point, tasks))
         if "robustness" in s.sections and not best:
             progress("robustness: skipped (it runs the provisioning section's designs: add provision)")
         progress(f"robustness: {len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
@@ -553,5 +563,9 @@ def main(s: Settings, out_dir: str = "results/splitwise") -> None:
     if s.measured and not os.path.isfile(s.table):
         raise ValueError(f"no {s.table}: --data-dir must hold splitwise/perf_model.csv.gz (or pass --roofline)"
                          if not s.calibration else f"no calibration file {s.table}")
-    r = run_experiment(s, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    checkpoint = Checkpoint(os.path.join(out_dir, "points"))
+    if os.path.isdir(checkpoint.dir) and (kept := len(os.listdir(checkpoint.dir))):
+        print(f"{kept} simulations kept under {checkpoint.dir} by earlier runs: those of these settings on this "
+              "code are not run again", file=sys.stderr, flush=True)
+    r = run_experiment(s, progress=lambda msg: print(msg, file=sys.stderr, flush=True), checkpoint=checkpoint)
     publish(r, report(r), out_dir, "splitwise", plot)

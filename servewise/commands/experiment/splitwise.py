@@ -30,7 +30,10 @@ def arguments(p) -> None:
     p.add_argument("--jobs", type=int, default=None, help="simulations run in parallel (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", default="results/splitwise")
+    p.add_argument("--out-dir", default="results/splitwise",
+                   help="where the report, JSON and figures go; finished simulations are kept in its points/ "
+                        "folder, and a stopped run started again with the same settings on the same code "
+                        "resumes from them")
 
 
 def run(a) -> None:

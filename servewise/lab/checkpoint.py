@@ -1,0 +1,67 @@
+"""Finished points kept on disk, so that a long experiment that stops (interrupted, the machine taken
+back) resumes where it was instead of from its start.
+
+A point is one call `fn(args)` of an experiment's grid. Its result is kept under `dir` in a file named by
+a digest of the function, its arguments' repr and the source of the servewise package: the same
+settings on the same code reuse it; a changed setting or any change to the code computes it again.
+Files are written whole (a temporary name, then renamed), so a run killed mid-write leaves none half
+written. Results are pickled (they keep their types); the files are the run's own, not for exchange.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+
+def code_digest() -> str:
+    """sha256 of every Python source of the servewise package (names and contents)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Keeps each finished point under dir (None: keeps nothing, every point is computed)."""
+    dir: str | None
+    code: str = field(default_factory=code_digest)
+
+    def path(self, fn: Callable, args) -> str:
+        key = f"{fn.__module__}.{fn.__qualname__}|{args!r}|{self.code}"
+        return os.path.join(self.dir, hashlib.sha256(key.encode()).hexdigest()[:32] + ".pkl")
+
+    def call(self, fn: Callable, args):
+        """fn(args), or its result kept by an earlier run."""
+        if self.dir is None:
+            return fn(args)
+        path = self.path(fn, args)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                return pickle.load(f)
+        result = fn(args)
+        os.makedirs(self.dir, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(result, f)
+        os.replace(tmp, path)
+        return result
+
+    def kept(self, fn: Callable, tasks: Iterable) -> int:
+        """How many of fn's tasks have a kept result."""
+        return 0 if self.dir is None else sum(os.path.isfile(self.path(fn, a)) for a in tasks)
+
+    def map(self, pool, fn: Callable, tasks: list) -> Iterator:
+        """pool.map(fn, tasks) in order, each point kept as it finishes (in the worker that ran it)."""
+        return pool.map(_call, [(self, fn, a) for a in tasks])
+
+
+def _call(job):
+    checkpoint, fn, args = job
+    return checkpoint.call(fn, args)
