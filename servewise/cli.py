@@ -20,6 +20,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
         "gpu": "bench.gpu",
         "peer": "bench.peer",
         "attention": "bench.attention",
+        "linear": "bench.linear",
         "operations": "bench.operations",
         "offline": "bench.offline",
         "soak": "bench.soak",

@@ -75,6 +75,44 @@ def test_linear_paths_agree(rows, bias, transposed):
     assert torch.allclose(lin(x), want, atol=1e-4, rtol=1e-4)
 
 
+@needs_kernel
+@pytest.mark.parametrize("M,N,K", [(1, 7, 40), (2, 3, 8), (3, 97, 33), (4, 12, 64), (5, 50, 896), (17, 13, 19),
+                                   (64, 100, 72)])
+def test_the_bf16_weight_kernel_equals_fp32_arithmetic_on_the_same_weights(M, N, K):
+    """Every remainder of its tiles (rows of x by 4, rows of w by 3, in-features by 8) and work items."""
+    g = torch.Generator().manual_seed(M * N * K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+    want = x.double() @ w.double().t()
+    assert torch.allclose(ext.linear_bf16(x, w).double(), want, atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="bf16 w"):
+        ext.linear_bf16(x, w.float())
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("rows", [1, 7, 8, 64, 65, 300])
+@pytest.mark.parametrize("bias,transposed", [(False, False), (True, False), (False, True)])
+def test_bf16_weights_multiplied_in_fp32_agree_with_fp32_arithmetic(rows, bias, transposed, kernel, monkeypatch):
+    """The path of CPUs without bf16 dot products (forced here on any CPU): the compiled kernel for few
+    rows, converted pieces and BLAS for more, and without the kernel the bf16 GEMM below UPCAST_MIN_ROWS."""
+    from servewise.models import linear
+
+    if kernel and ext is None:
+        pytest.skip(f"no compiled kernel here: {kernels.status()}")
+    monkeypatch.setattr(linear, "NATIVE_BF16", False)
+    monkeypatch.setattr(linear, "UPCAST_CHUNK", 40 * 30)  # several pieces of 30 rows, the last one short
+    if not kernel:
+        monkeypatch.setattr(kernels, "cpu_ext", lambda: None)
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(100, 40, generator=g).bfloat16(), torch.randn(100, generator=g).bfloat16()
+    x = torch.randn(rows, 40, generator=g).bfloat16()
+    lin = Linear(w, b if bias else None, transposed=transposed)
+    assert lin.upcast and lin.packed is None and lin.weight_t is None
+    want = x.double() @ w.double().t() + (b.double() if bias else 0)
+    got = lin(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 100)
+    assert torch.allclose(got.double(), want, atol=0.05, rtol=1 / 128)  # the output's bf16 rounding
+
+
 def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatch):
     """A build killed midway leaves torch's lock file; later starts would wait on it forever."""
     import os

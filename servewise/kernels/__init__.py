@@ -46,7 +46,7 @@ def last_level_cache_bytes() -> int | None:
     return max(sizes) if sizes else None
 
 
-SOURCES = ("paged_attention.cpp", "layer_ops.cpp")  # one module; paged_attention.cpp declares its functions
+SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "linear_bf16.cpp")  # one module; paged_attention.cpp declares its functions
 
 
 def _module_name() -> str:

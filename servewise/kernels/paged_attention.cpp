@@ -462,6 +462,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 double eps);
 at::Tensor silu_mul_(at::Tensor& gate, const at::Tensor& up);
 void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
+// linear_bf16.cpp
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
@@ -469,4 +471,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) (CPU)");
   m.def("silu_mul_", &silu_mul_, "silu(gate) * up, over gate (CPU)");
   m.def("rotary_", &rotary_, "rotary embedding in place (CPU)");
+  m.def("linear_bf16", &linear_bf16, "x @ w.T, float x, bf16 w, few rows (CPU)");
 }

@@ -19,7 +19,7 @@ from torch import nn
 from servewise import kernels
 from servewise.config import ModelConfig
 from servewise.models.attention import AttentionMetadata, paged_attention
-from servewise.models.linear import Linear
+from servewise.models.linear import Linear, upcast_wanted
 from servewise.models.rope import Rotary
 
 
@@ -162,10 +162,13 @@ class DecoderForCausalLM(nn.Module):
     def finalize(self) -> None:
         """After loading: linear layers on prepacked weights where available; the output projection's
         plain path keeps it transposed, a faster layout for CPU matmul."""
-        lm_head_t = self.lm_head.detach().t().contiguous()
-        if not self.c.tie_word_embeddings:  # untied: let the parameter share the new storage, not hold a copy
-            self.lm_head.data = lm_head_t.t()
-        self.head = Linear(lm_head_t.t(), transposed=True)
+        if upcast_wanted(self.lm_head):  # read by rows as stored (for tied embeddings: no copy)
+            self.head = Linear(self.lm_head)
+        else:
+            lm_head_t = self.lm_head.detach().t().contiguous()
+            if not self.c.tie_word_embeddings:  # untied: let the parameter share the new storage, not hold a copy
+                self.lm_head.data = lm_head_t.t()
+            self.head = Linear(lm_head_t.t(), transposed=True)
         self.norm_w = self.norm.detach() + self.c.norm_offset if self.c.norm_offset else self.norm.detach()
         for layer in self.layers:
             layer.finalize()

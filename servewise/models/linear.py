@@ -14,12 +14,29 @@ GFLOP/s of `F.linear` -> prepacked, on the two CPU kinds of the development mach
 With AVX2 alone packed weights win up to about a thousand rows (decode steps, small prefills) and
 lose on large prefills; with AVX-512 they win at every size. `Linear` keeps both and picks by the
 number of rows (PACKED_MAX_ROWS: no limit with AVX-512, 1,024 rows otherwise); the packed copy costs
-the weight's memory once more. `SERVEWISE_LINEAR=plain` turns packing off.
+the weight's memory once more.
+
+On a CPU without bf16 dot products (no AVX512_BF16 or AMX: AVX2-only machines and AVX-512 ones without
+them) oneDNN's bf16 GEMM runs emulated, at about 20 GFLOP/s on two AVX2 threads whatever the row count
+(and with AVX2 alone bf16 weights cannot be packed). There `Linear` keeps the bf16 weight (its memory stays halved) and
+multiplies in fp32: up to KERNEL_MAX_ROWS rows (decode steps) by a compiled kernel that converts a few
+weight rows at a time in cache (kernels/linear_bf16.cpp); above, by converting UPCAST_CHUNK weights at a
+time into a cache-sized fp32 piece that BLAS multiplies. Without the compiled kernels the pieces serve
+from UPCAST_MIN_ROWS rows and the bf16 GEMM below. Qwen2.5-0.5B's layers, one pass (24 layers and the
+output projection), 2 AVX2 threads (`servewise bench linear`, docs/figures/bench_linear_bf16_*):
+
+    rows     this path    oneDNN bf16    fp32 weights (twice the memory)
+    1          47.8 ms        48.9 ms        48.5 ms
+    16        168.8 ms       763.3 ms       147.0 ms
+    1024      7.39 s         49.4 s          6.94 s
+
+`SERVEWISE_LINEAR=plain` turns packing and this off (F.linear in the weights' dtype).
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +50,56 @@ def _packed_max_rows() -> int:
 
 
 PACKED_MAX_ROWS = _packed_max_rows()
+
+
+def _native_bf16() -> bool:
+    from servewise.kernels import cpu_flags
+
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
+
+
+NATIVE_BF16 = _native_bf16()
+KERNEL_MAX_ROWS = 64  # up to here the compiled kernel (kernels/linear_bf16.cpp); converted pieces and BLAS above
+UPCAST_MIN_ROWS = 8  # without the compiled kernel: the bf16 GEMM below this, converted pieces from it
+UPCAST_CHUNK = 1 << 20  # bf16 weights converted at a time: a 4 MiB fp32 piece
+_buffers = threading.local()  # each thread's fp32 piece, grown as needed
+
+
+def upcast_wanted(weight: torch.Tensor) -> bool:
+    """bf16 weights on a CPU that has no bf16 dot product: multiplied in fp32 (see the module's text)."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not NATIVE_BF16
+            and os.environ.get("SERVEWISE_LINEAR", "auto") != "plain")
+
+
+def _piece(n: int) -> torch.Tensor:
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _buffers.buf = torch.empty(n)
+    return buf[:n]
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T in fp32 from a bf16 weight [out, in]; returns x's dtype. Few rows: the compiled
+    kernel; more: UPCAST_CHUNK weights converted at a time into a float piece, multiplied by BLAS."""
+    from servewise.kernels import cpu_ext
+
+    xf = x.float().contiguous()
+    rows, k = xf.shape
+    n = weight.shape[0]
+    ext = cpu_ext() if rows <= KERNEL_MAX_ROWS else None
+    if ext is not None:
+        y = ext.linear_bf16(xf, weight)
+    else:
+        y = torch.empty(rows, n)
+        step = max(16, UPCAST_CHUNK // k)
+        for r in range(0, n, step):
+            m = min(step, n - r)
+            piece = _piece(m * k).view(m, k)
+            piece.copy_(weight[r:r + m])
+            torch.mm(xf, piece.t(), out=y[:, r:r + m])
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype)
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -61,17 +128,20 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, transposed: bool = False):
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
-        self.weight_t = weight.t().contiguous() if transposed else None
-        self.weight = None if transposed else weight.contiguous()
+        self.upcast = upcast_wanted(weight)  # (its paths read weight rows: never transposed)
+        self.weight_t = weight.t().contiguous() if transposed and not self.upcast else None
+        self.weight = None if self.weight_t is not None else weight.contiguous()
         self.packed = None
         self.shape = (weight.shape[1], weight.shape[0], weight.dtype)  # in, out, dtype
-        if packing_available(weight):
+        if packing_available(weight) and not self.upcast:
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
             except RuntimeError as e:  # an unsupported shape or build: the plain path serves
                 log.warning("servewise: no prepacked weight for shape %s (%s)", tuple(weight.shape), e)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast and (x.shape[0] >= UPCAST_MIN_ROWS or _kernel_ready()):
+            return upcast_linear(x, self.weight, self.bias)
         if self.packed is not None and (n := x.shape[0]) <= PACKED_MAX_ROWS:
             if n > PAD_ABOVE and n % PAD_TO:  # a bounded set of row counts: oneDNN builds a kernel per count
                 x = torch.cat((x, x.new_zeros(PAD_TO - n % PAD_TO, x.shape[1])))
@@ -85,7 +155,17 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+def _kernel_ready() -> bool:
+    from servewise.kernels import cpu_ext
+
+    return cpu_ext() is not None
+
+
 def describe(linears: list[Linear]) -> str:
+    if upcast := sum(lin.upcast for lin in linears):
+        how = (f"the compiled kernel up to {KERNEL_MAX_ROWS} rows, converted pieces and BLAS above" if _kernel_ready()
+               else f"converted pieces and BLAS from {UPCAST_MIN_ROWS} rows, the bf16 GEMM below")
+        return f"linear layers: {upcast}/{len(linears)} bf16 multiplied in fp32 ({how}; no bf16 dot product on this CPU)"
     packed = sum(lin.packed is not None for lin in linears)
     if packed:
         limit = "at any row count" if PACKED_MAX_ROWS >= 1 << 62 else f"up to {PACKED_MAX_ROWS} rows, F.linear above"

@@ -1,0 +1,102 @@
+"""A model's linear layers at the row counts of decode steps and prefills, each path side by side.
+
+For each weight shape of a model's layers (and its output projection) and each row count, with the
+same torch threads, the best of `repeat` calls of:
+- `servewise`: the engine's `Linear` in the dtype asked for (what a step runs: prepacked oneDNN weights,
+  or for bf16 on a CPU without bf16 dot products, fp32 arithmetic on the bf16 weights, models/linear.py);
+- `bf16 oneDNN` (bf16 only): `F.linear` on the bf16 weights, what other engines on PyTorch call;
+- `fp32`: the engine's `Linear` on fp32 copies of the weights (twice their memory: the reference).
+Figures are GFLOP/s (2 x rows x in x out / time); the summary is the median over `rounds` rounds and the
+total time of one pass over the model's layers per path.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from servewise.bench.attention import _best
+from servewise.kernels import cpu_flags, status
+from servewise.metrics.summary import save_json
+
+
+@dataclass
+class Settings:
+    """`model`: a built-in name, configuration-only size or checkpoint directory (its shapes only);
+    `out`: the JSON (None: not saved)."""
+
+    model: str = "qwen2.5-0.5b"
+    dtype: str = "bfloat16"
+    rows: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
+    rounds: int = 3
+    repeat: int = 5
+    seed: int = 0
+    out: str | None = "results/bench_linear.json"
+
+
+def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """{name: (in, out)} of one decoder layer's linear layers as the engine holds them on CPU, and the
+    output projection's."""
+    from servewise.models.loader import hf_config
+
+    c = hf_config(model)
+    h, H = c["hidden_size"], c["num_attention_heads"]
+    d = c.get("head_dim") or h // H
+    kv = c.get("num_key_value_heads") or H
+    inter = c.get("intermediate_size") or c.get("ffn_dim") or 4 * h
+    return {"qkv": (h, (H + 2 * kv) * d), "o": (H * d, h), "gate": (h, inter), "up": (h, inter), "down": (inter, h),
+            "head": (h, c["vocab_size"])}
+
+
+def main(s: Settings) -> dict:
+    """Run the benchmark; the CLI has already applied --threads."""
+    from servewise.models.linear import Linear, describe
+    from servewise.models.loader import hf_config
+
+    dtype = getattr(torch, s.dtype)
+    layers = hf_config(s.model)["num_hidden_layers"]
+    shapes = layer_shapes(s.model)
+    g = torch.Generator().manual_seed(s.seed)
+    weights = {n: torch.randn(o, i, generator=g).div_(i ** 0.5).to(dtype) for n, (i, o) in shapes.items()}
+    paths = {"servewise": {n: Linear(w) for n, w in weights.items()}}
+    if dtype == torch.bfloat16:
+        paths["bf16 oneDNN"] = {n: (lambda w: lambda x: F.linear(x, w))(w) for n, w in weights.items()}
+    paths["fp32"] = {n: Linear(w.float()) for n, w in weights.items()}
+    threads = torch.get_num_threads()
+    print(f"linear layers of {s.model} ({layers} layers), {s.dtype}; rows {', '.join(map(str, s.rows))}; best of "
+          f"{s.repeat} calls, {s.rounds} rounds; torch threads {threads}; CPU flags: {cpu_flags()}\n"
+          f"servewise: {describe(list(paths['servewise'].values()))}; kernels: {status()}", flush=True)
+    rounds = []
+    for r in range(s.rounds):
+        row = {}
+        for n in s.rows:
+            for name, (i, o) in shapes.items():
+                x = torch.randn(n, i, generator=g).to(dtype)
+                for path, lin in paths.items():
+                    xi = x.float() if path == "fp32" else x
+                    row[f"{path}/{name}/{n}"] = _best(lambda: lin[name](xi), s.repeat)
+        rounds.append(row)
+        print(f"round {r + 1}/{s.rounds} done", flush=True)
+    med = {k: statistics.median(row[k] for row in rounds) for k in rounds[0]}
+    names = list(paths)
+    print(f"\nGFLOP/s, median of rounds; a pass = {layers} layers + the output projection (ms)\n"
+          f"| rows | shape (in x out) | " + " | ".join(names) + " |\n|---|---|" + "---:|" * len(names))
+    summary = []
+    for n in s.rows:
+        for name, (i, o) in shapes.items():
+            gf = {p: 2 * n * i * o / med[f"{p}/{name}/{n}"] / 1e9 for p in names}
+            summary.append({"rows": n, "layer": name, "in": i, "out": o, "gflops": gf})
+            print(f"| {n} | {name} {i} x {o} | " + " | ".join(f"{gf[p]:.0f}" for p in names) + " |")
+        passes = {p: 1e3 * (layers * sum(med[f"{p}/{m}/{n}"] for m in shapes if m != "head") + med[f"{p}/head/{n}"])
+                  for p in names}
+        summary.append({"rows": n, "layer": "pass", "ms": passes})
+        print(f"| {n} | **a pass, ms** | " + " | ".join(f"{passes[p]:.1f}" for p in names) + " |")
+    result = {"settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(s).items()},
+              "threads": threads, "cpu_flags": cpu_flags(), "servewise_path": describe(list(paths["servewise"].values())),
+              "summary": summary, "rounds": rounds}
+    if s.out:
+        save_json(result, s.out)
+        print(f"saved {s.out}")
+    return result
