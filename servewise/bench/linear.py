@@ -64,10 +64,10 @@ def main(s: Settings) -> dict:
     if dtype == torch.bfloat16:
         paths["bf16 oneDNN"] = {n: (lambda w: lambda x: F.linear(x, w))(w) for n, w in weights.items()}
     paths["fp32"] = {n: Linear(w.float()) for n, w in weights.items()}
-    threads = torch.get_num_threads()
+    threads, engine_path = torch.get_num_threads(), describe(list(paths["servewise"].values()))
     print(f"linear layers of {s.model} ({layers} layers), {s.dtype}; rows {', '.join(map(str, s.rows))}; best of "
           f"{s.repeat} calls, {s.rounds} rounds; torch threads {threads}; CPU flags: {cpu_flags()}\n"
-          f"servewise: {describe(list(paths['servewise'].values()))}; kernels: {status()}", flush=True)
+          f"servewise: {engine_path}; kernels: {status()}", flush=True)
     rounds = []
     for r in range(s.rounds):
         row = {}
@@ -94,7 +94,7 @@ def main(s: Settings) -> dict:
         summary.append({"rows": n, "layer": "pass", "ms": passes})
         print(f"| {n} | **a pass, ms** | " + " | ".join(f"{passes[p]:.1f}" for p in names) + " |")
     result = {"settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(s).items()},
-              "threads": threads, "cpu_flags": cpu_flags(), "servewise_path": describe(list(paths["servewise"].values())),
+              "threads": threads, "cpu_flags": cpu_flags(), "servewise_path": engine_path,
               "summary": summary, "rounds": rounds}
     if s.out:
         save_json(result, s.out)

@@ -282,7 +282,8 @@ def _best_load(args) -> dict:
     return {"cluster": cluster, "kind": kind, "counts": counts, "max_rate": rate}
 
 
-def iso_search(s: Settings, pool, progress=lambda done, total: None, checkpoint: Checkpoint = Checkpoint(None)) -> list[dict]:
+def iso_search(s: Settings, pool, progress=lambda done, total: None,
+               checkpoint: Checkpoint = Checkpoint(None)) -> list[dict]:
     """For each budget and split design kind, the split within the budget that sustains the highest
     load (ties: the fewest machines). progress(done, total) after each split searched."""
     tasks = [(point_settings(s), cluster, kind, c) for cluster, (attr, budget) in BUDGETS.items() for kind in KINDS
@@ -310,7 +311,7 @@ def run_experiment(s: Settings, progress=print, checkpoint: Checkpoint = Checkpo
     from servewise.predictors.measured import roofline_error
 
     t0 = time.perf_counter()
-    p = point_settings(s)
+    ps = point_settings(s)
     out: dict = {"settings": asdict(s), "paper": PAPER}
     if s.measured and not s.calibration:
         out["roofline_error"] = roofline_error(s.table)
@@ -320,13 +321,13 @@ def run_experiment(s: Settings, progress=print, checkpoint: Checkpoint = Checkpo
     with ProcessPoolExecutor(max_workers=s.jobs, mp_context=ctx) as pool:
         prov = {}
         kinds = [k for k in s.provision_kinds if k in s.designs and "provision" in s.sections]
-        for kind, res in zip(kinds, checkpoint.map(pool, _provision, [(p, k) for k in kinds])):
+        for kind, res in zip(kinds, checkpoint.map(pool, _provision, [(ps, k) for k in kinds])):
             prov[kind] = res
             best = res["best"]
             progress(f"cost-optimal {kind}: {best['counts'] if best else 'none within the search bounds'} "
                      f"({len(res['evaluated'])} designs simulated, {time.perf_counter() - t0:.0f} s)")
         out["provisioning"] = prov
-        tasks = [(p, name, kind, counts, rate) for name, table in (("iso-power", ISO_POWER), ("iso-cost", ISO_COST))
+        tasks = [(ps, name, kind, counts, rate) for name, table in (("iso-power", ISO_POWER), ("iso-cost", ISO_COST))
                  for kind, counts in table.items() if kind in s.designs and "sweep" in s.sections
                  for rate in s.sweep_rates]
         points = []
@@ -339,15 +340,15 @@ def run_experiment(s: Settings, progress=print, checkpoint: Checkpoint = Checkpo
                 progress(f"iso-power and iso-cost search: {done}/{total} splits ({time.perf_counter() - t0:.0f} s)")
         out["iso_search"] = iso_search(s, pool, searched, checkpoint) if "iso" in s.sections else []
         progress(f"iso-power and iso-cost splits searched ({time.perf_counter() - t0:.0f} s)")
-        tasks = [(p, policy, rate) for rate in s.mixed_rates for policy in ("fcfs", "prompt-first")
+        tasks = [(ps, policy, rate) for rate in s.mixed_rates for policy in ("fcfs", "prompt-first")
                  if "mixed" in s.sections and MIXED[0] in s.designs]
         out["mixed"] = list(checkpoint.map(pool, _mixed_point, tasks))
         progress(f"mixed machines: {len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
-        tasks = [(p, kind, counts) for kind, counts in ISO_POWER.items() if kind in s.designs and "batches" in s.sections]
+        tasks = [(ps, kind, counts) for kind, counts in ISO_POWER.items() if kind in s.designs and "batches" in s.sections]
         out["batches"] = list(checkpoint.map(pool, _batches_point, tasks))
         progress(f"batch sizes: {len(tasks)} designs ({time.perf_counter() - t0:.0f} s)")
         best = {k: p["best"]["counts"] for k, p in prov.items() if p["best"]}
-        tasks = [(p, kind, counts, trace, model, repurpose) for kind, counts in best.items() if "robustness" in s.sections
+        tasks = [(ps, kind, counts, trace, model, repurpose) for kind, counts in best.items() if "robustness" in s.sections
                  for trace, model in (("code", s.model), ("conv", s.model), ("code", s.robustness_model))
                  for repurpose in ((False, True) if KINDS[kind][1] and (trace, model) != ("code", s.model) else (False,))]
         out["robustness"] = list(checkpoint.map(pool, _robust_point, tasks))

@@ -46,7 +46,8 @@ def last_level_cache_bytes() -> int | None:
     return max(sizes) if sizes else None
 
 
-SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "linear_bf16.cpp")  # one module; paged_attention.cpp declares its functions
+# one module; paged_attention.cpp declares the functions of the others
+SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "linear_bf16.cpp")
 
 
 def _module_name() -> str:

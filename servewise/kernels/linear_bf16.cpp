@@ -68,8 +68,8 @@ void tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
     }
 }
 
-// 12 accumulators, 4 rows of x and a row of w: 17 values for 16 AVX2 registers, and yet, measured on two
-// AVX2 threads against 3 x 4 and 2 x 6 and 2 x 4 tiles, the fastest from 8 rows up (81-118 GFLOP/s)
+// 12 accumulators, 4 rows of x and a row of w (17 values for 16 AVX2 registers): measured on two AVX2
+// threads against 3 x 4, 2 x 6 and 2 x 4 tiles, the fastest from 8 rows up (81-118 GFLOP/s)
 constexpr int kMR = 4, kNR = 3;
 
 template <int NR>

@@ -165,7 +165,8 @@ def describe(linears: list[Linear]) -> str:
     if upcast := sum(lin.upcast for lin in linears):
         how = (f"the compiled kernel up to {KERNEL_MAX_ROWS} rows, converted pieces and BLAS above" if _kernel_ready()
                else f"converted pieces and BLAS from {UPCAST_MIN_ROWS} rows, the bf16 GEMM below")
-        return f"linear layers: {upcast}/{len(linears)} bf16 multiplied in fp32 ({how}; no bf16 dot product on this CPU)"
+        return (f"linear layers: {upcast}/{len(linears)} bf16 multiplied in fp32 ({how}; no bf16 dot product "
+                "on this CPU)")
     packed = sum(lin.packed is not None for lin in linears)
     if packed:
         limit = "at any row count" if PACKED_MAX_ROWS >= 1 << 62 else f"up to {PACKED_MAX_ROWS} rows, F.linear above"
