@@ -113,6 +113,20 @@ def test_bf16_weights_multiplied_in_fp32_agree_with_fp32_arithmetic(rows, bias, 
     assert torch.allclose(got.double(), want, atol=0.05, rtol=1 / 128)  # the output's bf16 rounding
 
 
+def test_the_fp32_piece_serves_calls_in_and_out_of_inference_mode(monkeypatch):
+    """The converted pieces reuse one buffer per thread; the engine's first call may make it in inference
+    mode, and a later call outside it (a benchmark, a test) must still write it."""
+    from servewise.models import linear
+
+    monkeypatch.setattr(linear, "NATIVE_BF16", False)
+    monkeypatch.setattr(linear, "_buffers", __import__("threading").local())
+    w = torch.randn(50, 40).bfloat16()
+    lin, x = Linear(w), torch.randn(300, 40).bfloat16()
+    with torch.inference_mode():
+        first = lin(x)
+    assert torch.equal(lin(x), first)
+
+
 def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatch):
     """A build killed midway leaves torch's lock file; later starts would wait on it forever."""
     import os

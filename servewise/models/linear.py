@@ -74,7 +74,8 @@ def upcast_wanted(weight: torch.Tensor) -> bool:
 def _piece(n: int) -> torch.Tensor:
     buf = getattr(_buffers, "buf", None)
     if buf is None or buf.numel() < n:
-        buf = _buffers.buf = torch.empty(n)
+        with torch.inference_mode(False):  # a normal tensor: written in place in and out of inference mode
+            buf = _buffers.buf = torch.empty(n)
     return buf[:n]
 
 
