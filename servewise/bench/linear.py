@@ -39,24 +39,23 @@ class Settings:
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     """{name: (in, out)} of one decoder layer's linear layers as the engine holds them on CPU, and the
     output projection's."""
+    from servewise.config import ModelConfig
     from servewise.models.loader import hf_config
 
-    c = hf_config(model)
-    h, H = c["hidden_size"], c["num_attention_heads"]
-    d = c.get("head_dim") or h // H
-    kv = c.get("num_key_value_heads") or H
-    inter = c.get("intermediate_size") or c.get("ffn_dim") or 4 * h
-    return {"qkv": (h, (H + 2 * kv) * d), "o": (H * d, h), "gate": (h, inter), "up": (h, inter), "down": (inter, h),
-            "head": (h, c["vocab_size"])}
+    c = ModelConfig.from_hf(hf_config(model))
+    h, q, inter = c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size
+    return {"qkv": (h, q + 2 * c.num_kv_heads * c.head_dim), "o": (q, h), "gate": (h, inter), "up": (h, inter),
+            "down": (inter, h), "head": (h, c.vocab_size)}
 
 
 def main(s: Settings) -> dict:
     """Run the benchmark; the CLI has already applied --threads."""
+    from servewise.config import ModelConfig
     from servewise.models.linear import Linear, describe
     from servewise.models.loader import hf_config
 
     dtype = getattr(torch, s.dtype)
-    layers = hf_config(s.model)["num_hidden_layers"]
+    layers = ModelConfig.from_hf(hf_config(s.model)).num_layers
     shapes = layer_shapes(s.model)
     g = torch.Generator().manual_seed(s.seed)
     weights = {n: torch.randn(o, i, generator=g).div_(i ** 0.5).to(dtype) for n, (i, o) in shapes.items()}

@@ -41,21 +41,19 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from servewise import kernels
+
 log = logging.getLogger("servewise")
 
 def _packed_max_rows() -> int:
-    from servewise.kernels import cpu_flags
-
-    return 1 << 62 if "avx512f" in cpu_flags().split() else 1024
+    return 1 << 62 if "avx512f" in kernels.cpu_flags().split() else 1024
 
 
 PACKED_MAX_ROWS = _packed_max_rows()
 
 
 def _native_bf16() -> bool:
-    from servewise.kernels import cpu_flags
-
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
+    return bool({"avx512_bf16", "amx_bf16"} & set(kernels.cpu_flags().split()))
 
 
 NATIVE_BF16 = _native_bf16()
@@ -79,16 +77,14 @@ def _piece(n: int) -> torch.Tensor:
     return buf[:n]
 
 
-def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T in fp32 from a bf16 weight [out, in]; returns x's dtype. Few rows: the compiled
-    kernel; more: UPCAST_CHUNK weights converted at a time into a float piece, multiplied by BLAS."""
-    from servewise.kernels import cpu_ext
-
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ext=None) -> torch.Tensor:
+    """x @ weight.T in fp32 from a bf16 weight [out, in]; returns x's dtype. With the compiled kernels
+    (`ext`) and up to KERNEL_MAX_ROWS rows: the compiled kernel; else UPCAST_CHUNK weights converted at a
+    time into a float piece, multiplied by BLAS."""
     xf = x.float().contiguous()
     rows, k = xf.shape
     n = weight.shape[0]
-    ext = cpu_ext() if rows <= KERNEL_MAX_ROWS else None
-    if ext is not None:
+    if ext is not None and rows <= KERNEL_MAX_ROWS:
         y = ext.linear_bf16(xf, weight)
     else:
         y = torch.empty(rows, n)
@@ -141,8 +137,8 @@ class Linear:
                 log.warning("servewise: no prepacked weight for shape %s (%s)", tuple(weight.shape), e)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.upcast and (x.shape[0] >= UPCAST_MIN_ROWS or _kernel_ready()):
-            return upcast_linear(x, self.weight, self.bias)
+        if self.upcast and ((ext := kernels.cpu_ext()) is not None or x.shape[0] >= UPCAST_MIN_ROWS):
+            return upcast_linear(x, self.weight, self.bias, ext)
         if self.packed is not None and (n := x.shape[0]) <= PACKED_MAX_ROWS:
             if n > PAD_ABOVE and n % PAD_TO:  # a bounded set of row counts: oneDNN builds a kernel per count
                 x = torch.cat((x, x.new_zeros(PAD_TO - n % PAD_TO, x.shape[1])))
@@ -156,16 +152,10 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-def _kernel_ready() -> bool:
-    from servewise.kernels import cpu_ext
-
-    return cpu_ext() is not None
-
-
 def describe(linears: list[Linear]) -> str:
     if upcast := sum(lin.upcast for lin in linears):
-        how = (f"the compiled kernel up to {KERNEL_MAX_ROWS} rows, converted pieces and BLAS above" if _kernel_ready()
-               else f"converted pieces and BLAS from {UPCAST_MIN_ROWS} rows, the bf16 GEMM below")
+        how = (f"the compiled kernel up to {KERNEL_MAX_ROWS} rows, converted pieces and BLAS above"
+               if kernels.cpu_ext() else f"converted pieces and BLAS from {UPCAST_MIN_ROWS} rows, the bf16 GEMM below")
         return (f"linear layers: {upcast}/{len(linears)} bf16 multiplied in fp32 ({how}; no bf16 dot product "
                 "on this CPU)")
     packed = sum(lin.packed is not None for lin in linears)
