@@ -133,3 +133,41 @@ def test_bad_settings_are_refused_before_any_server(tmp_path):
         with pytest.raises(ValueError, match=msg):
             soak.main(soak.Settings(out=str(tmp_path / "s.json"), **bad))
     assert not (tmp_path / "s.json").exists()
+
+
+def test_the_busiest_instance_sets_the_share_of_a_cluster():
+    key = 'servewise_instance_busy_seconds_total{instance="%d",role="%s"}'
+    before = {"engine_busy_s": 10.0, "instance_busy_s": {key % (0, "prompt"): 4.0, key % (1, "token"): 6.0}}
+    after = {"engine_busy_s": 25.0, "instance_busy_s": {key % (0, "prompt"): 7.0, key % (1, "token"): 18.0}}
+    assert soak.busiest_share(before, after, 20.0) == pytest.approx(0.6)  # the token instance: 12 s of 20
+    assert soak.busiest_share({"engine_busy_s": 10.0}, {"engine_busy_s": 25.0}, 20.0) == pytest.approx(0.75)
+    xs = [{"t": 0.0, **before}, {"t": 20.0, **after}]
+    assert soak.busy_share(xs, 0, 20, busiest=True) == pytest.approx(0.6)
+    assert soak.busy_share(xs, 0, 20) == pytest.approx(0.75)  # summed over the two
+
+
+def test_capacity_is_the_rate_that_would_keep_the_busiest_engine_always_busy(monkeypatch):
+    # a stand-in server: the burst finishes 96 requests in 4 s (24 req/s); at 0.8 x 24 = 19.2 req/s the
+    # engine is busy 57.6 s of 60, 0.96 of the time: it would be always busy at 20 req/s
+    done = RequestRecord(0.0, 16, 5, first_token=1.0, finish=2.0, finish_reason="length")
+
+    async def fake_bench(base, model, items, times, timeout=None):
+        return ([done] * len(items), 4.0) if max(times) == 0 else ([], 60.0)
+
+    readings = iter([{"t": 100.0, "engine_busy_s": 10.0, "instance_busy_s": {}},
+                     {"t": 160.0, "engine_busy_s": 67.6, "instance_busy_s": {}}])
+    monkeypatch.setattr(soak, "run_bench", fake_bench)
+    monkeypatch.setattr(soak, "wait_idle", lambda port: None)
+    monkeypatch.setattr(soak, "_busy_sample", lambda port: next(readings))
+    monkeypatch.setattr(soak, "workload", lambda s, n, seed: [object()] * n)
+    said = []
+    cap, found = soak.capacity(soak.Settings(calibrate_s=60.0), "http://x/v1", 0, said.append, "single")
+    assert found["burst_req_s"] == pytest.approx(24.0) and found["probe_req_s"] == pytest.approx(19.2)
+    assert found["busiest_share"] == pytest.approx(0.96) and cap == pytest.approx(20.0)
+    assert any("capacity 20.00" in line for line in said)
+    # never above the burst's rate; without the calibration the burst's rate is the capacity
+    readings = iter([{"t": 0.0, "engine_busy_s": 0.0, "instance_busy_s": {}},
+                     {"t": 60.0, "engine_busy_s": 30.0, "instance_busy_s": {}}])
+    assert soak.capacity(soak.Settings(calibrate_s=60.0), "x", 0, said.append, "single")[0] == pytest.approx(24.0)
+    cap, found = soak.capacity(soak.Settings(calibrate_s=0.0), "http://x/v1", 0, said.append, "single")
+    assert cap == pytest.approx(24.0) and "busiest_share" not in found

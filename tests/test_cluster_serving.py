@@ -5,6 +5,7 @@ cluster still answers."""
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -240,6 +241,9 @@ def test_the_server_serves_through_a_cluster_and_survives_a_dead_instance():
         ref = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     with running_server(cluster=dict(roles=["prompt", "token"], lease_s=LEASE_S)) as (url, c):
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == ref
+        busy = lambda: {m["role"]: m["busy_s"] for m in c.instance_info()}  # noqa: E731
+        first_life = busy()
+        assert first_life["prompt"] > 0 and first_life["token"] > 0
         os.kill(c.members[1].pid, signal.SIGKILL)
         wait_until(lambda: c.members[1].restarts == 1 and c.members[1].up, 60, "the token instance to come back")
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
@@ -248,6 +252,11 @@ def test_the_server_serves_through_a_cluster_and_survives_a_dead_instance():
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert 'servewise_kv_handoffs_total{outcome="committed"} 2.0' in metrics
         assert 'servewise_instance_up{instance="1",role="token"} 1.0' in metrics
+        # the token instance's busy seconds count its first life too (and grew in its second)
+        assert busy()["token"] > first_life["token"] and busy()["prompt"] > first_life["prompt"]
+        token_busy = float(re.search(r'servewise_instance_busy_seconds_total\{instance="1",role="token"\} (\S+)',
+                                     metrics).group(1))
+        assert token_busy > first_life["token"]
 
 
 def test_a_client_that_goes_away_mid_decode_frees_both_instances():

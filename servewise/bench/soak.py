@@ -1,9 +1,13 @@
 """`servewise bench soak`: a server under steady load for a long time, watched for leaks and drift.
 
 For each configuration (one engine; prefix caching with a small KV store; a prompt/token split) a
-`servewise serve` process is started; its capacity is measured (a burst of requests all at once, in
-requests/s) unless a rate is given; then requests arrive as a Poisson process at `load` times that
-capacity for `minutes`. Every `interval_s` seconds a sampler reads the server's whole process group
+`servewise serve` process is started; its capacity is measured unless a rate is given; then requests
+arrive as a Poisson process at `load` times that capacity for `minutes`. The capacity: a burst of
+requests all at once gives the most the server finishes a second with every batch full, an upper bound;
+then `calibrate_s` seconds of Poisson arrivals at `load` times that rate show how busy the busiest engine
+is at it, and the capacity is the rate at which it would be busy all the time (that rate over its busy
+share, at most the burst's). At a burst-measured capacity alone, `load` 0.8 kept the engines busy
+87-89% of the time, near enough to saturation that one burst of arrivals filled the KV pool. Every `interval_s` seconds a sampler reads the server's whole process group
 (proportional set size, the server's apart from its engines', open file descriptors), the shared-memory
 entries and store files it made, and its /metrics (KV blocks in use, queues, the server's garbage
 collections, the engines' busy seconds). When the load ends and the server is idle it is read again.
@@ -58,6 +62,7 @@ class Settings:
     load: float = 0.8  # of the measured capacity
     rate: float | None = None  # requests/s; None: load x the measured capacity
     probe_requests: int = 96
+    calibrate_s: float = 60.0  # Poisson arrivals at load x the burst's rate, for the busy share (0: the burst alone)
     prefix_len: int = 128
     num_prefixes: int = 8
     input_len: int = 64  # each request's own tokens after its prefix
@@ -124,6 +129,7 @@ def sample(pgid: int, port: int, store: str | None, t: float) -> dict:
             "running": m.get('servewise_requests{state="running"}', math.nan),
             "waiting": m.get('servewise_requests{state="waiting"}', math.nan),
             "engine_busy_s": m.get("servewise_engine_busy_seconds_total", math.nan),
+            "instance_busy_s": {k: v for k, v in m.items() if k.startswith("servewise_instance_busy_seconds_total")},
             "heap_trims": m.get("servewise_engine_heap_trims_total", math.nan),
             "heap_released_mib": m.get("servewise_engine_heap_released_bytes_total", math.nan) / 2**20,
             "server_gc_full": m.get('servewise_server_gc_collections_total{generation="2"}', math.nan),
@@ -175,13 +181,55 @@ def latency_summary(records) -> dict:
     return out
 
 
-def busy_share(samples: list[dict], start: float, end: float) -> float:
-    """The engines' busy share (seconds in steps per second, summed over instances) between the first and the
-    last sample taken in [start, end]."""
+def busy_share(samples: list[dict], start: float, end: float, busiest: bool = False) -> float:
+    """The engines' busy share (seconds in steps per second, summed over instances; with `busiest`, the
+    busiest instance's) between the first and the last sample taken in [start, end]."""
     xs = [x for x in samples if start <= x["t"] <= end and not math.isnan(x.get("engine_busy_s", math.nan))]
     if len(xs) < 2 or xs[-1]["t"] <= xs[0]["t"]:
         return math.nan
+    if busiest:
+        return busiest_share(xs[0], xs[-1], xs[-1]["t"] - xs[0]["t"])
     return (xs[-1]["engine_busy_s"] - xs[0]["engine_busy_s"]) / (xs[-1]["t"] - xs[0]["t"])
+
+
+def busiest_share(before: dict, after: dict, seconds: float) -> float:
+    """The busiest engine's busy share between two samples `seconds` apart: each instance's where the server
+    reports them (a cluster), else the engine's."""
+    per = before.get("instance_busy_s") or {}
+    if per:
+        return max((after["instance_busy_s"].get(k, v) - v) for k, v in per.items()) / seconds
+    return (after["engine_busy_s"] - before["engine_busy_s"]) / seconds
+
+
+def capacity(s: Settings, base: str, port: int, say, name: str) -> tuple[float, dict]:
+    """(requests/s the server sustains, how it was found): see the module's docstring."""
+    items = workload(s, s.probe_requests, s.seed + 1)
+    recs, wall = asyncio.run(run_bench(base, s.model, items, [0.0] * len(items)))
+    burst = sum(r.completed for r in recs) / wall
+    found = {"burst_req_s": round(burst, 3), "burst_requests": len(items), "burst_s": round(wall, 2)}
+    say(f"{name}: a burst of {len(items)} finished in {wall:.1f} s: {burst:.2f} req/s")
+    wait_idle(port)
+    if s.calibrate_s <= 0:
+        return burst, found
+    probe = s.load * burst
+    times = poisson(probe, s.calibrate_s, s.seed + 2)
+    items = workload(s, len(times), s.seed + 2)
+    m0 = _busy_sample(port)
+    asyncio.run(run_bench(base, s.model, items, times, timeout=s.calibrate_s + 600))
+    m1 = _busy_sample(port)
+    share = busiest_share(m0, m1, m1["t"] - m0["t"])
+    wait_idle(port)
+    cap = min(burst, probe / share) if share > 0 else burst
+    found.update(probe_req_s=round(probe, 3), probe_s=s.calibrate_s, busiest_share=round(share, 4))
+    say(f"{name}: at {probe:.2f} req/s for {s.calibrate_s:g} s the busiest engine was busy {share:.0%}: "
+        f"capacity {cap:.2f} req/s")
+    return cap, found
+
+
+def _busy_sample(port: int) -> dict:
+    m = metrics(port)
+    return {"t": time.perf_counter(), "engine_busy_s": m.get("servewise_engine_busy_seconds_total", math.nan),
+            "instance_busy_s": {k: v for k, v in m.items() if k.startswith("servewise_instance_busy_seconds_total")}}
 
 
 def verdicts(s: Settings, samples: list[dict], idle_before: dict, idle_after: dict, records, seconds: float) -> dict:
@@ -199,6 +247,8 @@ def verdicts(s: Settings, samples: list[dict], idle_before: dict, idle_after: di
     # the same arrivals (replayed) in both windows: the engines' busy share rising says their steps got slower
     # (the machine or the engine), a latency drift with an unchanged share lies in queueing or the server
     busy = [round(busy_share(samples, w0, w0 + window), 4), round(busy_share(samples, last_start, seconds), 4)]
+    busiest = [round(busy_share(samples, w0, w0 + window, True), 4),
+               round(busy_share(samples, last_start, seconds, True), 4)]
     failed = [r.finish_reason for r in records if not r.completed]
     growth = end / start - 1 if start else math.nan
     return {
@@ -213,7 +263,7 @@ def verdicts(s: Settings, samples: list[dict], idle_before: dict, idle_after: di
                             and idle_after["shm_entries"] <= idle_before["shm_entries"])},
         "requests": {"sent": len(records), "failed": len(failed), "examples": failed[:5], "ok": not failed},
         "latency": {"window_s": window, "replayed": s.replay_window, "first": first, "last": last, "drift": drift,
-                    "engine_busy_share": busy,
+                    "engine_busy_share": busy, "busiest_engine_share": busiest,
                     "engine_busy_drift": round(busy[1] / busy[0] - 1, 4) if busy[0] else math.nan,
                     "ok": bool(drift) and all(v <= s.max_drift for v in drift.values()),  # no slower than that
                     "within_both_ways": bool(drift) and all(abs(v) <= s.max_drift for v in drift.values())},
@@ -261,14 +311,11 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
         try:
             wait_healthy(s.port, proc)
             idle_before = sample(proc.pid, s.port, store, 0.0)
-            rate = s.rate
+            rate, found = s.rate, {}
             if rate is None:
-                items = workload(s, s.probe_requests, s.seed + 1)
-                recs, wall = asyncio.run(run_bench(base, s.model, items, [0.0] * len(items)))
-                rate = s.load * sum(r.completed for r in recs) / wall
-                say(f"{name}: capacity {rate / s.load:.2f} req/s ({len(items)} at once in {wall:.1f} s); "
-                    f"soak at {rate:.2f} req/s for {s.minutes:g} min")
-                wait_idle(s.port)
+                cap, found = capacity(s, base, s.port, say, name)
+                rate = s.load * cap
+                say(f"{name}: soak at {rate:.2f} req/s ({s.load:.0%} of it) for {s.minutes:g} min")
             seconds = s.minutes * 60
             times = arrivals(s, rate, seconds)
             items = workload(s, len(times), s.seed)
@@ -281,7 +328,8 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
             sampler.done.set()
             sampler.join()
             idle_after = sample(proc.pid, s.port, store, time.perf_counter() - t0)
-            result = {"config": name, "flags": CONFIGS[name], "rate_req_s": round(rate, 3), "seconds": seconds,
+            result = {"config": name, "flags": CONFIGS[name], "rate_req_s": round(rate, 3), "capacity": found,
+                      "seconds": seconds,
                       "wall_s": round(wall, 1), "idle_before": idle_before, "idle_after": idle_after,
                       "samples": sampler.samples}
             result["verdicts"] = verdicts(s, sampler.samples, idle_before, idle_after, records, seconds)

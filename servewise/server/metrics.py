@@ -86,9 +86,14 @@ class _EngineState:
                 ho.add_metric([outcome], n)
             yield ho
             up = GaugeMetricFamily("servewise_instance_up", "Whether each instance is up", labels=["instance", "role"])
+            busy = CounterMetricFamily("servewise_instance_busy_seconds", "Seconds each instance spent in steps "
+                                       "(all its lives): its rate is that instance's utilisation",
+                                       labels=["instance", "role"])
             for m in self.engine.instance_info():
                 up.add_metric([str(m["index"]), m["role"]], float(m["up"]))
+                busy.add_metric([str(m["index"]), m["role"]], m["busy_s"])
             yield up
+            yield busy
 
 
 class _GcPauses:
