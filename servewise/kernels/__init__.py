@@ -116,7 +116,7 @@ def status() -> str:
     ext = cpu_ext()
     if ext is not None:
         return ("compiled CPU kernels: paged decode attention (reads KV blocks in place), RMSNorm, rotary, "
-                "SiLU-mul")
+                "SiLU-mul, bf16 linear (fp32 arithmetic, used where the CPU has no bf16 dot products)")
     return f"PyTorch path: decode attention by gather + SDPA, element-wise ops by operator ({_state.get('why', '')})"
 
 
