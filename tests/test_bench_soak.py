@@ -147,27 +147,40 @@ def test_the_busiest_instance_sets_the_share_of_a_cluster():
 
 
 def test_capacity_is_the_rate_that_would_keep_the_busiest_engine_always_busy(monkeypatch):
-    # a stand-in server: the burst finishes 96 requests in 4 s (24 req/s); at 0.8 x 24 = 19.2 req/s the
-    # engine is busy 57.6 s of 60, 0.96 of the time: it would be always busy at 20 req/s
+    # a stand-in server: the burst finishes 96 requests in 4 s (24 req/s); then 1,152 requests arrive at
+    # 0.8 x 24 = 19.2 req/s and keep the busier of its two instances busy 57.6 s: 20 requests a busy second
     done = RequestRecord(0.0, 16, 5, first_token=1.0, finish=2.0, finish_reason="length")
+    failed = RequestRecord(0.0, 16, 0, finish_reason="http 500: boom")
+    key = 'servewise_instance_busy_seconds_total{instance="%d",role="%s"}'
+    state = {"probe": [done] * 1152, "busy": [(0.0, 0.0), (30.0, 57.6)], "t": iter([100.0, 170.0])}
 
     async def fake_bench(base, model, items, times, timeout=None):
-        return ([done] * len(items), 4.0) if max(times) == 0 else ([], 60.0)
+        return ([done] * len(items), 4.0) if max(times) == 0 else (state["probe"], 60.0)
 
-    readings = iter([{"t": 100.0, "engine_busy_s": 10.0, "instance_busy_s": {}},
-                     {"t": 160.0, "engine_busy_s": 67.6, "instance_busy_s": {}}])
+    def fake_metrics(port):
+        prompt, token = state["busy"].pop(0)
+        return {"servewise_engine_busy_seconds_total": prompt + token, key % (0, "prompt"): prompt,
+                key % (1, "token"): token}
+
     monkeypatch.setattr(soak, "run_bench", fake_bench)
     monkeypatch.setattr(soak, "wait_idle", lambda port: None)
-    monkeypatch.setattr(soak, "_busy_sample", lambda port: next(readings))
+    monkeypatch.setattr(soak, "metrics", fake_metrics)
+    monkeypatch.setattr(soak.time, "perf_counter", lambda: next(state["t"]))
     monkeypatch.setattr(soak, "workload", lambda s, n, seed: [object()] * n)
     said = []
-    cap, found = soak.capacity(soak.Settings(calibrate_s=60.0), "http://x/v1", 0, said.append, "single")
+    cap, found = soak.capacity(soak.Settings(calibrate_s=60.0), "http://x/v1", 0, said.append, "split")
     assert found["burst_req_s"] == pytest.approx(24.0) and found["probe_req_s"] == pytest.approx(19.2)
-    assert found["busiest_share"] == pytest.approx(0.96) and cap == pytest.approx(20.0)
+    assert cap == pytest.approx(20.0) and found["busiest_busy_s"] == pytest.approx(57.6)
+    assert found["busiest_share"] == pytest.approx(57.6 / 70, abs=1e-4)  # over the 70 s until the queue drained
     assert any("capacity 20.00" in line for line in said)
-    # never above the burst's rate; without the calibration the burst's rate is the capacity
-    readings = iter([{"t": 0.0, "engine_busy_s": 0.0, "instance_busy_s": {}},
-                     {"t": 60.0, "engine_busy_s": 30.0, "instance_busy_s": {}}])
-    assert soak.capacity(soak.Settings(calibrate_s=60.0), "x", 0, said.append, "single")[0] == pytest.approx(24.0)
+    # never above the burst's rate; failed requests are not counted as served
+    state.update(probe=[done] * 1000 + [failed] * 10, busy=[(0.0, 0.0), (0.0, 30.0)], t=iter([0.0, 60.0]))
+    cap, found = soak.capacity(soak.Settings(calibrate_s=60.0), "x", 0, said.append, "split")
+    assert cap == pytest.approx(24.0) and found["probe_failed"] == 10 and "(10 failed)" in said[-1]
+    # a server that does not report busy seconds: the burst's rate, and it says so
+    monkeypatch.setattr(soak, "metrics", lambda port: {})
+    state["t"] = iter([0.0, 60.0])
+    cap, found = soak.capacity(soak.Settings(calibrate_s=60.0), "x", 0, said.append, "single")
+    assert cap == pytest.approx(24.0) and "busiest_share" not in found and "did not report" in said[-1]
     cap, found = soak.capacity(soak.Settings(calibrate_s=0.0), "http://x/v1", 0, said.append, "single")
-    assert cap == pytest.approx(24.0) and "busiest_share" not in found
+    assert cap == pytest.approx(24.0) and "probe_req_s" not in found

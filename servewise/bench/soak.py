@@ -4,13 +4,15 @@ For each configuration (one engine; prefix caching with a small KV store; a prom
 `servewise serve` process is started; its capacity is measured unless a rate is given; then requests
 arrive as a Poisson process at `load` times that capacity for `minutes`. The capacity: a burst of
 requests all at once gives the most the server finishes a second with every batch full, an upper bound;
-then `calibrate_s` seconds of Poisson arrivals at `load` times that rate show how busy the busiest engine
-is at it, and the capacity is the rate at which it would be busy all the time (that rate over its busy
-share, at most the burst's). At a burst-measured capacity alone, `load` 0.8 kept the engines busy
-87-89% of the time, near enough to saturation that one burst of arrivals filled the KV pool. Every `interval_s` seconds a sampler reads the server's whole process group
-(proportional set size, the server's apart from its engines', open file descriptors), the shared-memory
-entries and store files it made, and its /metrics (KV blocks in use, queues, the server's garbage
-collections, the engines' busy seconds). When the load ends and the server is idle it is read again.
+then `calibrate_s` seconds of Poisson arrivals at `load` times that rate, and the capacity is the rate at
+which the busiest engine would be busy all the time: the requests it finished per second that engine was
+busy (at most the burst's rate). At a burst-measured capacity alone, `load` 0.8 kept the engines busy
+87-89% of the time, near enough to saturation that one burst of arrivals filled the KV pool.
+
+Every `interval_s` seconds a sampler reads the server's whole process group (proportional set size, the
+server's apart from its engines', open file descriptors), the shared-memory entries and store files it
+made, and its /metrics (KV blocks in use, queues, the server's garbage collections, the engines' busy
+seconds, each instance's in a cluster). When the load ends and the server is idle it is read again.
 
 Verdicts, each with its figures: memory does not grow after the warm-up (PSS of the last samples under
 load against the first after warm-up, within `max_growth`; the growth over the second half is reported
@@ -18,7 +20,8 @@ too, which tells a leak, still growing, from a high-water mark that has levelled
 every KV block is back, and no file descriptor or shared-memory entry is left beyond what the idle
 server held before the load; no request failed; the latency percentiles (TTFT, TPOT, E2E at p50 and
 p99) of the last window are no more than `max_drift` above those of the first window after the warm-up
-(and whether they are within it both ways).
+(and whether they are within it both ways), with the engines' busy share in each window (summed, and the
+busiest instance's).
 
 With `replay_window` (the default) the last window's arrivals are the first window's, shifted: the same
 gaps, so the same bursts. At 80% of capacity a Poisson process queues requests in bursts that set a
@@ -195,14 +198,21 @@ def busy_share(samples: list[dict], start: float, end: float, busiest: bool = Fa
 def busiest_share(before: dict, after: dict, seconds: float) -> float:
     """The busiest engine's busy share between two samples `seconds` apart: each instance's where the server
     reports them (a cluster), else the engine's."""
+    return busiest_seconds(before, after) / seconds
+
+
+def busiest_seconds(before: dict, after: dict) -> float:
+    """Seconds the busiest engine spent in steps between two samples (NaN where the server does not say)."""
     per = before.get("instance_busy_s") or {}
     if per:
-        return max((after["instance_busy_s"].get(k, v) - v) for k, v in per.items()) / seconds
-    return (after["engine_busy_s"] - before["engine_busy_s"]) / seconds
+        return max((after["instance_busy_s"].get(k, v) - v) for k, v in per.items())
+    return after.get("engine_busy_s", math.nan) - before.get("engine_busy_s", math.nan)
 
 
 def capacity(s: Settings, base: str, port: int, say, name: str) -> tuple[float, dict]:
-    """(requests/s the server sustains, how it was found): see the module's docstring."""
+    """(requests/s the server sustains, how it was found): see the module's docstring. The calibration's
+    figure is the requests it finished per second the busiest engine was busy, which does not depend on
+    how long the queue took to drain after the last arrival."""
     items = workload(s, s.probe_requests, s.seed + 1)
     recs, wall = asyncio.run(run_bench(base, s.model, items, [0.0] * len(items)))
     burst = sum(r.completed for r in recs) / wall
@@ -215,14 +225,19 @@ def capacity(s: Settings, base: str, port: int, say, name: str) -> tuple[float, 
     times = poisson(probe, s.calibrate_s, s.seed + 2)
     items = workload(s, len(times), s.seed + 2)
     m0 = _busy_sample(port)
-    asyncio.run(run_bench(base, s.model, items, times, timeout=s.calibrate_s + 600))
+    recs, _ = asyncio.run(run_bench(base, s.model, items, times, timeout=s.calibrate_s + 600))
     m1 = _busy_sample(port)
-    share = busiest_share(m0, m1, m1["t"] - m0["t"])
     wait_idle(port)
-    cap = min(burst, probe / share) if share > 0 else burst
-    found.update(probe_req_s=round(probe, 3), probe_s=s.calibrate_s, busiest_share=round(share, 4))
-    say(f"{name}: at {probe:.2f} req/s for {s.calibrate_s:g} s the busiest engine was busy {share:.0%}: "
-        f"capacity {cap:.2f} req/s")
+    done, busy = sum(r.completed for r in recs), busiest_seconds(m0, m1)
+    found.update(probe_req_s=round(probe, 3), probe_s=s.calibrate_s, probe_requests=len(recs),
+                 probe_failed=len(recs) - done)
+    if not (math.isfinite(busy) and busy > 0 and done):
+        say(f"{name}: the server did not report its engines' busy seconds: the burst's rate is the capacity")
+        return burst, found
+    cap = min(burst, done / busy)
+    found.update(busiest_busy_s=round(busy, 2), busiest_share=round(busy / (m1["t"] - m0["t"]), 4))
+    say(f"{name}: {done} requests at {probe:.2f} req/s kept the busiest engine busy {busy:.1f} s: "
+        f"capacity {cap:.2f} req/s" + (f" ({len(recs) - done} failed)" if len(recs) > done else ""))
     return cap, found
 
 

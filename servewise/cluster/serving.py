@@ -239,10 +239,11 @@ class ClusterClient(StreamingClient):
         """Each instance: its role, whether it is up, its process, restarts, and the seconds it has spent in
         steps over all its lives (busy_s; its rate is the instance's utilisation)."""
         out = []
-        for m, st, up in zip(self.members, self.co.loads, self.co.up):
-            busy = (st.busy_s if up and st is not None else 0.0) + (m.earlier.busy_s if m.earlier else 0.0)
-            out.append({"index": m.index, "role": m.role, "up": m.up, "pid": m.pid, "restarts": m.restarts,
-                        "busy_s": busy})
+        with self._co:  # (a death moves an instance's counts to m.earlier before marking it down)
+            for m, st, up in zip(self.members, self.co.loads, self.co.up):
+                busy = (st.busy_s if up and st is not None else 0.0) + (m.earlier.busy_s if m.earlier else 0.0)
+                out.append({"index": m.index, "role": m.role, "up": m.up, "pid": m.pid, "restarts": m.restarts,
+                            "busy_s": busy})
         return out
 
     # --- requests ----------------------------------------------------------------------------
