@@ -1,13 +1,11 @@
 """`servewise bench soak`: a server under steady load for a long time, watched for leaks and drift.
 
 For each configuration (one engine; prefix caching with a small KV store; a prompt/token split) a
-`servewise serve` process is started; its capacity is measured unless a rate is given; then requests
-arrive as a Poisson process at `load` times that capacity for `minutes`. The capacity: a burst of
-requests all at once gives the most the server finishes a second with every batch full, an upper bound;
-then `calibrate_s` seconds of Poisson arrivals at `load` times that rate, and the capacity is the rate at
-which the busiest engine would be busy all the time: the requests it finished per second that engine was
-busy (at most the burst's rate). At a burst-measured capacity alone, `load` 0.8 kept the engines busy
-87-89% of the time, near enough to saturation that one burst of arrivals filled the KV pool.
+`servewise serve` process is started; its capacity is measured (a burst of requests all at once, in
+requests/s) unless a rate is given; then requests arrive as a Poisson process at `load` times that
+capacity for `minutes`. (The engines' busy share is no measure of capacity for a batching engine: any
+running request keeps it stepping. Measured with tiny-llama, one engine: busy 88-89% at 58%, 65% and 72%
+of the burst's rate.)
 
 Every `interval_s` seconds a sampler reads the server's whole process group (proportional set size, the
 server's apart from its engines', open file descriptors), the shared-memory entries and store files it
@@ -65,7 +63,6 @@ class Settings:
     load: float = 0.8  # of the measured capacity
     rate: float | None = None  # requests/s; None: load x the measured capacity
     probe_requests: int = 96
-    calibrate_s: float = 60.0  # Poisson arrivals at load x the burst's rate, for the busy share (0: the burst alone)
     prefix_len: int = 128
     num_prefixes: int = 8
     input_len: int = 64  # each request's own tokens after its prefix
@@ -197,54 +194,11 @@ def busy_share(samples: list[dict], start: float, end: float, busiest: bool = Fa
 
 def busiest_share(before: dict, after: dict, seconds: float) -> float:
     """The busiest engine's busy share between two samples `seconds` apart: each instance's where the server
-    reports them (a cluster), else the engine's."""
-    return busiest_seconds(before, after) / seconds
-
-
-def busiest_seconds(before: dict, after: dict) -> float:
-    """Seconds the busiest engine spent in steps between two samples (NaN where the server does not say)."""
+    reports them (a cluster), else the engine's (NaN where the server does not say)."""
     per = before.get("instance_busy_s") or {}
     if per:
-        return max((after["instance_busy_s"].get(k, v) - v) for k, v in per.items())
-    return after.get("engine_busy_s", math.nan) - before.get("engine_busy_s", math.nan)
-
-
-def capacity(s: Settings, base: str, port: int, say, name: str) -> tuple[float, dict]:
-    """(requests/s the server sustains, how it was found): see the module's docstring. The calibration's
-    figure is the requests it finished per second the busiest engine was busy, which does not depend on
-    how long the queue took to drain after the last arrival."""
-    items = workload(s, s.probe_requests, s.seed + 1)
-    recs, wall = asyncio.run(run_bench(base, s.model, items, [0.0] * len(items)))
-    burst = sum(r.completed for r in recs) / wall
-    found = {"burst_req_s": round(burst, 3), "burst_requests": len(items), "burst_s": round(wall, 2)}
-    say(f"{name}: a burst of {len(items)} finished in {wall:.1f} s: {burst:.2f} req/s")
-    wait_idle(port)
-    if s.calibrate_s <= 0:
-        return burst, found
-    probe = s.load * burst
-    times = poisson(probe, s.calibrate_s, s.seed + 2)
-    items = workload(s, len(times), s.seed + 2)
-    m0 = _busy_sample(port)
-    recs, _ = asyncio.run(run_bench(base, s.model, items, times, timeout=s.calibrate_s + 600))
-    m1 = _busy_sample(port)
-    wait_idle(port)
-    done, busy = sum(r.completed for r in recs), busiest_seconds(m0, m1)
-    found.update(probe_req_s=round(probe, 3), probe_s=s.calibrate_s, probe_requests=len(recs),
-                 probe_failed=len(recs) - done)
-    if not (math.isfinite(busy) and busy > 0 and done):
-        say(f"{name}: the server did not report its engines' busy seconds: the burst's rate is the capacity")
-        return burst, found
-    cap = min(burst, done / busy)
-    found.update(busiest_busy_s=round(busy, 2), busiest_share=round(busy / (m1["t"] - m0["t"]), 4))
-    say(f"{name}: {done} requests at {probe:.2f} req/s kept the busiest engine busy {busy:.1f} s: "
-        f"capacity {cap:.2f} req/s" + (f" ({len(recs) - done} failed)" if len(recs) > done else ""))
-    return cap, found
-
-
-def _busy_sample(port: int) -> dict:
-    m = metrics(port)
-    return {"t": time.perf_counter(), "engine_busy_s": m.get("servewise_engine_busy_seconds_total", math.nan),
-            "instance_busy_s": {k: v for k, v in m.items() if k.startswith("servewise_instance_busy_seconds_total")}}
+        return max((after["instance_busy_s"].get(k, v) - v) for k, v in per.items()) / seconds
+    return (after.get("engine_busy_s", math.nan) - before.get("engine_busy_s", math.nan)) / seconds
 
 
 def verdicts(s: Settings, samples: list[dict], idle_before: dict, idle_after: dict, records, seconds: float) -> dict:
@@ -326,11 +280,14 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
         try:
             wait_healthy(s.port, proc)
             idle_before = sample(proc.pid, s.port, store, 0.0)
-            rate, found = s.rate, {}
+            rate = s.rate
             if rate is None:
-                cap, found = capacity(s, base, s.port, say, name)
-                rate = s.load * cap
-                say(f"{name}: soak at {rate:.2f} req/s ({s.load:.0%} of it) for {s.minutes:g} min")
+                items = workload(s, s.probe_requests, s.seed + 1)
+                recs, wall = asyncio.run(run_bench(base, s.model, items, [0.0] * len(items)))
+                rate = s.load * sum(r.completed for r in recs) / wall
+                say(f"{name}: capacity {rate / s.load:.2f} req/s ({len(items)} at once in {wall:.1f} s); "
+                    f"soak at {rate:.2f} req/s for {s.minutes:g} min")
+                wait_idle(s.port)
             seconds = s.minutes * 60
             times = arrivals(s, rate, seconds)
             items = workload(s, len(times), s.seed)
@@ -343,8 +300,7 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
             sampler.done.set()
             sampler.join()
             idle_after = sample(proc.pid, s.port, store, time.perf_counter() - t0)
-            result = {"config": name, "flags": CONFIGS[name], "rate_req_s": round(rate, 3), "capacity": found,
-                      "seconds": seconds,
+            result = {"config": name, "flags": CONFIGS[name], "rate_req_s": round(rate, 3), "seconds": seconds,
                       "wall_s": round(wall, 1), "idle_before": idle_before, "idle_after": idle_after,
                       "samples": sampler.samples}
             result["verdicts"] = verdicts(s, sampler.samples, idle_before, idle_after, records, seconds)

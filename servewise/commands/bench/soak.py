@@ -22,10 +22,7 @@ def arguments(p) -> None:
     p.add_argument("--interval", dest="interval_s", type=positive, default=10.0, help="seconds between samples")
     p.add_argument("--load", type=positive, default=0.8, help="share of the measured capacity to offer")
     p.add_argument("--rate", type=positive, default=None, help="requests/s instead of load x measured capacity")
-    p.add_argument("--probe-requests", type=at_least(1), default=96, help="the burst that bounds capacity")
-    p.add_argument("--calibrate-seconds", dest="calibrate_s", type=float_at_least(0), default=60.0,
-                   help="Poisson arrivals at load x the burst's rate for this long: capacity is then the rate at "
-                        "which the busiest engine would be busy all the time (0: the burst's rate)")
+    p.add_argument("--probe-requests", type=at_least(1), default=96, help="the burst that measures capacity")
     p.add_argument("--prefix-len", type=at_least(1), default=128)
     p.add_argument("--num-prefixes", type=at_least(1), default=8)
     p.add_argument("--input-len", type=at_least(1), default=64, help="each request's own tokens after its prefix")
