@@ -1,5 +1,7 @@
 """The compiled paged-attention kernel and the prepacked linear layers against their pure-PyTorch
 twins, at the operator level and through the whole engine."""
+import threading
+
 import pytest
 import torch
 
@@ -119,7 +121,7 @@ def test_the_fp32_piece_serves_calls_in_and_out_of_inference_mode(monkeypatch):
     from servewise.models import linear
 
     monkeypatch.setattr(linear, "NATIVE_BF16", False)
-    monkeypatch.setattr(linear, "_buffers", __import__("threading").local())
+    monkeypatch.setattr(linear, "_buffers", threading.local())
     w = torch.randn(50, 40).bfloat16()
     lin, x = Linear(w), torch.randn(300, 40).bfloat16()
     with torch.inference_mode():
