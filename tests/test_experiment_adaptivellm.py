@@ -33,3 +33,27 @@ def test_small_experiment_runs_every_system_and_reports(tmp_path, monkeypatch):
     assert "speed-up over vllm / vllm_s" in text and "tiny-llama (real, CPU)" in text and "opt-13b (sim" in text
     paths = plot(result, str(tmp_path))
     assert all((tmp_path / p.split("/")[-1]).stat().st_size > 10_000 for p in paths)
+
+
+def test_finished_runs_are_kept_and_real_ones_only_for_the_machine_that_timed_them(tmp_path, monkeypatch):
+    import servewise.experiments.adaptivellm as al
+    from servewise.lab.checkpoint import Checkpoint
+
+    s = replace(QUICK, num_requests_real=4, num_requests_sim=8, workloads=("chatbot",), sim_models=("opt-13b",),
+                max_output_lens=(32,), systems=("vllm", "vllm_s"), batch_sizes=(8,), decision_cost_requests=8)
+    ran = []
+    monkeypatch.setattr(al, "measure", lambda sp: ran.append(sp.tags) or {"order": len(ran), **sp.tags})
+    monkeypatch.setattr(al, "machine", lambda: "cpu A, 2 threads")
+    cp = Checkpoint(str(tmp_path / "points"))
+    first = al.measure_all(al.grid(s), None, s, cp)
+    n, real = len(ran), sum(r["backend"] == "real" for r in first)
+    assert n == len(first) and 0 < real < n
+    assert al.measure_all(al.grid(s), None, s, cp) == first and len(ran) == n  # every run read back
+    monkeypatch.setattr(al, "machine", lambda: "cpu B, 2 threads")
+    again = al.measure_all(al.grid(s), None, s, cp)
+    assert len(ran) == n + real  # another machine: the real runs again, the simulated ones kept
+    assert [r for r in again if r["backend"] == "sim"] == [r for r in first if r["backend"] == "sim"]
+    other = replace(s, seed=1)
+    al.measure_all(al.grid(other), None, other, cp)
+    assert len(ran) == 2 * n + real  # other settings: every run again
+    assert al.measure_all(al.grid(s), None, s, Checkpoint(None)) and len(ran) == 3 * n + real  # nothing kept

@@ -11,6 +11,7 @@ submitted at once, maximum output lengths 64 / 128 / 256. Outputs:
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -21,6 +22,7 @@ import torch
 from servewise import lab
 from servewise.engine.interfaces import StepStats
 from servewise.lab import Engine, Spec
+from servewise.lab.checkpoint import Checkpoint
 from servewise.models.loader import load_model_config
 from servewise.policies import SYSTEMS
 from servewise.predictors.perf import make_perf
@@ -185,18 +187,34 @@ def measure(sp: Spec) -> dict:
     return asdict(run) | {k: v for k, v in rec.tags.items() if k not in POINT}
 
 
-def measure_all(specs: Iterable[Spec], say=None) -> list[dict]:
-    """measure() each spec in turn, saying what each did."""
-    out = []
+def machine() -> str:
+    """What a real run's timings depend on besides the code and the settings."""
+    from servewise.kernels import cpu_flags
+    from servewise.predictors.profiler import hardware_tag
+
+    return f"{hardware_tag()} [{cpu_flags()}] {torch.get_num_threads()} threads"
+
+
+def measure_all(specs: Iterable[Spec], say=None, s: Settings | None = None,
+                checkpoint: Checkpoint = Checkpoint(None)) -> list[dict]:
+    """measure() each spec in turn, saying what each did; with a checkpoint's directory (and the settings s
+    that made the specs) each run is kept there as it finishes, and a run of the same settings on the same
+    code (and, for the real engine, the same machine and threads) is read back instead of run again."""
+    out, here = [], None
     for i, sp in enumerate(specs, 1):
         t0 = time.perf_counter()
-        out.append(r := measure(sp))
+        real = sp.engine.backend == "real"
+        if real and here is None:
+            here = machine()
+        key = f"adaptivellm|{sorted(sp.tags.items())!r}|{asdict(s) if s else None!r}|{here if real else 'sim'}"
+        out.append(r := checkpoint.get(key, lambda: measure(sp)))
         if say:
             extra = "".join(f" {k}={v:.3g}" if isinstance(v, float) else f" {k}={v}"
                             for k, v in sp.tags.items() if k not in POINT)
+            took = time.perf_counter() - t0
             say(f"[{i}] {r['kind']} {r['backend']} {r['model']} {r['workload']} max_out={r['max_output_len']} "
                 f"{r['system']} max_seqs={r['max_num_seqs']}{extra}: {r['throughput']:.0f} tok/s "
-                f"({time.perf_counter() - t0:.1f} s)")
+                f"({f'{took:.1f} s' if took > 0.5 or checkpoint.dir is None else 'kept'})")
     return out
 
 
@@ -249,8 +267,9 @@ def grid(s: Settings) -> Iterator[Spec]:
                     for x in (ADAPTIVE, "vllm"))
 
 
-def run_experiment(s: Settings, progress=None) -> dict:
-    return {"settings": asdict(s), "threads": torch.get_num_threads(), "runs": measure_all(grid(s), progress),
+def run_experiment(s: Settings, progress=None, checkpoint: Checkpoint = Checkpoint(None)) -> dict:
+    return {"settings": asdict(s), "threads": torch.get_num_threads(),
+            "runs": measure_all(grid(s), progress, s, checkpoint),
             "crossover": {m: {"spec_link": crossover(m, s), "link_efficiency_0.2": crossover(m, s, 0.2)}
                           for m in s.sim_models}}
 
@@ -484,7 +503,11 @@ def main(s: Settings, out_dir: str, scale: str = "quick") -> None:
     print(f"AdaptiveLLM experiment ({scale}): torch threads {torch.get_num_threads()}, "
           f"real models {s.real_models} x {s.num_requests_real} requests, simulated {s.sim_models} on "
           f"{s.hardware} x {s.num_requests_sim} requests", file=sys.stderr)
+    checkpoint = Checkpoint(os.path.join(out_dir, "points"))
+    if os.path.isdir(checkpoint.dir) and (kept := len(os.listdir(checkpoint.dir))):
+        print(f"{kept} runs kept under {checkpoint.dir} by earlier runs: those of these settings on this code "
+              "(and, on the real engine, this machine and thread count) are not run again", file=sys.stderr)
     t0 = time.perf_counter()
-    result = run_experiment(s, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    result = run_experiment(s, progress=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=checkpoint)
     result["wall_s"] = time.perf_counter() - t0
     publish(result, report(result), out_dir, "adaptivellm", plot)

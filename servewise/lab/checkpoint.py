@@ -34,18 +34,26 @@ class Checkpoint:
     code: str = field(default_factory=code_digest)
 
     def path(self, fn: Callable, args) -> str:
-        key = f"{fn.__module__}.{fn.__qualname__}|{args!r}|{self.code}"
-        return os.path.join(self.dir, hashlib.sha256(key.encode()).hexdigest()[:32] + ".pkl")
+        return self.key_path(f"{fn.__module__}.{fn.__qualname__}|{args!r}")
+
+    def key_path(self, key: str) -> str:
+        digest = hashlib.sha256(f"{key}|{self.code}".encode()).hexdigest()[:32]
+        return os.path.join(self.dir, digest + ".pkl")
 
     def call(self, fn: Callable, args):
         """fn(args), or its result kept by an earlier run."""
-        if self.dir is None:
-            return fn(args)
-        path = self.path(fn, args)
+        return fn(args) if self.dir is None else self._keep(self.path(fn, args), lambda: fn(args))
+
+    def get(self, key: str, compute: Callable):
+        """compute(), or the result an earlier run kept under key (a string that names everything the
+        result depends on besides the code: settings, and for timed runs the machine)."""
+        return compute() if self.dir is None else self._keep(self.key_path(key), compute)
+
+    def _keep(self, path: str, compute: Callable):
         if os.path.isfile(path):
             with open(path, "rb") as f:
                 return pickle.load(f)
-        result = fn(args)
+        result = compute()
         os.makedirs(self.dir, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:

@@ -34,7 +34,9 @@ def arguments(p) -> None:
                         "instead of the roofline, with the A100's constants (the A800 is its chip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--out-dir", default="results/adaptivellm")
+    p.add_argument("--out-dir", default="results/adaptivellm",
+                   help="where the report, JSON and figures go; finished runs are kept in its points/ directory, "
+                        "so that the same command, stopped, resumes from them")
 
 
 def run(a) -> None:
