@@ -144,3 +144,17 @@ def test_the_busiest_instance_sets_the_share_of_a_cluster():
     xs = [{"t": 0.0, **before}, {"t": 20.0, **after}]
     assert soak.busy_share(xs, 0, 20, busiest=True) == pytest.approx(0.6)
     assert soak.busy_share(xs, 0, 20) == pytest.approx(0.75)  # summed over the two
+
+
+def test_the_engines_threads_default_to_every_core_but_one(monkeypatch):
+    import servewise.bench.soak as soak
+    from servewise.cli import main
+
+    got = []
+    monkeypatch.setattr(soak, "main", lambda s: got.append(s))
+    monkeypatch.setattr(soak.os, "cpu_count", lambda: 6)
+    main(["bench", "soak", "--minutes", "1", "--warmup-minutes", "0"])
+    main(["bench", "soak", "--threads", "3"])
+    monkeypatch.setattr(soak.os, "cpu_count", lambda: 1)
+    main(["bench", "soak"])
+    assert [s.threads for s in got] == [5, 3, 1]

@@ -67,7 +67,9 @@ class Settings:
     num_prefixes: int = 8
     input_len: int = 64  # each request's own tokens after its prefix
     output_len: int = 64
-    threads: int = 2  # torch threads (the split's instances: 1 each)
+    # torch threads of the one engine (the split's instances: 1 each); default: every core but one, which the
+    # HTTP server and the load client need (measured on 2 cores: with 2 threads beside them the latency drifted)
+    threads: int = field(default_factory=lambda: max(1, (os.cpu_count() or 2) - 1))
     num_device_blocks: int = 512
     port: int = 8050
     max_growth: float = 0.05
@@ -272,6 +274,10 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
         store = tempfile.mkdtemp(prefix="soak-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     flags = CONFIGS[name].format(store=store).split()
     threads = 1 if "--instances" in flags else s.threads
+    engines = 2 if "--instances" in flags else 1
+    say(f"{name}: {engines} engine process(es) x {threads} torch thread(s), the HTTP server and the load client "
+        f"on {os.cpu_count()} cores" + (" (more busy threads than cores: the latencies measure their contention "
+                                        "too)" if engines * threads + 2 > (os.cpu_count() or 1) else ""))
     cmd = [sys.executable, "-m", "servewise", "serve", "--model", s.model, "--port", str(s.port), "--threads",
            str(threads), "--num-device-blocks", str(s.num_device_blocks), "--log-level", "warning", *flags]
     base = f"http://127.0.0.1:{s.port}/v1"
@@ -300,7 +306,8 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
             sampler.done.set()
             sampler.join()
             idle_after = sample(proc.pid, s.port, store, time.perf_counter() - t0)
-            result = {"config": name, "flags": CONFIGS[name], "rate_req_s": round(rate, 3), "seconds": seconds,
+            result = {"config": name, "flags": CONFIGS[name], "engines": engines, "threads": threads,
+                      "cores": os.cpu_count(), "rate_req_s": round(rate, 3), "seconds": seconds,
                       "wall_s": round(wall, 1), "idle_before": idle_before, "idle_after": idle_after,
                       "samples": sampler.samples}
             result["verdicts"] = verdicts(s, sampler.samples, idle_before, idle_after, records, seconds)

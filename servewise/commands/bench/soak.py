@@ -27,7 +27,9 @@ def arguments(p) -> None:
     p.add_argument("--num-prefixes", type=at_least(1), default=8)
     p.add_argument("--input-len", type=at_least(1), default=64, help="each request's own tokens after its prefix")
     p.add_argument("--output-len", type=at_least(1), default=64)
-    p.add_argument("--threads", type=at_least(1), default=2, help="torch threads of the server (split: 1 per instance)")
+    p.add_argument("--threads", type=at_least(1), default=None,
+                   help="torch threads of the engine (split: 1 per instance); default: the cores but one, left to the "
+                        "HTTP server and the load client")
     p.add_argument("--num-device-blocks", type=at_least(1), default=512)
     p.add_argument("--port", type=at_least(1, 65535), default=8050)
     p.add_argument("--max-growth", type=positive, default=0.05, help="memory growth after the warm-up that passes")
@@ -43,4 +45,4 @@ def run(a) -> None:
     from servewise.bench.soak import Settings, main
     from servewise.commands.bench import settings
 
-    main(settings(Settings, a))
+    main(settings(Settings, a, threads=a.threads or Settings().threads))
