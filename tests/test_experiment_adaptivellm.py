@@ -42,13 +42,16 @@ def test_finished_runs_are_kept_and_real_ones_only_for_the_machine_that_timed_th
     s = replace(QUICK, num_requests_real=4, num_requests_sim=8, workloads=("chatbot",), sim_models=("opt-13b",),
                 max_output_lens=(32,), systems=("vllm", "vllm_s"), batch_sizes=(8,), decision_cost_requests=8)
     ran = []
-    monkeypatch.setattr(al, "measure", lambda sp: ran.append(sp.tags) or {"order": len(ran), **sp.tags})
+    monkeypatch.setattr(al, "measure", lambda sp: ran.append(sp.tags) or {
+        "order": len(ran), "throughput": 1.0, "max_output_len": 1, "max_num_seqs": 1, **sp.tags})
     monkeypatch.setattr(al, "machine", lambda: "cpu A, 2 threads")
     cp = Checkpoint(str(tmp_path / "points"))
     first = al.measure_all(al.grid(s), None, s, cp)
     n, real = len(ran), sum(r["backend"] == "real" for r in first)
     assert n == len(first) and 0 < real < n
-    assert al.measure_all(al.grid(s), None, s, cp) == first and len(ran) == n  # every run read back
+    said = []
+    assert al.measure_all(al.grid(s), said.append, s, cp) == first and len(ran) == n  # every run read back
+    assert len(said) == n and all(line.endswith("(kept)") for line in said)
     monkeypatch.setattr(al, "machine", lambda: "cpu B, 2 threads")
     again = al.measure_all(al.grid(s), None, s, cp)
     assert len(ran) == n + real  # another machine: the real runs again, the simulated ones kept

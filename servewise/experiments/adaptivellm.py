@@ -207,14 +207,14 @@ def measure_all(specs: Iterable[Spec], say=None, s: Settings | None = None,
         if real and here is None:
             here = machine()
         key = f"adaptivellm|{sorted(sp.tags.items())!r}|{asdict(s) if s else None!r}|{here if real else 'sim'}"
-        out.append(r := checkpoint.get(key, lambda: measure(sp)))
+        ran = []
+        out.append(r := checkpoint.get(key, lambda: ran.append(sp) or measure(sp)))
         if say:
             extra = "".join(f" {k}={v:.3g}" if isinstance(v, float) else f" {k}={v}"
                             for k, v in sp.tags.items() if k not in POINT)
-            took = time.perf_counter() - t0
             say(f"[{i}] {r['kind']} {r['backend']} {r['model']} {r['workload']} max_out={r['max_output_len']} "
                 f"{r['system']} max_seqs={r['max_num_seqs']}{extra}: {r['throughput']:.0f} tok/s "
-                f"({f'{took:.1f} s' if took > 0.5 or checkpoint.dir is None else 'kept'})")
+                f"({f'{time.perf_counter() - t0:.1f} s' if ran else 'kept'})")
     return out
 
 
