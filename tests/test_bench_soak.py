@@ -152,9 +152,9 @@ def test_the_engines_threads_default_to_every_core_but_one(monkeypatch):
 
     got = []
     monkeypatch.setattr(soak, "main", lambda s: got.append(s))
-    monkeypatch.setattr(soak.os, "cpu_count", lambda: 6)
+    monkeypatch.setattr(soak, "cores", lambda: 6)
     main(["bench", "soak", "--minutes", "1", "--warmup-minutes", "0"])
     main(["bench", "soak", "--threads", "3"])
-    monkeypatch.setattr(soak.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(soak, "cores", lambda: 1)
     main(["bench", "soak"])
     assert [s.threads for s in got] == [5, 3, 1]

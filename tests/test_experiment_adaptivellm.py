@@ -35,7 +35,7 @@ def test_small_experiment_runs_every_system_and_reports(tmp_path, monkeypatch):
     assert all((tmp_path / p.split("/")[-1]).stat().st_size > 10_000 for p in paths)
 
 
-def test_finished_runs_are_kept_and_real_ones_only_for_the_machine_that_timed_them(tmp_path, monkeypatch):
+def test_finished_runs_are_kept_for_the_same_settings_code_and_machine(tmp_path, monkeypatch):
     import servewise.experiments.adaptivellm as al
     from servewise.lab.checkpoint import Checkpoint
 
@@ -47,16 +47,26 @@ def test_finished_runs_are_kept_and_real_ones_only_for_the_machine_that_timed_th
     monkeypatch.setattr(al, "machine", lambda: "cpu A, 2 threads")
     cp = Checkpoint(str(tmp_path / "points"))
     first = al.measure_all(al.grid(s), None, s, cp)
-    n, real = len(ran), sum(r["backend"] == "real" for r in first)
-    assert n == len(first) and 0 < real < n
+    n = len(ran)
+    assert n == len(first) and {r["backend"] for r in first} == {"real", "sim"}
     said = []
     assert al.measure_all(al.grid(s), said.append, s, cp) == first and len(ran) == n  # every run read back
     assert len(said) == n and all(line.endswith("(kept)") for line in said)
-    monkeypatch.setattr(al, "machine", lambda: "cpu B, 2 threads")
-    again = al.measure_all(al.grid(s), None, s, cp)
-    assert len(ran) == n + real  # another machine: the real runs again, the simulated ones kept
-    assert [r for r in again if r["backend"] == "sim"] == [r for r in first if r["backend"] == "sim"]
+    monkeypatch.setattr(al, "machine", lambda: "cpu B, 2 threads")  # timings (real, and decisions) are the machine's
+    al.measure_all(al.grid(s), None, s, cp)
+    assert len(ran) == 2 * n
     other = replace(s, seed=1)
     al.measure_all(al.grid(other), None, other, cp)
-    assert len(ran) == 2 * n + real  # other settings: every run again
-    assert al.measure_all(al.grid(s), None, s, Checkpoint(None)) and len(ran) == 3 * n + real  # nothing kept
+    assert len(ran) == 3 * n  # other settings: every run again
+    trace = tmp_path / "trace.csv"
+    trace.write_text("a")
+    with_trace = replace(s, trace=str(trace))
+    al.measure_all(al.grid(replace(with_trace, workloads=())), None, with_trace, cp)
+    kept = len(ran)
+    trace.write_text("ab")  # the same path, another file
+    al.measure_all(al.grid(replace(with_trace, workloads=())), None, with_trace, cp)
+    assert len(ran) > kept
+    before = len(ran)
+    assert al.measure_all(al.grid(s), None, s, Checkpoint(None)) and len(ran) == before + n  # nothing kept
+    with pytest.raises(ValueError, match="settings"):
+        al.measure_all(al.grid(s), None, None, cp)

@@ -69,7 +69,7 @@ class Settings:
     output_len: int = 64
     # torch threads of the one engine (the split's instances: 1 each); default: every core but one, which the
     # HTTP server and the load client need (measured on 2 cores: with 2 threads beside them the latency drifted)
-    threads: int = field(default_factory=lambda: max(1, (os.cpu_count() or 2) - 1))
+    threads: int = field(default_factory=lambda: max(1, cores() - 1))
     num_device_blocks: int = 512
     port: int = 8050
     max_growth: float = 0.05
@@ -77,6 +77,14 @@ class Settings:
     replay_window: bool = True  # the last window's arrivals repeat the first window's (same gaps)
     seed: int = 0
     out: str = "results/bench_soak.json"
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on every system)
+        return os.cpu_count() or 1
 
 
 def _group(pgid: int) -> list[int]:
@@ -275,9 +283,10 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
     flags = CONFIGS[name].format(store=store).split()
     threads = 1 if "--instances" in flags else s.threads
     engines = 2 if "--instances" in flags else 1
+    n = cores()
     say(f"{name}: {engines} engine process(es) x {threads} torch thread(s), the HTTP server and the load client "
-        f"on {os.cpu_count()} cores" + (" (more busy threads than cores: the latencies measure their contention "
-                                        "too)" if engines * threads + 2 > (os.cpu_count() or 1) else ""))
+        f"on {n} cores" + (" (no core left to the server and the client: the latencies measure their contention "
+                           "too)" if engines * threads + 1 > n else ""))
     cmd = [sys.executable, "-m", "servewise", "serve", "--model", s.model, "--port", str(s.port), "--threads",
            str(threads), "--num-device-blocks", str(s.num_device_blocks), "--log-level", "warning", *flags]
     base = f"http://127.0.0.1:{s.port}/v1"
@@ -286,11 +295,12 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
         try:
             wait_healthy(s.port, proc)
             idle_before = sample(proc.pid, s.port, store, 0.0)
-            rate = s.rate
+            rate, capacity = s.rate, None
             if rate is None:
                 items = workload(s, s.probe_requests, s.seed + 1)
                 recs, wall = asyncio.run(run_bench(base, s.model, items, [0.0] * len(items)))
-                rate = s.load * sum(r.completed for r in recs) / wall
+                capacity = round(sum(r.completed for r in recs) / wall, 3)
+                rate = s.load * capacity
                 say(f"{name}: capacity {rate / s.load:.2f} req/s ({len(items)} at once in {wall:.1f} s); "
                     f"soak at {rate:.2f} req/s for {s.minutes:g} min")
                 wait_idle(s.port)
@@ -307,7 +317,7 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
             sampler.join()
             idle_after = sample(proc.pid, s.port, store, time.perf_counter() - t0)
             result = {"config": name, "flags": CONFIGS[name], "engines": engines, "threads": threads,
-                      "cores": os.cpu_count(), "rate_req_s": round(rate, 3), "seconds": seconds,
+                      "cores": n, "capacity_req_s": capacity, "rate_req_s": round(rate, 3), "seconds": seconds,
                       "wall_s": round(wall, 1), "idle_before": idle_before, "idle_after": idle_after,
                       "samples": sampler.samples}
             result["verdicts"] = verdicts(s, sampler.samples, idle_before, idle_after, records, seconds)

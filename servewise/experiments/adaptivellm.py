@@ -188,25 +188,42 @@ def measure(sp: Spec) -> dict:
 
 
 def machine() -> str:
-    """What a real run's timings depend on besides the code and the settings."""
+    """What a run's timings depend on besides the Python code and the settings: the CPU, the torch build and
+    threads, the compiled kernels' sources and the environment variables that choose the engine's paths.
+    (Simulated runs time their scheduling decisions on this machine too.)"""
+    import hashlib
+    from pathlib import Path
+
     from servewise.kernels import cpu_flags
     from servewise.predictors.profiler import hardware_tag
 
-    return f"{hardware_tag()} [{cpu_flags()}] {torch.get_num_threads()} threads"
+    kernels = Path(__file__).resolve().parents[1] / "kernels"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(kernels.glob("*.[ch]*")))).hexdigest()[:16]
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("SERVEWISE_") or k == "TRITON_INTERPRET")
+    return (f"{hardware_tag()} [{cpu_flags()}] torch {torch.__version__}, {torch.get_num_threads()} threads, "
+            f"kernels {digest}, env {env}")
+
+
+def inputs(s: Settings) -> str:
+    """The files a run reads by the paths in its settings, by size and modification time."""
+    paths = [p for p in (s.predictors, s.trace, s.calibration) if p]
+    if s.data_dir and os.path.isdir(s.data_dir):
+        paths += sorted(os.path.join(s.data_dir, n) for n in os.listdir(s.data_dir))
+    return repr([(p, st.st_size, st.st_mtime_ns) for p in paths if os.path.isfile(p) and (st := os.stat(p))])
 
 
 def measure_all(specs: Iterable[Spec], say=None, s: Settings | None = None,
                 checkpoint: Checkpoint = Checkpoint(None)) -> list[dict]:
     """measure() each spec in turn, saying what each did; with a checkpoint's directory (and the settings s
-    that made the specs) each run is kept there as it finishes, and a run of the same settings on the same
-    code (and, for the real engine, the same machine and threads) is read back instead of run again."""
-    out, here = [], None
+    that made the specs) each run is kept there as it finishes, and a run of the same settings and input files
+    on the same code and machine (see `machine`) is read back instead of run again."""
+    if checkpoint.dir is not None and s is None:
+        raise ValueError("keeping runs needs the settings that made them (s)")
+    out = []
+    here = f"{machine()}|{inputs(s)}" if checkpoint.dir is not None else ""
     for i, sp in enumerate(specs, 1):
         t0 = time.perf_counter()
-        real = sp.engine.backend == "real"
-        if real and here is None:
-            here = machine()
-        key = f"adaptivellm|{sorted(sp.tags.items())!r}|{asdict(s) if s else None!r}|{here if real else 'sim'}"
+        key = f"adaptivellm|{sorted(sp.tags.items())!r}|{asdict(s) if s else None!r}|{here}"
         ran = []
         out.append(r := checkpoint.get(key, lambda: ran.append(sp) or measure(sp)))
         if say:
@@ -505,8 +522,8 @@ def main(s: Settings, out_dir: str, scale: str = "quick") -> None:
           f"{s.hardware} x {s.num_requests_sim} requests", file=sys.stderr)
     checkpoint = Checkpoint(os.path.join(out_dir, "points"))
     if os.path.isdir(checkpoint.dir) and (kept := len(os.listdir(checkpoint.dir))):
-        print(f"{kept} runs kept under {checkpoint.dir} by earlier runs: those of these settings on this code "
-              "(and, on the real engine, this machine and thread count) are not run again", file=sys.stderr)
+        print(f"{kept} runs kept under {checkpoint.dir} by earlier runs: those of these settings and input files "
+              "on this code, machine and thread count are not run again", file=sys.stderr)
     t0 = time.perf_counter()
     result = run_experiment(s, progress=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=checkpoint)
     result["wall_s"] = time.perf_counter() - t0
