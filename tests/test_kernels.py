@@ -1,5 +1,6 @@
 """The compiled paged-attention kernel and the prepacked linear layers against their pure-PyTorch
 twins, at the operator level and through the whole engine."""
+import os
 import threading
 
 import pytest
@@ -205,3 +206,19 @@ def test_keeping_freed_memory_can_be_turned_off(monkeypatch):
 
     monkeypatch.setenv("SERVEWISE_MALLOC", "system")
     assert "system" in torch_runner.keep_freed_memory()
+
+
+def test_the_kernels_source_digest_follows_the_sources_and_headers(tmp_path, monkeypatch):
+    import shutil
+
+    import servewise.kernels as k
+
+    here = os.path.dirname(k.__file__)
+    for name in os.listdir(here):
+        if name.endswith((".cpp", ".h")):
+            shutil.copy(os.path.join(here, name), tmp_path / name)
+    before = k.source_digest()
+    monkeypatch.setattr(k, "__file__", str(tmp_path / "__init__.py"))
+    assert k.source_digest() == before  # the same files elsewhere
+    (tmp_path / "fast_exp.h").write_text((tmp_path / "fast_exp.h").read_text() + "\n// changed\n")
+    assert k.source_digest() != before

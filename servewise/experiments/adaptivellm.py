@@ -191,17 +191,12 @@ def machine() -> str:
     """What a run's timings depend on besides the Python code and the settings: the CPU, the torch build and
     threads, the compiled kernels' sources and the environment variables that choose the engine's paths.
     (Simulated runs time their scheduling decisions on this machine too.)"""
-    import hashlib
-    from pathlib import Path
-
-    from servewise.kernels import cpu_flags
+    from servewise.kernels import cpu_flags, source_digest
     from servewise.predictors.profiler import hardware_tag
 
-    kernels = Path(__file__).resolve().parents[1] / "kernels"
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(kernels.glob("*.[ch]*")))).hexdigest()[:16]
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith("SERVEWISE_") or k == "TRITON_INTERPRET")
     return (f"{hardware_tag()} [{cpu_flags()}] torch {torch.__version__}, {torch.get_num_threads()} threads, "
-            f"kernels {digest}, env {env}")
+            f"kernels {source_digest()}, env {env}")
 
 
 def inputs(s: Settings) -> str:

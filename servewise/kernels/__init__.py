@@ -50,6 +50,17 @@ def last_level_cache_bytes() -> int | None:
 SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "linear_bf16.cpp")
 
 
+def source_digest() -> str:
+    """A digest of the compiled kernels' sources (the .cpp files and the headers they include)."""
+    here = os.path.dirname(__file__)
+    names = sorted(SOURCES + tuple(f for f in os.listdir(here) if f.endswith(".h")))
+    h = hashlib.sha256()
+    for name in names:
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(name.encode() + f.read())
+    return h.hexdigest()[:16]
+
+
 def _module_name() -> str:
     return f"servewise_cpu_kernels_{_cpu_tag()}"
 
