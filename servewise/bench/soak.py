@@ -281,8 +281,8 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
     if "{store}" in CONFIGS[name]:
         store = tempfile.mkdtemp(prefix="soak-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     flags = CONFIGS[name].format(store=store).split()
-    threads = 1 if "--instances" in flags else s.threads
-    engines = 2 if "--instances" in flags else 1
+    split = "--instances" in flags
+    threads, engines = (1, 2) if split else (s.threads, 1)
     n = cores()
     say(f"{name}: {engines} engine process(es) x {threads} torch thread(s), the HTTP server and the load client "
         f"on {n} cores" + (" (no core left to the server and the client: the latencies measure their contention "
@@ -301,7 +301,7 @@ def run_config(s: Settings, name: str, logdir: str, say) -> dict:
                 recs, wall = asyncio.run(run_bench(base, s.model, items, [0.0] * len(items)))
                 capacity = round(sum(r.completed for r in recs) / wall, 3)
                 rate = s.load * capacity
-                say(f"{name}: capacity {rate / s.load:.2f} req/s ({len(items)} at once in {wall:.1f} s); "
+                say(f"{name}: capacity {capacity:.2f} req/s ({len(items)} at once in {wall:.1f} s); "
                     f"soak at {rate:.2f} req/s for {s.minutes:g} min")
                 wait_idle(s.port)
             seconds = s.minutes * 60
