@@ -1,5 +1,5 @@
 """A serving process's heap: free chunks given back, kernels counted by shape, the engine loop trimming
-after steps that built kernels."""
+after steps that built kernels and every few seconds."""
 import logging
 import multiprocessing as mp
 import threading
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from servewise.engine.heap import _resident_bytes, release_free_heap
+from servewise.engine.heap import TrimSchedule, _resident_bytes, release_free_heap
 from servewise.models import linear
 from servewise.runners.torch_runner import keep_freed_memory
 from servewise.sampling_params import SamplingParams
@@ -22,6 +22,16 @@ def test_free_heap_chunks_go_back_to_the_system():
     del blocks
     assert _resident_bytes() > held - (16 << 20)  # freed, but the kept heap holds the pages
     assert release_free_heap() >= 32 << 20
+
+
+def test_trims_fall_due_on_new_kernel_shapes_and_at_most_every_interval_otherwise():
+    due = TrimSchedule(10.0, now=100.0, shapes=5)
+    assert [due.due(t, 5) for t in (101.0, 109.9)] == [False, False]
+    assert due.due(110.0, 5)  # ten seconds since the start's trim
+    assert not due.due(115.0, 5)
+    assert due.due(116.0, 7) and due.shapes == 7  # new shapes: at once, and the interval counts from here
+    assert not due.due(125.0, 7)
+    assert due.due(126.0, 7)
 
 
 @pytest.mark.skipif(not linear.packing_available(torch.zeros(1)), reason="no prepacked oneDNN weights here")

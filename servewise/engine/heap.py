@@ -68,3 +68,21 @@ def release_free_heap() -> int | None:
     before = _resident_bytes()
     libc.malloc_trim(0)
     return before - _resident_bytes()
+
+
+class TrimSchedule:
+    """When a serving loop gives its free heap back, after a step that did work: when the step built kernels
+    for new shapes, and else at most every `every_s` seconds. A step's activations are freed when it ends,
+    but the kept-heap setting holds their pages, so a burst that ran a large batch leaves tens of MiB
+    resident after it (measured on tiny-llama after 8 prompts of 192 tokens: 24-30 MiB, which a trim gave
+    back in 2-6 ms; the next large step faults its pages in again). Without the periodic trim, a 30-minute
+    soak's memory kept the level of its largest queue (`bench soak`, notes/soak.md)."""
+
+    def __init__(self, every_s: float, now: float, shapes: int):
+        self.every_s, self.last, self.shapes = every_s, now, shapes
+
+    def due(self, now: float, shapes: int) -> bool:
+        if shapes != self.shapes or now - self.last >= self.every_s:
+            self.last, self.shapes = now, shapes
+            return True
+        return False

@@ -22,6 +22,7 @@ from servewise.server.client import EngineLoop
 
 log = logging.getLogger("servewise")
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError)
+TRIM_EVERY_S = 10.0  # the free heap a busy engine holds is given back at most this often (engine/heap.py)
 
 
 class EngineInstance:
@@ -98,7 +99,7 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
     import torch
 
     from servewise.builder import build_engine
-    from servewise.engine.heap import freeze_startup_heap, release_free_heap
+    from servewise.engine.heap import TrimSchedule, freeze_startup_heap, release_free_heap
     from servewise.models.linear import kernel_shapes
 
     if threading.current_thread() is threading.main_thread():  # a process of its own, not a Ray actor's thread
@@ -131,7 +132,7 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
         return replace(eng.stats(), heap_trims=trims[0], heap_released_bytes=trims[1])
 
     trim()  # what loading left free
-    shapes = kernel_shapes()
+    trims_due = TrimSchedule(TRIM_EVERY_S, time.monotonic(), kernel_shapes())
     outs.send(("ready", eng.tokenizer, eng.limits, stats(), inst.layers, inst.cache_file))
     while True:
         timeout = 0 if eng.has_unfinished() else 0.002 if inst.in_flight() else 0.5
@@ -156,10 +157,9 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
                 outs.send(("out", refused + stepped, stats(), events))
             if later := inst.after_report():  # (a serialized hand-off's checksums, after its first token)
                 outs.send(("out", [], stats(), later))
-            if did and (n := kernel_shapes()) != shapes:  # new step shapes built kernels; their outputs are sent
-                shapes = n
+            if did and trims_due.due(time.monotonic(), kernel_shapes()):  # (after the step's outputs are sent)
                 freed = trim()  # (counted in the next report's stats)
-                log.debug("servewise: %d kernel shapes; %s MiB of free heap returned", n,
+                log.debug("servewise: %d kernel shapes; %s MiB of free heap returned", trims_due.shapes,
                           "?" if freed is None else f"{freed / 2**20:.1f}")
         except (BrokenPipeError, EOFError):
             return
