@@ -8,6 +8,14 @@ same torch threads, the best of `repeat` calls of:
 - `fp32`: the engine's `Linear` on fp32 copies of the weights (twice their memory: the reference).
 Figures are GFLOP/s (2 x rows x in x out / time); the summary is the median over `rounds` rounds and the
 total time of one pass over the model's layers per path.
+
+With `offline` (prompts, input and output tokens of an offline run, as `bench offline` runs it), it also
+reports what the engine's linear layers alone take for that run at these speeds: every prompt token
+through the layers in steps of `chunk` rows, one output-projection row per prompt, then `output - 1`
+decode steps of every prompt at once. No engine whose matrix products run at these speeds finishes that
+run faster (the calls are timed on warm caches, a best of `repeat`, and a part of the last prefill step
+is counted at the full step's speed), so an engine's measured time over this bound is the most that
+anything but faster matrix products can gain.
 """
 from __future__ import annotations
 
@@ -33,6 +41,8 @@ class Settings:
     rounds: int = 3
     repeat: int = 5
     seed: int = 0
+    offline: tuple[int, int, int] | None = None  # prompts, input tokens, output tokens
+    chunk: int = 4096  # rows of a prefill step (the engine's max_num_batched_tokens)
     out: str | None = "results/bench_linear.json"
 
 
@@ -48,6 +58,21 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
             "down": (inter, h), "head": (h, c.vocab_size)}
 
 
+def offline_bound(gflops: dict[tuple[int, str], float], shapes: dict[str, tuple[int, int]], layers: int,
+                  prompts: int, input_len: int, output_len: int, chunk: int) -> dict:
+    """Seconds the linear layers alone take for an offline run (module docstring), from GFLOP/s by (rows,
+    layer name); needs the rows `chunk` and `prompts`."""
+    def seconds(rows: int, name: str) -> float:
+        i, o = shapes[name]
+        return 2 * rows * i * o / (gflops[rows, name] * 1e9)
+
+    body = lambda rows: layers * sum(seconds(rows, m) for m in shapes if m != "head")  # noqa: E731
+    prefill = prompts * input_len / chunk * body(chunk) + seconds(prompts, "head")
+    decode = (output_len - 1) * (body(prompts) + seconds(prompts, "head"))
+    return {"prompts": prompts, "input_len": input_len, "output_len": output_len, "chunk": chunk,
+            "prefill_s": prefill, "decode_s": decode, "total_s": prefill + decode}
+
+
 def main(s: Settings) -> dict:
     """Run the benchmark; the CLI has already applied --threads."""
     from servewise.config import ModelConfig
@@ -57,6 +82,7 @@ def main(s: Settings) -> dict:
     dtype = getattr(torch, s.dtype)
     layers = ModelConfig.from_hf(hf_config(s.model)).num_layers
     shapes = layer_shapes(s.model)
+    rows = s.rows if s.offline is None else tuple(sorted(set(s.rows) | {s.offline[0], s.chunk}))  # (the bound's)
     g = torch.Generator().manual_seed(s.seed)
     weights = {n: torch.randn(o, i, generator=g).div_(i ** 0.5).to(dtype) for n, (i, o) in shapes.items()}
     paths = {"servewise": {n: Linear(w) for n, w in weights.items()}}
@@ -64,13 +90,13 @@ def main(s: Settings) -> dict:
         paths["bf16 oneDNN"] = {n: (lambda w: lambda x: F.linear(x, w))(w) for n, w in weights.items()}
     paths["fp32"] = {n: Linear(w.float()) for n, w in weights.items()}
     threads, engine_path = torch.get_num_threads(), describe(list(paths["servewise"].values()))
-    print(f"linear layers of {s.model} ({layers} layers), {s.dtype}; rows {', '.join(map(str, s.rows))}; best of "
+    print(f"linear layers of {s.model} ({layers} layers), {s.dtype}; rows {', '.join(map(str, rows))}; best of "
           f"{s.repeat} calls, {s.rounds} rounds; torch threads {threads}; CPU flags: {cpu_flags()}\n"
           f"servewise: {engine_path}; kernels: {status()}", flush=True)
     rounds = []
     for r in range(s.rounds):
         row = {}
-        for n in s.rows:
+        for n in rows:
             for name, (i, o) in shapes.items():
                 x = torch.randn(n, i, generator=g).to(dtype)
                 for path, lin in paths.items():
@@ -83,7 +109,7 @@ def main(s: Settings) -> dict:
     print(f"\nGFLOP/s, median of rounds; a pass = {layers} layers + the output projection (ms)\n"
           f"| rows | shape (in x out) | " + " | ".join(names) + " |\n|---|---|" + "---:|" * len(names))
     summary = []
-    for n in s.rows:
+    for n in rows:
         for name, (i, o) in shapes.items():
             gf = {p: 2 * n * i * o / med[f"{p}/{name}/{n}"] / 1e9 for p in names}
             summary.append({"rows": n, "layer": name, "in": i, "out": o, "gflops": gf})
@@ -95,6 +121,13 @@ def main(s: Settings) -> dict:
     result = {"settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(s).items()},
               "threads": threads, "cpu_flags": cpu_flags(), "servewise_path": engine_path,
               "summary": summary, "rounds": rounds}
+    if s.offline is not None:
+        gf = {(x["rows"], x["layer"]): x["gflops"]["servewise"] for x in summary if x["layer"] != "pass"}
+        b = result["offline_bound"] = offline_bound(gf, shapes, layers, *s.offline, s.chunk)
+        print(f"\nan offline run of {b['prompts']} prompts, {b['input_len']} -> {b['output_len']} tokens, prefill "
+              f"steps of {b['chunk']} rows: the engine's linear layers alone take {b['total_s']:.2f} s (prefill "
+              f"{b['prefill_s']:.2f} s, decode {b['decode_s']:.2f} s): at most {b['prompts'] * b['output_len'] / b['total_s']:.0f} "
+              f"output tok/s at these speeds")
     if s.out:
         save_json(result, s.out)
         print(f"saved {s.out}")

@@ -19,6 +19,16 @@ def _rows(text: str) -> tuple[int, ...]:
     return rows
 
 
+def _offline(text: str) -> tuple[int, int, int]:
+    try:
+        run = tuple(int(x) for x in _names(text))
+    except ValueError:
+        run = ()
+    if len(run) != 3 or min(run) < 1:
+        raise argparse.ArgumentTypeError(f"expected PROMPTS,INPUT,OUTPUT (three whole numbers of at least 1), got {text!r}")
+    return run
+
+
 def arguments(p) -> None:
     p.add_argument("--model", default="qwen2.5-0.5b", help="a built-in name, configuration-only size or checkpoint "
                    "directory (its shapes; weights are random)")
@@ -27,6 +37,10 @@ def arguments(p) -> None:
     p.add_argument("--rounds", type=at_least(1), default=3)
     p.add_argument("--repeat", type=at_least(1), default=5, help="calls per figure (the best is kept)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--offline", type=_offline, default=None, metavar="PROMPTS,INPUT,OUTPUT",
+                   help="also the time the linear layers alone take for an offline run of this many prompts of "
+                   "INPUT tokens generating OUTPUT (as `bench offline` runs it): the least any engine on them needs")
+    p.add_argument("--chunk", type=at_least(1), default=4096, help="with --offline: rows of a prefill step")
     threads_arg(p)
     p.add_argument("--out", default="results/bench_linear.json")
 
