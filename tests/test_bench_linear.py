@@ -32,21 +32,23 @@ def test_bad_row_counts_stop_with_status_2(rows, capsys):
 
 def test_the_offline_bound_counts_each_step_of_the_run():
     shapes = {"qkv": (10, 30), "o": (10, 10), "gate": (10, 20), "up": (10, 20), "down": (20, 10), "head": (10, 100)}
-    gflops = {(rows, name): 1.0 for rows in (4, 8) for name in shapes}  # 1 GFLOP/s: a call takes 2 x rows x in x out ns
+    gflops = {(rows, name): 1.0 for rows in (4, 8) for name in shapes}  # 1 GFLOP/s: a call, 2 x rows x in x out ns
     b = offline_bound(gflops, shapes, layers=3, prompts=4, input_len=6, output_len=5, chunk=8)
     body_per_row = 3 * 2 * (300 + 100 + 200 + 200 + 200) * 1e-9  # the layers' seconds per row
     head_per_row = 2 * 1000 * 1e-9
-    assert b["prefill_s"] == pytest.approx(4 * 6 * body_per_row + 4 * head_per_row)  # 24 rows in steps of 8; a head row each
+    # 24 prompt rows in steps of 8, and an output-projection row for each prompt
+    assert b["prefill_s"] == pytest.approx(4 * 6 * body_per_row + 4 * head_per_row)
     assert b["decode_s"] == pytest.approx(4 * 4 * (body_per_row + head_per_row))  # 4 decode steps of 4 rows
     assert b["total_s"] == pytest.approx(b["prefill_s"] + b["decode_s"])
 
 
 def test_an_offline_run_adds_the_row_counts_its_bound_needs():
-    r = main(Settings(model="tiny-llama", dtype="float32", rows=(1,), rounds=1, repeat=1, offline=(3, 8, 2), chunk=16,
-                      out=None))
+    r = main(Settings(model="tiny-llama", dtype="float32", rows=(1,), rounds=1, repeat=1, offline=(3, 8, 2),
+                      chunk=16, out=None))
     assert [x["rows"] for x in r["summary"] if x["layer"] == "pass"] == [1, 3, 16]
     b = r["offline_bound"]
-    assert (b["prompts"], b["input_len"], b["output_len"], b["chunk"]) == (3, 8, 2, 16) and 0 < b["prefill_s"] < b["total_s"]
+    assert (b["prompts"], b["input_len"], b["output_len"], b["chunk"]) == (3, 8, 2, 16)
+    assert 0 < b["prefill_s"] < b["total_s"]
 
 
 @pytest.mark.parametrize("run", ["4,128", "4,0,64", "a,b,c", "1,2,3,4"])

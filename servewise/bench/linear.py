@@ -126,8 +126,8 @@ def main(s: Settings) -> dict:
         b = result["offline_bound"] = offline_bound(gf, shapes, layers, *s.offline, s.chunk)
         print(f"\nan offline run of {b['prompts']} prompts, {b['input_len']} -> {b['output_len']} tokens, prefill "
               f"steps of {b['chunk']} rows: the engine's linear layers alone take {b['total_s']:.2f} s (prefill "
-              f"{b['prefill_s']:.2f} s, decode {b['decode_s']:.2f} s): at most {b['prompts'] * b['output_len'] / b['total_s']:.0f} "
-              f"output tok/s at these speeds")
+              f"{b['prefill_s']:.2f} s, decode {b['decode_s']:.2f} s): at most "
+              f"{b['prompts'] * b['output_len'] / b['total_s']:.0f} output tok/s at these speeds")
     if s.out:
         save_json(result, s.out)
         print(f"saved {s.out}")

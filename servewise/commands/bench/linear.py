@@ -25,7 +25,8 @@ def _offline(text: str) -> tuple[int, int, int]:
     except ValueError:
         run = ()
     if len(run) != 3 or min(run) < 1:
-        raise argparse.ArgumentTypeError(f"expected PROMPTS,INPUT,OUTPUT (three whole numbers of at least 1), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected PROMPTS,INPUT,OUTPUT (three whole numbers of at least 1), "
+                                         f"got {text!r}")
     return run
 
 
