@@ -397,7 +397,8 @@ def test_a_signal_to_the_whole_process_group_stops_the_server_without_a_restart(
         port = s.getsockname()[1]
     log = tmp_path / "server.log"
     store = tmp_path / "store"
-    extra = ["--instances", instances] if instances else ["--enable-prefix-caching", "--kv-store", str(store)]
+    extra = ["--instances", instances] if instances else ["--enable-prefix-caching", "--kv-store", str(store),
+                                                           "--kv-store-fetch", "always"]  # (no profile first)
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "servewise", "serve", "--model", "tiny-llama", "--port",
                                  str(port), "--threads", "1", *extra], stdout=f, stderr=subprocess.STDOUT,

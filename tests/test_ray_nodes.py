@@ -51,8 +51,9 @@ def test_instances_on_different_nodes_and_a_lost_node(nodes, tmp_path, monkeypat
     (want_long,) = alone([(PROMPTS[3], LONG)])
     store = StoreServer(str(tmp_path / "store"), 1 << 24, host="127.0.0.1", key=b"test").start()
     monkeypatch.setenv("SERVEWISE_KV_STORE_KEY", "test")  # (the actors take the driver's environment)
-    cc = ClusterClient(dict(KW, enable_prefix_caching=True, kv_store=store.url), ["prompt", "token"], launcher="ray",
-                       transport="gloo", lease_s=5.0)
+    # (stored prefixes always fetched: a cost choice rests on predictors the actors profile side by side)
+    cc = ClusterClient(dict(KW, enable_prefix_caching=True, kv_store=store.url, kv_store_fetch="always"),
+                       ["prompt", "token"], launcher="ray", transport="gloo", lease_s=5.0)
     cc.start()
     try:
         where = [launcher.node(m.conn) for m in cc.members]
