@@ -287,7 +287,8 @@ def test_pipelined_write_back_stores_what_a_synchronous_one_does_under_block_reu
     by the very next step while the write-back of the last step runs beside it; the store must hold each
     block as computed (each entry byte for byte what a synchronous write stored). Stored prefixes are always
     fetched: a cost decision rests on the machine's profiled predictors, and a preempted request's prefix
-    recomputed instead of fetched differs from it in the last bits (seen on a 16-core GPU machine under 14 test workers)."""
+    recomputed instead of fetched differs from it in the last bits (seen on a 16-core machine under 14 test
+    workers)."""
     rng = random.Random(11)
     ps = [[rng.randrange(10, 1000) for _ in range(rng.randrange(20, 70))] for _ in range(24)]
     files = {}
