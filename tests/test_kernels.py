@@ -1,5 +1,5 @@
-"""The compiled paged-attention kernel and the prepacked linear layers against their pure-PyTorch
-twins, at the operator level and through the whole engine."""
+"""The compiled attention kernels (paged decode, whole prompts) and the prepacked linear layers against
+their pure-PyTorch twins, at the operator level and through the whole engine."""
 import os
 import threading
 
@@ -51,6 +51,53 @@ def test_kernel_equals_the_pytorch_path(B, H, KVH, D, bs, lens, dtype):
     got = paged_attention(q, k, k, cache, meta)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def prompt_case(H, KVH, D, lens, dtype, seed=0):
+    """q, k, v of whole prompts as the model hands them over: views of one fused projection's output."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=1)
+    slots = torch.arange(T)
+    cache = torch.zeros(2, T, KVH, D, dtype=dtype)
+    return q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D), cache, AttentionMetadata(True, slots, lens)
+
+
+@needs_kernel
+@pytest.mark.parametrize("H,KVH,D,lens", [(4, 2, 64, [128, 1, 17, 16, 33]), (16, 4, 64, [128, 64]),
+                                          (8, 8, 32, [5, 100]), (6, 1, 128, [300]), (12, 4, 96, [3, 40, 1]),
+                                          (4, 2, 40, [70, 9])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_prompt_kernel_equals_the_pytorch_path(H, KVH, D, lens, dtype):
+    q, k, v, cache, meta = prompt_case(H, KVH, D, lens, dtype)
+    ref = paged_attention(q, k, v, cache.clone(), meta)
+    meta.kernel = ext
+    got = paged_attention(q, k, v, cache, meta)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(cache[0], k) and torch.equal(cache[1], v)  # the KV is written on either path
+
+
+@needs_kernel
+@pytest.mark.parametrize("window,softcap", [(7, None), (None, 30.0)])
+def test_prompt_kernel_leaves_windows_and_soft_caps_to_the_pytorch_path(window, softcap):
+    q, k, v, cache, meta = prompt_case(4, 2, 64, [40, 20], torch.float32)
+    ref = paged_attention(q, k, v, cache.clone(), meta, window=window, softcap=softcap)
+    plain = paged_attention(q, k, v, cache.clone(), meta)
+    meta.kernel = ext
+    got = paged_attention(q, k, v, cache, meta, window=window, softcap=softcap)
+    assert torch.allclose(got, ref, atol=1e-5) and not torch.allclose(got, plain, atol=1e-3)
+
+
+@needs_kernel
+def test_prompt_kernel_refuses_lengths_that_do_not_cover_the_tokens():
+    q, k, v, _, _ = prompt_case(4, 2, 64, [10, 6], torch.float32)
+    with pytest.raises(RuntimeError, match="sum to the number of tokens"):
+        ext.prompt_attention(q, k, v, torch.tensor([10, 5]), 0.125)
+    with pytest.raises(RuntimeError, match="needs a token"):
+        ext.prompt_attention(q, k, v, torch.tensor([16, 0]), 0.125)
 
 
 @needs_kernel

@@ -47,7 +47,7 @@ def last_level_cache_bytes() -> int | None:
 
 
 # one module; paged_attention.cpp declares the functions of the others
-SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "linear_bf16.cpp")
+SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "linear_bf16.cpp", "prompt_attention.cpp")
 
 
 def source_digest() -> str:
@@ -126,9 +126,10 @@ def _clear_stale_lock() -> None:
 def status() -> str:
     ext = cpu_ext()
     if ext is not None:
-        return ("compiled CPU kernels: paged decode attention (reads KV blocks in place), RMSNorm, rotary, "
-                "SiLU-mul, bf16 linear (fp32 arithmetic, used where the CPU has no bf16 dot products)")
-    return f"PyTorch path: decode attention by gather + SDPA, element-wise ops by operator ({_state.get('why', '')})"
+        return ("compiled CPU kernels: paged decode attention (reads KV blocks in place), prompt attention, RMSNorm, "
+                "rotary, SiLU-mul, bf16 linear (fp32 arithmetic, used where the CPU has no bf16 dot products)")
+    return (f"PyTorch path: attention by SDPA (decode: after a gather), element-wise ops by operator "
+            f"({_state.get('why', '')})")
 
 
 def _family(device: str) -> str:

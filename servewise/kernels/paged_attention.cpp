@@ -464,6 +464,9 @@ at::Tensor silu_mul_(at::Tensor& gate, const at::Tensor& up);
 void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 // linear_bf16.cpp
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w);
+// prompt_attention.cpp
+at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seq_lens,
+                            double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
@@ -472,4 +475,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_", &silu_mul_, "silu(gate) * up, over gate (CPU)");
   m.def("rotary_", &rotary_, "rotary embedding in place (CPU)");
   m.def("linear_bf16", &linear_bf16, "x @ w.T, float x, bf16 w, few rows (CPU)");
+  m.def("prompt_attention", &prompt_attention, "causal attention of whole prompts (CPU)");
 }

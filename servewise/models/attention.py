@@ -30,7 +30,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # decode: [batch, max_blocks], padded with block 0
     mask: torch.Tensor | None = None  # decode, PyTorch path: [batch, 1, 1, max_blocks * block_size], 0 or -inf
     context_lens: torch.Tensor | None = None  # decode: [batch] int64
-    kernel: object = None  # decode: the compiled paged-attention module, or None for the PyTorch path
+    kernel: object = None  # the compiled attention module (CPU or Triton), or None for the PyTorch path
     prior_lens: list[int] | None = None  # prefill rows that continue earlier KV: tokens already in the cache
 
 
@@ -52,6 +52,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
         return out.view(T, H * D)
     if meta.is_prefill and meta.prior_lens is not None:
         return _continued(q, cache, meta, opts)
+    if meta.is_prefill and hasattr(meta.kernel, "prompt_attention") and window is None and softcap is None:
+        # (the compiled CPU kernel: plain causal attention only; head dims a multiple of 8)
+        if D % 8 == 0:
+            lens = torch.tensor(meta.seq_lens, dtype=torch.int64)
+            return meta.kernel.prompt_attention(_rows(q), _rows(k), _rows(v), lens, _scale(D, scale))
     if meta.is_prefill:
         lens = meta.seq_lens
         if len(set(lens)) == 1:  # equal lengths: one batched call
@@ -68,6 +73,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             start += n
         return torch.cat(outs)
     return _decode(q, cache, meta, opts)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] as the compiled kernels read it: each row's heads contiguous (a view of a fused
+    projection's output qualifies)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 @dataclass

@@ -357,11 +357,10 @@ class TorchRunner:
         ends = torch.tensor(counts, device=dev).cumsum(0) - 1
         last = ends[sampling] if len(sampling) < len(rows) else ends
         prior = [c - n for n, c in zip(counts, ctx)]
-        meta = AttentionMetadata(True, torch.cat(slots), list(counts), bs)
+        meta = AttentionMetadata(True, torch.cat(slots), list(counts), bs, kernel=self.attn_kernel)
         if any(prior) or self.prefill_kernel:  # chunks that continue earlier KV: read through the block tables
             meta.prior_lens = prior
             meta.block_tables = self._block_tables(rows)
-            meta.kernel = self.attn_kernel
         return torch.tensor(ids, device=dev), positions, meta, last, sampling
 
     def _block_tables(self, rows: list[SeqState]) -> torch.Tensor:
