@@ -1,4 +1,5 @@
-"""`servewise bench attention`: the kernel's KV read bandwidth and the stream's, in one JSON."""
+"""`servewise bench attention`: the decode kernel's KV read bandwidth and the stream's, and the prompt
+kernel against SDPA, in one JSON."""
 import json
 
 import pytest
@@ -12,7 +13,7 @@ def test_the_bench_measures_each_shape_and_dtype_and_saves_what_it_printed(tmp_p
     out = tmp_path / "a.json"
     main(["bench", "attention", "--models", "tiny-llama,qwen2.5-0.5b", "--dtypes", "float32,bfloat16",
           "--batch", "8", "--context", "20-40", "--rounds", "2", "--repeat", "2", "--stream-mib", "64",
-          "--out", str(out)])
+          "--prompts", "3x40", "--out", str(out)])
     saved = json.loads(out.read_text())
     printed = capsys.readouterr().out
     assert len(saved["rounds"]) == 2 and saved["stream_gbs"] > 0
@@ -27,6 +28,13 @@ def test_the_bench_measures_each_shape_and_dtype_and_saves_what_it_printed(tmp_p
         assert f"| {x['model']} ({x['heads']} / {x['kv_heads']} / {x['head_dim']}) | {x['dtype']} | " \
                f"{x['kernel_gbs']:.1f} |" in printed
         assert x["pool_bytes"] > 0
+    prompts = {(x["model"], x["dtype"]): x for x in saved["prompts"]}
+    assert set(prompts) == set(shapes) and saved["settings"]["prompts"] == [3, 40]
+    for x in saved["prompts"]:
+        lo, hi = x["speedup_range"]
+        assert x["kernel_gflops"] > 0 and x["torch_gflops"] > 0 and lo <= x["speedup"] <= hi
+        assert f"| {x['model']} ({x['heads']} / {x['kv_heads']} / {x['head_dim']}) | {x['dtype']} | " \
+               f"{x['kernel_gflops']:.0f} | {x['torch_gflops']:.0f} |" in printed
     if saved["last_level_cache_bytes"]:  # these small pools fit in any last-level cache: said so
         assert saved["last_level_cache_bytes"] > 2**20 and "warning: tiny-llama/float32: its KV pool" in printed
 
@@ -36,6 +44,8 @@ def test_the_bench_measures_each_shape_and_dtype_and_saves_what_it_printed(tmp_p
     (["--context", "300-200"], "expected 1 <= LOW <= HIGH"),
     (["--context", "many"], "expected LOW-HIGH tokens"),
     (["--models", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--prompts", "32by128"], "expected PROMPTSxTOKENS"),
+    (["--prompts", "0x128"], "expected at least one prompt of one token"),
 ])
 def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:

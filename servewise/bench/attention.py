@@ -6,7 +6,10 @@ how fast the machine streams memory. Per round this measures, with the same torc
 - the compiled kernel (`servewise/kernels/paged_attention.cpp`) on each model's head shape and dtype:
   `batch` requests whose contexts are drawn from `context`, their blocks scattered at random over a
   pool as a long-running engine leaves them; KV bytes read / time = GB/s;
-- optionally the PyTorch path (gather the blocks, SDPA) on the same inputs.
+- optionally the PyTorch path (gather the blocks, SDPA) on the same inputs;
+- with `prompts` (B, L): prefill attention of B prompts of L tokens each on each shape and dtype, the
+  compiled prompt kernel (`prompt_attention.cpp`) against the PyTorch path (SDPA), both through the
+  engine's `paged_attention` (which writes the KV either way), in GFLOP/s of causal attention.
 Each figure is the best of `repeat` calls; the summary is the median over `rounds` rounds, and the
 kernel's share of the stream measured in the same round.
 """
@@ -37,6 +40,7 @@ class Settings:
     stream_mib: int = 1024
     torch_path: bool = True
     seed: int = 0
+    prompts: tuple[int, int] | None = (32, 128)  # prefill: (prompts, tokens each); None: not measured
     out: str | None = "results/bench_attention.json"
 
 
@@ -97,6 +101,32 @@ class Case:
         return lambda: paged_attention(self.q, k, v, self.cache, self.meta)
 
 
+class PromptCase:
+    """B prompts of L tokens at once, q / k / v as the model hands them over (views of one fused
+    projection's output); `flops`: those of causal attention (two products over half the scores)."""
+
+    def __init__(self, H: int, KVH: int, D: int, dtype: torch.dtype, s: Settings):
+        from servewise.models.attention import AttentionMetadata
+
+        B, L = s.prompts
+        T = B * L
+        g = torch.Generator().manual_seed(s.seed)
+        qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)
+        q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=1)
+        self.q, self.k, self.v = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
+        self.cache = torch.zeros(2, T, KVH, D, dtype=dtype)
+        self.meta = AttentionMetadata(True, torch.arange(T), [L] * B)
+        self.flops = 2 * B * H * L * L * D  # 2 products x 2 flops x L^2 / 2 scores
+
+    def run(self, kernel):
+        import dataclasses
+
+        from servewise.models.attention import paged_attention
+
+        meta = dataclasses.replace(self.meta, kernel=kernel)
+        return lambda: paged_attention(self.q, self.k, self.v, self.cache, meta)
+
+
 def main(s: Settings) -> dict:
     """Run the benchmark; the CLI has already applied --threads."""
     ext = cpu_ext()
@@ -118,6 +148,8 @@ def main(s: Settings) -> dict:
                 print(f"warning: {model}/{dt}: its KV pool ({case.cache.nbytes / 2**20:.0f} MiB) is under twice the "
                       f"last-level cache ({llc / 2**20:.0f} MiB); its share of the stream measures the cache as "
                       f"much as memory (raise --batch or --context)", flush=True)
+    prompt_cases = {key: PromptCase(*shape, getattr(torch, key[1]), s) for key, (_, shape) in cases.items()} \
+        if s.prompts else {}
     buf = torch.ones(s.stream_mib << 18, dtype=torch.float32)
     rounds = []
     for r in range(s.rounds):
@@ -126,6 +158,9 @@ def main(s: Settings) -> dict:
             row[f"{model}/{dt}"] = case.kv_bytes / _best(case.kernel(ext), s.repeat) / 1e9
             if s.torch_path:
                 row[f"{model}/{dt}/torch"] = case.kv_bytes / _best(case.torch_path(), max(2, s.repeat // 3)) / 1e9
+        for (model, dt), pc in prompt_cases.items():  # GFLOP/s
+            row[f"prompts {model}/{dt}"] = pc.flops / _best(pc.run(ext), s.repeat) / 1e9
+            row[f"prompts {model}/{dt}/torch"] = pc.flops / _best(pc.run(None), s.repeat) / 1e9
         rounds.append(row)
         print(f"round {r + 1}/{s.rounds}: stream {row['stream_gbs']:.1f} GB/s; " + ", ".join(
             f"{k} {v:.1f}" for k, v in row.items() if k != "stream_gbs"), flush=True)
@@ -146,9 +181,24 @@ def main(s: Settings) -> dict:
               f"({min(shares) * 100:.0f}-{max(shares) * 100:.0f}%) | {torch_col} |")
     stream = statistics.median(row["stream_gbs"] for row in rounds)
     print(f"stream (median of rounds): {stream:.1f} GB/s; medians over {s.rounds} rounds, shares taken round by round")
+    prompts = []
+    if prompt_cases:
+        B, L = s.prompts
+        print(f"\nprefill attention, {B} prompts of {L} tokens (GFLOP/s of causal attention, medians over rounds)\n"
+              "| shape (H / KVH / D) | dtype | prompt kernel | PyTorch path (SDPA) | kernel / SDPA |\n|---|---|---:|---:|---:|")
+        for (model, dt), (_, (H, KVH, D)) in cases.items():
+            key = f"prompts {model}/{dt}"
+            ratios = [row[key] / row[key + "/torch"] for row in rounds]
+            item = {"model": model, "dtype": dt, "heads": H, "kv_heads": KVH, "head_dim": D,
+                    "kernel_gflops": statistics.median(row[key] for row in rounds),
+                    "torch_gflops": statistics.median(row[key + "/torch"] for row in rounds),
+                    "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)]}
+            prompts.append(item)
+            print(f"| {model} ({H} / {KVH} / {D}) | {dt} | {item['kernel_gflops']:.0f} | {item['torch_gflops']:.0f} | "
+                  f"{item['speedup']:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
     result = {"settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(s).items()},
               "threads": threads, "cpu_flags": cpu_flags(), "last_level_cache_bytes": llc, "stream_gbs": stream,
-              "summary": summary,
+              "summary": summary, "prompts": prompts,
               "rounds": rounds}
     if s.out:
         save_json(result, s.out)

@@ -5,7 +5,8 @@ import argparse
 
 from servewise.commands.options import at_least, threads_arg
 
-HELP = "the decode attention kernel's KV read bandwidth against the machine's stream, side by side"
+HELP = ("the decode attention kernel's KV read bandwidth against the machine's stream, and the prompt kernel "
+        "against SDPA, side by side")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -34,6 +35,19 @@ def _span(text: str) -> tuple[int, int]:
     return span
 
 
+def _prompts(text: str) -> tuple[int, int] | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        b, _, n = text.lower().partition("x")
+        shape = (int(b), int(n))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected PROMPTSxTOKENS (32x128) or none, got {text!r}") from None
+    if min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected at least one prompt of one token, got {text!r}")
+    return shape
+
+
 def arguments(p) -> None:
     p.add_argument("--models", type=_names, default=("tiny-llama", "llama-200m"),
                    help="comma-separated built-in names, configuration-only sizes or checkpoint directories "
@@ -48,6 +62,8 @@ def arguments(p) -> None:
     p.add_argument("--torch-path", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the PyTorch path (gather + SDPA) on the same inputs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", type=_prompts, default=(32, 128),
+                   help="also time prefill attention on PROMPTSxTOKENS (the prompt kernel against SDPA); none: not")
     threads_arg(p)
     p.add_argument("--out", default="results/bench_attention.json")
 
