@@ -64,20 +64,53 @@ def prompt_case(H, KVH, D, lens, dtype, seed=0):
     return q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D), cache, AttentionMetadata(True, slots, lens)
 
 
+class PromptSpy:
+    """The compiled module as the runner hands it over, counting the prompt kernel's calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def prompt_attention(self, *args):
+        self.calls += 1
+        return ext.prompt_attention(*args)
+
+
 @needs_kernel
 @pytest.mark.parametrize("H,KVH,D,lens", [(4, 2, 64, [128, 1, 17, 16, 33]), (16, 4, 64, [128, 64]),
                                           (8, 8, 32, [5, 100]), (6, 1, 128, [300]), (12, 4, 96, [3, 40, 1]),
-                                          (4, 2, 40, [70, 9])])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+                                          (4, 2, 40, [70, 9]), (4, 2, 64, [1024] + [64] * 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_prompt_kernel_equals_the_pytorch_path(H, KVH, D, lens, dtype):
     q, k, v, cache, meta = prompt_case(H, KVH, D, lens, dtype)
     ref = paged_attention(q, k, v, cache.clone(), meta)
-    meta.kernel = ext
+    meta.kernel = spy = PromptSpy()
     got = paged_attention(q, k, v, cache, meta)
+    assert spy.calls == 1
     assert got.shape == ref.shape and got.dtype == ref.dtype
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
+    tol = 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+    assert torch.allclose(got.to(ref.dtype), ref, atol=tol, rtol=tol)
     assert torch.equal(cache[0], k) and torch.equal(cache[1], v)  # the KV is written on either path
+    direct = ext.prompt_attention(q, k, v, torch.tensor(lens), D ** -0.5)  # the kernel's own answer
+    assert torch.equal(direct, got)
+
+
+@needs_kernel
+def test_prompt_kernel_takes_the_layers_scale():
+    q, k, v, cache, meta = prompt_case(8, 4, 64, [50, 7], torch.float32)
+    ref = paged_attention(q, k, v, cache.clone(), meta, scale=0.3)
+    meta.kernel = PromptSpy()
+    got = paged_attention(q, k, v, cache, meta, scale=0.3)
+    assert meta.kernel.calls == 1 and torch.allclose(got, ref, atol=1e-5)
+    assert not torch.allclose(got, paged_attention(q, k, v, cache, meta), atol=1e-3)
+
+
+@needs_kernel
+def test_head_dims_the_prompt_kernel_cannot_take_stay_on_the_pytorch_path():
+    q, k, v, cache, meta = prompt_case(4, 2, 36, [20, 9], torch.float32)
+    ref = paged_attention(q, k, v, cache.clone(), meta)
+    meta.kernel = spy = PromptSpy()
+    got = paged_attention(q, k, v, cache, meta)
+    assert spy.calls == 0 and torch.allclose(got, ref, atol=1e-6)
 
 
 @needs_kernel
@@ -86,8 +119,9 @@ def test_prompt_kernel_leaves_windows_and_soft_caps_to_the_pytorch_path(window, 
     q, k, v, cache, meta = prompt_case(4, 2, 64, [40, 20], torch.float32)
     ref = paged_attention(q, k, v, cache.clone(), meta, window=window, softcap=softcap)
     plain = paged_attention(q, k, v, cache.clone(), meta)
-    meta.kernel = ext
+    meta.kernel = spy = PromptSpy()
     got = paged_attention(q, k, v, cache, meta, window=window, softcap=softcap)
+    assert spy.calls == 0
     assert torch.allclose(got, ref, atol=1e-5) and not torch.allclose(got, plain, atol=1e-3)
 
 

@@ -148,8 +148,11 @@ def main(s: Settings) -> dict:
                 print(f"warning: {model}/{dt}: its KV pool ({case.cache.nbytes / 2**20:.0f} MiB) is under twice the "
                       f"last-level cache ({llc / 2**20:.0f} MiB); its share of the stream measures the cache as "
                       f"much as memory (raise --batch or --context)", flush=True)
-    prompt_cases = {key: PromptCase(*shape, getattr(torch, key[1]), s) for key, (_, shape) in cases.items()} \
-        if s.prompts else {}
+    prompt_cases = {key: PromptCase(*shape, getattr(torch, key[1]), s) for key, (_, shape) in cases.items()
+                    if s.prompts and shape[2] % 8 == 0}
+    for model, dt in cases.keys() - prompt_cases.keys() if s.prompts else ():
+        print(f"prompts {model}/{dt}: head dim {cases[model, dt][1][2]} is not a multiple of 8, which the prompt "
+              "kernel needs (SDPA serves it): not timed")
     buf = torch.ones(s.stream_mib << 18, dtype=torch.float32)
     rounds = []
     for r in range(s.rounds):
@@ -186,7 +189,8 @@ def main(s: Settings) -> dict:
         B, L = s.prompts
         print(f"\nprefill attention, {B} prompts of {L} tokens (GFLOP/s of causal attention, medians over rounds)\n"
               "| shape (H / KVH / D) | dtype | prompt kernel | PyTorch path (SDPA) | kernel / SDPA |\n|---|---|---:|---:|---:|")
-        for (model, dt), (_, (H, KVH, D)) in cases.items():
+        for (model, dt), pc in prompt_cases.items():
+            H, KVH, D = cases[model, dt][1]
             key = f"prompts {model}/{dt}"
             ratios = [row[key] / row[key + "/torch"] for row in rounds]
             item = {"model": model, "dtype": dt, "heads": H, "kv_heads": KVH, "head_dim": D,

@@ -477,5 +477,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_", &silu_mul_, "silu(gate) * up, over gate (CPU)");
   m.def("rotary_", &rotary_, "rotary embedding in place (CPU)");
   m.def("linear_bf16", &linear_bf16, "x @ w.T, float x, bf16 w, few rows (CPU)");
-  m.def("prompt_attention", &prompt_attention, "causal attention of whole prompts (CPU)");
+  m.def("prompt_attention", &prompt_attention, "causal attention of whole prompts (CPU)",
+        py::call_guard<py::gil_scoped_release>());  // (long prompts: other threads run meanwhile)
 }

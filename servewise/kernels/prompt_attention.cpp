@@ -108,15 +108,30 @@ void prompts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   T* op = out.data_ptr<T>();
   // work items in order: prompt, KV head, query head of its group, tile (a group's items reuse its rows)
   std::vector<int64_t> first(B + 1, 0), start(B + 1, 0);
+  int64_t total = 0;  // the items' work: an item's keys, plus kQ for its fixed cost
   for (int64_t b = 0; b < B; ++b) {
+    const int64_t tiles = (lens[b] + kQ - 1) / kQ;
     start[b + 1] = start[b] + lens[b];
-    first[b + 1] = first[b] + H * ((lens[b] + kQ - 1) / kQ);
+    first[b + 1] = first[b] + H * tiles;
+    total += H * (tiles * (tiles + 1) / 2 * kQ + tiles * kQ);
+  }
+  // Each thread takes a run of items with an equal share of the work, not an equal count: a long
+  // prompt's late tiles cost many times a short prompt's.
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), first[B]));
+  std::vector<int64_t> cut(nt + 1, first[B]);
+  cut[0] = 0;
+  for (int64_t b = 0, it = 0, done = 0, t = 1; b < B && t < nt; ++b) {
+    const int64_t tiles = (lens[b] + kQ - 1) / kQ;
+    for (int64_t r = 0; r < H * tiles && t < nt; ++r, ++it) {
+      done += (r % tiles + 2) * kQ;
+      while (t < nt && done * nt >= total * t) cut[t++] = it + 1;
+    }
   }
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, first[B], 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, nt, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> qt(D * kQ), S, kf, vf;
     int64_t loaded = -1;  // the (prompt, KV head) whose rows kf / vf hold
-    for (int64_t it = begin; it < end; ++it) {
+    for (int64_t it = cut[t_begin]; it < cut[t_end]; ++it) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1;
       const int64_t n = lens[b], tiles = (n + kQ - 1) / kQ, r = it - first[b];
       const int64_t hq = r / tiles, i0 = (r % tiles) * kQ, h = hq / G, row0 = start[b];
@@ -148,7 +163,8 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
   const int64_t D = q.size(2);
   for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D && t->size(2) == D, "each row must hold its heads contiguously");
+    TORCH_CHECK(t->stride(2) == 1 && (t->size(1) == 1 || t->stride(1) == D) && t->size(2) == D,
+                "each row must hold its heads contiguously");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0), "k and v must be [tokens, KVH, head_dim] as q");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(D % 8 == 0, "head_dim must be a multiple of 8");

@@ -78,7 +78,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] as the compiled kernels read it: each row's heads contiguous (a view of a fused
     projection's output qualifies)."""
-    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+    return x if x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]) else x.contiguous()
 
 
 @dataclass

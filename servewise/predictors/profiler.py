@@ -23,8 +23,9 @@ from servewise.engine.interfaces import KVMove, Pool, SchedulerOutput, standalon
 from servewise.predictors.step_time import IN_PLACE, PADDED
 from servewise.sampling_params import SamplingParams
 
-PROFILE_VERSION = 5  # 2: prompt chunks over earlier context ("context"); 3: "decode_attention"; 4: the engine's
-# own time per step ("loop"); 5: each block copy's number of copy calls ("copies"). Older ones still load
+PROFILE_VERSION = 6  # 2: prompt chunks over earlier context ("context"); 3: "decode_attention"; 4: the engine's
+# own time per step ("loop"); 5: each block copy's number of copy calls ("copies"); 6: the same fields, prompts
+# timed on the compiled prompt kernel (a cached profile of 5 holds SDPA's slower prefill). Older ones still load
 DEFAULT_SIZES = ((2, 128), (4, 256), (6, 384), (8, 512))  # (layers, hidden size)
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 DECODE_WARM_RUNS = 3  # untimed runs of a decode batch right before it is timed (see _Sweep)
@@ -390,7 +391,7 @@ def save_profile(prof: dict, path: str) -> None:
 def load_profile(path: str) -> dict:
     with open(path) as f:
         prof = json.load(f)
-    if prof.get("version") not in (1, 2, 3, 4, PROFILE_VERSION):
+    if prof.get("version") not in (1, 2, 3, 4, 5, PROFILE_VERSION):
         raise ValueError(f"{path}: profile version {prof.get('version')!r}, expected {PROFILE_VERSION}; re-run the profiler")
     return prof
 
