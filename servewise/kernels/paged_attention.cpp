@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "native_vector.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>  // (the two AVX-512 paths below; every other CPU takes the portable code)
@@ -145,21 +146,10 @@ struct Slots {
 // register; AVX2 needs two, and there GCC keeps 16-lane vectors on the stack (the value pass's accumulators
 // and weights, the key pass's pending dot products) and shuffles them across registers: 8-lane vectors on
 // AVX2, and fewer query heads a value pass so that its accumulators fit the 16 registers.
-#if defined(__AVX512F__)
-constexpr int kNative = 16, kValueHeads = 4;
-#else
-constexpr int kNative = 8, kValueHeads = 2;
-#endif
-typedef float vn __attribute__((vector_size(kNative * sizeof(float))));
+using servewise::kNative, servewise::vn, servewise::vni, servewise::load_native;
+constexpr int kValueHeads = kNative == 16 ? 4 : 2;
 typedef uint16_t vn16 __attribute__((vector_size(kNative * sizeof(uint16_t))));
 typedef uint32_t vn32 __attribute__((vector_size(kNative * sizeof(uint32_t))));
-typedef int32_t vni __attribute__((vector_size(kNative * sizeof(int32_t))));
-
-inline vn load_native(const float* p) {
-  vn v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 inline vn load_native(const c10::BFloat16* p) {
 #if defined(__AVX512F__)

@@ -22,25 +22,16 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "native_vector.h"
 
 namespace {
 
-// kQ: queries a work item, the lanes of one register (GCC keeps wider vectors on the stack: 4-5x slower
-// than SDPA in an AVX2 build); kKeys, kDims: keys scored and value dims summed at once, their
-// accumulators in registers.
-#if defined(__AVX512F__)
-constexpr int kQ = 16, kKeys = 8, kDims = 8;
-#else
-constexpr int kQ = 8, kKeys = 8, kDims = 8;
-#endif
-typedef float vq __attribute__((vector_size(kQ * sizeof(float))));
-typedef int32_t vqi __attribute__((vector_size(kQ * sizeof(int32_t))));
-
-inline vq loadq(const float* p) {
-  vq x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
+// kQ: queries a work item, the lanes of one register (16-lane vectors in an AVX2 build ran 4-5x slower
+// than SDPA); kKeys, kDims: keys scored and value dims summed at once, their accumulators in registers.
+constexpr int kQ = servewise::kNative, kKeys = 8, kDims = 8;
+using vq = servewise::vn;
+using vqi = servewise::vni;
+inline vq loadq(const float* p) { return servewise::load_native(p); }
 
 // One item in float: queries i0 .. i0 + nq - 1 of a prompt (qt: their rows transposed and scaled,
 // [D][kQ], lanes past nq zero) against its keys 0 .. i0 + nq - 1. K, V: the prompt's first rows of
