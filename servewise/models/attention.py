@@ -52,11 +52,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
         return out.view(T, H * D)
     if meta.is_prefill and meta.prior_lens is not None:
         return _continued(q, cache, meta, opts)
-    if meta.is_prefill and hasattr(meta.kernel, "prompt_attention") and window is None and softcap is None:
-        # (the compiled CPU kernel: plain causal attention only; head dims a multiple of 8)
-        if D % 8 == 0:
-            lens = torch.tensor(meta.seq_lens, dtype=torch.int64)
-            return meta.kernel.prompt_attention(_rows(q), _rows(k), _rows(v), lens, _scale(D, scale))
+    if (meta.is_prefill and hasattr(meta.kernel, "prompt_attention") and window is None and softcap is None
+            and D % 8 == 0):  # (the compiled CPU kernel: plain causal attention, head dims a multiple of 8)
+        lens = torch.tensor(meta.seq_lens, dtype=torch.int64)
+        return meta.kernel.prompt_attention(_rows(q), _rows(k), _rows(v), lens, _scale(D, scale))
     if meta.is_prefill:
         lens = meta.seq_lens
         if len(set(lens)) == 1:  # equal lengths: one batched call
