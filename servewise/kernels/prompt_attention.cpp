@@ -98,25 +98,21 @@ void prompts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   T* op = out.data_ptr<T>();
   // work items in order: prompt, KV head, query head of its group, tile (a group's items reuse its rows)
   std::vector<int64_t> first(B + 1, 0), start(B + 1, 0);
-  int64_t total = 0;  // the items' work: an item's keys, plus kQ for its fixed cost
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t tiles = (lens[b] + kQ - 1) / kQ;
     start[b + 1] = start[b] + lens[b];
-    first[b + 1] = first[b] + H * tiles;
-    total += H * (tiles * (tiles + 1) / 2 * kQ + tiles * kQ);
+    first[b + 1] = first[b] + H * ((lens[b] + kQ - 1) / kQ);
   }
   // Each thread takes a run of items with an equal share of the work, not an equal count: a long
-  // prompt's late tiles cost many times a short prompt's.
+  // prompt's late tiles cost many times a short prompt's. work[i]: the items before i, each its keys
+  // plus kQ for its fixed cost.
+  std::vector<int64_t> work(first[B] + 1, 0);
+  for (int64_t b = 0, it = 0; b < B; ++b)
+    for (int64_t r = 0, tiles = (first[b + 1] - first[b]) / H; r < H * tiles; ++r, ++it)
+      work[it + 1] = work[it] + (r % tiles + 2) * kQ;
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), first[B]));
   std::vector<int64_t> cut(nt + 1, first[B]);
-  cut[0] = 0;
-  for (int64_t b = 0, it = 0, done = 0, t = 1; b < B && t < nt; ++b) {
-    const int64_t tiles = (lens[b] + kQ - 1) / kQ;
-    for (int64_t r = 0; r < H * tiles && t < nt; ++r, ++it) {
-      done += (r % tiles + 2) * kQ;
-      while (t < nt && done * nt >= total * t) cut[t++] = it + 1;
-    }
-  }
+  for (int64_t t = 0; t < nt; ++t)
+    cut[t] = std::lower_bound(work.begin(), work.end(), work.back() * t / nt) - work.begin();
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, nt, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> qt(D * kQ), S, kf, vf;
