@@ -39,6 +39,24 @@ def test_caching_on_and_off_give_the_same_tokens_and_every_round_is_saved(tmp_pa
     assert on == off
 
 
+def test_the_block_size_reaches_the_engine_and_leaves_the_tokens_alone(tmp_path):
+    rows = {}
+    for size in (None, "64"):
+        out = tmp_path / f"{size}.json"
+        main(["bench", "offline", "--num-prompts", "4", "--input-len", "80", "--output-len", "8", "--rounds", "1",
+              "--runs", "1", "--out", str(out)] + (["--block-size", size] if size else []))
+        rows[size] = json.loads(out.read_text())["rounds"][0]["servewise"]
+    assert rows[None]["block_size"] == 16 and rows["64"]["block_size"] == 64
+    assert rows[None]["outputs_hash"] == rows["64"]["outputs_hash"]
+
+
+@pytest.mark.parametrize("bad", ["0", "-16", "x"])
+def test_a_bad_block_size_is_status_2(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "offline", "--block-size", bad])
+    assert e.value.code == 2 and "--block-size" in capsys.readouterr().err
+
+
 def test_an_unknown_workload_is_one_line_and_status_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "offline", "--workload", "chat"])

@@ -45,6 +45,7 @@ class Settings:
     rounds: int = 3
     runs: int = 3
     max_model_len: int = 2048
+    block_size: int | None = None  # tokens per KV block in both engines (None: each engine's own default)
     seed: int = 0
     out: str | None = "results/bench_offline.json"
 
@@ -89,13 +90,15 @@ def main(s: Settings) -> dict:
         raise ValueError(f"unknown workload {s.workload!r}; choose from {', '.join(WORKLOADS)}")
     prompts = make_prompts(s, hf_config(s.model)["vocab_size"])
     engines = ["servewise"] + (["vllm"] if s.vllm_python else [])
+    blocks = f"{s.block_size} tokens" if s.block_size else "each engine's default size"
     print(f"offline: {len(prompts)} prompts ({s.workload}), {s.output_len} output tokens, greedy, ignore_eos; "
-          f"{s.dtype}, prefix caching {'on' if s.prefix_caching else 'off'}; {s.threads} threads; CPU flags: "
+          f"{s.dtype}, prefix caching {'on' if s.prefix_caching else 'off'}, KV blocks of "
+          f"{blocks}; {s.threads} threads; CPU flags: "
           f"{cpu_flags()}; engines {', '.join(engines)}, alternated over {s.rounds} rounds, best of {s.runs}",
           flush=True)
     spec = {"prompts": prompts, "output_len": s.output_len, "dtype": s.dtype, "load_format": s.load_format,
             "prefix_caching": s.prefix_caching,
-            "runs": s.runs, "max_model_len": s.max_model_len}
+            "runs": s.runs, "max_model_len": s.max_model_len, "block_size": s.block_size}
     rounds = []
     with tempfile.TemporaryDirectory() as d:
         spec_path = os.path.join(d, "spec.json")

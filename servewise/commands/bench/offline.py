@@ -32,6 +32,8 @@ def arguments(p) -> None:
     p.add_argument("--rounds", type=at_least(1), default=3, help="rounds, the engines alternated")
     p.add_argument("--runs", type=at_least(1), default=3, help="timed runs per engine and round (the best is kept)")
     p.add_argument("--max-model-len", type=at_least(1), default=2048)
+    p.add_argument("--block-size", type=at_least(1), default=None, help="tokens per KV block in both engines "
+                   "(default: each engine's own: 16 in servewise, 128 in vLLM's CPU build)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_offline.json")
 
