@@ -13,20 +13,26 @@ def test_the_bench_measures_each_shape_and_dtype_and_saves_what_it_printed(tmp_p
     out = tmp_path / "a.json"
     main(["bench", "attention", "--models", "tiny-llama,qwen2.5-0.5b", "--dtypes", "float32,bfloat16",
           "--batch", "8", "--context", "20-40", "--rounds", "2", "--repeat", "2", "--stream-mib", "64",
-          "--prompts", "3x40", "--out", str(out)])
+          "--prompts", "3x40", "--block-size", "16,64", "--out", str(out)])
     saved = json.loads(out.read_text())
     printed = capsys.readouterr().out
     assert len(saved["rounds"]) == 2 and saved["stream_gbs"] > 0
-    shapes = {(x["model"], x["dtype"]): x for x in saved["summary"]}
-    assert set(shapes) == {(m, d) for m in ("tiny-llama", "qwen2.5-0.5b") for d in ("float32", "bfloat16")}
-    assert (shapes["qwen2.5-0.5b", "float32"]["heads"], shapes["qwen2.5-0.5b", "float32"]["kv_heads"],
-            shapes["qwen2.5-0.5b", "float32"]["head_dim"]) == (14, 2, 64)
+    cases = {(x["model"], x["dtype"], x["block_size"]): x for x in saved["summary"]}
+    assert set(cases) == {(m, d, b) for m in ("tiny-llama", "qwen2.5-0.5b") for d in ("float32", "bfloat16")
+                          for b in (16, 64)}
+    shapes = {(m, d) for m, d, _ in cases}
+    qwen = cases["qwen2.5-0.5b", "float32", 64]
+    assert (qwen["heads"], qwen["kv_heads"], qwen["head_dim"]) == (14, 2, 64)
+    for m, d in shapes:  # the same requests in fewer, larger blocks: a pool of the same tokens, give or take a block each
+        small, large = cases[m, d, 16]["pool_bytes"], cases[m, d, 64]["pool_bytes"]
+        assert small <= large <= small * 2.5
+    assert all(len(row) == 1 + len(cases) * 2 + len(shapes) * 2 for row in saved["rounds"])
     for x in saved["summary"]:
         assert x["kernel_gbs"] > 0 and x["torch_gbs"] > 0
         lo, hi = x["share_range"]
         assert lo <= x["share_of_stream"] <= hi
         assert f"| {x['model']} ({x['heads']} / {x['kv_heads']} / {x['head_dim']}) | {x['dtype']} | " \
-               f"{x['kernel_gbs']:.1f} |" in printed
+               f"{x['block_size']} | {x['kernel_gbs']:.1f} |" in printed
         assert x["pool_bytes"] > 0
     prompts = {(x["model"], x["dtype"]): x for x in saved["prompts"]}
     assert set(prompts) == set(shapes) and saved["settings"]["prompts"] == [3, 40]
@@ -36,7 +42,7 @@ def test_the_bench_measures_each_shape_and_dtype_and_saves_what_it_printed(tmp_p
         assert f"| {x['model']} ({x['heads']} / {x['kv_heads']} / {x['head_dim']}) | {x['dtype']} | " \
                f"{x['kernel_gflops']:.0f} | {x['torch_gflops']:.0f} |" in printed
     if saved["last_level_cache_bytes"]:  # these small pools fit in any last-level cache: said so
-        assert saved["last_level_cache_bytes"] > 2**20 and "warning: tiny-llama/float32: its KV pool" in printed
+        assert saved["last_level_cache_bytes"] > 2**20 and "warning: tiny-llama/float32/16: its KV pool" in printed
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -46,6 +52,8 @@ def test_the_bench_measures_each_shape_and_dtype_and_saves_what_it_printed(tmp_p
     (["--models", "no-such-model"], "unknown model 'no-such-model'"),
     (["--prompts", "32by128"], "expected PROMPTSxTOKENS"),
     (["--prompts", "0x128"], "expected at least one prompt of one token"),
+    (["--block-size", "16,x"], "expected block sizes in tokens"),
+    (["--block-size", "0"], "a block holds at least one token"),
 ])
 def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:

@@ -3,9 +3,9 @@
 A decode step's attention reads every running request's keys and values once, so its speed limit is
 how fast the machine streams memory. Per round this measures, with the same torch threads:
 - the stream: a sum over a buffer much larger than the caches (read bandwidth, GB/s);
-- the compiled kernel (`servewise/kernels/paged_attention.cpp`) on each model's head shape and dtype:
-  `batch` requests whose contexts are drawn from `context`, their blocks scattered at random over a
-  pool as a long-running engine leaves them; KV bytes read / time = GB/s;
+- the compiled kernel (`servewise/kernels/paged_attention.cpp`) on each model's head shape and dtype
+  (and each block size asked for): `batch` requests whose contexts are drawn from `context`, their blocks
+  scattered at random over a pool as a long-running engine leaves them; KV bytes read / time = GB/s;
 - optionally the PyTorch path (gather the blocks, SDPA) on the same inputs;
 - with `prompts` (B, L): prefill attention of B prompts of L tokens each on each shape and dtype, the
   compiled prompt kernel (`prompt_attention.cpp`) against the PyTorch path (SDPA), both through the
@@ -34,7 +34,7 @@ class Settings:
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     batch: int = 256
     context: tuple[int, int] = (257, 320)
-    block_size: int = 16
+    block_size: tuple[int, ...] = (16,)  # tokens per KV block; several: each measured in the same rounds
     rounds: int = 5
     repeat: int = 10
     stream_mib: int = 1024
@@ -71,11 +71,11 @@ class Case:
     """One shape and dtype's inputs: q, a pool with every request's blocks at random places, the
     tables, and the bytes of KV a call reads."""
 
-    def __init__(self, H: int, KVH: int, D: int, dtype: torch.dtype, s: Settings):
+    def __init__(self, H: int, KVH: int, D: int, dtype: torch.dtype, s: Settings, bs: int):
         from servewise.models.attention import AttentionMetadata, decode_mask
 
         g = torch.Generator().manual_seed(s.seed)
-        bs, B = s.block_size, s.batch
+        B = s.batch
         self.lens = torch.randint(s.context[0], s.context[1] + 1, (B,), generator=g)
         width = (int(self.lens.max()) + bs - 1) // bs
         nblocks = B * width + 1
@@ -134,53 +134,57 @@ def main(s: Settings) -> dict:
         raise SystemExit(f"no compiled kernel to measure: {status()}")
     threads = torch.get_num_threads()
     print(f"decode attention: {s.batch} requests of {s.context[0]}-{s.context[1]} context tokens, blocks of "
-          f"{s.block_size} at random places; best of {s.repeat} calls, {s.rounds} rounds; torch threads {threads}; "
+          f"{' / '.join(map(str, s.block_size))} tokens at random places; best of {s.repeat} calls, {s.rounds} rounds; torch threads {threads}; "
           f"CPU flags: {cpu_flags()}")
-    cases = {}
+    cases, shapes = {}, {}
     for model in s.models:
         H, KVH, D = head_shape(model)
         for dt in s.dtypes:
-            cases[(model, dt)] = (Case(H, KVH, D, getattr(torch, dt), s), (H, KVH, D))
+            shapes[model, dt] = (H, KVH, D)
+            for bs in s.block_size:
+                cases[model, dt, bs] = Case(H, KVH, D, getattr(torch, dt), s, bs)
     llc = last_level_cache_bytes()
     if llc:  # a case the cache holds measures the cache's bandwidth, not the memory the stream reads
-        for (model, dt), (case, _) in cases.items():
+        for (model, dt, bs), case in cases.items():
             if case.cache.nbytes < 2 * llc:
-                print(f"warning: {model}/{dt}: its KV pool ({case.cache.nbytes / 2**20:.0f} MiB) is under twice the "
+                print(f"warning: {model}/{dt}/{bs}: its KV pool ({case.cache.nbytes / 2**20:.0f} MiB) is under twice the "
                       f"last-level cache ({llc / 2**20:.0f} MiB); its share of the stream measures the cache as "
                       f"much as memory (raise --batch or --context)", flush=True)
-    prompt_cases = {key: PromptCase(*shape, getattr(torch, key[1]), s) for key, (_, shape) in cases.items()
+    prompt_cases = {key: PromptCase(*shape, getattr(torch, key[1]), s) for key, shape in shapes.items()
                     if s.prompts and shape[2] % 8 == 0}
-    for model, dt in cases.keys() - prompt_cases.keys() if s.prompts else ():
-        print(f"prompts {model}/{dt}: head dim {cases[model, dt][1][2]} is not a multiple of 8, which the prompt "
+    for model, dt in shapes.keys() - prompt_cases.keys() if s.prompts else ():
+        print(f"prompts {model}/{dt}: head dim {shapes[model, dt][2]} is not a multiple of 8, which the prompt "
               "kernel needs (SDPA serves it): not timed")
     buf = torch.ones(s.stream_mib << 18, dtype=torch.float32)
     rounds = []
     for r in range(s.rounds):
         row = {"stream_gbs": stream_gbs(buf, s.repeat)}
-        for (model, dt), (case, _) in cases.items():
-            row[f"{model}/{dt}"] = case.kv_bytes / _best(case.kernel(ext), s.repeat) / 1e9
+        for (model, dt, bs), case in cases.items():
+            row[f"{model}/{dt}/{bs}"] = case.kv_bytes / _best(case.kernel(ext), s.repeat) / 1e9
             if s.torch_path:
-                row[f"{model}/{dt}/torch"] = case.kv_bytes / _best(case.torch_path(), max(2, s.repeat // 3)) / 1e9
+                row[f"{model}/{dt}/{bs}/torch"] = case.kv_bytes / _best(case.torch_path(), max(2, s.repeat // 3)) / 1e9
         for (model, dt), pc in prompt_cases.items():  # GFLOP/s
             row[f"prompts {model}/{dt}"] = pc.flops / _best(pc.run(ext), s.repeat) / 1e9
             row[f"prompts {model}/{dt}/torch"] = pc.flops / _best(pc.run(None), s.repeat) / 1e9
         rounds.append(row)
         print(f"round {r + 1}/{s.rounds}: stream {row['stream_gbs']:.1f} GB/s; " + ", ".join(
             f"{k} {v:.1f}" for k, v in row.items() if k != "stream_gbs"), flush=True)
-    print("\n| shape (H / KVH / D) | dtype | kernel GB/s | share of stream | PyTorch path GB/s |\n"
-          "|---|---|---:|---:|---:|")
+    print("\n| shape (H / KVH / D) | dtype | block | kernel GB/s | share of stream | PyTorch path GB/s |\n"
+          "|---|---|---:|---:|---:|---:|")
     summary = []
-    for (model, dt), (case, (H, KVH, D)) in cases.items():
-        key = f"{model}/{dt}"
+    for (model, dt, bs), case in cases.items():
+        H, KVH, D = shapes[model, dt]
+        key = f"{model}/{dt}/{bs}"
         shares = [row[key] / row["stream_gbs"] for row in rounds]
-        item = {"model": model, "dtype": dt, "heads": H, "kv_heads": KVH, "head_dim": D, "pool_bytes": case.cache.nbytes,
+        item = {"model": model, "dtype": dt, "block_size": bs, "heads": H, "kv_heads": KVH, "head_dim": D,
+                "pool_bytes": case.cache.nbytes,
                 "kernel_gbs": statistics.median(row[key] for row in rounds),
                 "share_of_stream": statistics.median(shares), "share_range": [min(shares), max(shares)]}
         if s.torch_path:
             item["torch_gbs"] = statistics.median(row[key + "/torch"] for row in rounds)
         summary.append(item)
         torch_col = f"{item['torch_gbs']:.1f}" if s.torch_path else "-"
-        print(f"| {model} ({H} / {KVH} / {D}) | {dt} | {item['kernel_gbs']:.1f} | {item['share_of_stream'] * 100:.0f}% "
+        print(f"| {model} ({H} / {KVH} / {D}) | {dt} | {bs} | {item['kernel_gbs']:.1f} | {item['share_of_stream'] * 100:.0f}% "
               f"({min(shares) * 100:.0f}-{max(shares) * 100:.0f}%) | {torch_col} |")
     stream = statistics.median(row["stream_gbs"] for row in rounds)
     print(f"stream (median of rounds): {stream:.1f} GB/s; medians over {s.rounds} rounds, shares taken round by round")
@@ -190,7 +194,7 @@ def main(s: Settings) -> dict:
         print(f"\nprefill attention, {B} prompts of {L} tokens (GFLOP/s of causal attention, medians over rounds)\n"
               "| shape (H / KVH / D) | dtype | prompt kernel | PyTorch path (SDPA) | kernel / SDPA |\n|---|---|---:|---:|---:|")
         for (model, dt), pc in prompt_cases.items():
-            H, KVH, D = cases[model, dt][1]
+            H, KVH, D = shapes[model, dt]
             key = f"prompts {model}/{dt}"
             ratios = [row[key] / row[key + "/torch"] for row in rounds]
             item = {"model": model, "dtype": dt, "heads": H, "kv_heads": KVH, "head_dim": D,
