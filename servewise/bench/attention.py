@@ -134,8 +134,8 @@ def main(s: Settings) -> dict:
         raise SystemExit(f"no compiled kernel to measure: {status()}")
     threads = torch.get_num_threads()
     print(f"decode attention: {s.batch} requests of {s.context[0]}-{s.context[1]} context tokens, blocks of "
-          f"{' / '.join(map(str, s.block_size))} tokens at random places; best of {s.repeat} calls, {s.rounds} rounds; torch threads {threads}; "
-          f"CPU flags: {cpu_flags()}")
+          f"{' / '.join(map(str, s.block_size))} tokens at random places; best of {s.repeat} calls, {s.rounds} "
+          f"rounds; torch threads {threads}; CPU flags: {cpu_flags()}")
     cases, shapes = {}, {}
     for model in s.models:
         H, KVH, D = head_shape(model)
@@ -147,8 +147,8 @@ def main(s: Settings) -> dict:
     if llc:  # a case the cache holds measures the cache's bandwidth, not the memory the stream reads
         for (model, dt, bs), case in cases.items():
             if case.cache.nbytes < 2 * llc:
-                print(f"warning: {model}/{dt}/{bs}: its KV pool ({case.cache.nbytes / 2**20:.0f} MiB) is under twice the "
-                      f"last-level cache ({llc / 2**20:.0f} MiB); its share of the stream measures the cache as "
+                print(f"warning: {model}/{dt}/{bs}: its KV pool ({case.cache.nbytes / 2**20:.0f} MiB) is under twice "
+                      f"the last-level cache ({llc / 2**20:.0f} MiB); its share of the stream measures the cache as "
                       f"much as memory (raise --batch or --context)", flush=True)
     prompt_cases = {key: PromptCase(*shape, getattr(torch, key[1]), s) for key, shape in shapes.items()
                     if s.prompts and shape[2] % 8 == 0}
@@ -184,7 +184,8 @@ def main(s: Settings) -> dict:
             item["torch_gbs"] = statistics.median(row[key + "/torch"] for row in rounds)
         summary.append(item)
         torch_col = f"{item['torch_gbs']:.1f}" if s.torch_path else "-"
-        print(f"| {model} ({H} / {KVH} / {D}) | {dt} | {bs} | {item['kernel_gbs']:.1f} | {item['share_of_stream'] * 100:.0f}% "
+        print(f"| {model} ({H} / {KVH} / {D}) | {dt} | {bs} | {item['kernel_gbs']:.1f} | "
+              f"{item['share_of_stream'] * 100:.0f}% "
               f"({min(shares) * 100:.0f}-{max(shares) * 100:.0f}%) | {torch_col} |")
     stream = statistics.median(row["stream_gbs"] for row in rounds)
     print(f"stream (median of rounds): {stream:.1f} GB/s; medians over {s.rounds} rounds, shares taken round by round")
