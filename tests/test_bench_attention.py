@@ -52,8 +52,8 @@ def test_the_bench_measures_each_shape_and_dtype_and_saves_what_it_printed(tmp_p
     (["--models", "no-such-model"], "unknown model 'no-such-model'"),
     (["--prompts", "32by128"], "expected PROMPTSxTOKENS"),
     (["--prompts", "0x128"], "expected at least one prompt of one token"),
-    (["--block-size", "16,x"], "expected block sizes in tokens"),
-    (["--block-size", "0"], "a block holds at least one token"),
+    (["--block-size", "16,x"], "expected comma-separated block sizes"),
+    (["--block-size", "16,0"], "block sizes are at least 1"),
 ])
 def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:

@@ -168,6 +168,22 @@ def length_data_args(p) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def counts(noun: str):
+    """An argparse type: comma-separated whole numbers of at least 1 (`noun` names them in errors), repeats
+    dropped, in order."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            values = None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {noun}, got {text!r}")
+        if min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{noun} are at least 1, got {text!r}")
+        return tuple(dict.fromkeys(values))
+    return parse
+
+
 def at_least(least: int, most: int | None = None):
     """An argparse type: an integer >= least (and <= most)."""
     def parse(text: str) -> int:

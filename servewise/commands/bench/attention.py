@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from servewise.commands.options import at_least, threads_arg
+from servewise.commands.options import at_least, counts, threads_arg
 
 HELP = ("the decode attention kernel's KV read bandwidth against the machine's stream, and the prompt kernel "
         "against SDPA, side by side")
@@ -48,16 +48,6 @@ def _prompts(text: str) -> tuple[int, int] | None:
     return shape
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(x) for x in _names(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected block sizes in tokens (16 or 16,64,128), got {text!r}") from None
-    if min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"a block holds at least one token, got {text!r}")
-    return tuple(dict.fromkeys(sizes))
-
-
 def arguments(p) -> None:
     p.add_argument("--models", type=_names, default=("tiny-llama", "llama-200m"),
                    help="comma-separated built-in names, configuration-only sizes or checkpoint directories "
@@ -65,7 +55,7 @@ def arguments(p) -> None:
     p.add_argument("--dtypes", type=_dtypes, default=("float32", "bfloat16"))
     p.add_argument("--batch", type=at_least(1), default=256, help="requests in the decode step")
     p.add_argument("--context", type=_span, default=(257, 320), help="context tokens per request, LOW-HIGH")
-    p.add_argument("--block-size", type=_sizes, default=(16,), help="tokens per KV block; several, comma-separated "
+    p.add_argument("--block-size", type=counts("block sizes"), default=(16,), help="tokens per KV block; several, comma-separated "
                    "(16,64,128): each measured in the same rounds")
     p.add_argument("--rounds", type=at_least(1), default=5)
     p.add_argument("--repeat", type=at_least(1), default=10, help="calls per figure (the best is kept)")

@@ -4,19 +4,9 @@ from __future__ import annotations
 import argparse
 
 from servewise.commands.bench.attention import _names
-from servewise.commands.options import at_least, threads_arg
+from servewise.commands.options import at_least, counts, threads_arg
 
 HELP = "a model's linear layers at decode and prefill row counts: the engine's path against oneDNN's and fp32"
-
-
-def _rows(text: str) -> tuple[int, ...]:
-    try:
-        rows = tuple(int(x) for x in _names(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated row counts, got {text!r}") from None
-    if min(rows) < 1:
-        raise argparse.ArgumentTypeError(f"row counts are at least 1, got {text!r}")
-    return rows
 
 
 def _offline(text: str) -> tuple[int, int, int]:
@@ -34,7 +24,7 @@ def arguments(p) -> None:
     p.add_argument("--model", default="qwen2.5-0.5b", help="a built-in name, configuration-only size or checkpoint "
                    "directory (its shapes; weights are random)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--rows", type=_rows, default=(1, 4, 16, 64, 256, 1024), help="comma-separated row counts")
+    p.add_argument("--rows", type=counts("row counts"), default=(1, 4, 16, 64, 256, 1024), help="comma-separated row counts")
     p.add_argument("--rounds", type=at_least(1), default=3)
     p.add_argument("--repeat", type=at_least(1), default=5, help="calls per figure (the best is kept)")
     p.add_argument("--seed", type=int, default=0)
