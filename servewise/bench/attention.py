@@ -43,6 +43,10 @@ class Settings:
     prompts: tuple[int, int] | None = (32, 128)  # prefill: (prompts, tokens each); None: not measured
     out: str | None = "results/bench_attention.json"
 
+    def __post_init__(self):
+        if isinstance(self.block_size, int):
+            self.block_size = (self.block_size,)
+
 
 def head_shape(model: str) -> tuple[int, int, int]:
     """(query heads, KV heads, head dim) of a model's configuration."""

@@ -6,7 +6,7 @@ usage: python offline_worker.py servewise|vllm MODEL THREADS SPEC_JSON
 SPEC_JSON: {"prompts": [[token ids]], "output_len", "dtype", "load_format", "prefix_caching", "runs",
 "max_model_len", "block_size" (None: the engine's default)}. Prints one JSON line:
 the output tokens a second of each timed run, a hash of the outputs (equal hashes: identical greedy
-tokens) and the KV block size the engine ran with (servewise's; vLLM's as asked for, None for its own)."""
+tokens) and the KV block size the engine ran with."""
 import hashlib
 import json
 import sys
@@ -39,7 +39,8 @@ def main(engine: str, model: str, threads: int, spec: dict) -> dict:
         def gen(ps):
             outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
             return [list(o.outputs[0].token_ids) for o in outs]
-        block_size = spec.get("block_size")
+        config = getattr(llm.llm_engine, "vllm_config", None)  # (the size its CPU backend settled on)
+        block_size = config.cache_config.block_size if config is not None else spec.get("block_size")
     gen(prompts[:4])  # warm-up
     rates = []
     for _ in range(spec["runs"]):
