@@ -26,6 +26,7 @@
 
 #include "fast_exp.h"
 #include "native_vector.h"
+#include "work_split.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>  // (the two AVX-512 paths below; every other CPU takes the portable code)
@@ -391,18 +392,12 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  // Each thread takes a run of requests with an equal share of the work (context tokens, plus a few for
-  // a request's fixed cost), not an equal count: in a batch of mixed contexts an equal count leaves one
-  // thread idle while the other finishes the long ones.
+  // Each thread takes a run of requests with an equal share of the work: context tokens, plus a few for
+  // a request's fixed cost.
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
-  std::vector<int64_t> first(nt + 1, B);
-  first[0] = 0;
-  int64_t total = 0, done = 0;
-  for (int64_t b = 0; b < B; ++b) total += lens[b] + kFixedTokens;
-  for (int64_t b = 0, t = 1; b < B && t < nt; ++b) {
-    done += lens[b] + kFixedTokens;
-    while (t < nt && done * nt >= total * t) first[t++] = b + 1;
-  }
+  std::vector<int64_t> work(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) work[b + 1] = work[b] + lens[b] + kFixedTokens;
+  const std::vector<int64_t> first = servewise::cut_by_work(work, nt);
   at::parallel_for(0, nt, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> qf(H * D), scores, inv(H);
     Request<T> r{qf.data(), nullptr, fscale, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0),

@@ -22,6 +22,7 @@
 
 #include "fast_exp.h"
 #include "native_vector.h"
+#include "work_split.h"
 
 namespace {
 
@@ -102,17 +103,14 @@ void prompts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     start[b + 1] = start[b] + lens[b];
     first[b + 1] = first[b] + H * ((lens[b] + kQ - 1) / kQ);
   }
-  // Each thread takes a run of items with an equal share of the work, not an equal count: a long
-  // prompt's late tiles cost many times a short prompt's. work[i]: the items before i, each its keys
-  // plus kQ for its fixed cost.
+  // Each thread takes a run of items with an equal share of the work (a long prompt's late tiles cost
+  // many times a short prompt's). work[i]: the items before i, each its keys plus kQ for its fixed cost.
   std::vector<int64_t> work(first[B] + 1, 0);
   for (int64_t b = 0, it = 0; b < B; ++b)
     for (int64_t r = 0, tiles = (first[b + 1] - first[b]) / H; r < H * tiles; ++r, ++it)
       work[it + 1] = work[it] + (r % tiles + 2) * kQ;
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), first[B]));
-  std::vector<int64_t> cut(nt + 1, first[B]);
-  for (int64_t t = 0; t < nt; ++t)
-    cut[t] = std::lower_bound(work.begin(), work.end(), work.back() * t / nt) - work.begin();
+  const std::vector<int64_t> cut = servewise::cut_by_work(work, nt);
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, nt, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> qt(D * kQ), S, kf, vf;

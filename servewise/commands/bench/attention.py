@@ -55,8 +55,8 @@ def arguments(p) -> None:
     p.add_argument("--dtypes", type=_dtypes, default=("float32", "bfloat16"))
     p.add_argument("--batch", type=at_least(1), default=256, help="requests in the decode step")
     p.add_argument("--context", type=_span, default=(257, 320), help="context tokens per request, LOW-HIGH")
-    p.add_argument("--block-size", type=counts("block sizes"), default=(16,), help="tokens per KV block; several, comma-separated "
-                   "(16,64,128): each measured in the same rounds")
+    p.add_argument("--block-size", type=counts("block sizes"), default=(16,),
+                   help="tokens per KV block; several, comma-separated (16,64,128): each measured in the same rounds")
     p.add_argument("--rounds", type=at_least(1), default=5)
     p.add_argument("--repeat", type=at_least(1), default=10, help="calls per figure (the best is kept)")
     p.add_argument("--stream-mib", type=at_least(64), default=1024, help="size of the stream measure's buffer")

@@ -24,7 +24,8 @@ def arguments(p) -> None:
     p.add_argument("--model", default="qwen2.5-0.5b", help="a built-in name, configuration-only size or checkpoint "
                    "directory (its shapes; weights are random)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--rows", type=counts("row counts"), default=(1, 4, 16, 64, 256, 1024), help="comma-separated row counts")
+    p.add_argument("--rows", type=counts("row counts"), default=(1, 4, 16, 64, 256, 1024),
+                   help="comma-separated row counts")
     p.add_argument("--rounds", type=at_least(1), default=3)
     p.add_argument("--repeat", type=at_least(1), default=5, help="calls per figure (the best is kept)")
     p.add_argument("--seed", type=int, default=0)
