@@ -35,7 +35,8 @@ def test_trims_fall_due_on_new_kernel_shapes_and_at_most_every_interval_otherwis
 
 
 @pytest.mark.skipif(not linear.packing_available(torch.zeros(1)), reason="no prepacked oneDNN weights here")
-def test_kernel_shapes_count_row_counts_after_padding():
+def test_kernel_shapes_count_row_counts_after_padding(monkeypatch):
+    monkeypatch.setattr(linear, "PANELS_ON_THIS_CPU", False)  # (fp32 weights: oneDNN's path, not the panel kernel)
     lin = linear.Linear(torch.randn(24, 40))
     before = linear.kernel_shapes()
     lin(torch.randn(3, 40))
@@ -49,7 +50,8 @@ def test_kernel_shapes_count_row_counts_after_padding():
 
 
 @pytest.mark.skipif(not linear.packing_available(torch.zeros(1)), reason="no prepacked oneDNN weights here")
-def test_the_engine_loop_returns_the_free_heap_after_steps_that_built_kernels(caplog):
+def test_the_engine_loop_returns_the_free_heap_after_steps_that_built_kernels(caplog, monkeypatch):
+    monkeypatch.setattr(linear, "PANELS_ON_THIS_CPU", False)  # (fp32 weights: oneDNN's path, not the panel kernel)
     level = logging.getLogger("servewise").level  # engine_main sets it; put back after
     cmds_out, cmds_in = mp.Pipe()
     outs_in, outs_out = mp.Pipe()

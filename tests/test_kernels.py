@@ -148,15 +148,61 @@ def test_engine_outputs_are_identical_on_either_attention_path():
 
 @pytest.mark.parametrize("rows", [1, 7, 300, 1500])
 @pytest.mark.parametrize("bias,transposed", [(False, False), (True, False), (False, True)])
-def test_linear_paths_agree(rows, bias, transposed):
+@pytest.mark.parametrize("panels", [True, False])
+def test_linear_paths_agree(rows, bias, transposed, panels, monkeypatch):
+    """This CPU's path (the panel kernel on AVX-512, else prepacked oneDNN weights), the other where it
+    runs here, and the plain one."""
+    from servewise.models import linear
+
+    monkeypatch.setattr(linear, "PANELS_ON_THIS_CPU", panels and ext is not None)
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
     x = torch.randn(rows, 40, generator=g)
     lin = Linear(w, b if bias else None, transposed=transposed)
+    assert (lin.panels is not None) == (panels and ext is not None)
     want = torch.nn.functional.linear(x, w, b if bias else None)
     assert torch.allclose(lin(x), want, atol=1e-4, rtol=1e-4)
-    lin.packed = None  # the plain path
+    lin.packed = lin.panels = None  # the plain path
     assert torch.allclose(lin(x), want, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 8, 9, 255, 257, 600])  # a row tile (8 or 4 rows), the rows a pass (256)
+@pytest.mark.parametrize("N,K", [(1, 7), (47, 64), (48, 33), (100, 1), (200, 130)])  # panel widths 48 / 24
+def test_the_fp32_panel_kernel_equals_exact_arithmetic_at_any_thread_count(M, N, K):
+    from servewise.models.linear import pack_panels
+
+    g = torch.Generator().manual_seed(M * N + K)
+    x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    panels = pack_panels(w, ext.linear_f32_panel_width())
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    got = ext.linear_f32(x, panels, N, b)
+    assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
+    threads = torch.get_num_threads()
+    try:  # each output is one thread's sum, in order over K: the same bits on 1 and 3 threads
+        torch.set_num_threads(1)
+        one = ext.linear_f32(x, panels, N, None)
+        torch.set_num_threads(3)
+        assert torch.equal(one, ext.linear_f32(x, panels, N, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one + b, got)  # (the bias added after the sums)
+
+
+@needs_kernel
+def test_the_fp32_panel_kernel_refuses_what_does_not_match_its_panels():
+    from servewise.models.linear import pack_panels
+
+    w = torch.randn(50, 16)
+    panels = pack_panels(w, ext.linear_f32_panel_width())
+    with pytest.raises(RuntimeError, match="columns"):
+        ext.linear_f32(torch.randn(3, 17), panels, 50)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        ext.linear_f32(torch.randn(3, 16), panels, 200)
+    with pytest.raises(RuntimeError, match="bias"):
+        ext.linear_f32(torch.randn(3, 16), panels, 50, torch.randn(49))
+    with pytest.raises(RuntimeError, match="float"):
+        ext.linear_f32(torch.randn(3, 16).bfloat16(), panels, 50)
 
 
 @needs_kernel

@@ -47,7 +47,7 @@ def last_level_cache_bytes() -> int | None:
 
 
 # one module; paged_attention.cpp declares the functions of the others
-SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "linear_bf16.cpp", "prompt_attention.cpp")
+SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "linear_bf16.cpp", "linear_f32.cpp", "prompt_attention.cpp")
 
 
 def source_digest() -> str:

@@ -451,6 +451,9 @@ at::Tensor silu_mul_(at::Tensor& gate, const at::Tensor& up);
 void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 // linear_bf16.cpp
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w);
+// linear_f32.cpp
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N, const std::optional<at::Tensor>& bias);
+int64_t linear_f32_panel_width();
 // prompt_attention.cpp
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seq_lens,
                             double scale);
@@ -462,6 +465,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_", &silu_mul_, "silu(gate) * up, over gate (CPU)");
   m.def("rotary_", &rotary_, "rotary embedding in place (CPU)");
   m.def("linear_bf16", &linear_bf16, "x @ w.T, float x, bf16 w, few rows (CPU)");
+  m.def("linear_f32", &linear_f32, "x @ w.T (+ bias), fp32 weights in column panels (CPU)",
+        py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("linear_f32_panel_width", &linear_f32_panel_width, "columns a panel of linear_f32's weights holds");
   m.def("prompt_attention", &prompt_attention, "causal attention of whole prompts (CPU)",
         py::call_guard<py::gil_scoped_release>());  // (long prompts: other threads run meanwhile)
 }

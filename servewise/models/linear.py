@@ -50,6 +50,7 @@ def _packed_max_rows() -> int:
 
 
 PACKED_MAX_ROWS = _packed_max_rows()
+PANELS_ON_THIS_CPU = "avx512f" in kernels.cpu_flags().split()  # (where kernels/linear_f32.cpp was measured)
 
 
 def _native_bf16() -> bool:
@@ -118,25 +119,47 @@ def kernel_shapes() -> int:
     return len(_KERNEL_SHAPES)
 
 
+def panels_wanted(weight: torch.Tensor) -> bool:
+    """fp32 weights on an AVX-512 CPU with the compiled kernels: multiplied by kernels/linear_f32.cpp."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and PANELS_ON_THIS_CPU
+            and os.environ.get("SERVEWISE_LINEAR", "auto") != "plain" and kernels.cpu_ext() is not None)
+
+
+def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """weight [out, in] -> [ceil(out / width), in, width]: its columns `width` at a time (the last panel
+    zero-padded), each panel's rows of `width` contiguous, as the panel kernel reads them."""
+    n, k = weight.shape
+    padded = weight.new_zeros(-(-n // width) * width, k)
+    padded[:n] = weight
+    return padded.view(-1, width, k).transpose(1, 2).contiguous()
+
+
 class Linear:
     """y = x @ weight.T (+ bias). weight: [out, in]. With transposed=True the plain path multiplies by a
     contiguous [in, out] copy (faster for a wide output such as the vocabulary on CPU)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, transposed: bool = False):
         weight = weight.detach()
-        self.bias = None if bias is None else bias.detach()
+        self.bias = None if bias is None else bias.detach().contiguous()
         self.upcast = upcast_wanted(weight)  # (its paths read weight rows: never transposed)
+        self.panels = None
+        self.shape = (weight.shape[1], weight.shape[0], weight.dtype)  # in, out, dtype
+        if panels_wanted(weight):  # (in place of the copies below: the weight's memory is held twice, not thrice)
+            self.panels = pack_panels(weight, kernels.cpu_ext().linear_f32_panel_width())
+            transposed = False
         self.weight_t = weight.t().contiguous() if transposed and not self.upcast else None
         self.weight = None if self.weight_t is not None else weight.contiguous()
         self.packed = None
-        self.shape = (weight.shape[1], weight.shape[0], weight.dtype)  # in, out, dtype
-        if packing_available(weight) and not self.upcast:
+        if packing_available(weight) and not self.upcast and self.panels is None:
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
             except RuntimeError as e:  # an unsupported shape or build: the plain path serves
                 log.warning("servewise: no prepacked weight for shape %s (%s)", tuple(weight.shape), e)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            y = kernels.cpu_ext().linear_f32(x.reshape(-1, self.shape[0]), self.panels, self.shape[1], self.bias)
+            return y.view(*x.shape[:-1], self.shape[1])
         if self.upcast and ((ext := kernels.cpu_ext()) is not None or x.shape[0] >= UPCAST_MIN_ROWS):
             return upcast_linear(x, self.weight, self.bias, ext)
         if self.packed is not None and (n := x.shape[0]) <= PACKED_MAX_ROWS:
@@ -158,6 +181,8 @@ def describe(linears: list[Linear]) -> str:
                if kernels.cpu_ext() else f"converted pieces and BLAS from {UPCAST_MIN_ROWS} rows, the bf16 GEMM below")
         return (f"linear layers: {upcast}/{len(linears)} bf16 multiplied in fp32 ({how}; no bf16 dot product "
                 "on this CPU)")
+    if panels := sum(lin.panels is not None for lin in linears):
+        return f"linear layers: {panels}/{len(linears)} fp32 by the compiled panel kernel (next panel read ahead)"
     packed = sum(lin.packed is not None for lin in linears)
     if packed:
         limit = "at any row count" if PACKED_MAX_ROWS >= 1 << 62 else f"up to {PACKED_MAX_ROWS} rows, F.linear above"

@@ -1,0 +1,123 @@
+// y = x @ w.T (+ bias) for fp32 weights laid out in column panels, for every row count.
+//
+// x: [M, K] float (contiguous rows), panels: [P, K, NP] float (w's columns NP at a time, zero-padded:
+// see pack in servewise/models/linear.py), returns [M, N]. oneDNN's GEMM reaches its peak when a weight
+// sits in cache, but a model's weights do not: every decode step reads all of them from memory, and there
+// (llama-200m's layers, 64 rows, 2 threads of an AVX-512 EPYC) it ran at 410 GFLOP/s against 430 in
+// cache and 500 for one weight called again and again. Here each thread takes a run of panels; a panel
+// is multiplied by every row of x, MR rows at a time with their MR x NP sums in registers, and while it
+// is, the thread asks for the next panel (into L2, spread evenly over the row tiles), so that the panel
+// after is read at memory's pace while the arithmetic runs. Rows are taken MC at a time so that a large
+// prefill's rows stay in cache while the panels pass. Sums run over K in order, in float, one output
+// from one thread: the result does not depend on the thread count (it differs from oneDNN's in the last
+// bits).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <utility>
+
+#include "native_vector.h"
+
+namespace {
+
+using servewise::kNative, servewise::vn, servewise::load_native;
+constexpr int kNV = 3;                    // vectors a panel row
+constexpr int64_t kNP = kNV * kNative;    // columns a panel: 48 with AVX-512, 24 with AVX2
+constexpr int kMR = kNative == 16 ? 8 : 4;  // rows a tile: kMR x kNV sums, plus kNV + 1, fill the registers
+constexpr int64_t kMC = 256;              // rows of x a pass over the panels
+constexpr int64_t kAheadEvery = 4;        // k steps between two requests for the next panel (see tile)
+
+// Rows [0, R) of x (row stride lda) times one panel into R x ncols outputs (row stride ldc); meanwhile
+// asks for pf_bytes of the next panel from pf (nullptr: none), a few lines every kAheadEvery steps. The
+// non-temporal hint with requests every 4 steps read fastest of the hints (T0 / T1 / T2 / NTA) and
+// spacings (1, 2, 4, 8 steps) tried: 64 rows of llama-200m's layers, 2 threads, 468-473 GFLOP/s
+// against 434-444 for T1 every 8 steps.
+template <int R>
+void tile(const float* x, int64_t lda, const float* panel, int64_t K, const float* bias, float* y, int64_t ldc,
+          int64_t ncols, const char* pf, int64_t pf_bytes) {
+  vn acc[R][kNV] = {};
+  const int64_t steps = std::max<int64_t>(1, K / kAheadEvery);
+  const int64_t pf_step = (pf_bytes + steps - 1) / steps;
+  int64_t pf_at = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    if (pf != nullptr && k % kAheadEvery == 0 && pf_at < pf_bytes) {
+      for (int64_t off = 0; off < pf_step && pf_at + off < pf_bytes; off += 64)
+        __builtin_prefetch(pf + pf_at + off, 0, 0);
+      pf_at += pf_step;
+    }
+    vn b[kNV];
+#pragma GCC unroll 4
+    for (int j = 0; j < kNV; ++j) b[j] = load_native(panel + k * kNP + j * kNative);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const vn a = vn{} + x[i * lda + k];
+#pragma GCC unroll 4
+      for (int j = 0; j < kNV; ++j) acc[i][j] += a * b[j];
+    }
+  }
+  float out[kNP];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < kNV; ++j) std::memcpy(out + j * kNative, &acc[i][j], sizeof(vn));
+    if (bias != nullptr)
+      for (int64_t c = 0; c < ncols; ++c) out[c] += bias[c];
+    std::memcpy(y + i * ldc, out, ncols * sizeof(float));
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t,
+                        const char*, int64_t);
+
+template <int... R>
+constexpr std::array<TileFn, sizeof...(R)> tiles_for(std::integer_sequence<int, R...>) {
+  return {tile<R + 1>...};
+}
+constexpr auto kTiles = tiles_for(std::make_integer_sequence<int, kMR>{});  // kTiles[r - 1]: r rows
+
+}  // namespace
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
+              "linear_f32: x must be [M, K] float");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kNP && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kFloat,
+              "linear_f32: panels must be [P, K, ", kNP, "] float, contiguous");
+  TORCH_CHECK(panels.size(1) == x.size(1), "linear_f32: x has ", x.size(1), " columns, the weight ", panels.size(1));
+  TORCH_CHECK(N > (panels.size(0) - 1) * kNP && N <= panels.size(0) * kNP, "linear_f32: N does not match the panels");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat),
+              "linear_f32: bias must be [N] float");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), P = panels.size(0), panel = K * kNP;
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* X = xc.data_ptr<float>();
+  const float* W = panels.data_ptr<float>();
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMC) {
+      const int64_t m1 = std::min(M, m0 + kMC), tiles = (m1 - m0 + kMR - 1) / kMR;
+      for (int64_t p = p0; p < p1; ++p) {
+        // the panel this thread takes next: the next of its run, or its first again for the next rows
+        const int64_t q = p + 1 < p1 ? p + 1 : (m1 < M ? p0 : -1);
+        const char* next = q < 0 ? nullptr : reinterpret_cast<const char*>(W + q * panel);
+        const int64_t share = panel * static_cast<int64_t>(sizeof(float)) / tiles;
+        const int64_t ncols = std::min(kNP, N - p * kNP);
+        for (int64_t r = m0, t = 0; r < m1; r += kMR, ++t) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - r));
+          kTiles[rows - 1](X + r * K, K, W + p * panel, K, b ? b + p * kNP : nullptr, Y + r * N + p * kNP, N, ncols,
+                           next ? next + t * share : nullptr, share);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+int64_t linear_f32_panel_width() { return kNP; }
