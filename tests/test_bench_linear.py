@@ -42,6 +42,19 @@ def test_the_offline_bound_counts_each_step_of_the_run():
     assert b["total_s"] == pytest.approx(b["prefill_s"] + b["decode_s"])
 
 
+def test_fp32_against_onednn_and_f_linear_with_weights_from_memory():
+    from servewise.kernels import last_level_cache_bytes
+
+    r = main(Settings(model="tiny-llama", dtype="float32", rows=(3,), rounds=1, repeat=2, from_memory=True, out=None))
+    layers = [x for x in r["summary"] if x["layer"] != "pass"]
+    assert all(set(x["gflops"]) <= {"servewise", "oneDNN prepacked", "F.linear"} and {"servewise", "F.linear"}
+               <= set(x["gflops"]) for x in layers)
+    # tiny-llama's head: 256 x 32,000 floats (32 MB); its copies together at least twice the cache
+    cache = last_level_cache_bytes() or 32 << 20
+    assert r["weight_copies"]["head"] * 256 * 32000 * 4 >= 2 * cache
+    assert r["weight_copies"]["o"] > r["weight_copies"]["gate"] > r["weight_copies"]["head"]
+
+
 def test_an_offline_run_adds_the_row_counts_its_bound_needs():
     r = main(Settings(model="tiny-llama", dtype="float32", rows=(1,), rounds=1, repeat=1, offline=(3, 8, 2),
                       chunk=16, out=None))

@@ -2,12 +2,18 @@
 
 For each weight shape of a model's layers (and its output projection) and each row count, with the
 same torch threads, the best of `repeat` calls of:
-- `servewise`: the engine's `Linear` in the dtype asked for (what a step runs: prepacked oneDNN weights,
-  or for bf16 on a CPU without bf16 dot products, fp32 arithmetic on the bf16 weights, models/linear.py);
-- `bf16 oneDNN` (bf16 only): `F.linear` on the bf16 weights, what other engines on PyTorch call;
-- `fp32`: the engine's `Linear` on fp32 copies of the weights (twice their memory: the reference).
+- `servewise`: the engine's `Linear` in the dtype asked for (what a step runs: for fp32 on an AVX-512 CPU
+  the panel kernel, else prepacked oneDNN weights, or for bf16 on a CPU without bf16 dot products, fp32
+  arithmetic on the bf16 weights; models/linear.py);
+- bf16: `bf16 oneDNN`, `F.linear` on the bf16 weights (what other engines on PyTorch call), and `fp32`, the
+  engine's `Linear` on fp32 copies of the weights (twice their memory: the reference);
+- fp32: `oneDNN prepacked` (where PyTorch has it), and `F.linear`.
 Figures are GFLOP/s (2 x rows x in x out / time); the summary is the median over `rounds` rounds and the
 total time of one pass over the model's layers per path.
+
+A weight called again and again stays in cache, and a step over a model larger than the cache reads every
+weight from memory. With `from_memory` each call takes the next of several copies of its weight, together
+at least twice the last-level cache, so that every call reads its weight from memory as a step does.
 
 With `offline` (prompts, input and output tokens of an offline run, as `bench offline` runs it), it also
 reports what the engine's linear layers alone take for that run at these speeds: every prompt token
@@ -19,6 +25,7 @@ anything but faster matrix products can gain.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass
 
@@ -26,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from servewise.bench.attention import _best
-from servewise.kernels import cpu_flags, status
+from servewise.kernels import cpu_flags, last_level_cache_bytes, status
 from servewise.metrics.summary import save_json
 
 
@@ -43,6 +50,7 @@ class Settings:
     seed: int = 0
     offline: tuple[int, int, int] | None = None  # prompts, input tokens, output tokens
     chunk: int = 4096  # rows of a prefill step (the engine's max_num_batched_tokens)
+    from_memory: bool = False  # each call on another copy of its weight (module docstring)
     out: str | None = "results/bench_linear.json"
 
 
@@ -56,6 +64,12 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     h, q, inter = c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size
     return {"qkv": (h, q + 2 * c.num_kv_heads * c.head_dim), "o": (q, h), "gate": (h, inter), "up": (h, inter),
             "down": (inter, h), "head": (h, c.vocab_size)}
+
+
+def _cycle(calls: list):
+    """One call that takes the next of `calls` each time."""
+    it = itertools.cycle(calls)
+    return lambda x: next(it)(x)
 
 
 def offline_bound(gflops: dict[tuple[int, str], float], shapes: dict[str, tuple[int, int]], layers: int,
@@ -76,7 +90,7 @@ def offline_bound(gflops: dict[tuple[int, str], float], shapes: dict[str, tuple[
 def main(s: Settings) -> dict:
     """Run the benchmark; the CLI has already applied --threads."""
     from servewise.config import ModelConfig
-    from servewise.models.linear import Linear, describe
+    from servewise.models.linear import Linear, describe, packing_available
     from servewise.models.loader import hf_config
 
     dtype = getattr(torch, s.dtype)
@@ -85,13 +99,25 @@ def main(s: Settings) -> dict:
     rows = s.rows if s.offline is None else tuple(sorted(set(s.rows) | {s.offline[0], s.chunk}))  # (the bound's)
     g = torch.Generator().manual_seed(s.seed)
     weights = {n: torch.randn(o, i, generator=g).div_(i ** 0.5).to(dtype) for n, (i, o) in shapes.items()}
-    paths = {"servewise": {n: Linear(w) for n, w in weights.items()}}
+    makers = {"servewise": Linear}
     if dtype == torch.bfloat16:
-        paths["bf16 oneDNN"] = {n: (lambda w: lambda x: F.linear(x, w))(w) for n, w in weights.items()}
-    paths["fp32"] = {n: Linear(w.float()) for n, w in weights.items()}
-    threads, engine_path = torch.get_num_threads(), describe(list(paths["servewise"].values()))
+        makers["bf16 oneDNN"] = lambda w: lambda x: F.linear(x, w)
+        makers["fp32"] = lambda w: Linear(w.float())
+    else:
+        if packing_available(weights["head"]):
+            makers["oneDNN prepacked"] = lambda w: Linear(w, panels=False)
+        makers["F.linear"] = lambda w: lambda x: F.linear(x, w)
+    cache = last_level_cache_bytes() or 32 << 20
+    copies = {n: 1 if not s.from_memory else 1 + -(-2 * cache // (w.numel() * w.element_size()))
+              for n, w in weights.items()}
+    built = {p: {n: [make(w if k == 0 else w.clone()) for k in range(copies[n])] for n, w in weights.items()}
+             for p, make in makers.items()}
+    paths = {p: {n: _cycle(calls) for n, calls in by_name.items()} for p, by_name in built.items()}
+    threads, engine_path = torch.get_num_threads(), describe([calls[0] for calls in built["servewise"].values()])
+    where = (f"weights from memory ({min(copies.values())}-{max(copies.values())} copies of each, the last-level "
+             f"cache {cache >> 20} MiB)" if s.from_memory else "weights in cache (one copy, called again and again)")
     print(f"linear layers of {s.model} ({layers} layers), {s.dtype}; rows {', '.join(map(str, rows))}; best of "
-          f"{s.repeat} calls, {s.rounds} rounds; torch threads {threads}; CPU flags: {cpu_flags()}\n"
+          f"{s.repeat} calls, {s.rounds} rounds; {where}; torch threads {threads}; CPU flags: {cpu_flags()}\n"
           f"servewise: {engine_path}; kernels: {status()}", flush=True)
     rounds = []
     for r in range(s.rounds):
@@ -119,7 +145,7 @@ def main(s: Settings) -> dict:
         summary.append({"rows": n, "layer": "pass", "ms": passes})
         print(f"| {n} | **a pass, ms** | " + " | ".join(f"{passes[p]:.1f}" for p in names) + " |")
     result = {"settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(s).items()},
-              "threads": threads, "cpu_flags": cpu_flags(), "servewise_path": engine_path,
+              "threads": threads, "cpu_flags": cpu_flags(), "servewise_path": engine_path, "weight_copies": copies,
               "summary": summary, "rounds": rounds}
     if s.offline is not None:
         gf = {(x["rows"], x["layer"]): x["gflops"]["servewise"] for x in summary if x["layer"] != "pass"}

@@ -138,13 +138,15 @@ class Linear:
     """y = x @ weight.T (+ bias). weight: [out, in]. With transposed=True the plain path multiplies by a
     contiguous [in, out] copy (faster for a wide output such as the vocabulary on CPU)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, transposed: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, transposed: bool = False,
+                 panels: bool = True):
+        """panels=False: never the panel kernel (what `bench linear` compares it with)."""
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.upcast = upcast_wanted(weight)  # (its paths read weight rows: never transposed)
         self.panels = None
         self.shape = (weight.shape[1], weight.shape[0], weight.dtype)  # in, out, dtype
-        if panels_wanted(weight):  # (in place of the copies below: the weight's memory is held twice, not thrice)
+        if panels and panels_wanted(weight):  # (in place of the copies below: the weight is held twice, not thrice)
             self.panels = pack_panels(weight, kernels.cpu_ext().linear_f32_panel_width())
             transposed = False
         self.weight_t = weight.t().contiguous() if transposed and not self.upcast else None

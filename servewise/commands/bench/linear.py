@@ -6,7 +6,7 @@ import argparse
 from servewise.commands.bench.attention import _names
 from servewise.commands.options import at_least, counts, threads_arg
 
-HELP = "a model's linear layers at decode and prefill row counts: the engine's path against oneDNN's and fp32"
+HELP = "a model's linear layers at decode and prefill row counts: the engine's path against oneDNN's and plain ones"
 
 
 def _offline(text: str) -> tuple[int, int, int]:
@@ -33,6 +33,9 @@ def arguments(p) -> None:
                    help="also the time the linear layers alone take for an offline run of this many prompts of "
                    "INPUT tokens generating OUTPUT (as `bench offline` runs it): the least any engine on them needs")
     p.add_argument("--chunk", type=at_least(1), default=4096, help="with --offline: rows of a prefill step")
+    p.add_argument("--from-memory", action="store_true",
+                   help="each call on another copy of its weight (together twice the last-level cache): weights "
+                   "read from memory, as a step over a model larger than the cache reads them")
     threads_arg(p)
     p.add_argument("--out", default="results/bench_linear.json")
 
