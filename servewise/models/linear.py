@@ -1,4 +1,5 @@
-"""Linear layers on weights prepacked for oneDNN, where that pays.
+"""Linear layers: fp32 weights in column panels for a compiled kernel, or prepacked for oneDNN, where
+each pays; bf16 weights multiplied in fp32 where the CPU has no bf16 dot product.
 
 On CPU, `F.linear` re-lays out the weight on every call. oneDNN can reorder a weight once into its
 blocked format (what PyTorch's inductor does when it freezes a model); measured on 2 threads, fp32,
@@ -15,6 +16,15 @@ With AVX2 alone packed weights win up to about a thousand rows (decode steps, sm
 lose on large prefills; with AVX-512 they win at every size. `Linear` keeps both and picks by the
 number of rows (PACKED_MAX_ROWS: no limit with AVX-512, 1,024 rows otherwise); the packed copy costs
 the weight's memory once more.
+
+Those figures are for a weight called again and again, in cache. A step over a model larger than the
+cache reads every weight from memory, and there oneDNN falls short of them at decode row counts. With
+AVX-512, fp32 weights are laid out in panels of columns instead, for kernels/linear_f32.cpp, which reads
+each thread's next panel ahead while it multiplies the current one; the panels take the packed copy's
+place. llama-200m's layers, 2 threads, weights from memory (`servewise bench linear --dtype float32
+--from-memory`), GFLOP/s of oneDNN prepacked -> panels: 16 rows 198-265 -> 254-345, 64 rows 372-428 ->
+393-495; at 256 and 4,096 rows 0-6% below oneDNN (a pass over the model 1.4% and 2.2% slower). Built with AVX2 alone (8-lane vectors, 4-row tiles)
+the kernel lost to oneDNN from 64 rows (190 against 223-251 GFLOP/s), so there oneDNN serves.
 
 On a CPU without bf16 dot products (no AVX512_BF16 or AMX: AVX2-only machines and AVX-512 ones without
 them) oneDNN's bf16 GEMM runs emulated, at about 20 GFLOP/s on two AVX2 threads whatever the row count
