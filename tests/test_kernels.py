@@ -349,3 +349,22 @@ def test_the_kernels_source_digest_follows_the_sources_and_headers(tmp_path, mon
     assert k.source_digest() == before  # the same files elsewhere
     (tmp_path / "fast_exp.h").write_text((tmp_path / "fast_exp.h").read_text() + "\n// changed\n")
     assert k.source_digest() != before
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_equals_index_copy_on_views_of_the_fused_projection(dtype):
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(300, (8 + 2 + 2) * 64, generator=g).to(dtype)  # k and v: views with the qkv row stride
+    k, v = qkv[:, 512:640].view(300, 2, 64), qkv[:, 640:].view(300, 2, 64)
+    slots = torch.randperm(1000, generator=g)[:300]
+    want = torch.randn(2, 1000, 2, 64, generator=g).to(dtype)
+    got = want.clone()
+    want[0].index_copy_(0, slots, k)
+    want[1].index_copy_(0, slots, v)
+    ext.write_kv(k, v, got, slots)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.write_kv(k[:1], v[:1], got, torch.tensor([1000]))
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        ext.write_kv(k.transpose(1, 2).contiguous().transpose(1, 2), v, got, slots)

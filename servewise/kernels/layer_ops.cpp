@@ -1,6 +1,6 @@
 // A decoder layer's element-wise work on CPU, one pass over memory each: RMSNorm (with the residual
-// add before it), SiLU(gate) * up, and rotary embeddings in place. PyTorch runs each of these as
-// several operators, every one a full pass over a [tokens, hidden] activation; a 4,096-token prefill
+// add before it), SiLU(gate) * up, rotary embeddings in place, and the new keys and values into the
+// cache. PyTorch runs each of these as several operators, every one a full pass over a [tokens, hidden] activation; a 4,096-token prefill
 // of a 1,024-wide model moves those activations through memory a dozen times per layer. Arithmetic is
 // in float whatever the storage type; reductions are vectorized, so sums are not in PyTorch's order
 // (results differ from the PyTorch path in the last bits).
@@ -152,5 +152,39 @@ void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_", [&] {
     rotate_rows<scalar_t>(x.data_ptr<scalar_t>(), p, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), T, H, D,
                           x.stride(0));
+  });
+}
+
+// A step's keys and values [tokens, kv_heads, head_dim] (each token's heads contiguous, any token stride:
+// views of the fused projection's output) copied into cache [2, slots, kv_heads, head_dim] at `slots`:
+// one call for both, where index_copy_ takes one each and its dispatch.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache, const at::Tensor& slots) {
+  TORCH_CHECK(k.device().is_cpu() && cache.device().is_cpu(), "write_kv runs on CPU tensors");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == cache.scalar_type() &&
+                  v.scalar_type() == cache.scalar_type(),
+              "write_kv: k and v must be [tokens, kv_heads, head_dim] of the cache's dtype");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2), n = H * D;
+  for (const auto& x : {k, v})
+    TORCH_CHECK(x.stride(2) == 1 && (H == 1 || x.stride(1) == D), "write_kv: each token's heads must be contiguous");
+  TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.size(2) == H && cache.size(3) == D &&
+                  cache.stride(3) == 1 && (H == 1 || cache.stride(2) == D),
+              "write_kv: cache must be [2, slots, kv_heads, head_dim], each slot contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == T,
+              "write_kv: slots must be int64 [tokens]");
+  auto sl = slots.contiguous();
+  const int64_t* s = sl.data_ptr<int64_t>();
+  const int64_t S = cache.size(1), es = cache.element_size();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(s[t] >= 0 && s[t] < S, "write_kv: slot ", s[t], " out of range [0, ", S, ")");
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(cache.data_ptr());
+  char* vc = kc + cache.stride(0) * es;
+  const int64_t ks = k.stride(0) * es, vs = v.stride(0) * es, cs = cache.stride(1) * es, bytes = n * es;
+  at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + s[t] * cs, kp + t * ks, bytes);
+      std::memcpy(vc + s[t] * cs, vp + t * vs, bytes);
+    }
   });
 }

@@ -449,6 +449,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 double eps);
 at::Tensor silu_mul_(at::Tensor& gate, const at::Tensor& up);
 void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache, const at::Tensor& slots);
 // linear_bf16.cpp
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w);
 // linear_f32.cpp
@@ -464,6 +465,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) (CPU)");
   m.def("silu_mul_", &silu_mul_, "silu(gate) * up, over gate (CPU)");
   m.def("rotary_", &rotary_, "rotary embedding in place (CPU)");
+  m.def("write_kv", &write_kv, "a step's keys and values into the cache at their slots (CPU)");
   m.def("linear_bf16", &linear_bf16, "x @ w.T, float x, bf16 w, few rows (CPU)");
   m.def("linear_f32", &linear_f32, "x @ w.T (+ bias), fp32 weights in column panels (CPU)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none());

@@ -40,7 +40,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     """q: [T, H, D]; k, v: [T, KVH, D]; cache: [2, slots, KVH, D]. Returns [T, H * D]."""
     T, H, D = q.shape
     KVH = k.shape[1]
-    if hasattr(meta.kernel, "write_kv"):  # (Triton: keys and values in one kernel)
+    if hasattr(meta.kernel, "write_kv"):  # (the compiled kernels: keys and values in one call)
         meta.kernel.write_kv(k, v, cache, meta.slot_mapping)
     else:
         cache[0].index_copy_(0, meta.slot_mapping, k)
