@@ -1,7 +1,8 @@
 // A decoder layer's element-wise work on CPU, one pass over memory each: RMSNorm (with the residual
 // add before it), SiLU(gate) * up, rotary embeddings in place, and the new keys and values into the
-// cache. PyTorch runs each of these as several operators, every one a full pass over a [tokens, hidden] activation; a 4,096-token prefill
-// of a 1,024-wide model moves those activations through memory a dozen times per layer. Arithmetic is
+// cache. PyTorch runs each of these as several operators, every one a full pass over a [tokens, hidden]
+// activation; a 4,096-token prefill of a 1,024-wide model moves those activations through memory a dozen
+// times per layer. Arithmetic is
 // in float whatever the storage type; reductions are vectorized, so sums are not in PyTorch's order
 // (results differ from the PyTorch path in the last bits).
 #include <torch/extension.h>

@@ -23,8 +23,9 @@ AVX-512, fp32 weights are laid out in panels of columns instead, for kernels/lin
 each thread's next panel ahead while it multiplies the current one; the panels take the packed copy's
 place. llama-200m's layers, 2 threads, weights from memory (`servewise bench linear --dtype float32
 --from-memory`), GFLOP/s of oneDNN prepacked -> panels: 16 rows 198-265 -> 254-345, 64 rows 372-428 ->
-393-495; at 256 and 4,096 rows 0-6% below oneDNN (a pass over the model 1.4% and 2.2% slower). Built with AVX2 alone (8-lane vectors, 4-row tiles)
-the kernel lost to oneDNN from 64 rows (190 against 223-251 GFLOP/s), so there oneDNN serves.
+393-495; at 256 and 4,096 rows 0-6% below oneDNN (a pass over the model 1.4% and 2.2% slower). Built
+with AVX2 alone (8-lane vectors, 4-row tiles) the kernel lost to oneDNN from 64 rows (190 against 223-251
+GFLOP/s), so there oneDNN serves.
 
 On a CPU without bf16 dot products (no AVX512_BF16 or AMX: AVX2-only machines and AVX-512 ones without
 them) oneDNN's bf16 GEMM runs emulated, at about 20 GFLOP/s on two AVX2 threads whatever the row count
