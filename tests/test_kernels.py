@@ -189,6 +189,30 @@ def test_the_fp32_panel_kernel_equals_exact_arithmetic_at_any_thread_count(M, N,
     assert torch.equal(one + b, got)  # (the bias added after the sums)
 
 
+@pytest.mark.skipif(not hasattr(ext, "linear_bf16_panels"), reason="no bf16 dot products on this CPU")
+@pytest.mark.parametrize("M", [1, 9, 257])
+@pytest.mark.parametrize("N,K", [(1, 8), (47, 64), (100, 130)])
+def test_the_bf16_panel_kernel_rounds_float_sums_at_any_thread_count(M, N, K):
+    from servewise.models.linear import pack_panels
+
+    g = torch.Generator().manual_seed(M * N + K)
+    x, w, b = (torch.randn(*shape, generator=g).bfloat16() for shape in ((M, K), (N, K), (N,)))
+    panels = pack_panels(w, ext.linear_f32_panel_width())
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    got = ext.linear_bf16_panels(x, panels, N, b)
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.double(), want, atol=1e-2, rtol=8e-3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ext.linear_bf16_panels(x, panels, N, b)
+        torch.set_num_threads(3)
+        assert torch.equal(one, ext.linear_bf16_panels(x, panels, N, b))
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="columns"):
+        ext.linear_bf16_panels(torch.randn(M, K + 2).bfloat16(), panels, N)
+
+
 @needs_kernel
 def test_the_fp32_panel_kernel_refuses_what_does_not_match_its_panels():
     from servewise.models.linear import pack_panels

@@ -1,4 +1,5 @@
-// y = x @ w.T (+ bias) for fp32 weights laid out in column panels, for every row count.
+// y = x @ w.T (+ bias) for fp32 weights laid out in column panels, for every row count; and for bf16
+// weights where the CPU has bf16 dot products (AVX512_BF16), the same scheme below.
 //
 // x: [M, K] float (contiguous rows), panels: [P, K, NP] float (w's columns NP at a time, zero-padded:
 // see pack in servewise/models/linear.py), returns [M, N]. oneDNN's GEMM reaches its peak when a weight
@@ -22,6 +23,10 @@
 #include <utility>
 
 #include "native_vector.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -80,7 +85,97 @@ constexpr std::array<TileFn, sizeof...(R)> tiles_for(std::integer_sequence<int, 
 }
 constexpr auto kTiles = tiles_for(std::make_integer_sequence<int, kMR>{});  // kTiles[r - 1]: r rows
 
+#if defined(__AVX512BF16__)
+// bf16: the same panels with the inner dimension in pairs ([P, K / 2, NP, 2]), multiplied by vdpbf16ps
+// (each instruction 16 columns x one pair of k for one row), sums in float, rounded to bf16 at the end
+// (to nearest even, as PyTorch rounds; bias added before).
+template <int R>
+void tile_bf16(const c10::BFloat16* x, int64_t lda, const uint16_t* panel, int64_t K2, const c10::BFloat16* bias,
+               c10::BFloat16* y, int64_t ldc, int64_t ncols, const char* pf, int64_t pf_bytes) {
+  __m512 acc[R][kNV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < kNV; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t steps = std::max<int64_t>(1, K2 / (kAheadEvery / 2)), pf_step = (pf_bytes + steps - 1) / steps;
+  int64_t pf_at = 0;
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    if (pf != nullptr && kp % (kAheadEvery / 2) == 0 && pf_at < pf_bytes) {
+      for (int64_t off = 0; off < pf_step && pf_at + off < pf_bytes; off += 64)
+        __builtin_prefetch(pf + pf_at + off, 0, 0);
+      pf_at += pf_step;
+    }
+    __m512bh b[kNV];
+    for (int j = 0; j < kNV; ++j)
+      b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + (kp * kNP + j * 16) * 2));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, x + i * lda + 2 * kp, sizeof pair);
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+      for (int j = 0; j < kNV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    float sums[kNP];
+    for (int j = 0; j < kNV; ++j) _mm512_storeu_ps(sums + 16 * j, acc[i][j]);
+    if (bias != nullptr)
+      for (int64_t c = 0; c < ncols; ++c) sums[c] += static_cast<float>(bias[c]);
+    for (int64_t c = 0; c < ncols; ++c) y[i * ldc + c] = static_cast<c10::BFloat16>(sums[c]);
+  }
+}
+
+using TileBf16 = void (*)(const c10::BFloat16*, int64_t, const uint16_t*, int64_t, const c10::BFloat16*,
+                          c10::BFloat16*, int64_t, int64_t, const char*, int64_t);
+
+template <int... R>
+constexpr std::array<TileBf16, sizeof...(R)> bf16_tiles_for(std::integer_sequence<int, R...>) {
+  return {tile_bf16<R + 1>...};
+}
+constexpr auto kTilesBf16 = bf16_tiles_for(std::make_integer_sequence<int, kMR>{});
+#endif
+
 }  // namespace
+
+#if defined(__AVX512BF16__)
+// x: [M, K] bf16, panels: [P, K / 2, NP, 2] bf16 (see pack_panels in servewise/models/linear.py), K even.
+at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                              const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "linear_bf16_panels: x must be [M, K] bf16");
+  TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kNP && panels.size(3) == 2 && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kBFloat16,
+              "linear_bf16_panels: panels must be [P, K / 2, ", kNP, ", 2] bf16, contiguous");
+  TORCH_CHECK(2 * panels.size(1) == x.size(1), "linear_bf16_panels: x has ", x.size(1), " columns, the weight ",
+              2 * panels.size(1));
+  TORCH_CHECK(N > (panels.size(0) - 1) * kNP && N <= panels.size(0) * kNP, "linear_bf16_panels: N does not match");
+  TORCH_CHECK(!bias.has_value() ||
+                  (bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kBFloat16),
+              "linear_bf16_panels: bias must be [N] bf16");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), P = panels.size(0), panel = K * kNP;  // (bf16 elements)
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const c10::BFloat16* X = xc.data_ptr<c10::BFloat16>();
+  const uint16_t* W = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  const c10::BFloat16* b = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* Y = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMC) {
+      const int64_t m1 = std::min(M, m0 + kMC), tiles = (m1 - m0 + kMR - 1) / kMR;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t q = p + 1 < p1 ? p + 1 : (m1 < M ? p0 : -1);
+        const char* next = q < 0 ? nullptr : reinterpret_cast<const char*>(W + q * panel);
+        const int64_t share = panel * 2 / tiles, ncols = std::min(kNP, N - p * kNP);
+        for (int64_t r = m0, t = 0; r < m1; r += kMR, ++t) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - r));
+          kTilesBf16[rows - 1](X + r * K, K, W + p * panel, K / 2, b ? b + p * kNP : nullptr, Y + r * N + p * kNP, N,
+                               ncols, next ? next + t * share : nullptr, share);
+        }
+      }
+    }
+  });
+  return y;
+}
+#endif
 
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,

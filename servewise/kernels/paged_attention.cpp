@@ -455,6 +455,10 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w);
 // linear_f32.cpp
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N, const std::optional<at::Tensor>& bias);
 int64_t linear_f32_panel_width();
+#if defined(__AVX512BF16__)
+at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                              const std::optional<at::Tensor>& bias);
+#endif
 // prompt_attention.cpp
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seq_lens,
                             double scale);
@@ -470,6 +474,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32", &linear_f32, "x @ w.T (+ bias), fp32 weights in column panels (CPU)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none());
   m.def("linear_f32_panel_width", &linear_f32_panel_width, "columns a panel of linear_f32's weights holds");
+#if defined(__AVX512BF16__)  // (only where the CPU has bf16 dot products)
+  m.def("linear_bf16_panels", &linear_bf16_panels, "x @ w.T (+ bias), bf16 weights in column panels of k pairs (CPU)",
+        py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none());
+#endif
   m.def("prompt_attention", &prompt_attention, "causal attention of whole prompts (CPU)",
         py::call_guard<py::gil_scoped_release>());  // (long prompts: other threads run meanwhile)
 }

@@ -131,17 +131,24 @@ def kernel_shapes() -> int:
 
 
 def panels_wanted(weight: torch.Tensor) -> bool:
-    """fp32 weights on an AVX-512 CPU with the compiled kernels: multiplied by kernels/linear_f32.cpp."""
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and PANELS_ON_THIS_CPU
-            and os.environ.get("SERVEWISE_LINEAR", "auto") != "plain" and kernels.cpu_ext() is not None)
+    """Weights kernels/linear_f32.cpp multiplies: fp32 on an AVX-512 CPU, bf16 (an even number of
+    in-features) where the compiled kernels have bf16 dot products."""
+    if (weight.device.type != "cpu" or not PANELS_ON_THIS_CPU or os.environ.get("SERVEWISE_LINEAR", "auto") == "plain"
+            or (ext := kernels.cpu_ext()) is None):
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and hasattr(ext, "linear_bf16_panels")
+                                             and weight.shape[1] % 2 == 0)
 
 
 def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
-    """weight [out, in] -> [ceil(out / width), in, width]: its columns `width` at a time (the last panel
-    zero-padded), each panel's rows of `width` contiguous, as the panel kernel reads them."""
+    """weight [out, in] -> its columns `width` at a time (the last panel zero-padded), as the panel kernel
+    reads them: fp32 [panels, in, width]; bf16 [panels, in / 2, width, 2] (in-features in pairs, one
+    pair a bf16 dot product)."""
     n, k = weight.shape
     padded = weight.new_zeros(-(-n // width) * width, k)
     padded[:n] = weight
+    if weight.dtype == torch.bfloat16:
+        return padded.view(-1, width, k // 2, 2).permute(0, 2, 1, 3).contiguous()
     return padded.view(-1, width, k).transpose(1, 2).contiguous()
 
 
@@ -157,7 +164,7 @@ class Linear:
         self.upcast = upcast_wanted(weight)  # (its paths read weight rows: never transposed)
         self.panels = None
         self.shape = (weight.shape[1], weight.shape[0], weight.dtype)  # in, out, dtype
-        if panels and panels_wanted(weight):  # (in place of the copies below: the weight is held twice, not thrice)
+        if panels and panels_wanted(weight) and not self.upcast:  # (in place of the copies below: twice, not thrice)
             self.panels = pack_panels(weight, kernels.cpu_ext().linear_f32_panel_width())
             transposed = False
         self.weight_t = weight.t().contiguous() if transposed and not self.upcast else None
@@ -171,8 +178,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
-            y = kernels.cpu_ext().linear_f32(x.reshape(-1, self.shape[0]), self.panels, self.shape[1], self.bias)
-            return y.view(*x.shape[:-1], self.shape[1])
+            ext = kernels.cpu_ext()
+            mm = ext.linear_bf16_panels if self.shape[2] == torch.bfloat16 else ext.linear_f32
+            return mm(x.reshape(-1, self.shape[0]), self.panels, self.shape[1], self.bias).view(*x.shape[:-1],
+                                                                                              self.shape[1])
         if self.upcast and ((ext := kernels.cpu_ext()) is not None or x.shape[0] >= UPCAST_MIN_ROWS):
             return upcast_linear(x, self.weight, self.bias, ext)
         if self.packed is not None and (n := x.shape[0]) <= PACKED_MAX_ROWS:
@@ -195,7 +204,7 @@ def describe(linears: list[Linear]) -> str:
         return (f"linear layers: {upcast}/{len(linears)} bf16 multiplied in fp32 ({how}; no bf16 dot product "
                 "on this CPU)")
     if panels := sum(lin.panels is not None for lin in linears):
-        return f"linear layers: {panels}/{len(linears)} fp32 by the compiled panel kernel (next panel read ahead)"
+        return f"linear layers: {panels}/{len(linears)} by the compiled panel kernel (next panel read ahead)"
     packed = sum(lin.packed is not None for lin in linears)
     if packed:
         limit = "at any row count" if PACKED_MAX_ROWS >= 1 << 62 else f"up to {PACKED_MAX_ROWS} rows, F.linear above"
