@@ -2,12 +2,13 @@
 
 For each weight shape of a model's layers (and its output projection) and each row count, with the
 same torch threads, the best of `repeat` calls of:
-- `servewise`: the engine's `Linear` in the dtype asked for (what a step runs: for fp32 on an AVX-512 CPU
-  the panel kernel, else prepacked oneDNN weights, or for bf16 on a CPU without bf16 dot products, fp32
-  arithmetic on the bf16 weights; models/linear.py);
+- `servewise`: the engine's `Linear` in the dtype asked for (what a step runs: on an AVX-512 CPU the panel
+  kernel for fp32, and for bf16 where it has bf16 dot products; else prepacked oneDNN weights, or for bf16
+  on a CPU without bf16 dot products, fp32 arithmetic on the bf16 weights; models/linear.py);
+- `oneDNN prepacked`, where the engine's path is the panel kernel: the prepacked weights it replaced;
 - bf16: `bf16 oneDNN`, `F.linear` on the bf16 weights (what other engines on PyTorch call), and `fp32`, the
   engine's `Linear` on fp32 copies of the weights (twice their memory: the reference);
-- fp32: `oneDNN prepacked` (where PyTorch has it), and `F.linear`.
+- fp32: `F.linear`.
 Figures are GFLOP/s (2 x rows x in x out / time); the summary is the median over `rounds` rounds and the
 total time of one pass over the model's layers per path.
 
@@ -90,7 +91,7 @@ def offline_bound(gflops: dict[tuple[int, str], float], shapes: dict[str, tuple[
 def main(s: Settings) -> dict:
     """Run the benchmark; the CLI has already applied --threads."""
     from servewise.config import ModelConfig
-    from servewise.models.linear import Linear, describe, packing_available
+    from servewise.models.linear import Linear, describe, packing_available, panels_wanted, upcast_wanted
     from servewise.models.loader import hf_config
 
     dtype = getattr(torch, s.dtype)
@@ -100,12 +101,12 @@ def main(s: Settings) -> dict:
     g = torch.Generator().manual_seed(s.seed)
     weights = {n: torch.randn(o, i, generator=g).div_(i ** 0.5).to(dtype) for n, (i, o) in shapes.items()}
     makers = {"servewise": Linear}
+    if panels_wanted(weights["head"]) and packing_available(weights["head"]) and not upcast_wanted(weights["head"]):
+        makers["oneDNN prepacked"] = lambda w: Linear(w, panels=False)  # (what the panel kernel replaced)
     if dtype == torch.bfloat16:
         makers["bf16 oneDNN"] = lambda w: lambda x: F.linear(x, w)
         makers["fp32"] = lambda w: Linear(w.float())
     else:
-        if packing_available(weights["head"]):
-            makers["oneDNN prepacked"] = lambda w: Linear(w, panels=False)
         makers["F.linear"] = lambda w: lambda x: F.linear(x, w)
     cache = last_level_cache_bytes() or 32 << 20
     copies = {n: 1 if not s.from_memory else 1 + -(-2 * cache // (w.numel() * w.element_size()))

@@ -127,8 +127,8 @@ def status() -> str:
     ext = cpu_ext()
     if ext is not None:
         return ("compiled CPU kernels: paged decode attention (reads KV blocks in place), prompt attention, RMSNorm, "
-                "rotary, SiLU-mul, fp32 linear (column panels, used with AVX-512), bf16 linear (fp32 arithmetic, used "
-                "where the CPU has no bf16 dot products)")
+                "rotary, SiLU-mul, KV writes, linear in column panels (fp32 with AVX-512, bf16 with AVX512_BF16), bf16 "
+                "linear in fp32 arithmetic (where the CPU has no bf16 dot products)")
     return (f"PyTorch path: attention by SDPA (decode: after a gather), element-wise ops by operator "
             f"({_state.get('why', '')})")
 
