@@ -166,6 +166,19 @@ def test_linear_paths_agree(rows, bias, transposed, panels, monkeypatch):
     assert torch.allclose(lin(x), want, atol=1e-4, rtol=1e-4)
 
 
+def same_on_1_and_3_threads(call):
+    """call()'s result on one thread, asserted equal to its result on three."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = call()
+        torch.set_num_threads(3)
+        assert torch.equal(one, call())
+    finally:
+        torch.set_num_threads(threads)
+    return one
+
+
 @needs_kernel
 @pytest.mark.parametrize("M", [1, 8, 9, 255, 257, 600])  # a row tile (8 or 4 rows), the rows a pass (256)
 @pytest.mark.parametrize("N,K", [(1, 7), (47, 64), (48, 33), (100, 1), (200, 130)])  # panel widths 48 / 24
@@ -178,14 +191,8 @@ def test_the_fp32_panel_kernel_equals_exact_arithmetic_at_any_thread_count(M, N,
     want = torch.nn.functional.linear(x.double(), w.double(), b.double())
     got = ext.linear_f32(x, panels, N, b)
     assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
-    threads = torch.get_num_threads()
-    try:  # each output is one thread's sum, in order over K: the same bits on 1 and 3 threads
-        torch.set_num_threads(1)
-        one = ext.linear_f32(x, panels, N, None)
-        torch.set_num_threads(3)
-        assert torch.equal(one, ext.linear_f32(x, panels, N, None))
-    finally:
-        torch.set_num_threads(threads)
+    # each output is one thread's sum, in order over K: the same bits on 1 and 3 threads
+    one = same_on_1_and_3_threads(lambda: ext.linear_f32(x, panels, N, None))
     assert torch.equal(one + b, got)  # (the bias added after the sums)
 
 
@@ -201,14 +208,7 @@ def test_the_bf16_panel_kernel_rounds_float_sums_at_any_thread_count(M, N, K):
     want = torch.nn.functional.linear(x.double(), w.double(), b.double())
     got = ext.linear_bf16_panels(x, panels, N, b)
     assert got.dtype == torch.bfloat16 and torch.allclose(got.double(), want, atol=1e-2, rtol=8e-3)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = ext.linear_bf16_panels(x, panels, N, b)
-        torch.set_num_threads(3)
-        assert torch.equal(one, ext.linear_bf16_panels(x, panels, N, b))
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(same_on_1_and_3_threads(lambda: ext.linear_bf16_panels(x, panels, N, b)), got)
     with pytest.raises(RuntimeError, match="columns"):
         ext.linear_bf16_panels(torch.randn(M, K + 2).bfloat16(), panels, N)
 

@@ -85,6 +85,27 @@ constexpr std::array<TileFn, sizeof...(R)> tiles_for(std::integer_sequence<int, 
 }
 constexpr auto kTiles = tiles_for(std::make_integer_sequence<int, kMR>{});  // kTiles[r - 1]: r rows
 
+// Each thread takes a run of panels and multiplies every row of x by each, kMC rows at a time:
+// tile(r, rows, p, ncols, pf, pf_bytes) for rows [r, r + rows) and panel p, asking meanwhile for pf_bytes of
+// the thread's next panel from pf.
+template <typename Tile>
+void over_panels(int64_t M, int64_t N, int64_t P, const char* W, int64_t panel_bytes, const Tile& tile) {
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMC) {
+      const int64_t m1 = std::min(M, m0 + kMC), tiles = (m1 - m0 + kMR - 1) / kMR;
+      for (int64_t p = p0; p < p1; ++p) {
+        // the panel this thread takes next: the next of its run, or its first again for the next rows
+        const int64_t q = p + 1 < p1 ? p + 1 : (m1 < M ? p0 : -1);
+        const char* next = q < 0 ? nullptr : W + q * panel_bytes;
+        const int64_t share = panel_bytes / tiles, ncols = std::min(kNP, N - p * kNP);
+        for (int64_t r = m0, t = 0; r < m1; r += kMR, ++t)
+          tile(r, static_cast<int>(std::min<int64_t>(kMR, m1 - r)), p, ncols, next ? next + t * share : nullptr,
+               share);
+      }
+    }
+  });
+}
+
 #if defined(__AVX512BF16__)
 // bf16: the same panels with the inner dimension in pairs ([P, K / 2, NP, 2]), multiplied by vdpbf16ps
 // (each instruction 16 columns x one pair of k for one row), sums in float, rounded to bf16 at the end
@@ -158,21 +179,11 @@ at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int
   const uint16_t* W = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   const c10::BFloat16* b = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* Y = y.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMC) {
-      const int64_t m1 = std::min(M, m0 + kMC), tiles = (m1 - m0 + kMR - 1) / kMR;
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t q = p + 1 < p1 ? p + 1 : (m1 < M ? p0 : -1);
-        const char* next = q < 0 ? nullptr : reinterpret_cast<const char*>(W + q * panel);
-        const int64_t share = panel * 2 / tiles, ncols = std::min(kNP, N - p * kNP);
-        for (int64_t r = m0, t = 0; r < m1; r += kMR, ++t) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - r));
-          kTilesBf16[rows - 1](X + r * K, K, W + p * panel, K / 2, b ? b + p * kNP : nullptr, Y + r * N + p * kNP, N,
-                               ncols, next ? next + t * share : nullptr, share);
-        }
-      }
-    }
-  });
+  over_panels(M, N, P, reinterpret_cast<const char*>(W), panel * 2,
+              [&](int64_t r, int rows, int64_t p, int64_t ncols, const char* pf, int64_t pf_bytes) {
+                kTilesBf16[rows - 1](X + r * K, K, W + p * panel, K / 2, b ? b + p * kNP : nullptr,
+                                     Y + r * N + p * kNP, N, ncols, pf, pf_bytes);
+              });
   return y;
 }
 #endif
@@ -195,23 +206,11 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N, 
   const float* W = panels.data_ptr<float>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMC) {
-      const int64_t m1 = std::min(M, m0 + kMC), tiles = (m1 - m0 + kMR - 1) / kMR;
-      for (int64_t p = p0; p < p1; ++p) {
-        // the panel this thread takes next: the next of its run, or its first again for the next rows
-        const int64_t q = p + 1 < p1 ? p + 1 : (m1 < M ? p0 : -1);
-        const char* next = q < 0 ? nullptr : reinterpret_cast<const char*>(W + q * panel);
-        const int64_t share = panel * static_cast<int64_t>(sizeof(float)) / tiles;
-        const int64_t ncols = std::min(kNP, N - p * kNP);
-        for (int64_t r = m0, t = 0; r < m1; r += kMR, ++t) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - r));
-          kTiles[rows - 1](X + r * K, K, W + p * panel, K, b ? b + p * kNP : nullptr, Y + r * N + p * kNP, N, ncols,
-                           next ? next + t * share : nullptr, share);
-        }
-      }
-    }
-  });
+  over_panels(M, N, P, reinterpret_cast<const char*>(W), panel * static_cast<int64_t>(sizeof(float)),
+              [&](int64_t r, int rows, int64_t p, int64_t ncols, const char* pf, int64_t pf_bytes) {
+                kTiles[rows - 1](X + r * K, K, W + p * panel, K, b ? b + p * kNP : nullptr, Y + r * N + p * kNP, N,
+                                 ncols, pf, pf_bytes);
+              });
   return y;
 }
 
