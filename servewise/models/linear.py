@@ -165,10 +165,12 @@ class Linear:
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.upcast = upcast_wanted(weight)  # (its paths read weight rows: never transposed)
-        self.panels = None
+        self.panels = self._panel_mm = None
         self.shape = (weight.shape[1], weight.shape[0], weight.dtype)  # in, out, dtype
         if panels and panels_wanted(weight) and not self.upcast:  # (in place of the copies below: twice, not thrice)
-            self.panels = pack_panels(weight, kernels.cpu_ext().linear_f32_panel_width())
+            ext = kernels.cpu_ext()
+            self.panels = pack_panels(weight, ext.linear_f32_panel_width())
+            self._panel_mm = ext.linear_bf16_panels if weight.dtype == torch.bfloat16 else ext.linear_f32
             transposed = False
         self.weight_t = weight.t().contiguous() if transposed and not self.upcast else None
         self.weight = None if self.weight_t is not None else weight.contiguous()
@@ -181,10 +183,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
-            ext = kernels.cpu_ext()
-            mm = ext.linear_bf16_panels if self.shape[2] == torch.bfloat16 else ext.linear_f32
-            return mm(x.reshape(-1, self.shape[0]), self.panels, self.shape[1], self.bias).view(*x.shape[:-1],
-                                                                                              self.shape[1])
+            y = self._panel_mm(x.reshape(-1, self.shape[0]), self.panels, self.shape[1], self.bias)
+            return y.view(*x.shape[:-1], self.shape[1])
         if self.upcast and ((ext := kernels.cpu_ext()) is not None or x.shape[0] >= UPCAST_MIN_ROWS):
             return upcast_linear(x, self.weight, self.bias, ext)
         if self.packed is not None and (n := x.shape[0]) <= PACKED_MAX_ROWS:
