@@ -104,16 +104,17 @@ constexpr bool kBf16Dots =
 #endif
 
 // A request's blocks lie anywhere in the pool, and the hardware prefetcher does not follow a block
-// table: the key pass asks for the key and value rows of the token some way ahead (into L2), so the
-// value pass finds them there. At 256 requests of 257-320 tokens, 2 threads, tiny-llama's shape, on a
-// Xeon (stream 31.7 GB/s): KV read at 13-15 GB/s without, 23-28 GB/s with (64 tokens ahead,
-// prefetcht1; prefetcht0 and 32 or 128 tokens did no better). On an AMD EPYC with AVX-512 (stream
-// 74 GB/s) 16 tokens ahead read 1.1-1.3x faster than 64 (8 and 24 within a few points of 16; asking
-// also for the next request's first rows: no gain).
+// table: the key pass asks for the key and value rows of the token some way ahead, so that both passes
+// find them in cache. At 256 requests of 257-320 tokens, 2 threads, tiny-llama's shape, on a Xeon
+// (stream 31.7 GB/s): KV read at 13-15 GB/s without, 23-28 GB/s with (64 tokens ahead, prefetcht1;
+// prefetcht0 and 32 or 128 tokens did no better). On an AMD EPYC with AVX-512: 16 tokens ahead read
+// 1.1-1.3x faster than 64 (8 and 24 within a few points of 16; asking also for the next request's first
+// rows: no gain), and into L1 (prefetcht0) rather than L2 1.0-1.1x in fp32 and 1.1-1.6x in bf16 on
+// llama-200m's shape (docs/notes/speed.md, thirteenth sitting).
 constexpr int64_t kAheadTokens = 16, kAheadBytes = 128 << 10;  // (at most 128 KiB of rows in flight)
 
 inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
 }
 
 // One request's share of the inputs.
