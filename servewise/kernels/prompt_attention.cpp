@@ -10,7 +10,9 @@
 // cost). The softmax runs down the keys, lane by lane, and the weighted sum of values accumulates
 // in the same layout, a few dimensions at a time. PyTorch's SDPA on 128-token prompts (tiny-llama's
 // and llama-200m's shapes) ran at 50-65 GFLOP/s (120 at 1,024 tokens) on two AVX-512 cores, where the
-// machine's linear layers reach 400-490 (docs/notes/speed.md).
+// machine's linear layers reach 400-490; this kernel, 32 prompts of 128 tokens, llama-200m's shape, fp32:
+// 150-160, then 205-220 with the queries transposed by shuffles and the next item's asked for ahead
+// (docs/notes/speed.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "fast_exp.h"
@@ -90,6 +93,53 @@ void tile(const float* qt, const float* K, int64_t ks, const float* V, int64_t v
   }
 }
 
+// A kQ x kQ block of floats, a[l] a row, transposed in place (a[d] then holds column d): each round
+// swaps one bit of the row index with that of the column index, by two-input shuffles (one instruction
+// each with AVX-512).
+template <int H>
+inline void transpose_block(vq* a) {
+  vqi lo, hi;
+  for (int j = 0; j < kQ; ++j) {
+    lo[j] = (j & H) ? kQ + j - H : j;
+    hi[j] = (j & H) ? kQ + j : j + H;
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < kQ; ++i)
+    if (!(i & H)) {
+      const vq x = a[i], y = a[i + H];
+      a[i] = __builtin_shuffle(x, y, lo);
+      a[i + H] = __builtin_shuffle(x, y, hi);
+    }
+  if constexpr (H > 1) transpose_block<H / 2>(a);
+}
+
+template <typename T>
+inline vq load_row(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return loadq(p);
+  } else {
+    vq v;
+    for (int i = 0; i < kQ; ++i) v[i] = static_cast<float>(p[i]);
+    return v;
+  }
+}
+
+// qt [D][kQ] = the nq query rows q[l * qs ...] (D dims each) times scale, transposed; lanes past nq zero.
+template <typename T>
+void transpose_queries(const T* q, int64_t qs, int nq, int64_t D, float scale, float* qt) {
+  int64_t d0 = 0;
+  for (; d0 + kQ <= D; d0 += kQ) {
+    vq a[kQ];
+#pragma GCC unroll 16
+    for (int l = 0; l < kQ; ++l) a[l] = l < nq ? load_row(q + l * qs + d0) * scale : vq{};
+    transpose_block<kQ / 2>(a);
+#pragma GCC unroll 16
+    for (int d = 0; d < kQ; ++d) std::memcpy(qt + (d0 + d) * kQ, &a[d], sizeof(vq));
+  }
+  for (; d0 < D; ++d0)  // (head dims not a multiple of kQ: the last few one by one)
+    for (int l = 0; l < kQ; ++l) qt[d0 * kQ + l] = l < nq ? static_cast<float>(q[l * qs + d0]) * scale : 0.f;
+}
+
 template <typename T>
 void prompts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens, int64_t B,
              double scale, at::Tensor& out) {
@@ -115,16 +165,34 @@ void prompts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   at::parallel_for(0, nt, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> qt(D * kQ), S, kf, vf;
     int64_t loaded = -1;  // the (prompt, KV head) whose rows kf / vf hold
-    for (int64_t it = cut[t_begin]; it < cut[t_end]; ++it) {
+    struct Item {
+      int64_t b, n, hq, i0, row0;
+      int nq;
+    };
+    auto item = [&](int64_t it) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1;
       const int64_t n = lens[b], tiles = (n + kQ - 1) / kQ, r = it - first[b];
-      const int64_t hq = r / tiles, i0 = (r % tiles) * kQ, h = hq / G, row0 = start[b];
-      const int nq = static_cast<int>(std::min<int64_t>(kQ, n - i0));
-      for (int64_t d = 0; d < D; ++d)
-        for (int l = 0; l < kQ; ++l)
-          qt[d * kQ + l] = l < nq ? static_cast<float>(qp[(row0 + i0 + l) * qs + hq * D + d]) * fscale : 0.f;
+      return Item{b, n, r / tiles, (r % tiles) * kQ, start[b], static_cast<int>(std::min<int64_t>(kQ, n - (r % tiles) * kQ))};
+    };
+    for (int64_t it = cut[t_begin]; it < cut[t_end]; ++it) {
+      const auto [b, n, hq, i0, row0, nq] = item(it);
+      const int64_t h = hq / G;
+      transpose_queries(qp + (row0 + i0) * qs + hq * D, qs, nq, D, fscale, qt.data());
+      // The next item's query rows (a prefill's fused projection output is larger than the cache, and
+      // reading them when needed cost a third of the time): asked for now, used after this tile.
+      if (it + 1 < cut[t_end]) {
+        const Item nx = item(it + 1);
+        for (int l = 0; l < nx.nq; ++l) {
+          const char* src = reinterpret_cast<const char*>(qp + (nx.row0 + nx.i0 + l) * qs + nx.hq * D);
+          for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(src + off, 0, 3);
+        }
+      }
       S.resize((i0 + kQ) * kQ);
       T* o = op + (row0 + i0) * os + hq * D;
+      if constexpr (std::is_same_v<T, float>) {  // (float rows are read where they are)
+        tile(qt.data(), kp + row0 * ks + h * D, ks, vp + row0 * vs + h * D, vs, D, i0, nq, S.data(), o, os);
+        continue;
+      }
       if (loaded != b * KVH + h) {  // the prompt's rows of this KV head, contiguous and in float
         kf.resize(n * D), vf.resize(n * D);
         for (int64_t t = 0; t < n; ++t)
