@@ -3,6 +3,7 @@ kernel against SDPA, in one JSON."""
 import json
 
 import pytest
+import torch
 
 from servewise import kernels
 from servewise.cli import main
@@ -61,3 +62,31 @@ def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_engine_layout_places_blocks_as_the_block_manager_does():
+    from servewise.bench.attention import ENGINE_DECODE_TOKENS, engine_tables
+
+    lens = [300, 70, 257, 65]
+    tables = engine_tables(torch.tensor(lens), 16, 4 * 19 + 1)
+    prompts = [(max(1, n - ENGINE_DECODE_TOKENS) + 15) // 16 for n in lens]
+    runs, decode = [], []
+    for i, n in enumerate(lens):
+        row = tables[i, :(n + 15) // 16].tolist()
+        runs += row[:prompts[i]]
+        decode += row[prompts[i]:]
+    assert runs == list(range(sum(prompts)))  # every prompt's blocks in one run, the prompts in order
+    assert len(set(decode)) == len(decode) and min(decode) >= sum(prompts)  # decode's after them, none twice
+    assert decode  # (these contexts grow past their prompts' blocks)
+
+
+@pytest.mark.skipif(kernels.cpu_ext() is None, reason=f"no compiled kernel here: {kernels.status()}")
+def test_the_engine_layout_is_measured_and_said(tmp_path, capsys):
+    out = tmp_path / "a.json"
+    main(["bench", "attention", "--models", "tiny-llama", "--dtypes", "float32", "--batch", "4", "--context",
+          "70-90", "--rounds", "1", "--repeat", "1", "--stream-mib", "64", "--prompts", "none", "--no-torch-path",
+          "--layout", "engine", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["settings"]["layout"] == "engine" and [x["layout"] for x in saved["summary"]] == ["engine"]
+    assert saved["summary"][0]["kernel_gbs"] > 0
+    assert "placed as the engine's block manager places them" in capsys.readouterr().out

@@ -5,7 +5,10 @@ how fast the machine streams memory. Per round this measures, with the same torc
 - the stream: a sum over a buffer much larger than the caches (read bandwidth, GB/s);
 - the compiled kernel (`servewise/kernels/paged_attention.cpp`) on each model's head shape and dtype
   (and each block size asked for): `batch` requests whose contexts are drawn from `context`, their blocks
-  scattered at random over a pool as a long-running engine leaves them; KV bytes read / time = GB/s;
+  scattered at random over a pool as a long-running engine leaves them (`layout` "random", the worst
+  case), or placed as the engine's block manager hands them out on a fresh offline run ("engine": each
+  prompt's blocks in one run, the last `ENGINE_DECODE_TOKENS` tokens' blocks taken in turn, a step at a
+  time); KV bytes read / time = GB/s;
 - optionally the PyTorch path (gather the blocks, SDPA) on the same inputs;
 - with `prompts` (B, L): prefill attention of B prompts of L tokens each on each shape and dtype, the
   compiled prompt kernel (`prompt_attention.cpp`) against the PyTorch path (SDPA), both through the
@@ -25,6 +28,32 @@ from servewise.kernels import cpu_ext, cpu_flags, last_level_cache_bytes, status
 from servewise.metrics.summary import save_json
 
 
+ENGINE_DECODE_TOKENS = 64  # layout "engine": the tokens of each context that decode steps added
+
+
+def engine_tables(lens: torch.Tensor, bs: int, nblocks: int) -> torch.Tensor:
+    """Block tables [B, width] as the engine's block manager builds them on a fresh offline run: every
+    request's prompt (its context but the last ENGINE_DECODE_TOKENS tokens) allocated in request order,
+    then the decode steps' tokens, each step growing every request in turn."""
+    from servewise.engine.block_manager import BlockManager
+
+    bm = BlockManager(nblocks, 0, bs)
+    n = lens.tolist()
+    prompt = [max(1, x - ENGINE_DECODE_TOKENS) for x in n]
+    for i, p in enumerate(prompt):
+        bm.allocate(str(i), p)
+    for step in range(1, ENGINE_DECODE_TOKENS + 1):
+        for i, p in enumerate(prompt):
+            if p + step <= n[i]:
+                bm.append_slots(str(i), p + step)
+    width = (max(n) + bs - 1) // bs
+    tables = torch.zeros(len(n), width, dtype=torch.long)
+    for i in range(len(n)):
+        t = bm.device_tables[str(i)]
+        tables[i, :len(t)] = torch.tensor(t)
+    return tables
+
+
 @dataclass
 class Settings:
     """`models`: built-in names, configuration-only sizes or checkpoint directories (only their head
@@ -35,6 +64,7 @@ class Settings:
     batch: int = 256
     context: tuple[int, int] = (257, 320)
     block_size: tuple[int, ...] = (16,)  # tokens per KV block; several: each measured in the same rounds
+    layout: str = "random"  # where a request's blocks lie: "random" or "engine" (see the module's docstring)
     rounds: int = 5
     repeat: int = 10
     stream_mib: int = 1024
@@ -83,7 +113,10 @@ class Case:
         self.lens = torch.randint(s.context[0], s.context[1] + 1, (B,), generator=g)
         width = (int(self.lens.max()) + bs - 1) // bs
         nblocks = B * width + 1
-        self.tables = torch.randperm(nblocks, generator=g)[:B * width].view(B, width)
+        if s.layout == "engine":
+            self.tables = engine_tables(self.lens, bs, nblocks)
+        else:
+            self.tables = torch.randperm(nblocks, generator=g)[:B * width].view(B, width)
         self.cache = torch.randn(2, nblocks * bs, KVH, D, generator=g).to(dtype)
         self.q = torch.randn(B, H, D, generator=g).to(dtype)
         self.scale = D ** -0.5
@@ -137,8 +170,11 @@ def main(s: Settings) -> dict:
     if ext is None:
         raise SystemExit(f"no compiled kernel to measure: {status()}")
     threads = torch.get_num_threads()
+    where = ("at random places" if s.layout == "random" else
+             f"placed as the engine's block manager places them (prompts in one run, the last {ENGINE_DECODE_TOKENS} "
+             "tokens' blocks a decode step at a time)")
     print(f"decode attention: {s.batch} requests of {s.context[0]}-{s.context[1]} context tokens, blocks of "
-          f"{' / '.join(map(str, s.block_size))} tokens at random places; best of {s.repeat} calls, {s.rounds} "
+          f"{' / '.join(map(str, s.block_size))} tokens {where}; best of {s.repeat} calls, {s.rounds} "
           f"rounds; torch threads {threads}; CPU flags: {cpu_flags()}")
     cases, shapes = {}, {}
     for model in s.models:
@@ -180,7 +216,7 @@ def main(s: Settings) -> dict:
         H, KVH, D = shapes[model, dt]
         key = f"{model}/{dt}/{bs}"
         shares = [row[key] / row["stream_gbs"] for row in rounds]
-        item = {"model": model, "dtype": dt, "block_size": bs, "heads": H, "kv_heads": KVH, "head_dim": D,
+        item = {"model": model, "dtype": dt, "block_size": bs, "layout": s.layout, "heads": H, "kv_heads": KVH, "head_dim": D,
                 "pool_bytes": case.cache.nbytes,
                 "kernel_gbs": statistics.median(row[key] for row in rounds),
                 "share_of_stream": statistics.median(shares), "share_range": [min(shares), max(shares)]}

@@ -57,6 +57,9 @@ def arguments(p) -> None:
     p.add_argument("--context", type=_span, default=(257, 320), help="context tokens per request, LOW-HIGH")
     p.add_argument("--block-size", type=counts("block sizes"), default=(16,),
                    help="tokens per KV block; several, comma-separated (16,64,128): each measured in the same rounds")
+    p.add_argument("--layout", choices=("random", "engine"), default="random",
+                   help="where each request's blocks lie: random (scattered over the pool, the worst case) or "
+                        "engine (as the engine's block manager hands them out on an offline run)")
     p.add_argument("--rounds", type=at_least(1), default=5)
     p.add_argument("--repeat", type=at_least(1), default=10, help="calls per figure (the best is kept)")
     p.add_argument("--stream-mib", type=at_least(64), default=1024, help="size of the stream measure's buffer")
