@@ -216,8 +216,8 @@ def main(s: Settings) -> dict:
         H, KVH, D = shapes[model, dt]
         key = f"{model}/{dt}/{bs}"
         shares = [row[key] / row["stream_gbs"] for row in rounds]
-        item = {"model": model, "dtype": dt, "block_size": bs, "layout": s.layout, "heads": H, "kv_heads": KVH, "head_dim": D,
-                "pool_bytes": case.cache.nbytes,
+        item = {"model": model, "dtype": dt, "block_size": bs, "layout": s.layout, "heads": H, "kv_heads": KVH,
+                "head_dim": D, "pool_bytes": case.cache.nbytes,
                 "kernel_gbs": statistics.median(row[key] for row in rounds),
                 "share_of_stream": statistics.median(shares), "share_range": [min(shares), max(shares)]}
         if s.torch_path:

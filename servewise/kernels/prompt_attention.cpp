@@ -171,8 +171,8 @@ void prompts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     };
     auto item = [&](int64_t it) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1;
-      const int64_t n = lens[b], tiles = (n + kQ - 1) / kQ, r = it - first[b];
-      return Item{b, n, r / tiles, (r % tiles) * kQ, start[b], static_cast<int>(std::min<int64_t>(kQ, n - (r % tiles) * kQ))};
+      const int64_t n = lens[b], tiles = (n + kQ - 1) / kQ, r = it - first[b], i0 = (r % tiles) * kQ;
+      return Item{b, n, r / tiles, i0, start[b], static_cast<int>(std::min<int64_t>(kQ, n - i0))};
     };
     for (int64_t it = cut[t_begin]; it < cut[t_end]; ++it) {
       const auto [b, n, hq, i0, row0, nq] = item(it);
@@ -184,7 +184,8 @@ void prompts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
         const Item nx = item(it + 1);
         for (int l = 0; l < nx.nq; ++l) {
           const char* src = reinterpret_cast<const char*>(qp + (nx.row0 + nx.i0 + l) * qs + nx.hq * D);
-          for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(src + off, 0, 3);
+          for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64)
+            __builtin_prefetch(src + off, 0, 3);
         }
       }
       S.resize((i0 + kQ) * kQ);
