@@ -181,13 +181,14 @@ def same_on_1_and_3_threads(call):
 
 @needs_kernel
 @pytest.mark.parametrize("M", [1, 8, 9, 255, 257, 600])  # a row tile (8 or 4 rows), the rows a pass (256)
-@pytest.mark.parametrize("N,K", [(1, 7), (47, 64), (48, 33), (100, 1), (200, 130)])  # panel widths 48 / 24
+# panels of 48 columns (24 with AVX2), the last of 1, 2 or 3 vectors
+@pytest.mark.parametrize("N,K", [(1, 7), (47, 64), (48, 33), (70, 40), (100, 1), (200, 130)])
 def test_the_fp32_panel_kernel_equals_exact_arithmetic_at_any_thread_count(M, N, K):
     from servewise.models.linear import pack_panels
 
     g = torch.Generator().manual_seed(M * N + K)
     x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
-    panels = pack_panels(w, ext.linear_f32_panel_width())
+    panels = pack_panels(w, ext.linear_f32_panel_width(), ext.linear_f32_lanes())
     want = torch.nn.functional.linear(x.double(), w.double(), b.double())
     got = ext.linear_f32(x, panels, N, b)
     assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
@@ -198,13 +199,13 @@ def test_the_fp32_panel_kernel_equals_exact_arithmetic_at_any_thread_count(M, N,
 
 @pytest.mark.skipif(not hasattr(ext, "linear_bf16_panels"), reason="no bf16 dot products on this CPU")
 @pytest.mark.parametrize("M", [1, 9, 257])
-@pytest.mark.parametrize("N,K", [(1, 8), (47, 64), (100, 130)])
+@pytest.mark.parametrize("N,K", [(1, 8), (47, 64), (70, 40), (100, 130)])
 def test_the_bf16_panel_kernel_rounds_float_sums_at_any_thread_count(M, N, K):
     from servewise.models.linear import pack_panels
 
     g = torch.Generator().manual_seed(M * N + K)
     x, w, b = (torch.randn(*shape, generator=g).bfloat16() for shape in ((M, K), (N, K), (N,)))
-    panels = pack_panels(w, ext.linear_f32_panel_width())
+    panels = pack_panels(w, ext.linear_f32_panel_width(), ext.linear_f32_lanes())
     want = torch.nn.functional.linear(x.double(), w.double(), b.double())
     got = ext.linear_bf16_panels(x, panels, N, b)
     assert got.dtype == torch.bfloat16 and torch.allclose(got.double(), want, atol=1e-2, rtol=8e-3)
@@ -218,7 +219,7 @@ def test_the_fp32_panel_kernel_refuses_what_does_not_match_its_panels():
     from servewise.models.linear import pack_panels
 
     w = torch.randn(50, 16)
-    panels = pack_panels(w, ext.linear_f32_panel_width())
+    panels = pack_panels(w, ext.linear_f32_panel_width(), ext.linear_f32_lanes())
     with pytest.raises(RuntimeError, match="columns"):
         ext.linear_f32(torch.randn(3, 17), panels, 50)
     with pytest.raises(RuntimeError, match="N does not match"):

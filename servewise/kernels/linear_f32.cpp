@@ -1,11 +1,12 @@
 // y = x @ w.T (+ bias) for fp32 weights laid out in column panels, for every row count; and for bf16
 // weights where the CPU has bf16 dot products (AVX512_BF16), the same scheme below.
 //
-// x: [M, K] float (contiguous rows), panels: [P, K, NP] float (w's columns NP at a time, zero-padded:
-// see pack in servewise/models/linear.py), returns [M, N]. oneDNN's GEMM reaches its peak when a weight
-// sits in cache, but a model's weights do not: every decode step reads all of them from memory, and there
-// (llama-200m's layers, 64 rows, 2 threads of an AVX-512 EPYC) it ran at 410 GFLOP/s against 430 in
-// cache and 500 for one weight called again and again. Here each thread takes a run of panels; a panel
+// x: [M, K] float (contiguous rows), panels: [P, K, NP] float (w's columns NP at a time; the last panel's
+// rounded up to whole vectors, its rows that far apart: see pack_panels in servewise/models/linear.py),
+// returns [M, N]. oneDNN's GEMM reaches its peak when a weight sits in cache, but a model's weights do
+// not: every decode step reads all of them from memory, and there (llama-200m's layers, 64 rows, 2
+// threads of an AVX-512 EPYC) it ran at 410 GFLOP/s against 430 in cache and 500 for one weight called
+// again and again. Here each thread takes a run of panels; a panel
 // is multiplied by every row of x, MR rows at a time with their MR x NP sums in registers, and while it
 // is, the thread asks for its next panel (spread evenly over the row tiles), so that the next panel is
 // read from memory while the arithmetic runs. Rows are taken MC at a time (so that a large prefill's rows
@@ -31,13 +32,15 @@
 namespace {
 
 using servewise::kNative, servewise::vn, servewise::load_native;
-// Tiles of 6 rows x 64 columns with AVX-512 (24 sums in registers): against 8 x 48, no padding where the
-// out-features are a multiple of 64 (llama-200m's o and down projections padded 1,024 to 1,056) and
-// llama-200m's offline run (64 x 128 -> 64, 2 threads) 8.49-8.56 -> 8.29-8.39 s, prefill layers 484-511 ->
-// 495-520 GFLOP/s, decode layers level or ahead.
-constexpr int kNV = kNative == 16 ? 4 : 3;  // vectors a panel row
-constexpr int64_t kNP = kNV * kNative;      // columns a panel: 64 with AVX-512, 24 with AVX2
-constexpr int kMR = kNative == 16 ? 6 : 4;  // rows a tile: kMR x kNV sums, plus kNV + 1, fill the registers
+// The last panel holds only the vectors its columns need (its rows closer together; pack_panels in
+// servewise/models/linear.py): llama-200m's o and down projections (1,024 out-features: 21 panels of 48
+// and 16 columns) read and multiply no padding. A pass over llama-200m's layers from memory, 2 threads,
+// padded -> this: 8 rows 16.4 -> 16.1 ms, 64 rows 46.2 -> 44.5, 256 rows 173.8 -> 169.4 (with the
+// broadcast below). Tiles of 6 rows x 64 columns (no padding either) were level from 64 rows (44.7,
+// 166.8), but a step of 7 or 8 rows takes two passes over each panel there: 17.4 ms at 8 rows.
+constexpr int kNV = 3;                    // vectors a panel row
+constexpr int64_t kNP = kNV * kNative;    // columns a panel: 48 with AVX-512, 24 with AVX2
+constexpr int kMR = kNative == 16 ? 8 : 4;  // rows a tile: kMR x kNV sums, plus kNV + 1, fill the registers
 constexpr int64_t kMC = 256;              // rows of x a pass over the panels
 constexpr int64_t kAheadEvery = 4;        // k steps between two requests for the next panel (see tile)
 
@@ -46,10 +49,10 @@ constexpr int64_t kAheadEvery = 4;        // k steps between two requests for th
 // non-temporal hint with requests every 4 steps read fastest of the hints (T0 / T1 / T2 / NTA) and
 // spacings (1, 2, 4, 8 steps) tried: 64 rows of llama-200m's layers, 2 threads, 468-473 GFLOP/s
 // against 434-444 for T1 every 8 steps.
-template <int R>
+template <int R, int NV>  // (a panel of NV vectors a row: kNV but in the last panel)
 void tile(const float* x, int64_t lda, const float* panel, int64_t K, const float* bias, float* y, int64_t ldc,
           int64_t ncols, const char* pf, int64_t pf_bytes) {
-  vn acc[R][kNV] = {};
+  vn acc[R][NV] = {};
   const int64_t steps = std::max<int64_t>(1, K / kAheadEvery);
   const int64_t pf_step = (pf_bytes + steps - 1) / steps;
   int64_t pf_at = 0;
@@ -59,23 +62,23 @@ void tile(const float* x, int64_t lda, const float* panel, int64_t K, const floa
         __builtin_prefetch(pf + pf_at + off, 0, 0);
       pf_at += pf_step;
     }
-    vn b[kNV];
+    vn b[NV];
 #pragma GCC unroll 4
-    for (int j = 0; j < kNV; ++j) b[j] = load_native(panel + k * kNP + j * kNative);
+    for (int j = 0; j < NV; ++j) b[j] = load_native(panel + (k * NV + j) * kNative);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const float a = x[i * lda + k];  // (a float times a vector: one broadcast load; `vn{} + x` was an add and
                                        // a shuffle on the arithmetic pipes: 2,048-row layers 468-486 -> 490-498
-                                       // GFLOP/s, the offline run above 8.71 -> 8.49-8.56 s)
+                                       // GFLOP/s, llama-200m's offline run 8.71 -> 8.49-8.56 s)
 #pragma GCC unroll 4
-      for (int j = 0; j < kNV; ++j) acc[i][j] += a * b[j];
+      for (int j = 0; j < NV; ++j) acc[i][j] += a * b[j];
     }
   }
-  float out[kNP];
+  float out[NV * kNative];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 4
-    for (int j = 0; j < kNV; ++j) std::memcpy(out + j * kNative, &acc[i][j], sizeof(vn));
+    for (int j = 0; j < NV; ++j) std::memcpy(out + j * kNative, &acc[i][j], sizeof(vn));
     if (bias != nullptr)
       for (int64_t c = 0; c < ncols; ++c) out[c] += bias[c];
     std::memcpy(y + i * ldc, out, ncols * sizeof(float));
@@ -85,11 +88,15 @@ void tile(const float* x, int64_t lda, const float* panel, int64_t K, const floa
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t,
                         const char*, int64_t);
 
-template <int... R>
+template <int NV, int... R>
 constexpr std::array<TileFn, sizeof...(R)> tiles_for(std::integer_sequence<int, R...>) {
-  return {tile<R + 1>...};
+  return {tile<R + 1, NV>...};
 }
-constexpr auto kTiles = tiles_for(std::make_integer_sequence<int, kMR>{});  // kTiles[r - 1]: r rows
+// kTiles[nv - 1][r - 1]: r rows of a panel of nv vectors
+constexpr std::array<TileFn, kMR> kTiles[kNV] = {tiles_for<1>(std::make_integer_sequence<int, kMR>{}),
+                                                 tiles_for<2>(std::make_integer_sequence<int, kMR>{}),
+                                                 tiles_for<3>(std::make_integer_sequence<int, kMR>{})};
+static_assert(kNV == 3, "kTiles lists a row of tiles for each panel width");
 
 // Each thread takes a run of panels and multiplies every row of x by each, kMC rows at a time:
 // tile(r, rows, p, ncols, pf, pf_bytes) for rows [r, r + rows) and panel p, asking meanwhile for pf_bytes of
@@ -116,12 +123,12 @@ void over_panels(int64_t M, int64_t N, int64_t P, const char* W, int64_t panel_b
 // bf16: the same panels with the inner dimension in pairs ([P, K / 2, NP, 2]), multiplied by vdpbf16ps
 // (each instruction 16 columns x one pair of k for one row), sums in float, rounded to bf16 at the end
 // (to nearest even, as PyTorch rounds; bias added before).
-template <int R>
+template <int R, int NV>
 void tile_bf16(const c10::BFloat16* x, int64_t lda, const uint16_t* panel, int64_t K2, const c10::BFloat16* bias,
                c10::BFloat16* y, int64_t ldc, int64_t ncols, const char* pf, int64_t pf_bytes) {
-  __m512 acc[R][kNV];
+  __m512 acc[R][NV];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < kNV; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t steps = std::max<int64_t>(1, K2 / (kAheadEvery / 2)), pf_step = (pf_bytes + steps - 1) / steps;
   int64_t pf_at = 0;
   for (int64_t kp = 0; kp < K2; ++kp) {
@@ -130,20 +137,20 @@ void tile_bf16(const c10::BFloat16* x, int64_t lda, const uint16_t* panel, int64
         __builtin_prefetch(pf + pf_at + off, 0, 0);
       pf_at += pf_step;
     }
-    __m512bh b[kNV];
-    for (int j = 0; j < kNV; ++j)
-      b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + (kp * kNP + j * 16) * 2));
+    __m512bh b[NV];
+    for (int j = 0; j < NV; ++j)
+      b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + (kp * NV + j) * 16 * 2));
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       uint32_t pair;
       std::memcpy(&pair, x + i * lda + 2 * kp, sizeof pair);
       const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-      for (int j = 0; j < kNV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
     }
   }
   for (int i = 0; i < R; ++i) {
-    float sums[kNP];
-    for (int j = 0; j < kNV; ++j) _mm512_storeu_ps(sums + 16 * j, acc[i][j]);
+    float sums[NV * 16];
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(sums + 16 * j, acc[i][j]);
     if (bias != nullptr)
       for (int64_t c = 0; c < ncols; ++c) sums[c] += static_cast<float>(bias[c]);
     for (int64_t c = 0; c < ncols; ++c) y[i * ldc + c] = static_cast<c10::BFloat16>(sums[c]);
@@ -153,11 +160,13 @@ void tile_bf16(const c10::BFloat16* x, int64_t lda, const uint16_t* panel, int64
 using TileBf16 = void (*)(const c10::BFloat16*, int64_t, const uint16_t*, int64_t, const c10::BFloat16*,
                           c10::BFloat16*, int64_t, int64_t, const char*, int64_t);
 
-template <int... R>
+template <int NV, int... R>
 constexpr std::array<TileBf16, sizeof...(R)> bf16_tiles_for(std::integer_sequence<int, R...>) {
-  return {tile_bf16<R + 1>...};
+  return {tile_bf16<R + 1, NV>...};
 }
-constexpr auto kTilesBf16 = bf16_tiles_for(std::make_integer_sequence<int, kMR>{});
+constexpr std::array<TileBf16, kMR> kTilesBf16[kNV] = {bf16_tiles_for<1>(std::make_integer_sequence<int, kMR>{}),
+                                                       bf16_tiles_for<2>(std::make_integer_sequence<int, kMR>{}),
+                                                       bf16_tiles_for<3>(std::make_integer_sequence<int, kMR>{})};
 #endif
 
 }  // namespace
@@ -187,7 +196,8 @@ at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int
   c10::BFloat16* Y = y.data_ptr<c10::BFloat16>();
   over_panels(M, N, P, reinterpret_cast<const char*>(W), panel * 2,
               [&](int64_t r, int rows, int64_t p, int64_t ncols, const char* pf, int64_t pf_bytes) {
-                kTilesBf16[rows - 1](X + r * K, K, W + p * panel, K / 2, b ? b + p * kNP : nullptr,
+                kTilesBf16[(ncols + 15) / 16 - 1][rows - 1](X + r * K, K, W + p * panel, K / 2,
+                                                            b ? b + p * kNP : nullptr,
                                      Y + r * N + p * kNP, N, ncols, pf, pf_bytes);
               });
   return y;
@@ -214,10 +224,13 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N, 
   float* Y = y.data_ptr<float>();
   over_panels(M, N, P, reinterpret_cast<const char*>(W), panel * static_cast<int64_t>(sizeof(float)),
               [&](int64_t r, int rows, int64_t p, int64_t ncols, const char* pf, int64_t pf_bytes) {
-                kTiles[rows - 1](X + r * K, K, W + p * panel, K, b ? b + p * kNP : nullptr, Y + r * N + p * kNP, N,
+                kTiles[(ncols + kNative - 1) / kNative - 1][rows - 1](
+                    X + r * K, K, W + p * panel, K, b ? b + p * kNP : nullptr, Y + r * N + p * kNP, N,
                                  ncols, pf, pf_bytes);
               });
   return y;
 }
 
 int64_t linear_f32_panel_width() { return kNP; }
+
+int64_t linear_f32_lanes() { return kNative; }

@@ -456,6 +456,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w);
 // linear_f32.cpp
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N, const std::optional<at::Tensor>& bias);
 int64_t linear_f32_panel_width();
+int64_t linear_f32_lanes();
 #if defined(__AVX512BF16__)
 at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                               const std::optional<at::Tensor>& bias);
@@ -475,6 +476,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32", &linear_f32, "x @ w.T (+ bias), fp32 weights in column panels (CPU)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none());
   m.def("linear_f32_panel_width", &linear_f32_panel_width, "columns a panel of linear_f32's weights holds");
+  m.def("linear_f32_lanes", &linear_f32_lanes, "a panel's columns come in multiples of this (its last panel's too)");
 #if defined(__AVX512BF16__)  // (only where the CPU has bf16 dot products)
   m.def("linear_bf16_panels", &linear_bf16_panels, "x @ w.T (+ bias), bf16 weights in column panels of k pairs (CPU)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none());

@@ -143,16 +143,27 @@ def panels_wanted(weight: torch.Tensor) -> bool:
                                              and weight.shape[1] % 2 == 0)
 
 
-def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
-    """weight [out, in] -> its columns `width` at a time (the last panel zero-padded), as the panel kernel
-    reads them: fp32 [panels, in, width]; bf16 [panels, in / 2, width, 2] (in-features in pairs, one
-    pair a bf16 dot product)."""
+def pack_panels(weight: torch.Tensor, width: int, lanes: int) -> torch.Tensor:
+    """weight [out, in] -> its columns `width` at a time, as the panel kernel reads them: fp32 [panels, in,
+    width]; bf16 [panels, in / 2, width, 2] (in-features in pairs, one pair a bf16 dot product). The last
+    panel holds its columns rounded up to a multiple of `lanes` (zero-padded), its rows that many apart,
+    from the start of its place (the rest of the place is zeros, never read)."""
     n, k = weight.shape
-    padded = weight.new_zeros(-(-n // width) * width, k)
+    panels = -(-n // width)
+    padded = weight.new_zeros(panels * width, k)
     padded[:n] = weight
     if weight.dtype == torch.bfloat16:
-        return padded.view(-1, width, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return padded.view(-1, width, k).transpose(1, 2).contiguous()
+        out = padded.view(-1, width, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    else:
+        out = padded.view(-1, width, k).transpose(1, 2).contiguous()
+    last = -(-(n - (panels - 1) * width) // lanes) * lanes  # the last panel's columns
+    if last < width:
+        cols = padded[(panels - 1) * width:(panels - 1) * width + last]
+        rows = cols.view(last, k // 2, 2).transpose(0, 1) if weight.dtype == torch.bfloat16 else cols.t()
+        rows = rows.flatten().clone()
+        out[-1].zero_()  # (after the copy above: with one in-feature `out` is `padded` itself)
+        out[-1].view(-1)[:rows.numel()] = rows
+    return out
 
 
 class Linear:
@@ -169,7 +180,7 @@ class Linear:
         self.shape = (weight.shape[1], weight.shape[0], weight.dtype)  # in, out, dtype
         if panels and panels_wanted(weight) and not self.upcast:  # (in place of the copies below: twice, not thrice)
             ext = kernels.cpu_ext()
-            self.panels = pack_panels(weight, ext.linear_f32_panel_width())
+            self.panels = pack_panels(weight, ext.linear_f32_panel_width(), ext.linear_f32_lanes())
             self._panel_mm = ext.linear_bf16_panels if weight.dtype == torch.bfloat16 else ext.linear_f32
             transposed = False
         self.weight_t = weight.t().contiguous() if transposed and not self.upcast else None
