@@ -101,8 +101,9 @@ static_assert(kNV == 3, "kTiles lists a row of tiles for each panel width");
 // The rows are taken kMC at a time, and the work of each such block, its (panel, row tile) pairs in panel
 // order, is cut into one run a thread with about equal multiply-adds each: a whole number of panels a
 // thread left the one with the narrow last panel idle for a third of a panel (1,024 out-features: 11 panels
-// against 10 and a third). tile(r, rows, p, ncols, pf, pf_bytes) for rows [r, r + rows) and panel p, asking
-// meanwhile for pf_bytes of the thread's next panel from pf.
+// against 10 and a third; a pass over llama-200m's layers, 2,048 rows, 1,416 -> 1,401 ms, 256 rows 170.8 ->
+// 168.8, level at 8 and 64). tile(r, rows, p, ncols, pf, pf_bytes) for rows [r, r + rows) and panel p,
+// asking meanwhile for pf_bytes of the thread's next panel from pf.
 template <typename Tile>
 void over_panels(int64_t M, int64_t N, int64_t P, const char* W, int64_t panel_bytes, const Tile& tile) {
   const int64_t nv_last = (N - (P - 1) * kNP + kNative - 1) / kNative;  // the last panel's vectors
