@@ -6,10 +6,10 @@
 // returns [M, N]. oneDNN's GEMM reaches its peak when a weight sits in cache, but a model's weights do
 // not: every decode step reads all of them from memory, and there (llama-200m's layers, 64 rows, 2
 // threads of an AVX-512 EPYC) it ran at 410 GFLOP/s against 430 in cache and 500 for one weight called
-// again and again. Here each thread takes a run of panels; a panel
-// is multiplied by every row of x, MR rows at a time with their MR x NP sums in registers, and while it
-// is, the thread asks for its next panel (spread evenly over the row tiles), so that the next panel is
-// read from memory while the arithmetic runs. Rows are taken MC at a time (so that a large prefill's rows
+// again and again. Here each thread takes a run of panels (cut by work: over_panels); a panel is
+// multiplied by every row of x, MR rows at a time with their MR x NP sums in registers, and while it is,
+// the thread asks for its next panel (spread evenly over the row tiles), so that the next panel is read
+// from memory while the arithmetic runs. Rows are taken MC at a time (so that a large prefill's rows
 // stay in cache while the panels pass; 64 to 512 measured level). Sums run over K in order, in float, one
 // output from one thread: the result does not depend on the thread count (it differs from oneDNN's in the
 // last bits).
