@@ -174,14 +174,15 @@ void prompts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
       const int64_t n = lens[b], tiles = (n + kQ - 1) / kQ, r = it - first[b], i0 = (r % tiles) * kQ;
       return Item{b, n, r / tiles, i0, start[b], static_cast<int>(std::min<int64_t>(kQ, n - i0))};
     };
+    Item next = cut[t_begin] < cut[t_end] ? item(cut[t_begin]) : Item{};
     for (int64_t it = cut[t_begin]; it < cut[t_end]; ++it) {
-      const auto [b, n, hq, i0, row0, nq] = item(it);
+      const auto [b, n, hq, i0, row0, nq] = next;
       const int64_t h = hq / G;
       transpose_queries(qp + (row0 + i0) * qs + hq * D, qs, nq, D, fscale, qt.data());
       // The next item's query rows (a prefill's fused projection output is larger than the cache, and
       // reading them when needed cost a third of the time): asked for now, used after this tile.
       if (it + 1 < cut[t_end]) {
-        const Item nx = item(it + 1);
+        const Item& nx = next = item(it + 1);
         for (int l = 0; l < nx.nq; ++l) {
           const char* src = reinterpret_cast<const char*>(qp + (nx.row0 + nx.i0 + l) * qs + nx.hq * D);
           for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64)
