@@ -215,9 +215,9 @@ at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int
   c10::BFloat16* Y = y.data_ptr<c10::BFloat16>();
   over_panels(M, N, P, reinterpret_cast<const char*>(W), panel * 2,
               [&](int64_t r, int rows, int64_t p, int64_t ncols, const char* pf, int64_t pf_bytes) {
-                kTilesBf16[(ncols + 15) / 16 - 1][rows - 1](X + r * K, K, W + p * panel, K / 2,
-                                                            b ? b + p * kNP : nullptr,
-                                     Y + r * N + p * kNP, N, ncols, pf, pf_bytes);
+                kTilesBf16[(ncols + kNative - 1) / kNative - 1][rows - 1](
+                    X + r * K, K, W + p * panel, K / 2, b ? b + p * kNP : nullptr, Y + r * N + p * kNP, N, ncols,
+                    pf, pf_bytes);
               });
   return y;
 }
@@ -244,8 +244,8 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N, 
   over_panels(M, N, P, reinterpret_cast<const char*>(W), panel * static_cast<int64_t>(sizeof(float)),
               [&](int64_t r, int rows, int64_t p, int64_t ncols, const char* pf, int64_t pf_bytes) {
                 kTiles[(ncols + kNative - 1) / kNative - 1][rows - 1](
-                    X + r * K, K, W + p * panel, K, b ? b + p * kNP : nullptr, Y + r * N + p * kNP, N,
-                                 ncols, pf, pf_bytes);
+                    X + r * K, K, W + p * panel, K, b ? b + p * kNP : nullptr, Y + r * N + p * kNP, N, ncols,
+                    pf, pf_bytes);
               });
   return y;
 }
