@@ -111,10 +111,20 @@ constexpr bool kBf16Dots =
 // 1.1-1.3x faster than 64 (8 and 24 within a few points of 16; asking also for the next request's first
 // rows: no gain), and into L1 (prefetcht0) rather than L2 1.0-1.1x in fp32 and 1.1-1.6x in bf16 on
 // llama-200m's shape (docs/notes/speed.md, thirteenth sitting).
+// fp32 rows are also asked for a second time, further ahead and only into L2 (prefetcht2): more rows in
+// flight than the L1's miss buffers hold. On the EPYC, 256 requests, 2 threads, at a 72 GB/s stream: KV
+// read at 54.6 -> 58.7 GB/s (tiny-llama's shape) and 39.4 -> 44.7 (llama-200m's), at 44 GB/s 42.3 -> 44.0
+// and 29.8 -> 34.4; 32, 48 or 64 tokens ahead within a few points, prefetcht1 alike. bf16 is held by its
+// arithmetic there: the extra instructions cost it 3-7%, so it asks once (docs/notes/speed.md, fifteenth
+// sitting).
 constexpr int64_t kAheadTokens = 16, kAheadBytes = 128 << 10;  // (at most 128 KiB of rows in flight)
+constexpr int64_t kFarTokens = 48, kFarBytes = 256 << 10;
+template <typename T>
+constexpr bool kFarAhead = std::is_same_v<T, float>;
 
+template <int kLocality = 3>  // (3: into L1; 1: into L2)
 inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, kLocality);
 }
 
 // One request's share of the inputs.
@@ -255,6 +265,7 @@ void score_keys(const Request<T>& r, float* S) {
     }
   };
   Slots ahead(r.table, r.n, r.block_size, std::max<int64_t>(1, std::min(kAheadTokens, kAheadBytes / (2 * row_bytes))));
+  Slots far(r.table, r.n, r.block_size, std::max<int64_t>(1, std::min(kFarTokens, kFarBytes / (2 * row_bytes))));
   for (int64_t blk = 0, t = 0; t < r.n; ++blk) {
     const int64_t slot0 = r.table[blk] * r.block_size, end = std::min(r.n, t + r.block_size);
     for (int64_t slot = slot0; t < end; ++t, ++slot) {
@@ -263,6 +274,11 @@ void score_keys(const Request<T>& r, float* S) {
         prefetch(r.k + a * r.k_row, row_bytes);
         prefetch(r.v + a * r.v_row, row_bytes);
       }
+      if constexpr (kFarAhead<T>)
+        if (const int64_t a = far.next(); a >= 0) {
+          prefetch<1>(r.k + a * r.k_row, row_bytes);
+          prefetch<1>(r.v + a * r.v_row, row_bytes);
+        }
       for (int64_t h = 0; h < r.KVH; ++h) {
         if constexpr (kBf16Dots<T, NC>) {
 #if defined(__AVX512BF16__)
