@@ -115,7 +115,7 @@ constexpr bool kBf16Dots =
 // flight than the L1's miss buffers hold. On the EPYC, 256 requests, 2 threads, at a 72 GB/s stream: KV
 // read at 54.6 -> 58.7 GB/s (tiny-llama's shape) and 39.4 -> 44.7 (llama-200m's), at 44 GB/s 42.3 -> 44.0
 // and 29.8 -> 34.4; 32, 48 or 64 tokens ahead within a few points, prefetcht1 alike. bf16 is held by its
-// arithmetic there: the extra instructions cost it 3-7%, so it asks once (docs/notes/speed.md, fifteenth
+// arithmetic there: the extra instructions cost it up to 7%, so it asks once (docs/notes/speed.md, fifteenth
 // sitting).
 constexpr int64_t kAheadTokens = 16, kAheadBytes = 128 << 10;  // (at most 128 KiB of rows in flight)
 constexpr int64_t kFarTokens = 48, kFarBytes = 256 << 10;
