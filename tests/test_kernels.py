@@ -42,7 +42,8 @@ def decode_case(B, H, KVH, D, bs, lens, dtype, seed=0):
 @pytest.mark.parametrize("B,H,KVH,D,bs,lens", [(5, 4, 2, 64, 16, [1, 15, 16, 17, 100]), (3, 8, 8, 32, 8, [3, 64, 9]),
                                                (2, 6, 1, 128, 16, [200, 31]), (3, 4, 2, 40, 16, [90, 1, 33]),
                                                (4, 12, 4, 96, 32, [300, 7, 64, 129]),
-                                               (3, 16, 4, 64, 16, [5, 48, 257]), (2, 32, 4, 128, 16, [17, 70])])
+                                               (3, 16, 4, 64, 16, [5, 48, 257]), (2, 32, 4, 128, 16, [17, 70]),
+                                               (2, 28, 4, 128, 16, [40, 9]), (2, 10, 2, 32, 16, [65, 3])])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_equals_the_pytorch_path(B, H, KVH, D, bs, lens, dtype):
     cache, q, k, meta = decode_case(B, H, KVH, D, bs, lens, dtype)

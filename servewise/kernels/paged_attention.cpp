@@ -351,6 +351,17 @@ void weigh_values(const Request<T>& r, int64_t h, int64_t hq0, const float* P, c
   }
 }
 
+// The last `rest` (at most GN) query heads of a KV head's group in one pass, not one pass each: groups of 2
+// (tiny-llama), 6 or 7 (Qwen2.5) read their values once or twice, not 2, 3 or 4 times. 256 requests from memory,
+// side by side: tiny-llama's shape 1.06-1.08x, (14 / 2 / 64) 1.06-1.12x, Qwen2.5-7B's 1.04-1.05x.
+template <typename T, int NC, int GN>
+void weigh_rest(const Request<T>& r, int64_t h, int64_t hq, int64_t rest, const float* P, const float* inv, T* out) {
+  if constexpr (GN > 0) {
+    if (rest == GN) weigh_values<T, NC, GN>(r, h, hq, P, inv, out);
+    else weigh_rest<T, NC, GN - 1>(r, h, hq, rest, P, inv, out);
+  }
+}
+
 // Head dims that are a multiple of 16: scores, softmax, values (up to four query heads a pass).
 template <typename T, int NC>
 void decode_request(const Request<T>& r, std::vector<float>& scores, std::vector<float>& inv, T* out) {
@@ -362,7 +373,7 @@ void decode_request(const Request<T>& r, std::vector<float>& scores, std::vector
     int64_t hq = h * G;
     for (; hq + kValueHeads <= (h + 1) * G; hq += kValueHeads)
       weigh_values<T, NC, kValueHeads>(r, h, hq, scores.data(), inv.data(), out);
-    for (; hq < (h + 1) * G; ++hq) weigh_values<T, NC, 1>(r, h, hq, scores.data(), inv.data(), out);
+    weigh_rest<T, NC, kValueHeads - 1>(r, h, hq, (h + 1) * G - hq, scores.data(), inv.data(), out);
   }
 }
 
