@@ -316,25 +316,28 @@ void score_keys(const Request<T>& r, float* S) {
   }
 }
 
-// The values of KV head h weighted by the probabilities P of its query heads hq0 .. hq0 + GN - 1, the
-// accumulators in registers, written to out normalized by the softmax sums.
-template <typename T, int NC, int GN>
+// The values of KV heads h .. h + KH - 1 weighted by the probabilities P of query heads hq0 .. hq0 + GN - 1
+// (GN / KH of each KV head), the accumulators in registers, written to out normalized by the softmax sums.
+template <typename T, int NC, int GN, int KH = 1>
 void weigh_values(const Request<T>& r, int64_t h, int64_t hq0, const float* P, const float* inv, T* out) {
   constexpr int64_t D = NC * kLanes;
-  constexpr int NN = D / kNative;
+  constexpr int NN = D / kNative, GK = GN / KH;
+  static_assert(GN % KH == 0, "as many query heads of each KV head");
   vn acc[GN][NN] = {};
   for (int64_t blk = 0, t = 0; t < r.n; ++blk) {
     const int64_t slot0 = r.table[blk] * r.block_size, end = std::min(r.n, t + r.block_size);
     for (int64_t slot = slot0; t < end; ++t, ++slot) {
       const T* v = r.v + slot * r.v_row + h * D;
-      vn vv[NN];
+      vn vv[KH][NN];
 #pragma GCC unroll 16
-      for (int c = 0; c < NN; ++c) vv[c] = load_native(v + c * kNative);
+      for (int k = 0; k < KH; ++k)
+#pragma GCC unroll 16
+        for (int c = 0; c < NN; ++c) vv[k][c] = load_native(v + k * D + c * kNative);
 #pragma GCC unroll 16
       for (int g = 0; g < GN; ++g) {
         const float p = P[t * r.H + hq0 + g];
 #pragma GCC unroll 16
-        for (int c = 0; c < NN; ++c) acc[g][c] += p * vv[c];
+        for (int c = 0; c < NN; ++c) acc[g][c] += p * vv[g / GK][c];
       }
     }
   }
@@ -369,7 +372,17 @@ void decode_request(const Request<T>& r, std::vector<float>& scores, std::vector
   scores.resize(r.H * r.n);
   score_keys<T, NC>(r, scores.data());
   softmax_columns(scores.data(), r.n, r.H, inv.data());
-  for (int64_t h = 0; h < r.KVH; ++h) {
+  // Groups of one or two query heads: several KV heads' values a pass (up to 16 accumulators), their rows read
+  // whole. 256 requests from memory, side by side: tiny-llama's shape 1.07-1.08x fp32 and 0.97-1.01x bf16, 12
+  // heads of 64 without grouping 1.05-1.11x fp32 and 1.12-1.22x bf16.
+  int64_t h0 = 0;
+  if constexpr (kValueHeads == 4 && NC * kLanes <= 64) {
+    if (G == 2 && r.KVH % 2 == 0)
+      for (; h0 < r.KVH; h0 += 2) weigh_values<T, NC, 4, 2>(r, h0, h0 * 2, scores.data(), inv.data(), out);
+    if (G == 1 && r.KVH % 4 == 0)
+      for (; h0 < r.KVH; h0 += 4) weigh_values<T, NC, 4, 4>(r, h0, h0, scores.data(), inv.data(), out);
+  }
+  for (int64_t h = h0; h < r.KVH; ++h) {
     int64_t hq = h * G;
     for (; hq + kValueHeads <= (h + 1) * G; hq += kValueHeads)
       weigh_values<T, NC, kValueHeads>(r, h, hq, scores.data(), inv.data(), out);
