@@ -354,8 +354,8 @@ void weigh_values(const Request<T>& r, int64_t h, int64_t hq0, const float* P, c
   }
 }
 
-// The last `rest` (at most GN) query heads of a KV head's group in one pass, not one pass each: groups of 2
-// (tiny-llama), 6 or 7 (Qwen2.5) read their values once or twice, not 2, 3 or 4 times. 256 requests from memory,
+// The last `rest` (at most GN) query heads of a KV head's group in one pass, not one pass each: groups of 2,
+// 6 or 7 (Qwen2.5's) read their values once or twice, not 2, 3 or 4 times. 256 requests from memory,
 // side by side: tiny-llama's shape 1.06-1.08x, (14 / 2 / 64) 1.06-1.12x, Qwen2.5-7B's 1.04-1.05x.
 template <typename T, int NC, int GN>
 void weigh_rest(const Request<T>& r, int64_t h, int64_t hq, int64_t rest, const float* P, const float* inv, T* out) {
@@ -365,7 +365,7 @@ void weigh_rest(const Request<T>& r, int64_t h, int64_t hq, int64_t rest, const 
   }
 }
 
-// Head dims that are a multiple of 16: scores, softmax, values (up to four query heads a pass).
+// Head dims that are a multiple of 16: scores, softmax, values (up to eight query heads a pass).
 template <typename T, int NC>
 void decode_request(const Request<T>& r, std::vector<float>& scores, std::vector<float>& inv, T* out) {
   const int64_t G = r.H / r.KVH;
