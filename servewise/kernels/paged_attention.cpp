@@ -365,21 +365,19 @@ void weigh_rest(const Request<T>& r, int64_t h, int64_t hq, int64_t rest, const 
   }
 }
 
-// Head dims that are a multiple of 16: scores, softmax, values (up to eight query heads a pass).
+// Head dims that are a multiple of 16: scores, softmax, values (up to four query heads a pass).
 template <typename T, int NC>
 void decode_request(const Request<T>& r, std::vector<float>& scores, std::vector<float>& inv, T* out) {
   const int64_t G = r.H / r.KVH;
   scores.resize(r.H * r.n);
   score_keys<T, NC>(r, scores.data());
   softmax_columns(scores.data(), r.n, r.H, inv.data());
-  // Groups of one, two or four query heads: two or four KV heads' values a pass (16 or 32 accumulators, head dims
-  // up to 64), their rows read whole. 256 requests from memory, side by side: tiny-llama's shape 1.07-1.08x fp32
-  // and 0.97-1.01x bf16; 12 heads of 64 without grouping 1.05-1.11x and 1.12-1.22x; llama-200m's (groups of four)
-  // 1.0x and 1.05-1.06x; 32 heads over 8 of 64, 1.05x and 1.06x.
+  // Groups of one or two query heads: four or two KV heads' values a pass (16 accumulators, head dims up to 64),
+  // their rows read whole. 256 requests from memory, side by side: tiny-llama's shape 1.07-1.08x fp32 and
+  // 0.97-1.01x bf16; 12 heads of 64 without grouping 1.05-1.11x and 1.12-1.22x. (Groups of four over two KV heads,
+  // 32 accumulators: level, 0.97-1.05x.)
   int64_t h0 = 0;
   if constexpr (kValueHeads == 4 && NC * kLanes <= 64) {
-    if (G == 4 && r.KVH % 2 == 0)
-      for (; h0 < r.KVH; h0 += 2) weigh_values<T, NC, 8, 2>(r, h0, h0 * 4, scores.data(), inv.data(), out);
     if (G == 2 && r.KVH % 2 == 0)
       for (; h0 < r.KVH; h0 += 2) weigh_values<T, NC, 4, 2>(r, h0, h0 * 2, scores.data(), inv.data(), out);
     if (G == 1 && r.KVH % 4 == 0)
