@@ -139,6 +139,13 @@ struct Request {
   int64_t n;  // context tokens
 };
 
+// The key and value rows of one slot, asked for (kLocality as in prefetch).
+template <int kLocality, typename T>
+inline void prefetch_rows(const Request<T>& r, int64_t slot, int64_t bytes) {
+  prefetch<kLocality>(r.k + slot * r.k_row, bytes);
+  prefetch<kLocality>(r.v + slot * r.v_row, bytes);
+}
+
 // The slots of a request's tokens from `from` on, in order, following its block table.
 struct Slots {
   const int64_t* table;
@@ -264,21 +271,17 @@ void score_keys(const Request<T>& r, float* S) {
       np = 0;
     }
   };
-  Slots ahead(r.table, r.n, r.block_size, std::max<int64_t>(1, std::min(kAheadTokens, kAheadBytes / (2 * row_bytes))));
-  Slots far(r.table, r.n, r.block_size, std::max<int64_t>(1, std::min(kFarTokens, kFarBytes / (2 * row_bytes))));
+  auto ahead_by = [&](int64_t tokens, int64_t bytes) {  // `tokens` ahead, at most `bytes` of rows in flight
+    return Slots(r.table, r.n, r.block_size, std::max<int64_t>(1, std::min(tokens, bytes / (2 * row_bytes))));
+  };
+  Slots ahead = ahead_by(kAheadTokens, kAheadBytes), far = ahead_by(kFarTokens, kFarBytes);
   for (int64_t blk = 0, t = 0; t < r.n; ++blk) {
     const int64_t slot0 = r.table[blk] * r.block_size, end = std::min(r.n, t + r.block_size);
     for (int64_t slot = slot0; t < end; ++t, ++slot) {
       const T* krow = r.k + slot * r.k_row;
-      if (const int64_t a = ahead.next(); a >= 0) {
-        prefetch(r.k + a * r.k_row, row_bytes);
-        prefetch(r.v + a * r.v_row, row_bytes);
-      }
+      if (const int64_t a = ahead.next(); a >= 0) prefetch_rows<3>(r, a, row_bytes);
       if constexpr (kFarAhead<T>)
-        if (const int64_t a = far.next(); a >= 0) {
-          prefetch<1>(r.k + a * r.k_row, row_bytes);
-          prefetch<1>(r.v + a * r.v_row, row_bytes);
-        }
+        if (const int64_t a = far.next(); a >= 0) prefetch_rows<1>(r, a, row_bytes);
       for (int64_t h = 0; h < r.KVH; ++h) {
         if constexpr (kBf16Dots<T, NC>) {
 #if defined(__AVX512BF16__)
