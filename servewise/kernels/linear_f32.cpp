@@ -102,8 +102,8 @@ static_assert(kNV == 3, "kTiles lists a row of tiles for each panel width");
 // order, is cut into one run a thread with about equal multiply-adds each: a whole number of panels a
 // thread left the one with the narrow last panel idle for a third of a panel (1,024 out-features: 11 panels
 // against 10 and a third; a pass over llama-200m's layers, 2,048 rows, 1,416 -> 1,401 ms, 256 rows 170.8 ->
-// 168.8, level at 8 and 64). tile(r, rows, p, ncols, pf, pf_bytes) for rows [r, r + rows) and panel p,
-// asking meanwhile for pf_bytes of the thread's next panel from pf.
+// 168.8, level at 8 and 64). tile(r, rows, p, nv, ncols, pf, pf_bytes) for rows [r, r + rows) and panel p
+// (of nv vectors a row), asking meanwhile for pf_bytes of the thread's next panel from pf.
 template <typename Tile>
 void over_panels(int64_t M, int64_t N, int64_t P, const char* W, int64_t panel_bytes, const Tile& tile) {
   const int64_t nv_last = (N - (P - 1) * kNP + kNative - 1) / kNative;  // the last panel's vectors
@@ -127,9 +127,10 @@ void over_panels(int64_t M, int64_t N, int64_t P, const char* W, int64_t panel_b
         const int64_t q = p < (u1 - 1) / tiles ? p + 1 : (m1 < M ? u0 / tiles : -1);
         const char* next = q < 0 ? nullptr : W + q * panel_bytes;
         const int64_t share = panel_bytes / (tb - ta), ncols = std::min(kNP, N - p * kNP);
+        const int nv = static_cast<int>(p + 1 < P ? kNV : nv_last);
         for (int64_t t = ta; t < tb; ++t) {
           const int64_t r = m0 + t * kMR;
-          tile(r, static_cast<int>(std::min<int64_t>(kMR, m1 - r)), p, ncols,
+          tile(r, static_cast<int>(std::min<int64_t>(kMR, m1 - r)), p, nv, ncols,
                next ? next + (t - ta) * share : nullptr, share);
         }
         u += tb - ta;
@@ -214,8 +215,8 @@ at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int
   const c10::BFloat16* b = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* Y = y.data_ptr<c10::BFloat16>();
   over_panels(M, N, P, reinterpret_cast<const char*>(W), panel * 2,
-              [&](int64_t r, int rows, int64_t p, int64_t ncols, const char* pf, int64_t pf_bytes) {
-                kTilesBf16[(ncols + kNative - 1) / kNative - 1][rows - 1](
+              [&](int64_t r, int rows, int64_t p, int nv, int64_t ncols, const char* pf, int64_t pf_bytes) {
+                kTilesBf16[nv - 1][rows - 1](
                     X + r * K, K, W + p * panel, K / 2, b ? b + p * kNP : nullptr, Y + r * N + p * kNP, N, ncols,
                     pf, pf_bytes);
               });
@@ -242,8 +243,8 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N, 
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
   over_panels(M, N, P, reinterpret_cast<const char*>(W), panel * static_cast<int64_t>(sizeof(float)),
-              [&](int64_t r, int rows, int64_t p, int64_t ncols, const char* pf, int64_t pf_bytes) {
-                kTiles[(ncols + kNative - 1) / kNative - 1][rows - 1](
+              [&](int64_t r, int rows, int64_t p, int nv, int64_t ncols, const char* pf, int64_t pf_bytes) {
+                kTiles[nv - 1][rows - 1](
                     X + r * K, K, W + p * panel, K, b ? b + p * kNP : nullptr, Y + r * N + p * kNP, N, ncols,
                     pf, pf_bytes);
               });
