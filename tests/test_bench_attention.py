@@ -27,13 +27,17 @@ def test_the_bench_measures_each_shape_and_dtype_and_saves_what_it_printed(tmp_p
     for m, d in shapes:  # the same requests in fewer, larger blocks: a pool of the same tokens, give or take a block each
         small, large = cases[m, d, 16]["pool_bytes"], cases[m, d, 64]["pool_bytes"]
         assert small < large <= small * 2.5
-    assert all(len(row) == 1 + len(cases) * 2 + len(shapes) * 2 for row in saved["rounds"])
+    assert all(len(row) == 1 + len(cases) * 3 + len(shapes) * 2 for row in saved["rounds"])
     for x in saved["summary"]:
-        assert x["kernel_gbs"] > 0 and x["torch_gbs"] > 0
+        assert x["kernel_gbs"] > 0 and x["torch_gbs"] > 0 and x["read_gbs"] > 0
         lo, hi = x["share_range"]
         assert lo <= x["share_of_stream"] <= hi
+        lo, hi = x["share_of_read_range"]
+        assert lo <= x["share_of_read"] <= hi
         assert f"| {x['model']} ({x['heads']} / {x['kv_heads']} / {x['head_dim']}) | {x['dtype']} | " \
                f"{x['block_size']} | {x['kernel_gbs']:.1f} |" in printed
+        assert f"| {x['read_gbs']:.1f} | {x['read_share_of_stream'] * 100:.0f}% | {x['share_of_read'] * 100:.0f}% (" \
+            in printed
         assert x["pool_bytes"] > 0
     prompts = {(x["model"], x["dtype"]): x for x in saved["prompts"]}
     assert set(prompts) == set(shapes) and saved["settings"]["prompts"] == [3, 40]

@@ -54,6 +54,22 @@ def test_kernel_equals_the_pytorch_path(B, H, KVH, D, bs, lens, dtype):
     assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+
+@needs_kernel
+@pytest.mark.parametrize("H,KVH,D,lens", [(4, 2, 64, [1, 15, 16, 17, 100]), (4, 2, 40, [90, 1, 33]),
+                                          (16, 4, 64, [5, 48, 257])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_read_only_walk_reads_each_requests_rows_once(H, KVH, D, lens, dtype):
+    # (the bench's ceiling for the decode kernel: it must read exactly the rows the kernel reads)
+    cache, _, _, meta = decode_case(len(lens), H, KVH, D, 16, lens, dtype)
+    got = ext.paged_read_rows(cache[0], cache[1], meta.block_tables, meta.context_lens, 16)
+    for b, n in enumerate(lens):
+        slots = meta.block_tables[b, torch.arange(n) // 16] * 16 + torch.arange(n) % 16
+        rows = cache[:, slots].double()
+        assert got[b].item() == pytest.approx(rows.sum().item(), abs=1e-4 * rows.abs().sum().item())
+    with pytest.raises(RuntimeError, match="int64"):
+        ext.paged_read_rows(cache[0], cache[1], meta.block_tables.int(), meta.context_lens, 16)
+
 def prompt_case(H, KVH, D, lens, dtype, seed=0):
     """q, k, v of whole prompts as the model hands them over: views of one fused projection's output."""
     g = torch.Generator().manual_seed(seed)

@@ -9,6 +9,10 @@ how fast the machine streams memory. Per round this measures, with the same torc
   case), or placed as the engine's block manager hands them out on a fresh offline run ("engine": each
   prompt's blocks in one run, the last `ENGINE_DECODE_TOKENS` tokens' blocks taken in turn, a step at a
   time); KV bytes read / time = GB/s;
+- the same rows read alone (`paged_read_rows`: the kernel's work items, each token's key and value rows
+  together, no arithmetic but a sum): what the memory gives this access pattern, the kernel's ceiling.
+  The kernel's share of it is what its arithmetic costs; this read's share of the stream is what the
+  scattered rows cost;
 - optionally the PyTorch path (gather the blocks, SDPA) on the same inputs;
 - with `prompts` (B, L): prefill attention of B prompts of L tokens each on each shape and dtype, the
   compiled prompt kernel (`prompt_attention.cpp`) against the PyTorch path (SDPA), both through the
@@ -130,6 +134,9 @@ class Case:
         return lambda: ext.paged_decode_attention(self.q, self.cache[0], self.cache[1], self.tables, self.lens,
                                                   self.meta.block_size, self.scale)
 
+    def read_only(self, ext):
+        return lambda: ext.paged_read_rows(self.cache[0], self.cache[1], self.tables, self.lens, self.meta.block_size)
+
     def torch_path(self):  # (it writes each request's newest key and value back where they are)
         from servewise.models.attention import paged_attention
 
@@ -201,6 +208,7 @@ def main(s: Settings) -> dict:
         row = {"stream_gbs": stream_gbs(buf, s.repeat)}
         for (model, dt, bs), case in cases.items():
             row[f"{model}/{dt}/{bs}"] = case.kv_bytes / _best(case.kernel(ext), s.repeat) / 1e9
+            row[f"{model}/{dt}/{bs}/read"] = case.kv_bytes / _best(case.read_only(ext), s.repeat) / 1e9
             if s.torch_path:
                 row[f"{model}/{dt}/{bs}/torch"] = case.kv_bytes / _best(case.torch_path(), max(2, s.repeat // 3)) / 1e9
         for (model, dt), pc in prompt_cases.items():  # GFLOP/s
@@ -209,24 +217,31 @@ def main(s: Settings) -> dict:
         rounds.append(row)
         print(f"round {r + 1}/{s.rounds}: stream {row['stream_gbs']:.1f} GB/s; " + ", ".join(
             f"{k} {v:.1f}" for k, v in row.items() if k != "stream_gbs"), flush=True)
-    print("\n| shape (H / KVH / D) | dtype | block | kernel GB/s | share of stream | PyTorch path GB/s |\n"
-          "|---|---|---:|---:|---:|---:|")
+    print("\n| shape (H / KVH / D) | dtype | block | kernel GB/s | share of stream | rows read alone GB/s | "
+          "their share of stream | kernel / rows alone | PyTorch path GB/s |\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
     summary = []
     for (model, dt, bs), case in cases.items():
         H, KVH, D = shapes[model, dt]
         key = f"{model}/{dt}/{bs}"
         shares = [row[key] / row["stream_gbs"] for row in rounds]
+        read_shares = [row[key + "/read"] / row["stream_gbs"] for row in rounds]
+        of_read = [row[key] / row[key + "/read"] for row in rounds]
         item = {"model": model, "dtype": dt, "block_size": bs, "layout": s.layout, "heads": H, "kv_heads": KVH,
                 "head_dim": D, "pool_bytes": case.cache.nbytes,
                 "kernel_gbs": statistics.median(row[key] for row in rounds),
-                "share_of_stream": statistics.median(shares), "share_range": [min(shares), max(shares)]}
+                "share_of_stream": statistics.median(shares), "share_range": [min(shares), max(shares)],
+                "read_gbs": statistics.median(row[key + "/read"] for row in rounds),
+                "read_share_of_stream": statistics.median(read_shares),
+                "share_of_read": statistics.median(of_read), "share_of_read_range": [min(of_read), max(of_read)]}
         if s.torch_path:
             item["torch_gbs"] = statistics.median(row[key + "/torch"] for row in rounds)
         summary.append(item)
         torch_col = f"{item['torch_gbs']:.1f}" if s.torch_path else "-"
         print(f"| {model} ({H} / {KVH} / {D}) | {dt} | {bs} | {item['kernel_gbs']:.1f} | "
               f"{item['share_of_stream'] * 100:.0f}% "
-              f"({min(shares) * 100:.0f}-{max(shares) * 100:.0f}%) | {torch_col} |")
+              f"({min(shares) * 100:.0f}-{max(shares) * 100:.0f}%) | {item['read_gbs']:.1f} | "
+              f"{item['read_share_of_stream'] * 100:.0f}% | {item['share_of_read'] * 100:.0f}% "
+              f"({min(of_read) * 100:.0f}-{max(of_read) * 100:.0f}%) | {torch_col} |")
     stream = statistics.median(row["stream_gbs"] for row in rounds)
     print(f"stream (median of rounds): {stream:.1f} GB/s; medians over {s.rounds} rounds, shares taken round by round")
     prompts = []
