@@ -46,8 +46,9 @@ def test_the_bench_measures_each_shape_and_dtype_and_saves_what_it_printed(tmp_p
         assert x["kernel_gflops"] > 0 and x["torch_gflops"] > 0 and lo <= x["speedup"] <= hi
         assert f"| {x['model']} ({x['heads']} / {x['kv_heads']} / {x['head_dim']}) | {x['dtype']} | " \
                f"{x['kernel_gflops']:.0f} | {x['torch_gflops']:.0f} |" in printed
-    if saved["last_level_cache_bytes"]:  # these small pools fit in any last-level cache: said so
-        assert saved["last_level_cache_bytes"] > 2**20 and "warning: tiny-llama/float32/16: its KV pool" in printed
+    # (the cache flushed before each call: these pools smaller than it are not read from it call after call)
+    assert saved["settings"]["flush"] and "the last-level cache flushed before each decode call" in printed
+    assert "warning" not in printed
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -89,8 +90,11 @@ def test_the_engine_layout_is_measured_and_said(tmp_path, capsys):
     out = tmp_path / "a.json"
     main(["bench", "attention", "--models", "tiny-llama", "--dtypes", "float32", "--batch", "4", "--context",
           "70-90", "--rounds", "1", "--repeat", "1", "--stream-mib", "64", "--prompts", "none", "--no-torch-path",
-          "--layout", "engine", "--out", str(out)])
+          "--layout", "engine", "--no-flush", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["settings"]["layout"] == "engine" and [x["layout"] for x in saved["summary"]] == ["engine"]
     assert saved["summary"][0]["kernel_gbs"] > 0
-    assert "placed as the engine's block manager places them" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "placed as the engine's block manager places them" in printed and "caches not flushed" in printed
+    if saved["last_level_cache_bytes"]:  # a small pool that fits in any last-level cache, not flushed: said so
+        assert saved["last_level_cache_bytes"] > 2**20 and "warning: tiny-llama/float32/16: its KV pool" in printed

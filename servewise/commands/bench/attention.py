@@ -65,6 +65,10 @@ def arguments(p) -> None:
     p.add_argument("--stream-mib", type=at_least(64), default=1024, help="size of the stream measure's buffer")
     p.add_argument("--torch-path", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the PyTorch path (gather + SDPA) on the same inputs")
+    p.add_argument("--flush", action=argparse.BooleanOptionalAction, default=True,
+                   help="read a buffer of four times the last-level cache before each timed decode call, as the "
+                        "other layers' KV and weights do in a serving step (--no-flush: the pool may sit partly in "
+                        "the cache from the call before)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts", type=_prompts, default=(32, 128),
                    help="also time prefill attention on PROMPTSxTOKENS (the prompt kernel against SDPA); none: not")
