@@ -116,9 +116,12 @@ constexpr bool kBf16Dots =
 // read at 54.6 -> 58.7 GB/s (tiny-llama's shape) and 39.4 -> 44.7 (llama-200m's), at 44 GB/s 42.3 -> 44.0
 // and 29.8 -> 34.4; 32, 48 or 64 tokens ahead within a few points, prefetcht1 alike. bf16 is held by its
 // arithmetic there: the extra instructions cost it up to 7%, so it asks once (docs/notes/speed.md, fifteenth
-// sitting).
+// sitting). With the last-level cache flushed before each call (as a serving step finds it), 32 tokens and
+// the value pass's own asks (weigh_values) together: llama-200m fp32 36.7 -> 38.2 GB/s at a 49 GB/s stream,
+// the other cases 0-2% (sixteenth sitting).
 constexpr int64_t kAheadTokens = 16, kAheadBytes = 128 << 10;  // (at most 128 KiB of rows in flight)
-constexpr int64_t kFarTokens = 48, kFarBytes = 256 << 10;
+constexpr int64_t kFarTokens = 32, kFarBytes = 256 << 10;
+constexpr int64_t kValueAhead = 8;  // (see weigh_values)
 template <typename T>
 constexpr bool kFarAhead = std::is_same_v<T, float>;
 
@@ -321,16 +324,21 @@ void score_keys(const Request<T>& r, float* S) {
 
 // The values of KV heads h .. h + KH - 1 weighted by the probabilities P of query heads hq0 .. hq0 + GN - 1
 // (GN / KH of each KV head), the accumulators in registers, written to out normalized by the softmax sums.
+// `ask`: the request's first pass over its values, which asks for each value row again kValueAhead tokens
+// ahead: the key pass asked for them, but not all are still in L2 when the values are weighed.
 template <typename T, int NC, int GN, int KH = 1>
-void weigh_values(const Request<T>& r, int64_t h, int64_t hq0, const float* P, const float* inv, T* out) {
+void weigh_values(const Request<T>& r, int64_t h, int64_t hq0, const float* P, const float* inv, T* out, bool ask) {
   constexpr int64_t D = NC * kLanes;
   constexpr int NN = D / kNative, GK = GN / KH;
   static_assert(GN % KH == 0, "as many query heads of each KV head");
+  Slots ahead(r.table, ask ? r.n : 0, r.block_size, kValueAhead);
+  const int64_t row_bytes = r.KVH * D * sizeof(T);
   vn acc[GN][NN] = {};
   for (int64_t blk = 0, t = 0; t < r.n; ++blk) {
     const int64_t slot0 = r.table[blk] * r.block_size, end = std::min(r.n, t + r.block_size);
     for (int64_t slot = slot0; t < end; ++t, ++slot) {
       const T* v = r.v + slot * r.v_row + h * D;
+      if (const int64_t a = ahead.next(); a >= 0) prefetch(r.v + a * r.v_row, row_bytes);
       vn vv[KH][NN];
 #pragma GCC unroll 16
       for (int k = 0; k < KH; ++k)
@@ -361,10 +369,11 @@ void weigh_values(const Request<T>& r, int64_t h, int64_t hq0, const float* P, c
 // 6 or 7 (Qwen2.5's) read their values once or twice, not 2, 3 or 4 times. 256 requests from memory,
 // side by side: tiny-llama's shape 1.06-1.08x, (14 / 2 / 64) 1.06-1.12x, Qwen2.5-7B's 1.04-1.05x.
 template <typename T, int NC, int GN>
-void weigh_rest(const Request<T>& r, int64_t h, int64_t hq, int64_t rest, const float* P, const float* inv, T* out) {
+void weigh_rest(const Request<T>& r, int64_t h, int64_t hq, int64_t rest, const float* P, const float* inv, T* out,
+                bool ask) {
   if constexpr (GN > 0) {
-    if (rest == GN) weigh_values<T, NC, GN>(r, h, hq, P, inv, out);
-    else weigh_rest<T, NC, GN - 1>(r, h, hq, rest, P, inv, out);
+    if (rest == GN) weigh_values<T, NC, GN>(r, h, hq, P, inv, out, ask);
+    else weigh_rest<T, NC, GN - 1>(r, h, hq, rest, P, inv, out, ask);
   }
 }
 
@@ -382,15 +391,15 @@ void decode_request(const Request<T>& r, std::vector<float>& scores, std::vector
   int64_t h0 = 0;
   if constexpr (kValueHeads == 4 && NC * kLanes <= 64) {
     if (G == 2 && r.KVH % 2 == 0)
-      for (; h0 < r.KVH; h0 += 2) weigh_values<T, NC, 4, 2>(r, h0, h0 * 2, scores.data(), inv.data(), out);
+      for (; h0 < r.KVH; h0 += 2) weigh_values<T, NC, 4, 2>(r, h0, h0 * 2, scores.data(), inv.data(), out, h0 == 0);
     if (G == 1 && r.KVH % 4 == 0)
-      for (; h0 < r.KVH; h0 += 4) weigh_values<T, NC, 4, 4>(r, h0, h0, scores.data(), inv.data(), out);
+      for (; h0 < r.KVH; h0 += 4) weigh_values<T, NC, 4, 4>(r, h0, h0, scores.data(), inv.data(), out, h0 == 0);
   }
   for (int64_t h = h0; h < r.KVH; ++h) {
     int64_t hq = h * G;
     for (; hq + kValueHeads <= (h + 1) * G; hq += kValueHeads)
-      weigh_values<T, NC, kValueHeads>(r, h, hq, scores.data(), inv.data(), out);
-    weigh_rest<T, NC, kValueHeads - 1>(r, h, hq, (h + 1) * G - hq, scores.data(), inv.data(), out);
+      weigh_values<T, NC, kValueHeads>(r, h, hq, scores.data(), inv.data(), out, hq == h0 * G);
+    weigh_rest<T, NC, kValueHeads - 1>(r, h, hq, (h + 1) * G - hq, scores.data(), inv.data(), out, hq == h0 * G);
   }
 }
 
