@@ -54,7 +54,6 @@ def test_kernel_equals_the_pytorch_path(B, H, KVH, D, bs, lens, dtype):
     assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
-
 @needs_kernel
 @pytest.mark.parametrize("H,KVH,D,lens", [(4, 2, 64, [1, 15, 16, 17, 100]), (4, 2, 40, [90, 1, 33]),
                                           (16, 4, 64, [5, 48, 257])])
@@ -69,6 +68,7 @@ def test_the_read_only_walk_reads_each_requests_rows_once(H, KVH, D, lens, dtype
         assert got[b].item() == pytest.approx(rows.sum().item(), abs=1e-4 * rows.abs().sum().item())
     with pytest.raises(RuntimeError, match="int64"):
         ext.paged_read_rows(cache[0], cache[1], meta.block_tables.int(), meta.context_lens, 16)
+
 
 def prompt_case(H, KVH, D, lens, dtype, seed=0):
     """q, k, v of whole prompts as the model hands them over: views of one fused projection's output."""
