@@ -164,6 +164,21 @@ struct Slots {
   }
 };
 
+// How many tokens ahead to ask for rows `row_bytes` each (key and value): `tokens`, or fewer where that would
+// put more than `bytes` of rows in flight; at least one.
+inline int64_t ahead_tokens(int64_t tokens, int64_t bytes, int64_t row_bytes) {
+  return std::max<int64_t>(1, std::min(tokens, bytes / (2 * row_bytes)));
+}
+
+// Each thread takes a run of requests with an equal share of the work: context tokens, plus a few for a
+// request's fixed cost. Returns the cuts: thread t takes requests cut[t] .. cut[t + 1] - 1.
+inline std::vector<int64_t> cut_requests(const int64_t* lens, int64_t B) {
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
+  std::vector<int64_t> work(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) work[b + 1] = work[b] + lens[b] + kFixedTokens;
+  return servewise::cut_by_work(work, nt);
+}
+
 // The key and value passes run in the machine's own vector width. AVX-512 holds a 16-lane vector in one
 // register; AVX2 needs two, and there GCC keeps 16-lane vectors on the stack (the value pass's accumulators
 // and weights, the key pass's pending dot products) and shuffles them across registers: 8-lane vectors on
@@ -274,8 +289,8 @@ void score_keys(const Request<T>& r, float* S) {
       np = 0;
     }
   };
-  auto ahead_by = [&](int64_t tokens, int64_t bytes) {  // `tokens` ahead, at most `bytes` of rows in flight
-    return Slots(r.table, r.n, r.block_size, std::max<int64_t>(1, std::min(tokens, bytes / (2 * row_bytes))));
+  auto ahead_by = [&](int64_t tokens, int64_t bytes) {
+    return Slots(r.table, r.n, r.block_size, ahead_tokens(tokens, bytes, row_bytes));
   };
   Slots ahead = ahead_by(kAheadTokens, kAheadBytes), far = ahead_by(kFarTokens, kFarBytes);
   for (int64_t blk = 0, t = 0; t < r.n; ++blk) {
@@ -446,13 +461,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  // Each thread takes a run of requests with an equal share of the work: context tokens, plus a few for
-  // a request's fixed cost.
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
-  std::vector<int64_t> work(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) work[b + 1] = work[b] + lens[b] + kFixedTokens;
-  const std::vector<int64_t> first = servewise::cut_by_work(work, nt);
-  at::parallel_for(0, nt, 1, [&](int64_t t_begin, int64_t t_end) {
+  const std::vector<int64_t> first = cut_requests(lens, B);
+  at::parallel_for(0, static_cast<int64_t>(first.size()) - 1, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> qf(H * D), scores, inv(H);
     Request<T> r{qf.data(), nullptr, fscale, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0),
                  v_cache.stride(0), block_size, H, k_cache.size(1), nullptr, 0};
@@ -483,28 +493,23 @@ template <typename T>
 void read_rows(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
                const at::Tensor& context_lens, int64_t block_size, at::Tensor& out) {
   const int64_t B = context_lens.size(0), max_blocks = block_tables.size(1);
-  const int64_t E = k_cache.size(1) * k_cache.size(2), row_bytes = E * sizeof(T), k_row = k_cache.stride(0),
-                v_row = v_cache.stride(0);
-  const T *k = k_cache.data_ptr<T>(), *v = v_cache.data_ptr<T>();
+  const int64_t E = k_cache.size(1) * k_cache.size(2), row_bytes = E * sizeof(T);
   const int64_t *bt = block_tables.data_ptr<int64_t>(), *lens = context_lens.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
-  std::vector<int64_t> work(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) work[b + 1] = work[b] + lens[b] + kFixedTokens;
-  const std::vector<int64_t> first = servewise::cut_by_work(work, nt);
-  const int64_t ahead_tokens = std::max<int64_t>(1, std::min(kAheadTokens, kAheadBytes / (2 * row_bytes)));
-  at::parallel_for(0, nt, 1, [&](int64_t t_begin, int64_t t_end) {
+  const std::vector<int64_t> first = cut_requests(lens, B);
+  const int64_t ahead_by = ahead_tokens(kAheadTokens, kAheadBytes, row_bytes);
+  at::parallel_for(0, static_cast<int64_t>(first.size()) - 1, 1, [&](int64_t t_begin, int64_t t_end) {
+    Request<T> r{nullptr, nullptr, 0.f, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0),
+                 v_cache.stride(0), block_size, 0, k_cache.size(1), nullptr, 0};
     for (int64_t b = first[t_begin]; b < first[t_end]; ++b) {
-      const int64_t* table = bt + b * max_blocks;
-      Slots rows(table, lens[b], block_size, 0), ahead(table, lens[b], block_size, ahead_tokens);
+      r.table = bt + b * max_blocks;
+      r.n = lens[b];
+      Slots rows(r.table, r.n, block_size, 0), ahead(r.table, r.n, block_size, ahead_by);
       vn acc[4] = {};
       float rest = 0.f;
       for (int64_t slot = rows.next(); slot >= 0; slot = rows.next()) {
-        if (const int64_t a = ahead.next(); a >= 0) {
-          prefetch(k + a * k_row, row_bytes);
-          prefetch(v + a * v_row, row_bytes);
-        }
-        const T *kr = k + slot * k_row, *vr = v + slot * v_row;
+        if (const int64_t a = ahead.next(); a >= 0) prefetch_rows<3>(r, a, row_bytes);
+        const T *kr = r.k + slot * r.k_row, *vr = r.v + slot * r.v_row;
         int64_t i = 0;  // (four sums, so that the adds do not wait on each other)
         for (; i + 4 * kNative <= E; i += 4 * kNative)
           for (int j = 0; j < 4; ++j) acc[j] += load_native(kr + i + j * kNative) + load_native(vr + i + j * kNative);
