@@ -14,7 +14,7 @@ import torch
 from servewise import LLM
 from servewise.connectors.kv_store import entry_file
 from servewise.connectors.store_server import RemoteKVStore, StoreServer, parse_address
-from test_kv_store import GREEDY, SHAPE, block, prompts, run
+from test_kv_store import GREEDY, SHAPE, FakeClock, block, prompts, run
 
 
 def serve(tmp_path, **kw) -> StoreServer:
@@ -70,16 +70,23 @@ def test_a_key_keeps_strangers_out(tmp_path):
 def test_a_store_that_is_down_reads_as_empty_until_it_is_back(tmp_path):
     s = serve(tmp_path)
     port = s.address[1]
-    c = RemoteKVStore(s.url, SHAPE, torch.float32, timeout=2)
-    c.RETRY_S = 0.2
+    clock = FakeClock()  # when to try the server again: moved by hand, so no sleep and no race with RETRY_S
+    c = RemoteKVStore(s.url, SHAPE, torch.float32, timeout=60, clock=clock)
     assert c.put(b"a" * 16, block(1))
     s.close()
     t0 = time.monotonic()
     assert b"a" * 16 not in c and not c.put(b"b" * 16, block(2)) and c.open(b"a" * 16) is None
-    assert time.monotonic() - t0 < 1.0 and c.stats["unreachable"] >= 1  # no waiting on a store that is gone
+    # the first call found the connection gone; the others, within RETRY_S of it, did not try the way again
+    assert c.stats["unreachable"] == 1 and c.stats["put_errors"] == 1 and c.stats["misses"] == 1, c.stats
+    # no waiting on a store that is gone: a call that waited out the client's timeout would take 60 s
+    # (the bound only tells the two apart; three calls to this machine take milliseconds)
+    assert time.monotonic() - t0 < 30
     back = StoreServer(str(tmp_path / "mem"), 1 << 20, port=port).start()  # its entries are in its directory still
-    time.sleep(0.3)
-    assert b"a" * 16 in c and c.open(b"a" * 16) is not None
+    clock.advance(c.RETRY_S - 0.01)
+    assert b"a" * 16 not in c and c.stats["unreachable"] == 1  # not tried again before RETRY_S
+    clock.advance(0.02)
+    assert b"a" * 16 in c and c.open(b"a" * 16) is not None  # tried again, and reached
+    assert c.stats["unreachable"] == 1
     back.close()
 
 

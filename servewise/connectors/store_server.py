@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -233,8 +234,9 @@ class RemoteKVStore(ReadCosts):
     RETRY_S = 5.0
 
     def __init__(self, url: str, shape: tuple[int, ...], dtype: torch.dtype, timeout: float = 10.0,
-                 key: bytes | None = None):
-        self.url, self.address = url, parse_address(url)
+                 key: bytes | None = None, clock: Callable[[], float] = time.monotonic):
+        """clock: seconds, when to try a server that could not be reached again (tests drive it by hand)."""
+        self.url, self.address, self._clock = url, parse_address(url), clock
         self.shape, self.dtype, self.timeout = tuple(shape), dtype, timeout
         self.block_bytes = math.prod(self.shape) * torch.empty((), dtype=dtype).element_size()
         self.key = key if key is not None else key_from_env()
@@ -268,7 +270,7 @@ class RemoteKVStore(ReadCosts):
         with self._lock:
             try:
                 if self._sock is None:
-                    if time.monotonic() < self._retry_at:
+                    if self._clock() < self._retry_at:
                         return None
                     self._sock = self._connect()
                     if self._down:
@@ -283,7 +285,7 @@ class RemoteKVStore(ReadCosts):
                     log.warning("servewise: the KV store %s cannot be reached (%s); it reads as empty meanwhile",
                                 self.url, e)
                 self._down = True
-                self._retry_at = time.monotonic() + self.RETRY_S
+                self._retry_at = self._clock() + self.RETRY_S
                 self.stats["unreachable"] += 1
                 return None
             self._down = False
