@@ -201,8 +201,11 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
                            "not_found_error", "model", "model_not_found")
 
     async def submit(prompt, params):
-        deadline = time.monotonic() + restart_wait_s
+        deadline, held = time.monotonic() + restart_wait_s, False
         while engine.restarting and time.monotonic() < deadline:
+            if not held:  # counted once, as it starts to wait
+                held = True
+                metrics.held.inc()
             await asyncio.sleep(0.05)
         try:
             return engine.submit(prompt, params)

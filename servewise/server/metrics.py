@@ -154,6 +154,8 @@ class ServerMetrics:
                               registry=self.registry)
         self.e2e = Histogram("servewise_e2e_request_latency_seconds", "End-to-end request latency",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.held = Counter("servewise_requests_held_for_restart", "Requests that arrived while the engine was "
+                            "being restarted and waited for it (--restart-wait)", registry=self.registry)
 
     def observe(self, req) -> None:
         """A request finished (client.Finished; called from the engine client's thread, and the client
