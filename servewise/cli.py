@@ -25,6 +25,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
         "offline": "bench.offline",
         "soak": "bench.soak",
         "chaos": "bench.chaos",
+        "detokenize": "bench.detokenize",
     }),
     "profile": "profile",
     "fit-predictors": "fit_predictors",
