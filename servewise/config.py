@@ -25,7 +25,7 @@ def parse_store_address(url: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CacheConfig:
     """Paged KV cache. Pool sizes are given in blocks, or derived from byte budgets when None."""
 
@@ -77,7 +77,7 @@ class CacheConfig:
         return dev, host
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SchedulerConfig:
     max_num_seqs: int = option(256, "requests in the running batch at most")
     max_num_batched_tokens: int = option(4096, "tokens one step computes at most (a longer prompt runs alone)")
@@ -160,7 +160,7 @@ class SchedulerConfig:
         return w
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineConfig:
     """Everything that decides how an engine is built (servewise.builder builds it)."""
 
@@ -207,7 +207,7 @@ _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
     """The architecture facts the engine needs, read from a Hugging Face config.json."""
 

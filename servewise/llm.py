@@ -11,7 +11,7 @@ from servewise.engine.request import Request
 from servewise.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -23,8 +23,10 @@ class RequestOutput:
 
     @classmethod
     def of(cls, req: Request, tokenizer, text: str | None = None) -> RequestOutput:
-        return cls(req.request_id, req.prompt, req.prompt_token_ids, list(req.output_token_ids),
-                   tokenizer.decode(req.output_token_ids) if text is None else text, req.finish_reason, req)
+        return cls(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                   token_ids=list(req.output_token_ids),
+                   text=tokenizer.decode(req.output_token_ids) if text is None else text,
+                   finish_reason=req.finish_reason, request=req)
 
 
 class LLM:

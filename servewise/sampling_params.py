@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SamplingParams:
     """How to pick tokens for one request (names follow vLLM's offline API).
 

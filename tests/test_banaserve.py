@@ -1,10 +1,12 @@
 """BanaServe's dispatch: the utilisation measure, Algorithm 4-2 and the cache-aware baseline, on crafted
 snapshots and in the cluster simulator."""
+import time
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
-from servewise.cluster.routers import CacheAware, ComputeMeter, LoadAware, StaticSplit, make_router, memory_use
+from servewise.cluster.routers import CacheAware, ComputeMeter, LoadAware, StaticSplit, make_router, memory_use, queue
 from servewise.cluster.sim import ClusterSim, Design
 from servewise.engine.interfaces import EngineStats, PoolStats
 from servewise.workloads.arrivals import arrival_times
@@ -12,8 +14,8 @@ from servewise.workloads.prefix import shared_prefix
 
 
 def snap(running=0, waiting=0, queued=0, used=0, total=100, busy=0.0, at=0.0) -> EngineStats:
-    return EngineStats(running, waiting, 0, PoolStats(total, total - used), PoolStats(0, 0), {}, queued_tokens=queued,
-                       busy_s=busy, at_s=at)
+    return EngineStats(running=running, waiting=waiting, swapped=0, device_blocks=PoolStats(total, total - used),
+                       host_blocks=PoolStats(0, 0), preemptions={}, queued_tokens=queued, busy_s=busy, at_s=at)
 
 
 def test_compute_utilisation_is_the_busy_share_of_the_last_window():
@@ -41,7 +43,8 @@ def test_load_aware_takes_the_least_utilised_then_the_shortest_queue():
             snap(running=9, waiting=0, used=60, busy=1.9, at=2.0)]  # all past 1.5: the shortest queue
     assert all(u >= 1.5 for u in route.utilisation(busy)) and route(100, busy) == 1
     # a down instance (no device blocks) is never the least utilised
-    down = EngineStats(0, 10**9, 0, PoolStats(0, 0), PoolStats(0, 0), {}, 10**9)
+    down = EngineStats(running=0, waiting=10**9, swapped=0, device_blocks=PoolStats(0, 0), host_blocks=PoolStats(0, 0),
+                       preemptions={}, queued_tokens=10**9)
     assert LoadAware(measure="busy")(10, [down, snap(running=3, used=50, at=1.0)]) == 1
     assert LoadAware()(10, [down, snap(running=3, used=50, at=1.0)]) == 1
     # requests routed before a measurement can show them count by their estimated load, for a window from
@@ -55,6 +58,43 @@ def test_load_aware_takes_the_least_utilised_then_the_shortest_queue():
     queued = LoadAware()  # the default
     assert queued.utilisation([snap(running=48, queued=976, used=25), snap(running=10, queued=9000, used=100)]) == \
         pytest.approx([0.5 + 0.25, 2.0])  # both terms capped at 1
+
+
+def test_real_engines_report_their_clock_and_the_measured_router_reads_it():
+    """Snapshots of real engines carry the engine's clock (at_s), so the measured router sees time pass: an
+    engine that ran steps for the whole stretch measures busier than one that held its requests idle, and the
+    request goes to the idle one although its queue is longer (what the queued-work estimate and the shortest
+    queue would both send to the busy engine). Routed requests' estimates retire a window later."""
+    from servewise import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=1500, ignore_eos=True)
+    busy, idle = (LLM("tiny-llama", num_device_blocks=256).engine for _ in range(2))
+    for k in range(2):
+        busy.add_request([7] * 32, sp)
+    for k in range(6):  # more requests and more memory than busy will hold
+        idle.add_request([9] * 320, sp)
+    idle.step()  # its requests admitted and prefilled once, then left waiting
+    route = LoadAware(measure="busy", window_s=10.0)
+    first = [busy.stats(), idle.stats()]
+    route.utilisation(first)
+    t0, steps = time.monotonic(), 0
+    while time.monotonic() - t0 < 0.3 or steps < 3:  # busy runs steps back to back; idle runs none
+        busy.step()
+        steps += 1
+    loads = [busy.stats(), idle.stats()]
+    assert loads[0].at_s > first[0].at_s + 0.29 and loads[1].at_s > first[1].at_s  # the clock moves
+    assert loads[0].busy_s - first[0].busy_s > 0.5 * (loads[0].at_s - first[0].at_s)
+    measured = [route.compute(i, s) for i, s in enumerate(loads)]
+    assert measured[0] > 0.5 and measured[1] < 0.2, measured
+    assert queue(loads[1]) > queue(loads[0]) and memory_use(loads[1]) > memory_use(loads[0])
+    assert LoadAware()(16, loads) == 0 and make_router("jsq")(16, loads) == 0  # the blind choices
+    assert route(16, loads) == 1
+    assert len(route.routed[1]) == 1
+    later = idle.stats()
+    later = replace(later, at_s=later.at_s + 11.0)  # a window past the routing on idle's clock
+    route.utilisation([busy.stats(), later])
+    route.utilisation([busy.stats(), replace(later, at_s=later.at_s + 11.0)])
+    assert route.routed[1] == []
 
 
 def test_cache_aware_follows_the_prefix_until_its_queue_is_too_long():

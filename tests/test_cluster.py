@@ -12,7 +12,8 @@ from test_simulator import ScaledPerf
 
 
 def load(running=0, waiting=0, swapped=0, queued_tokens=0):
-    return EngineStats(running, waiting, swapped, PoolStats(10, 10), PoolStats(0, 0), {}, queued_tokens)
+    return EngineStats(running=running, waiting=waiting, swapped=swapped, device_blocks=PoolStats(10, 10),
+                       host_blocks=PoolStats(0, 0), preemptions={}, queued_tokens=queued_tokens)
 
 
 def test_routers_on_crafted_loads():
@@ -141,7 +142,9 @@ def test_auto_transfer_in_a_simulated_split_cluster():
 
 
 def pload(queued=0, waiting=0, committed=0, running=0):
-    return EngineStats(running, waiting, 0, PoolStats(100, 100 - committed), PoolStats(0, 0), {}, queued, 0, committed)
+    return EngineStats(running=running, waiting=waiting, swapped=0, device_blocks=PoolStats(100, 100 - committed),
+                       host_blocks=PoolStats(0, 0), preemptions={}, queued_tokens=queued, incoming=0,
+                       committed_blocks=committed)
 
 
 def test_splitwise_pools_route_and_borrow_under_load():

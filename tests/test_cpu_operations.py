@@ -34,7 +34,8 @@ class _Base:
 
 
 def _steps(table_path: str = "ops.csv") -> OperationSteps:
-    return OperationSteps("toy", "float32", 2, 2, 8, LAYER, HEAD, table_path, [1e-2, 1e-4, 1e-6], [2e-2, 3e-4, 5e-6])
+    return OperationSteps(model="toy", dtype="float32", threads=2, layers=2, hidden=8, layer_gemms=LAYER, head=HEAD,
+                          table=table_path, prefill_rest=[1e-2, 1e-4, 1e-6], decode_rest=[2e-2, 3e-4, 5e-6])
 
 
 def test_a_step_is_its_gemms_by_the_table_plus_the_fitted_rest_and_the_rest_comes_from_the_profile():
@@ -66,7 +67,8 @@ def test_the_file_finds_its_table_beside_it_and_refuses_what_it_cannot_price(tmp
     (folder / "bad.json").write_text(json.dumps({"model": "toy"}))
     with pytest.raises(ValueError, match="not a per-operation step file"):
         OperationSteps.load(str(folder / "bad.json"))
-    other = OperationSteps("toy", "float32", 2, 2, 8, [[8, 32]], HEAD, "ops.csv", [0, 0, 0], [0, 0, 0])
+    other = OperationSteps(model="toy", dtype="float32", threads=2, layers=2, hidden=8, layer_gemms=[[8, 32]],
+                           head=HEAD, table="ops.csv", prefill_rest=[0, 0, 0], decode_rest=[0, 0, 0])
     with pytest.raises(ValueError, match="no GEMM of shape 8 x 32"):
         StepOperationsPerf(_Base(), other, _table()).prefill([4])
 

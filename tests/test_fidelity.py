@@ -55,7 +55,8 @@ def test_the_simulator_makes_the_real_engines_decisions_and_times_them_by_the_pe
     reqs, rejected = run_workload(real, items, arrivals, on_step=lambda st: st.scheduled and real_steps.append(st))
     perf = Calibrated(make_perf("profile", real.model_config, 16, predictors), 1.5, 0.8)  # any model will do
     sim = build_sim_engine("tiny-llama", perf=perf, **kw)
-    sim_reqs, sim_rejected = run_workload(sim, items, arrivals, on_step=lambda st: st.scheduled and sim_steps.append(st))
+    sim_reqs, sim_rejected = run_workload(sim, items, arrivals,
+                                          on_step=lambda st: st.scheduled and sim_steps.append(st))
     assert not rejected and not sim_rejected and len(reqs) == len(sim_reqs) == 40
     assert [_decisions(st) for st in sim_steps] == [_decisions(st) for st in real_steps]
     assert [len(r.output_token_ids) for r in sim_reqs] == [len(r.output_token_ids) for r in reqs] == \
@@ -72,7 +73,8 @@ def test_the_simulator_makes_the_real_engines_decisions_and_times_them_by_the_pe
         assert st.execute_s == pytest.approx(batch + perf.step_overhead(st.is_prefill, len(st.batch_tokens)), rel=1e-12)
         copies = (perf.copy(st.swapped_out_blocks, True) if st.swapped_out_blocks else 0.0) + \
             (perf.copy(st.swapped_in_blocks, False) if st.swapped_in_blocks else 0.0)
-        assert st.start == pytest.approx(end, abs=1e-12) and st.elapsed == pytest.approx(st.execute_s + copies, rel=1e-9)
+        assert st.start == pytest.approx(end, abs=1e-12) and st.elapsed == pytest.approx(st.execute_s + copies,
+                                                                                         rel=1e-9)
         end = st.end
     assert m_sim["duration_s"] == pytest.approx(end, rel=1e-9)
     # the benchmark's same-batch check on the real steps: what was measured, and what the model predicts
@@ -193,8 +195,9 @@ def test_bench_fidelity_simulates_on_a_per_operation_model_too(predictors, tmp_p
     q, kv, h, i = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.hidden_size, mc.intermediate_size
     layer = [[h, q + 2 * kv], [q, h], [h, i], [i, h]]
     OperationTable([("gemm", k, n, 1, 1, 1e-12) for k, n in (*layer, (h, mc.vocab_size))]).save(str(tmp_path / "t.csv"))
-    ops = OperationSteps("tiny-llama", "float32", 2, mc.num_layers, h, layer, [h, mc.vocab_size], "t.csv",
-                         [1.0, 0.0, 0.0], [1.0, 0.0, 0.0])
+    ops = OperationSteps(model="tiny-llama", dtype="float32", threads=2, layers=mc.num_layers, hidden=h,
+                         layer_gemms=layer, head=[h, mc.vocab_size], table="t.csv", prefill_rest=[1.0, 0.0, 0.0],
+                         decode_rest=[1.0, 0.0, 0.0])
     ops.save(str(tmp_path / "ops.json"))
     path, out = str(tmp_path / "p.pkl"), tmp_path / "fid.json"
     predictors.save(path)

@@ -35,7 +35,8 @@ def decode_case(B, H, KVH, D, bs, lens, dtype, seed=0):
     L = width * bs
     mask = torch.zeros(B, 1, 1, L, dtype=dtype).masked_fill_(
         ~(torch.arange(L)[None] < ctx[:, None]).view(B, 1, 1, L), float("-inf"))
-    return cache, q, k_new, AttentionMetadata(False, slots, lens, bs, bt, mask, ctx, None)
+    return cache, q, k_new, AttentionMetadata(is_prefill=False, slot_mapping=slots, seq_lens=lens, block_size=bs,
+                                              block_tables=bt, mask=mask, context_lens=ctx, kernel=None)
 
 
 @needs_kernel

@@ -143,8 +143,9 @@ def test_rebalancer_does_not_oscillate_under_noise():
     made = []
     for t in range(40):
         noise = 0.08 if t % 2 else -0.08
-        snap = [Load(min(1.0, max(0.0, x.compute + (noise if i == 0 else -noise))), x.used, x.usable, x.attn_share,
-                     x.layers_out, x.heads_out) for i, x in enumerate(loads)]
+        snap = [Load(compute=min(1.0, max(0.0, x.compute + (noise if i == 0 else -noise))), used=x.used,
+                     usable=x.usable, attn_share=x.attn_share, layers_out=x.layers_out, heads_out=x.heads_out)
+                for i, x in enumerate(loads)]
         for m in rb.plan(snap):
             made.append((t, m.src, m.dst))
             o, u = loads[m.src], loads[m.dst]

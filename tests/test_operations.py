@@ -50,8 +50,10 @@ def test_the_fit_recovers_the_times_of_known_calibrations_of_two_gpus_that_share
     shapes = [("llama-2-70b", tp, "prompt", p, 1) for tp in (2, 4, 8) for p in (128, 512, 2048, 8192)] + \
         [("llama-2-70b", tp, "token", 512, b) for tp in (2, 4, 8) for b in (1, 4, 16, 64)] + \
         [("bloom-176b", 8, "prompt", 512, b) for b in (1, 2, 8, 32)] + [("bloom-176b", 8, "token", 512, b) for b in (1, 8, 64)]
-    pts = [Point(m, gpu, tp, ph, p, b, 1.0) for gpu in truth for m, tp, ph, p, b in shapes]
-    pts = [Point(p.model, p.gpu, p.tp, p.phase, p.prompt, p.batch, predict(p, truth[p.gpu])) for p in pts]
+    pts = [Point(model=m, gpu=gpu, tp=tp, phase=ph, prompt=p, batch=b, seconds=1.0)
+           for gpu in truth for m, tp, ph, p, b in shapes]
+    pts = [Point(model=p.model, gpu=p.gpu, tp=p.tp, phase=p.phase, prompt=p.prompt, batch=p.batch,
+                 seconds=predict(p, truth[p.gpu])) for p in pts]
     cals = fit(pts)
     assert set(cals) == set(truth)
     for gpu, cal in cals.items():
@@ -61,8 +63,9 @@ def test_the_fit_recovers_the_times_of_known_calibrations_of_two_gpus_that_share
 
 
 def test_folds_leave_out_a_model_a_tp_degree_and_the_large_batches():
-    pts = [Point("llama-2-70b", "g", tp, "token", 512, b, 1.0) for tp in (2, 8) for b in (1, 32)] + \
-        [Point("bloom-176b", "g", 8, "token", 512, 1, 1.0)]
+    pts = [Point(model="llama-2-70b", gpu="g", tp=tp, phase="token", prompt=512, batch=b, seconds=1.0)
+           for tp in (2, 8) for b in (1, 32)] + \
+        [Point(model="bloom-176b", gpu="g", tp=8, phase="token", prompt=512, batch=1, seconds=1.0)]
     names = {name: (train, test) for name, train, test in folds(pts)}
     # (leaving TP 8 out would leave BLOOM, which has only TP 8, out too: that is the model fold)
     assert set(names) == {"model bloom-176b left out", "model llama-2-70b left out", "TP 2 left out",

@@ -363,7 +363,8 @@ def test_attention_over_cached_context_matches_dense_attention():
         ref = F.scaled_dot_product_attention(qq.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                                              enable_gqa=True)
         full.append(ref.transpose(0, 1)[p:].reshape(n, H * D))
-    meta = AttentionMetadata(True, torch.cat(slots), [n for n, _ in rows], bs, tables, prior_lens=[p for _, p in rows])
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.cat(slots), seq_lens=[n for n, _ in rows],
+                             block_size=bs, block_tables=tables, prior_lens=[p for _, p in rows])
     out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta)
     assert torch.allclose(out, torch.cat(full), atol=1e-5)
 

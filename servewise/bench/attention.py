@@ -62,7 +62,7 @@ def engine_tables(lens: torch.Tensor, bs: int, nblocks: int) -> torch.Tensor:
     return tables
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     """`models`: built-in names, configuration-only sizes or checkpoint directories (only their head
     shapes are used); `context`: (low, high) tokens per request; `out`: the JSON (None: not saved)."""
@@ -135,8 +135,9 @@ class Case:
         self.kv_bytes = int(self.lens.sum()) * KVH * D * self.cache.element_size() * 2
         pos = self.lens - 1
         slots = self.tables[torch.arange(B), pos // bs] * bs + pos % bs
-        self.meta = AttentionMetadata(False, slots, self.lens.tolist(), bs, self.tables,
-                                      decode_mask(self.tables, self.lens, bs, dtype), self.lens, None)
+        self.meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, seq_lens=self.lens.tolist(), block_size=bs,
+                                      block_tables=self.tables, mask=decode_mask(self.tables, self.lens, bs, dtype),
+                                      context_lens=self.lens, kernel=None)
 
     def kernel(self, ext):
         return lambda: ext.paged_decode_attention(self.q, self.cache[0], self.cache[1], self.tables, self.lens,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from servewise.metrics.summary import save_json
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     model: str = "tiny-llama"
     instances: str = "prompt=1,token=1"

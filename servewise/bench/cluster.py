@@ -35,7 +35,7 @@ COMPARED = (("duration_s", "makespan (s)"), ("mean_ttft_ms", "mean TTFT (ms)"), 
             ("mean_e2el_ms", "mean E2E (ms)"), ("p99_ttft_ms", "p99 TTFT (ms)"))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     """The workload (`workload` from `data`, poisson at `rate`), the instances' engine options and torch
     `threads` each, the hand-off modes compared, `calibration_requests` run first on each cluster, the

@@ -26,7 +26,7 @@ BATCHES = (("decode", 2, 64), ("decode", 8, 128), ("decode", 64, 128), ("prefill
 ANCHOR = "decode 64 x 128"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     """Rounds of every batch for `seconds` (median of `reps` runs each), reported per `window` s, on an
     engine with `num_device_blocks`; the figure beside `out` unless `plot` is off."""

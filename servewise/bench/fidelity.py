@@ -34,7 +34,7 @@ COMPARED = (("duration_s", "makespan (s)"), ("mean_e2el_ms", "mean E2E (ms)"), (
             ("mean_ttft_ms", "mean TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     """The workload (`workload` from `data`, poisson at each of `rate`), the engine's pools and
     `preemption` modes, all of it `repeat` times `interval` s apart; `replay`: decode batches timed

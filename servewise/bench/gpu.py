@@ -39,7 +39,7 @@ import torch
 SECTIONS = ("device", "tests", "attention", "roofline", "swap", "fidelity", "kv")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     models: list[str] = field(default_factory=lambda: ["llama-200m", "llama-2-7b", "llama-3-8b"])
     batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128, 256])
@@ -163,8 +163,11 @@ def attention_section() -> dict:
             table = torch.randperm(nblocks, device="cuda").view(B, ctx // bs)
             lens = torch.full((B,), ctx, device="cuda")
             q = torch.randn(B, H, D, dtype=torch.bfloat16, device="cuda")
-            meta_k = AttentionMetadata(False, None, [ctx] * B, bs, table, None, lens, kernel)
-            meta_t = AttentionMetadata(False, None, [ctx] * B, bs, table, decode_mask(table, lens, bs, q.dtype), lens)
+            meta_k = AttentionMetadata(is_prefill=False, slot_mapping=None, seq_lens=[ctx] * B, block_size=bs,
+                                       block_tables=table, mask=None, context_lens=lens, kernel=kernel)
+            meta_t = AttentionMetadata(is_prefill=False, slot_mapping=None, seq_lens=[ctx] * B, block_size=bs,
+                                       block_tables=table, mask=decode_mask(table, lens, bs, q.dtype),
+                                       context_lens=lens)
             opts = Opts(None, None, None)
             t_k = _graph_timed(lambda: _decode(q, cache, meta_k, opts))
             t_t = _graph_timed(lambda: _decode(q, cache, meta_t, opts))
@@ -175,7 +178,8 @@ def attention_section() -> dict:
             if B == 64:  # the decode kernel's tile and split settings around the defaults
                 for bn, warps, split in ((32, 4, 128), (128, 4, 128), (64, 8, 128), (128, 8, 128), (64, 4, 512)):
                     alt = TritonAttention(bn, warps, split)
-                    meta_a = AttentionMetadata(False, None, [ctx] * B, bs, table, None, lens, alt)
+                    meta_a = AttentionMetadata(is_prefill=False, slot_mapping=None, seq_lens=[ctx] * B, block_size=bs,
+                                               block_tables=table, mask=None, context_lens=lens, kernel=alt)
                     t_a = _graph_timed(lambda: _decode(q, cache, meta_a, opts))
                     rows[-1].setdefault("variants", []).append({"block_n": bn, "warps": warps, "min_split": split,
                                                                 "us": t_a * 1e6})

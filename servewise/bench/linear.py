@@ -38,7 +38,7 @@ from servewise.kernels import cpu_flags, last_level_cache_bytes, status
 from servewise.metrics.summary import save_json
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     """`model`: a built-in name, configuration-only size or checkpoint directory (its shapes only);
     `out`: the JSON (None: not saved)."""

@@ -23,7 +23,7 @@ from servewise.kernels import cpu_flags
 from servewise.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     """`batch` requests of `prompt_len` tokens decode `steps` steps before and after the move of `kind`
     ("layers": from layer `first` on, 0 for half; "heads": `heads` KV heads, 0 for half) to a new

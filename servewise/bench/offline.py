@@ -27,7 +27,7 @@ from servewise.metrics.summary import save_json
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offline_worker.py")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     model: str = "tiny-llama"
     vllm_python: str | None = None

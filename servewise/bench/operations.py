@@ -33,7 +33,7 @@ DECODE = ((1, 64), (1, 512), (2, 256), (4, 128), (4, 1024), (8, 64), (8, 512), (
           (32, 512), (64, 64), (64, 384), (128, 128), (24, 768), (48, 256))  # (requests, mean context)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     model: str = "llama-200m"
     dtype: str = "float32"
@@ -209,9 +209,10 @@ def main(s: Settings) -> dict:
     print(f"a GEMM timed alone (weights flushed from the caches) takes {statistics.median(ratios):.2f}x its time in a "
           f"step (median; {min(ratios):.2f}-{max(ratios):.2f}x)", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(s.steps_out)) or ".", exist_ok=True)
-    ops = OperationSteps(s.model, s.dtype, threads, mc.num_layers, mc.hidden_size,
-                         [list(_shape(lin)) for lin in layer_gemms(model)], list(_shape(model.head)),
-                         os.path.relpath(os.path.abspath(s.table), os.path.dirname(os.path.abspath(s.steps_out))), [], [])
+    ops = OperationSteps(model=s.model, dtype=s.dtype, threads=threads, layers=mc.num_layers, hidden=mc.hidden_size,
+                         layer_gemms=[list(_shape(lin)) for lin in layer_gemms(model)], head=list(_shape(model.head)),
+                         table=os.path.relpath(os.path.abspath(s.table), os.path.dirname(os.path.abspath(s.steps_out))),
+                         prefill_rest=[], decode_rest=[])
     for kind, (train, test) in runs.items():
         steps = []
         for sweep, is_train in ((train, True), (test, False)):

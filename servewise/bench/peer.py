@@ -36,7 +36,7 @@ WORKLOADS = {
 }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     model: str = "tiny-llama"
     servers: list[str] = field(default_factory=lambda: ["vllm", "sw:recompute:fcfs", "sw:swap:fcfs",

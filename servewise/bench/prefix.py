@@ -27,7 +27,7 @@ ROWS = (("mean_ttft_ms", "mean TTFT (ms)"), ("p99_ttft_ms", "p99 TTFT (ms)"), ("
         ("hit_rate_pct", "prefix hit rate (%)"))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     """`workload(tokenizer, vocab size, max length)` -> (items, arrival times), named `workload_name`;
     `engine`: the engine options (caching is what the bench sets); `predictors`: the simulator's (None:
@@ -118,7 +118,8 @@ def compare_cluster(model: str, items, arrivals, engine_kw: dict, instances: int
         kw = dict(engine_kw, enable_prefix_caching=mode != "off")
         store_dir = None
         if mode == "store":
-            store_dir = tempfile.mkdtemp(prefix="servewise-kvstore-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            store_dir = tempfile.mkdtemp(prefix="servewise-kvstore-",
+                                         dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
             kw["kv_store"] = store_dir
         try:
             say(f"{instances} real instances ({router}), prefix caching {mode} ...")

@@ -22,7 +22,7 @@ from servewise.engine.heap import quiet_gc
 from servewise.metrics import SLO, RequestRecord, compute, format_table, save_json
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     """The server (`base_url`, with or without /v1; `model`: None for its first), the workload
     (`workload`, prompts tokenized by `tokenizer`'s model) sent at `request_rate` (inf: all at once) with

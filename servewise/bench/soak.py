@@ -52,7 +52,7 @@ CONFIGS = {  # name -> extra `servewise serve` flags ({store}: a fresh store dir
 }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     model: str = "tiny-llama"
     configs: list[str] = field(default_factory=lambda: list(CONFIGS))

@@ -19,7 +19,7 @@ from servewise.metrics.summary import save_json
 from servewise.workloads.prefix import random_ids
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     """`num_prompts` random prompts of `input_len` tokens (`seed`), `output_len` tokens each, through
     servewise (its engine options) and, unless `no_hf` or dummy weights, Hugging Face `generate` in

@@ -36,7 +36,8 @@ from servewise.engine.interfaces import EngineStats, PoolStats
 
 ROLES = ("mixed", "prompt", "token")
 # what a dead instance looks like to a router: endless queues, no room
-DOWN = EngineStats(0, 10**9, 0, PoolStats(0, 0), PoolStats(0, 0), {}, 10**9, 0, 10**9)
+DOWN = EngineStats(running=0, waiting=10**9, swapped=0, device_blocks=PoolStats(0, 0), host_blocks=PoolStats(0, 0),
+                   preemptions={}, queued_tokens=10**9, incoming=0, committed_blocks=10**9)
 
 
 @dataclass

@@ -28,7 +28,7 @@ class State(str, enum.Enum):
 ENDED = (State.COMMITTED, State.ABORTED, State.EXPIRED)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Transfer:
     id: str
     request_id: str
@@ -55,8 +55,8 @@ class HandoffBook:
     def begin(self, request_id: str, layers: int, now: float, leased: bool = True) -> Transfer:
         """A new transfer; its lease runs from now, or (leased=False) from its first renew."""
         self._n += 1
-        t = Transfer(f"{request_id}#{self._n}", request_id, layers, self.lease_s,
-                     now + self.lease_s if leased else float("inf"))
+        t = Transfer(id=f"{request_id}#{self._n}", request_id=request_id, layers=layers, lease_s=self.lease_s,
+                     lease_until=now + self.lease_s if leased else float("inf"))
         self.transfers[t.id] = t
         self.live.add(t.id)
         return t

@@ -30,7 +30,7 @@ token, logprobs), ("checksums", rid, CRCs), ("kv_done", rid, ok, reason, checksu
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from servewise.cluster.handoff import combine
 from servewise.connectors.handoff import HandoffConnector, shm_cache_file
@@ -42,6 +42,7 @@ from servewise.server.engine_loop import EngineInstance, engine_main
 class Incoming:
     route: tuple  # where its KV comes from (the link's business)
     layers: int
+    _: KW_ONLY  # the fields below are passed by keyword
     state: object = None  # the link's
     reserved: bool = False
     copied: int = 0

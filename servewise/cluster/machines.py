@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Machine:
     name: str
     gpu: str  # a hardware name of the performance models (roofline.HARDWARE, measured.HARDWARE_NAMES)
@@ -24,16 +24,18 @@ class Machine:
 
 
 MACHINES = {
-    "dgx-a100": Machine("DGX-A100", "a100-80g", 8, 2.21, 24.8, 6500, 8 * 25),
-    "dgx-h100": Machine("DGX-H100", "h100-80g", 8, 4.76, 44.0, 10200, 8 * 50),
-    "dgx-h100-pcap": Machine("DGX-H100, power-capped", "h100-80g-pcap", 8, 4.76, 0.7 * 44.0, 7140, 8 * 50),
+    "dgx-a100": Machine(name="DGX-A100", gpu="a100-80g", gpus=8, cost=2.21, power=24.8, tdp_w=6500, nic_gbps=8 * 25),
+    "dgx-h100": Machine(name="DGX-H100", gpu="h100-80g", gpus=8, cost=4.76, power=44.0, tdp_w=10200, nic_gbps=8 * 50),
+    "dgx-h100-pcap": Machine(name="DGX-H100, power-capped", gpu="h100-80g-pcap", gpus=8, cost=4.76, power=0.7 * 44.0,
+                             tdp_w=7140, nic_gbps=8 * 50),
     # one GPU of a DGX-A100 as an instance of its own (one engine per GPU, BanaServe's and vLLM's set-up):
     # an eighth of the machine's cost and power, one 200 Gb/s link
-    "a100": Machine("A100-80G", "a100-80g", 1, 2.21 / 8, 24.8 / 8, 6500 / 8, 25),
+    "a100": Machine(name="A100-80G", gpu="a100-80g", gpus=1, cost=2.21 / 8, power=24.8 / 8, tdp_w=6500 / 8,
+                    nic_gbps=25),
     # an instance on this machine's CPU, with its profiled step times (ClusterSim's `predictors`) and
     # KV hand-offs through shared memory (ClusterSim's link_gbps / link_latency_s, measured by
     # `servewise bench cluster`); no cost or power model
-    "this-cpu": Machine("this machine's CPU", "profile", 1, 0.0, 0.0, 0.0, 5.0),
+    "this-cpu": Machine(name="this machine's CPU", gpu="profile", gpus=1, cost=0.0, power=0.0, tdp_w=0.0, nic_gbps=5.0),
 }
 
 

@@ -84,7 +84,7 @@ class Workload:
     kv_tokens: int = 8 * 2048
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Placement:
     mode: str
     stages: list[tuple[int, int]]  # (device index, layers), in pipeline order
@@ -139,7 +139,8 @@ class Planner:
         """A placement's per-pass latency and feasibility (memory of every stage; all layers placed once)."""
         L = self.mc.num_layers
         if not stages or sum(k for _, k in stages) != L or len({i for i, _ in stages}) != len(stages):
-            return Placement(mode, stages, float("inf"), False, "not every layer placed once")
+            return Placement(mode=mode, stages=stages, latency_s=float("inf"), feasible=False,
+                             why="not every layer placed once")
         latency, rows, why = self.overhead_s, [], ""
         for s, (i, k) in enumerate(stages):
             last = s == len(stages) - 1
@@ -149,7 +150,7 @@ class Planner:
             hop = 0.0 if last else self.hop_s(i, stages[s + 1][0])
             latency += t + hop
             rows.append({"device": i, "layers": k, "compute_ms": t * 1e3, "hop_ms": hop * 1e3})
-        return Placement(mode, stages, latency, not why, why, per_stage=rows)
+        return Placement(mode=mode, stages=stages, latency_s=latency, feasible=not why, why=why, per_stage=rows)
 
     # --- placements -----------------------------------------------------------------------------
     def place(self, mode: str) -> Placement:
@@ -160,18 +161,21 @@ class Planner:
         if mode == "greedy":
             stages = self._greedy()
             if sum(k for _, k in stages) < self.mc.num_layers:
-                return Placement(mode, stages, float("inf"), False, "the devices' memory cannot hold the model")
+                return Placement(mode=mode, stages=stages, latency_s=float("inf"), feasible=False,
+                                 why="the devices' memory cannot hold the model")
             return self.evaluate(mode, stages)
         a1, a2 = WEIGHTS[mode]
         ref = 1.0
         if a2:  # latency in units of the lowest latency any placement reaches
             lr = self.solve(1.0, 0.0)
             if lr is None:
-                return Placement(mode, [], float("inf"), False, "the devices' memory cannot hold the model")
+                return Placement(mode=mode, stages=[], latency_s=float("inf"), feasible=False,
+                                 why="the devices' memory cannot hold the model")
             ref = lr[1]
         best = self.solve(a1 / ref, a2 / len(self.topo.devices))
         if best is None:
-            return Placement(mode, [], float("inf"), False, "the devices' memory cannot hold the model")
+            return Placement(mode=mode, stages=[], latency_s=float("inf"), feasible=False,
+                             why="the devices' memory cannot hold the model")
         p = self.evaluate(mode, best[0])
         p.cost = best[1]
         return p

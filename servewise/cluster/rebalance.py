@@ -49,13 +49,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 
 LAYERS, HEADS = "layers", "heads"
 LOOPS = ("greedy", "sets", "objective")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Rebalancing:
     """The loop's settings (the thesis gives none of these values; these are ours)."""
 
@@ -93,6 +93,7 @@ class Load:
     used: int  # device blocks its requests hold
     usable: int  # device blocks it may hold (its pool less the blocks lent to peers)
     attn_share: float = 0.5  # of its step time, the attention's (for the head migration's estimate)
+    _: KW_ONLY  # the fields below are passed by keyword
     layers_out: int = 0  # its layers and KV heads running elsewhere now
     heads_out: int = 0
     # for the objective loop: its role, its mean step over the period (s), tokens a step, prompt tokens
@@ -112,7 +113,7 @@ class Load:
         return self.compute + self.memory
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Move:
     kind: str
     src: int
@@ -165,7 +166,8 @@ class Rebalancer:
         gap = lo.util - lu.util
         if after_o < after_u:  # it would overshoot: the next period would move it back
             return None
-        return Move(kind, o, u, n, blocks, lent, weights, cost, gap - (after_o - after_u), gap, moved_c=moved_c)
+        return Move(kind=kind, src=o, dst=u, amount=n, blocks=blocks, lent=lent, weight_blocks=weights, cost_s=cost,
+                    benefit=gap - (after_o - after_u), gap=gap, moved_c=moved_c)
 
     def predict_back(self, kind: str, o: int, u: int, loads: list[Load]) -> Move | None:
         """Hot o gives back part of what cold u moved to it earlier, or None if u moved nothing of `kind`."""
@@ -185,8 +187,8 @@ class Rebalancer:
         gap = lo.util - lu.util
         if after_o < after_u:
             return None
-        return Move(kind, o, u, n, blocks, lent, weights, cost, gap - (after_o - after_u), gap, back=True,
-                    moved_c=moved_c)
+        return Move(kind=kind, src=o, dst=u, amount=n, blocks=blocks, lent=lent, weight_blocks=weights, cost_s=cost,
+                    benefit=gap - (after_o - after_u), gap=gap, back=True, moved_c=moved_c)
 
     def _record(self, m: Move) -> None:
         owner, host = (m.dst, m.src) if m.back else (m.src, m.dst)

@@ -15,7 +15,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from servewise.cluster.coordinator import ROLES, Coordinator, Links
 from servewise.cluster.instance import instance_main
@@ -74,6 +74,7 @@ class Member:
 
     index: int
     role: str
+    _: KW_ONLY  # the fields below are passed by keyword
     up: bool = False
     restarts: int = 0
     pid: int | None = None
@@ -372,16 +373,22 @@ class ClusterClient(StreamingClient):
         pre, by_priority = merged(lambda s: s.preemptions), merged(lambda s: s.preemptions_by_priority)
         total = lambda f: sum(f(s) for s in sts)  # noqa: E731
         counted = lambda f: sum(f(s) for s in lives)  # noqa: E731
-        return EngineStats(total(lambda s: s.running), total(lambda s: s.waiting), total(lambda s: s.swapped),
-                           PoolStats(total(lambda s: s.device_blocks.total), total(lambda s: s.device_blocks.free)),
-                           PoolStats(total(lambda s: s.host_blocks.total), total(lambda s: s.host_blocks.free)),
-                           pre, total(lambda s: s.queued_tokens), total(lambda s: s.incoming),
-                           total(lambda s: s.committed_blocks), total(lambda s: s.inflight_tokens),
-                           counted(lambda s: s.admitted_tokens), counted(lambda s: s.prefix_hit_tokens),
-                           total(lambda s: s.cached_blocks), counted(lambda s: s.store_hit_tokens),
-                           counted(lambda s: s.dropped_tokens),
-                           (counted(lambda s: s.swap_bytes[0]), counted(lambda s: s.swap_bytes[1])), by_priority,
-                           busy_s=counted(lambda s: s.busy_s), heap_trims=counted(lambda s: s.heap_trims),
+        return EngineStats(running=total(lambda s: s.running), waiting=total(lambda s: s.waiting),
+                           swapped=total(lambda s: s.swapped),
+                           device_blocks=PoolStats(total(lambda s: s.device_blocks.total),
+                                                   total(lambda s: s.device_blocks.free)),
+                           host_blocks=PoolStats(total(lambda s: s.host_blocks.total), total(lambda s: s.host_blocks.free)),
+                           preemptions=pre, queued_tokens=total(lambda s: s.queued_tokens),
+                           incoming=total(lambda s: s.incoming), committed_blocks=total(lambda s: s.committed_blocks),
+                           inflight_tokens=total(lambda s: s.inflight_tokens),
+                           admitted_tokens=counted(lambda s: s.admitted_tokens),
+                           prefix_hit_tokens=counted(lambda s: s.prefix_hit_tokens),
+                           cached_blocks=total(lambda s: s.cached_blocks),
+                           store_hit_tokens=counted(lambda s: s.store_hit_tokens),
+                           dropped_tokens=counted(lambda s: s.dropped_tokens),
+                           swap_bytes=(counted(lambda s: s.swap_bytes[0]), counted(lambda s: s.swap_bytes[1])),
+                           preemptions_by_priority=by_priority, busy_s=counted(lambda s: s.busy_s),
+                           heap_trims=counted(lambda s: s.heap_trims),
                            heap_released_bytes=counted(lambda s: s.heap_released_bytes))
 
     def fault(self, i: int, name: str, rate: float = 1.0) -> None:

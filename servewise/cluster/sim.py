@@ -149,7 +149,7 @@ class Design:
         return f"mixed {part(self.mixed)}"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ClusterResult:
     requests: list[Request]  # in item order; None where rejected
     rejected: list[tuple[int, str]]
@@ -283,9 +283,10 @@ class ClusterSim:
             bm, perf, st = e.block_manager, e.runner.perf, e.stats()
             usable = bm.usable_device
             steps = n1 - n0
-            out.append(Load(min(1.0, (c1 - c0) / window), usable - bm.num_free_device, usable, perf.attn_share,
-                            perf.layers_out, perf.heads_out, role, (s1 - s0) / steps if steps else 0.0,
-                            (k1 - k0) / steps if steps else 0.0, st.queued_tokens, st.running))
+            out.append(Load(compute=min(1.0, (c1 - c0) / window), used=usable - bm.num_free_device, usable=usable,
+                            attn_share=perf.attn_share, layers_out=perf.layers_out, heads_out=perf.heads_out, role=role,
+                            step_s=(s1 - s0) / steps if steps else 0.0, step_tokens=(k1 - k0) / steps if steps else 0.0,
+                            queued_tokens=st.queued_tokens, running=st.running))
         return out
 
     def _migrate(self, m) -> None:
@@ -482,8 +483,10 @@ class ClusterSim:
             idx = int(rid)
             reqs[idx] = joined(sims[p].requests[rid], sims[t].requests.get(rid) if t != p else None)
             placed[idx] = (p, t)
-        return ClusterResult(reqs, rejected, placed, [s.steps for s in sims], [s.busy_s for s in sims], clock.now(),
-                             time.perf_counter() - t0, transfers, self.network.bytes_sent, wait_s,
-                             co.pools.borrowed if co.pools else 0, self.perf_labels, load_log, migrations,
-                             dict(co.handoffs), [s.batch_time for s in sims], store_tokens,
-                             getattr(co.pools, "repurposed", 0), dict(self.network.modes))
+        return ClusterResult(requests=reqs, rejected=rejected, placed=placed, steps=[s.steps for s in sims],
+                             busy_s=[s.busy_s for s in sims], makespan=clock.now(), wall_s=time.perf_counter() - t0,
+                             transfers=transfers, transfer_bytes=self.network.bytes_sent, transfer_wait_s=wait_s,
+                             borrowed=co.pools.borrowed if co.pools else 0, perf_labels=self.perf_labels,
+                             loads=load_log, migrations=migrations, handoffs=dict(co.handoffs),
+                             batch_time=[s.batch_time for s in sims], store_kv_tokens=store_tokens,
+                             repurposed=getattr(co.pools, "repurposed", 0), transfer_modes=dict(self.network.modes))

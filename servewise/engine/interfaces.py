@@ -6,7 +6,7 @@ or policies, and what a step reports can cross a process boundary as it is.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Protocol
 
 from servewise.sampling_params import SamplingParams
@@ -79,6 +79,7 @@ class SchedulerOutput:
     aborted)."""
 
     is_prefill: bool
+    _: KW_ONLY  # the fields below are passed by keyword
     scheduled: list[str] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
@@ -159,7 +160,7 @@ class PoolStats:
         return self.total - self.free
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineStats:
     """A snapshot of the engine's load: queue lengths, KV pools, preemptions since start."""
 
@@ -210,7 +211,7 @@ COUNTS = ("admitted_tokens", "prefix_hit_tokens", "store_hit_tokens", "dropped_t
 # besides the preemption counts and swap bytes
 
 
-@dataclass(slots=True)
+@dataclass(kw_only=True, slots=True)
 class StepStats:
     """What one step did. `start` and `end` are on the engine's clock; `elapsed` is the time the runner
     took (copies and the batch), which a virtual clock advances by. engine.stats() gives the load after it."""

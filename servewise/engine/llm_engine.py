@@ -135,16 +135,18 @@ class LLMEngine:
         queued = s.queued_tokens
         if self.config.scheduler.chunked_prefill:  # prompts partly prefilled
             queued += sum(n - 1 for r in s.running if (n := r.num_tokens - r.num_computed_tokens) > 1)
-        return EngineStats(len(s.running), len(s.waiting), len(s.swapped),
-                           PoolStats(bm.num_device_blocks, bm.num_free_device),
-                           PoolStats(bm.num_host_blocks, bm.num_free_host), dict(s.preemption_counts), queued,
-                           len(s.incoming) + len(s.receiving), self.committed_blocks,
-                           self._inflight[1] if now < self._inflight[0] else 0,
-                           bm.admitted_tokens, bm.hit_tokens, len(bm.evictable), bm.store_hit_tokens,
-                           s.dropped_tokens, tuple(n * self.model_config.kv_bytes_per_token * bm.block_size
-                                                   for n in s.swapped_blocks),
-                           dict(s.preemptions_by_priority), self.lengths.stats() if self.lengths else None,
-                           self._busy[0] - max(0.0, self._busy[1] - now), now)
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
+            device_blocks=PoolStats(bm.num_device_blocks, bm.num_free_device),
+            host_blocks=PoolStats(bm.num_host_blocks, bm.num_free_host), preemptions=dict(s.preemption_counts),
+            queued_tokens=queued, incoming=len(s.incoming) + len(s.receiving), committed_blocks=self.committed_blocks,
+            inflight_tokens=self._inflight[1] if now < self._inflight[0] else 0,
+            admitted_tokens=bm.admitted_tokens, prefix_hit_tokens=bm.hit_tokens, cached_blocks=len(bm.evictable),
+            store_hit_tokens=bm.store_hit_tokens, dropped_tokens=s.dropped_tokens,
+            swap_bytes=tuple(n * self.model_config.kv_bytes_per_token * bm.block_size for n in s.swapped_blocks),
+            preemptions_by_priority=dict(s.preemptions_by_priority),
+            lengths=self.lengths.stats() if self.lengths else None,
+            busy_s=self._busy[0] - max(0.0, self._busy[1] - now), at_s=now)
 
     # --- cluster hand-off (see scheduler): prefill here, decode elsewhere, or the other way round ----
     def release(self, request_id: str) -> None:

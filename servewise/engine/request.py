@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from servewise.engine.interfaces import preemption_counts
 from servewise.sampling_params import SamplingParams
@@ -26,6 +26,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    _: KW_ONLY  # the fields below are passed by keyword
     prompt: str | None = None
     seq_no: int = 0  # order of arrival at the engine; breaks ties between equal arrival times
     eos_token_id: int | None = None

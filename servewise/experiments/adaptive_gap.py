@@ -40,7 +40,7 @@ PAPER_TABLE3 = {("opt-13b", "chatbot"): (1.38, 2.46), ("opt-13b", "alpaca"): (1.
                 ("llama-30b", "alpaca"): (1.23, 2.13), ("llama-30b", "summary"): (1.09, 2.18)}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GapSettings:
     sim_models: tuple[str, ...] = ("opt-13b", "opt-30b", "llama-13b", "llama-30b")
     real_model: str | None = "tiny-llama"  # for the arrivals section ('' or None: simulated only)
@@ -293,7 +293,8 @@ def coalesce_lines(res: dict) -> list[str]:
     lines = [f"fair admission coalesced ({g['sim_models'][0]}, max output {g['max_output_len']}): a prefill group "
              f"smaller than admit_min_batch waits up to {g['admit_max_wait']:g} s while requests run",
              f"{'workload':<9}{'system':<24}{'prefill steps (req/step)':>26}{'tok/s':>16}{'weighted turnaround':>22}"]
-    for (wl, x, k), rs in sorted(by.items(), key=lambda kv: (g["workloads"].index(kv[0][0]), kv[0][1] != "vllm", kv[0][2])):
+    for (wl, x, k), rs in sorted(by.items(),
+                                 key=lambda kv: (g["workloads"].index(kv[0][0]), kv[0][1] != "vllm", kv[0][2])):
         steps = np.mean([r["prefill_steps"] for r in rs])
         per = np.mean([r["prefill_requests"] / max(1, r["prefill_steps"]) for r in rs])
         label = x if x == "vllm" else f"{x} min {k}"

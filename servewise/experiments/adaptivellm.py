@@ -31,7 +31,7 @@ from servewise.workloads.presets import preset_workload
 ADAPTIVE, BASELINES = "adaptive+fair", ("vllm", "vllm_s")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     real_models: tuple[str, ...] = ("tiny-llama",)
     sim_models: tuple[str, ...] = ("opt-13b", "opt-30b", "llama-13b", "llama-30b")
@@ -76,7 +76,7 @@ FULL = Settings(real_models=("tiny-llama", "tiny-opt"), num_requests_real=1000, 
                 real_batch_sweep=True)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     kind: str  # "throughput" (max output varies) | "sweep" (max batch size varies) | "decision_cost"
     backend: str  # "real" | "sim"

@@ -65,7 +65,7 @@ SYSTEMS = {"round-robin": ("mixed", "round_robin", False, False),
 MONITOR_S = 2.0  # how often every run's loads are sampled (and, for banaserve, its rebalancing period)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     """What `servewise experiment banaserve` runs: every system at every rate on `instances` simulated A100s
     serving `model`. The workload: `num_requests` of `workload` (shared-prefix: `prefixes` system prompts of

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 
 import numpy as np
 
@@ -105,6 +105,7 @@ class PredictSettings:
     """What `servewise predict-lengths` runs: `num` pairs of `data`, a `test_share` of them held out."""
 
     data: str
+    _: KW_ONLY  # the fields below are passed by keyword
     num: int = 3000
     test_share: float = 0.3
     seed: int = 0
@@ -215,6 +216,7 @@ class Settings:
 
     experiment: str  # "magnus" | "uellm"
     data: str  # ShareGPT pairs
+    _: KW_ONLY  # the fields below are passed by keyword
     cache_dir: str | None = None  # embeddings kept between runs (None or '': nowhere)
     seed: int = 0
     train: int = 1000  # pairs that train the predictors; the workload's requests follow them
@@ -325,7 +327,8 @@ def run_experiment(s: Settings) -> dict:
                 if not supported(b, system, s.calibration is not None):
                     continue
                 spec = lab.Spec(engine(b, system, s.real_blocks, s.calibration, s.calibration_gpu),
-                                items[SYSTEMS[system][1]], arrivals, tags={"backend": b, "system": system, "rate": rate})
+                                items[SYSTEMS[system][1]], arrivals,
+                                tags={"backend": b, "system": system, "rate": rate})
                 runs.append(r := row(spec, lab.run(spec)))
                 print(f"{b:<4} {rate:>5g} req/s {system:<14} {r['request_throughput']:7.2f} req/s  mean E2E "
                       f"{r['mean_e2e_s']:8.2f} s  p99 {r['p99_e2e_s']:8.2f} s  SLO viol. {r['slo_violation_rate']:.0%}"

@@ -46,7 +46,7 @@ def thesis_topology(devices: list[Device]) -> Topology:
                     [[link(i, j)[1] for j in range(n)] for i in range(n)])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     """What `servewise experiment uellm-placement` runs: every model on every device set, each placement's
     engine fed `num_requests` of `workload` (a preset or loader, from `data` when given) at every rate."""

@@ -65,7 +65,7 @@ PAPER = {
 }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     data_dir: str  # holds AzureLLMInferenceTrace_{code,conv}.csv.gz and splitwise/perf_model.csv.gz
     model: str = "bloom-176b"
@@ -120,8 +120,9 @@ class Settings:
         return os.path.join(self.data_dir, "splitwise", "perf_model.csv.gz")
 
 
-QUICK = dict(duration_s=20.0, max_machines=12, max_baseline_machines=24, provision_kinds=("Baseline-H100", "Splitwise-HH"),
-             provision_rate=10.0, sweep_rates=(10.0, 20.0), transfer_prompts=(512, 2048), mixed_rates=(90.0,))
+QUICK = dict(duration_s=20.0, max_machines=12, max_baseline_machines=24,
+             provision_kinds=("Baseline-H100", "Splitwise-HH"), provision_rate=10.0, sweep_rates=(10.0, 20.0),
+             transfer_prompts=(512, 2048), mixed_rates=(90.0,))
 
 _TRACES: dict[str, list[WorkloadRequest]] = {}
 SPLITWISESIM_WEIGHTS = {"bloom-176b": 329e9, "llama-2-70b": 135e9}  # bytes, its model_repo/sizes configs
@@ -197,7 +198,8 @@ def _robust_point(args) -> dict:
     extra = {"repurpose_s": s.repurpose_s} if repurpose else {}
     return check(model, design_of(kind, counts), *rescaled(s, trace, s.provision_rate),
                  options={**options(s, kind), **extra},
-                 tags=dict(kind=kind, counts=counts, trace=trace, rate=s.provision_rate, model=model, repurpose=repurpose))
+                 tags=dict(kind=kind, counts=counts, trace=trace, rate=s.provision_rate, model=model,
+                           repurpose=repurpose))
 
 
 def batch_cdf(hist: dict) -> tuple[list[int], list[float]]:

@@ -94,8 +94,8 @@ def run(spec: Spec, progress=None, engine=None):
     steps = {"steps": sum(map(len, result.steps)), "per_instance": [len(s) for s in result.steps],
              "busy_s": [sum(s[2] for s in log) for log in result.steps]} if trace else {}
     cluster = {"handoffs": handoffs, "transfers": sum(handoffs.values()), "roles": list(c.design)}
-    return Record(dict(spec.tags), compute(records, spec.slo), records, [], steps, wall, prefix, None, cluster,
-                  client, result)
+    return Record(tags=dict(spec.tags), metrics=compute(records, spec.slo), requests=records, rejected=[], steps=steps,
+                  wall_s=wall, prefix_cache=prefix, swap=None, cluster=cluster, engine=client, result=result)
 
 
 async def drive(client, items, arrivals, rids: list | None = None, progress=None) -> list[RequestRecord]:
@@ -123,6 +123,8 @@ async def drive(client, items, arrivals, rids: list | None = None, progress=None
                 break
         if progress:
             progress(1)
-        return RequestRecord(sent, item.prompt_len, len(times), times[0], times[-1], None, times, d.finish_reason)
+        return RequestRecord(arrival=sent, prompt_tokens=item.prompt_len, output_tokens=len(times),
+                             first_token=times[0], finish=times[-1], first_scheduled=None, token_times=times,
+                             finish_reason=d.finish_reason)
 
     return list(await asyncio.gather(*(one(i) for i in range(len(items)))))

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from servewise.metrics.summary import RequestRecord
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Record:
     """What one run did. metrics: servewise.metrics.compute's figures (TTFT, TPOT, ITL, E2E, throughput,
     preemptions, goodput with an SLO). steps: counts of the steps (prefill, decode, requests prefilled,

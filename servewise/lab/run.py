@@ -103,8 +103,9 @@ def run(spec: Spec, on_step: Callable[[StepStats], None] | None = None,
     block_bytes = mc.kv_bytes_per_token * bm.block_size
     swap = {"out_blocks": steps.out_blocks, "in_blocks": steps.in_blocks,
             "bytes": (steps.out_blocks + steps.in_blocks) * block_bytes} if steps.out_blocks else None
-    return Record(dict(spec.tags), compute(records, spec.slo), records, rejected, steps.as_dict(), wall,
-                  _prefix_cache(bm, before), swap, None, eng)
+    return Record(tags=dict(spec.tags), metrics=compute(records, spec.slo), requests=records, rejected=rejected,
+                  steps=steps.as_dict(), wall_s=wall, prefix_cache=_prefix_cache(bm, before), swap=swap, cluster=None,
+                  engine=eng)
 
 
 def _run_cluster(spec: Spec, progress, sim=None) -> Record:
@@ -125,8 +126,9 @@ def _run_cluster(spec: Spec, progress, sim=None) -> Record:
                "transfer_wait_s": res.transfer_wait_s, "borrowed": res.borrowed, "makespan_s": res.makespan,
                "migrations": len(res.migrations), "perf": list(res.perf_labels),
                "store_kv_tokens": res.store_kv_tokens, "transfer_modes": dict(res.transfer_modes)}
-    return Record(dict(spec.tags), compute(records, spec.slo), records, res.rejected, steps, res.wall_s, prefix,
-                  None, cluster, sim, res)
+    return Record(tags=dict(spec.tags), metrics=compute(records, spec.slo), requests=records, rejected=res.rejected,
+                  steps=steps, wall_s=res.wall_s, prefix_cache=prefix, swap=None, cluster=cluster, engine=sim,
+                  result=res)
 
 
 def run_all(specs: list[Spec], say: Callable[[str], None] | None = None, line=None) -> list[Record]:

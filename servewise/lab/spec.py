@@ -1,7 +1,7 @@
 """What a run is: the engine (or cluster) it runs on and the workload it runs."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from servewise.metrics.summary import SLO
 from servewise.workloads.datasets import WorkloadRequest
@@ -21,6 +21,7 @@ class Engine:
     model: str = "tiny-llama"
     hardware: str = "profile"
     predictors: object = None
+    _: KW_ONLY  # the fields below are passed by keyword
     perf: object = None
     options: dict = field(default_factory=dict)
     warmup: bool = True

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 
 import numpy as np
 
@@ -24,6 +24,7 @@ class RequestRecord:
     arrival: float
     prompt_tokens: int
     output_tokens: int
+    _: KW_ONLY  # the fields below are passed by keyword
     first_token: float | None = None
     finish: float | None = None
     first_scheduled: float | None = None
@@ -34,8 +35,9 @@ class RequestRecord:
     @classmethod
     def from_request(cls, r) -> RequestRecord:
         """From an engine Request (real or simulated)."""
-        return cls(r.arrival_time, r.num_prompt_tokens, len(r.output_token_ids), r.first_token_time, r.finish_time,
-                   r.first_scheduled_time, list(r.token_times), r.finish_reason, dict(r.preemptions))
+        return cls(r.arrival_time, r.num_prompt_tokens, len(r.output_token_ids), first_token=r.first_token_time,
+                   finish=r.finish_time, first_scheduled=r.first_scheduled_time, token_times=list(r.token_times),
+                   finish_reason=r.finish_reason, preemptions=dict(r.preemptions))
 
     @property
     def completed(self) -> bool:

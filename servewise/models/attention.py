@@ -15,7 +15,7 @@ hit, mixed steps): every prefill then reads its keys from the cache through the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     seq_lens: list[int]  # tokens per request (prefill: new tokens; decode: context length)
     block_size: int = 16
+    _: KW_ONLY  # the fields below are passed by keyword
     block_tables: torch.Tensor | None = None  # decode: [batch, max_blocks], padded with block 0
     mask: torch.Tensor | None = None  # decode, PyTorch path: [batch, 1, 1, max_blocks * block_size], 0 or -inf
     context_lens: torch.Tensor | None = None  # decode: [batch] int64
@@ -179,7 +180,8 @@ def _continued(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, op
         tok = torch.tensor([starts[i] for i in single], device=q.device)
         ctx = torch.tensor([meta.prior_lens[i] + 1 for i in single], device=q.device)
         bt = meta.block_tables.index_select(0, rows)
-        sub = AttentionMetadata(False, tok, ctx.tolist(), bs, bt, None, ctx, meta.kernel)
+        sub = AttentionMetadata(is_prefill=False, slot_mapping=tok, seq_lens=ctx.tolist(), block_size=bs,
+                                block_tables=bt, mask=None, context_lens=ctx, kernel=meta.kernel)
         if meta.kernel is None:
             sub.mask = decode_mask(bt, ctx, bs, q.dtype)
         out[tok] = _decode(q[tok], cache, sub, opts)

@@ -30,7 +30,7 @@ class Swap:
         return Preemption.SWAP if bm.can_swap_out(req.request_id) else Preemption.SWAP_FALLBACK
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Decision:
     request_id: str
     tokens: int  # prompt + generated: what a recompute re-prefills
@@ -83,7 +83,8 @@ class Adaptive:
             mode = Preemption.SWAP if room else Preemption.SWAP_FALLBACK
         else:
             mode = Preemption.RECOMPUTE
-        self.decisions.append(Decision(req.request_id, req.num_tokens, len(table), recompute, swap, room, mode))
+        self.decisions.append(Decision(request_id=req.request_id, tokens=req.num_tokens, blocks=len(table),
+                                       recompute_s=recompute, swap_s=swap, host_room=room, mode=mode))
         return mode
 
 

@@ -31,7 +31,7 @@ def decode_terms(ctx_lens: list[int]) -> tuple[float, float, float]:
     return 1.0, float(len(ctx_lens)), float(sum(ctx_lens))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OperationSteps:
     """What `bench operations` measured for one model on this machine: the shapes (k, n) of one layer's
     GEMMs and of the LM head, the operations table they are priced by (a path relative to this file's

@@ -42,7 +42,7 @@ TABLE_GPUS = {"a100-80gb": "a100-80g", "h100-80gb": "h100-80g", "h100-80gb-pcap"
 TABLE_MODELS = {"llama2-70b": "llama-2-70b", "bloom-176b": "bloom-176b"}
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Calibration:
     """One GPU's fitted constants (defaults: the roofline's assumptions, before any fit)."""
 
@@ -283,7 +283,7 @@ class OperationPerf(RooflinePerf):
 
 # ---- calibration on measured steps -------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Point:
     """One measured step: `phase` prompt (a batch of `batch` prompts of `prompt` tokens) or token (a decode
     step of `batch` requests at context `prompt` + half the output), `seconds` its median."""
@@ -314,10 +314,10 @@ def table_points(table) -> list[Point]:
             if t != 128 or not (b == 1 or p == 512):
                 continue
             if (p * b, pt) in kept:
-                out.append(Point(name, gpu, tp, "prompt", p, b, pt))
+                out.append(Point(model=name, gpu=gpu, tp=tp, phase="prompt", prompt=p, batch=b, seconds=pt))
                 kept.discard((p * b, pt))
         for b, tt in _monotone([(b, tt) for (p, b, t), (_, tt) in runs.items() if p == 512 and t == 128]):
-            out.append(Point(name, gpu, tp, "token", 512, b, tt))
+            out.append(Point(model=name, gpu=gpu, tp=tp, phase="token", prompt=512, batch=b, seconds=tt))
     return out
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from servewise.config import ModelConfig
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Hardware:
     name: str
     fp16_tflops: float  # dense tensor-core peak
@@ -32,21 +32,22 @@ class Hardware:
 # Peaks from the vendors' data sheets (dense FP16 tensor throughput, no sparsity).
 HARDWARE = {
 # NVLink: the data sheets' total bidirectional bandwidth per GPU, halved.
-    "a100-80g": Hardware("A100-80G SXM", 312, 2039, 32, 80, "NVIDIA A100 datasheet; PCIe Gen4 x16; NVLink 3 600 GB/s",
-                         nvlink_gbps=300),
-    "a800-80g-pcie": Hardware("A800-80G PCIe", 312, 1935, 32, 80,
-                              "NVIDIA A800 PCIe product brief; PCIe Gen4 x16; NVLink bridge 400 GB/s", nvlink_gbps=200),
-    "h100-80g": Hardware("H100-80G SXM", 989, 3350, 64, 80, "NVIDIA H100 datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s",
-                         nvlink_gbps=450),
-    "v100-32g": Hardware("V100-32G SXM2", 125, 900, 16, 32, "NVIDIA V100 datasheet; PCIe Gen3 x16; NVLink 2 300 GB/s",
-                         nvlink_gbps=150),
-    "rtx3090": Hardware("GeForce RTX 3090", 71, 936, 32, 24,
-                        "NVIDIA Ampere GA102 whitepaper (FP16 tensor, FP32 accumulate); PCIe Gen4 x16; "
+    "a100-80g": Hardware(name="A100-80G SXM", fp16_tflops=312, hbm_gbps=2039, link_gbps=32, memory_gb=80,
+                         source="NVIDIA A100 datasheet; PCIe Gen4 x16; NVLink 3 600 GB/s", nvlink_gbps=300),
+    "a800-80g-pcie": Hardware(name="A800-80G PCIe", fp16_tflops=312, hbm_gbps=1935, link_gbps=32, memory_gb=80,
+                              source="NVIDIA A800 PCIe product brief; PCIe Gen4 x16; NVLink bridge 400 GB/s",
+                              nvlink_gbps=200),
+    "h100-80g": Hardware(name="H100-80G SXM", fp16_tflops=989, hbm_gbps=3350, link_gbps=64, memory_gb=80,
+                         source="NVIDIA H100 datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s", nvlink_gbps=450),
+    "v100-32g": Hardware(name="V100-32G SXM2", fp16_tflops=125, hbm_gbps=900, link_gbps=16, memory_gb=32,
+                         source="NVIDIA V100 datasheet; PCIe Gen3 x16; NVLink 2 300 GB/s", nvlink_gbps=150),
+    "rtx3090": Hardware(name="GeForce RTX 3090", fp16_tflops=71, hbm_gbps=936, link_gbps=32, memory_gb=24,
+                        source="NVIDIA Ampere GA102 whitepaper (FP16 tensor, FP32 accumulate); PCIe Gen4 x16; "
                         "NVLink bridge 112.5 GB/s", nvlink_gbps=56),
 }
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Efficiency:
     """Assumed fractions of peak reached in practice, and fixed costs (all assumptions)."""
 

@@ -45,7 +45,8 @@ class DecodeGraphs:
 
     def _meta(self, b: int) -> AttentionMetadata:
         slot, ctx = self.vec[2, :b], self.vec[3, :b]
-        return AttentionMetadata(False, slot, [1] * b, self.bs, self.table[:b], None, ctx, self.kernel)
+        return AttentionMetadata(is_prefill=False, slot_mapping=slot, seq_lens=[1] * b, block_size=self.bs,
+                                 block_tables=self.table[:b], mask=None, context_lens=ctx, kernel=self.kernel)
 
     def _forward(self, b: int) -> torch.Tensor:
         ids, pos = self.vec[0, :b], self.vec[1, :b]

@@ -375,7 +375,8 @@ class TorchRunner:
         pos = ctx_t - 1
         slot = bt[torch.arange(B, device=dev), pos // bs] * bs + pos % bs
         mask = None if self.attn_kernel is not None else decode_mask(bt, ctx_t, bs, self.device_cache.dtype)
-        meta = AttentionMetadata(False, slot, ctx, bs, bt, mask, ctx_t, self.attn_kernel)
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=slot, seq_lens=ctx, block_size=bs, block_tables=bt,
+                                 mask=mask, context_lens=ctx_t, kernel=self.attn_kernel)
         ids = torch.tensor([s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in rows],
                            device=dev)
         return ids, pos, meta

@@ -10,7 +10,7 @@ import gzip
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from datetime import datetime
 from typing import Iterator
 
@@ -21,6 +21,7 @@ class WorkloadRequest:
     output_len: int
     prompt: str | list[int] | None = None  # text or token ids; None: lengths only
     arrival: float | None = None  # seconds from the start of the source trace
+    _: KW_ONLY  # the fields below are passed by keyword
     prefix_hashes: list | None = None  # per prompt block, where the trace has them (prefix caching)
     text: str | None = None  # the prompt as text, where ids were made from one (what a text client sends)
     predicted_len: int | None = None  # its output length as predicted before it runs (length-aware scheduling)
