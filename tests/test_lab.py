@@ -1,4 +1,6 @@
 """The lab layer: one call runs a spec on the real engine, the simulator or a simulated cluster."""
+from pathlib import Path
+
 import pytest
 
 from servewise.cluster.sim import Design
@@ -102,6 +104,30 @@ def test_a_checkpoint_keeps_finished_points_for_the_same_settings_and_code(tmp_p
     _square.calls = 0
     assert Checkpoint(cp.dir, code="other code").call(_square, 1) == first[0] and _square.calls == 1
     assert Checkpoint(None).call(_square, 1) == first[0] and _square.calls == 2 and cp.kept(_square, [5]) == 0
+
+
+def test_the_code_digest_follows_python_kernels_and_headers_only(tmp_path):
+    import shutil
+
+    from servewise.lab.checkpoint import code_digest
+
+    tree = tmp_path / "pkg"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "servewise" / "kernels", tree / "kernels",
+                    ignore=shutil.ignore_patterns("__pycache__", "build*"))
+    (tree / "mod.py").write_text("x = 1\n")
+    base = code_digest(tree)
+    assert code_digest(tree) == base
+    for name in ("kernels/paged_attention.cpp", "kernels/fast_exp.h", "mod.py"):
+        path = tree / name
+        text = path.read_text()
+        path.write_text(text + "\n// changed\n" if path.suffix != ".py" else text + "# changed\n")
+        assert code_digest(tree) != base, name
+        path.write_text(text)
+        assert code_digest(tree) == base
+    (tree / "notes.txt").write_text("not a source")
+    (tree / "kernels" / "build.ninja").write_text("built")
+    assert code_digest(tree) == base  # built files and notes do not make points stale
+    assert code_digest() != code_digest(tree)  # the package's own sources by default
 
 
 def test_the_splitwise_points_do_not_depend_on_what_only_chooses_the_points():

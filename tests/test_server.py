@@ -87,15 +87,23 @@ def test_logprobs_in_both_shapes_streaming_or_not(client):
 
 
 def test_penalties_and_min_p_are_served(client):
-    prompt = "Penalties"
-    r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0,
-                                  frequency_penalty=2.0, presence_penalty=1.0,
-                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.05})
-    ids = r.choices[0].text
-    assert r.usage.completion_tokens == 8
-    plain = offline_text(prompt, 8)
-    # strong penalties change what greedy decoding repeats: the tiny random model repeats itself without them
-    assert ids != plain
+    """Each parameter reaches the sampler: the served text is the offline engine's with it, which differs
+    from the text without it (so a server that dropped it would answer other text)."""
+    prompt, n = "Penalties", 8
+    llm = LLM("tiny-llama", **ENGINE)
+    offline = lambda **kw: llm.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True, **kw))[0].text  # noqa
+    greedy = offline(temperature=0)
+    # the tiny random model repeats itself greedily: each penalty alone changes that
+    for name, value in (("frequency_penalty", 2.0), ("presence_penalty", 1.0), ("repetition_penalty", 1.3)):
+        r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=n, temperature=0,
+                                      extra_body={"ignore_eos": True, name: value})
+        assert r.usage.completion_tokens == n
+        assert r.choices[0].text == offline(temperature=0, **{name: value}) != greedy, name
+    # min_p 1 keeps only the most likely token: seeded sampling at a high temperature becomes greedy
+    r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=n, temperature=2.0, seed=7,
+                                  extra_body={"ignore_eos": True, "min_p": 1.0})
+    assert r.choices[0].text == offline(temperature=2.0, seed=7, min_p=1.0) == greedy
+    assert offline(temperature=2.0, seed=7) != greedy
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=2, presence_penalty=3.0)
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):

@@ -2,7 +2,7 @@
 back) resumes where it was instead of from its start.
 
 A point is one call `fn(args)` of an experiment's grid. Its result is kept under `dir` in a file named by
-a digest of the function, its arguments' repr and the source of the servewise package: the same
+a digest of the function, its arguments' repr and the sources of the servewise package (Python, C++): the same
 settings on the same code reuse it; a changed setting or any change to the code computes it again.
 Files are written whole (a temporary name, then renamed), so a run killed mid-write leaves none half
 written. Results are pickled (they keep their types); the files are the run's own, not for exchange.
@@ -17,11 +17,15 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 
-def code_digest() -> str:
-    """sha256 of every Python source of the servewise package (names and contents)."""
-    root = Path(__file__).resolve().parents[1]
+SOURCES = {".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh"}  # what a measurement runs: Python and kernels
+
+
+def code_digest(root: str | Path | None = None) -> str:
+    """sha256 of every source of the servewise package (or of `root`), names and contents: the Python and
+    the C++ kernels with their headers (a kernel change makes the timed points of real runs stale)."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for p in root.rglob("*") if p.suffix in SOURCES and p.is_file()):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
