@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from servewise.cluster.sim import Design
-from servewise.lab import Cluster, Engine, Spec, ci95, repeat, run
+from servewise.lab import Cluster, Engine, Spec, ci95, run
 from servewise.workloads.datasets import WorkloadRequest
 
 
@@ -62,11 +62,10 @@ def test_specs_refuse_what_cannot_run():
         Spec(Engine(), _items(3), arrivals=[0.0])
 
 
-def test_confidence_intervals_and_repeats():
+def test_confidence_intervals():
     m, h = ci95([1.0, 2.0, 3.0])
     assert m == 2.0 and h == pytest.approx(4.303 * 1.0 / 3 ** 0.5, rel=1e-3)  # t(0.975, 2) = 4.303
     assert ci95([5.0]) == (5.0, 0.0)
-    assert repeat(lambda s: s * 10, range(3)) == [0, 10, 20]
 
 
 def test_a_record_pairs_its_requests_with_the_items_the_engine_took():

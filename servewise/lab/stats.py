@@ -1,9 +1,7 @@
-"""Repeats and their spread: the mean and a 95% confidence interval of the mean (Student's t)."""
+"""The spread of repeats: the mean and a 95% confidence interval of the mean (Student's t)."""
 from __future__ import annotations
 
 import math
-from typing import Callable
-
 import numpy as np
 
 
@@ -20,7 +18,3 @@ def ci95(xs: list[float]) -> tuple[float, float]:
         return mean(xs), 0.0
     return float(a.mean()), float(t.ppf(0.975, a.size - 1) * a.std(ddof=1) / math.sqrt(a.size))
 
-
-def repeat(make: Callable[[int], object], seeds) -> list:
-    """make(seed) for every seed, in order: one place that says what a repeat varies."""
-    return [make(s) for s in seeds]
