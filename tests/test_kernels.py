@@ -371,11 +371,41 @@ def test_engine_outputs_are_identical_on_either_layer_path():
     assert [o.token_ids for o in llm.generate(prompts, sp)] == fast
 
 
-def test_keeping_freed_memory_can_be_turned_off(monkeypatch):
-    from servewise.runners import torch_runner
+FREED_RSS = """
+import ctypes, sys
+from servewise.runners.torch_runner import keep_freed_memory
+from servewise.engine.heap import glibc
+libc, rss = glibc(), lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+print(keep_freed_memory())
+n = 256 << 20  # above glibc's largest dynamic mmap threshold (32 MiB): by default always a fresh mapping
+p = libc.malloc(n)
+ctypes.memset(p, 1, n)
+held = rss()
+libc.free(p)
+print((held - rss()) >> 20)
+"""
 
-    monkeypatch.setenv("SERVEWISE_MALLOC", "system")
-    assert "system" in torch_runner.keep_freed_memory()
+
+@pytest.mark.process
+@pytest.mark.parametrize("mode", ["keep", "system"])
+def test_freed_large_blocks_stay_in_the_heap_unless_turned_off(mode):
+    """A freed 256 MiB block stays resident when large blocks are kept (the next step reuses its pages), and
+    goes back to the system under SERVEWISE_MALLOC=system (glibc's defaults)."""
+    import subprocess
+    import sys
+
+    from servewise.engine.heap import glibc
+
+    if glibc() is None or not os.path.exists("/proc/self/statm"):
+        pytest.skip("needs glibc's malloc and /proc")
+    out = subprocess.run([sys.executable, "-c", FREED_RSS], env=dict(os.environ, SERVEWISE_MALLOC=mode),
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split("\n")
+    released_mib = int(out[1])
+    if mode == "system":
+        assert "system defaults" in out[0] and released_mib > 200
+    else:
+        assert out[0] == "malloc: large blocks kept in the heap" and released_mib < 16
 
 
 def test_the_kernels_source_digest_follows_the_sources_and_headers(tmp_path, monkeypatch):
