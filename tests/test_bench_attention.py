@@ -1,6 +1,7 @@
 """`servewise bench attention`: the decode kernel's KV read bandwidth and the stream's, and the prompt
 kernel against SDPA, in one JSON."""
 import json
+import statistics
 
 import pytest
 import torch
@@ -27,6 +28,29 @@ def test_the_bench_measures_each_shape_and_dtype_and_saves_what_it_printed(tmp_p
     for m, d in shapes:  # the same requests in fewer, larger blocks: a pool of the same tokens, give or take a block each
         small, large = cases[m, d, 16]["pool_bytes"], cases[m, d, 64]["pool_bytes"]
         assert small < large <= small * 2.5
+        # the pool: K and V, (8 requests x the longest context's blocks + 1) blocks of KV heads x head dim; contexts
+        # of 20-40 tokens take 2 or 3 blocks of 16 and 1 of 64
+        x = cases[m, d, 16]
+        row_bytes = x["kv_heads"] * x["head_dim"] * (4 if d == "float32" else 2)
+        assert large == 2 * (8 * 1 + 1) * 64 * row_bytes and small in {2 * (8 * w + 1) * 16 * row_bytes for w in (2, 3)}
+    # every figure is the median of the rounds' (a share: the median of each round's share)
+    rounds, med = saved["rounds"], lambda values: pytest.approx(statistics.median(values))  # noqa: E731
+    assert saved["stream_gbs"] == med(row["stream_gbs"] for row in rounds)
+    for x in saved["summary"]:
+        key = f"{x['model']}/{x['dtype']}/{x['block_size']}"
+        assert x["kernel_gbs"] == med(row[key] for row in rounds)
+        assert x["read_gbs"] == med(row[key + "/read"] for row in rounds)
+        assert x["torch_gbs"] == med(row[key + "/torch"] for row in rounds)
+        shares = [row[key] / row["stream_gbs"] for row in rounds]
+        assert x["share_of_stream"] == med(shares) and x["share_range"] == [min(shares), max(shares)]
+        assert x["read_share_of_stream"] == med(row[key + "/read"] / row["stream_gbs"] for row in rounds)
+        of_read = [row[key] / row[key + "/read"] for row in rounds]
+        assert x["share_of_read"] == med(of_read) and x["share_of_read_range"] == [min(of_read), max(of_read)]
+    for x in saved["prompts"]:
+        key = f"prompts {x['model']}/{x['dtype']}"
+        assert x["kernel_gflops"] == med(row[key] for row in rounds)
+        assert x["torch_gflops"] == med(row[key + "/torch"] for row in rounds)
+        assert x["speedup"] == med(row[key] / row[key + "/torch"] for row in rounds)
     assert all(len(row) == 1 + len(cases) * 3 + len(shapes) * 2 for row in saved["rounds"])
     for x in saved["summary"]:
         assert x["kernel_gbs"] > 0 and x["torch_gbs"] > 0 and x["read_gbs"] > 0

@@ -36,18 +36,42 @@ def test_the_fidelity_section_runs_its_whole_path(tmp_path, monkeypatch):
     for x in f["runs"].values():
         rows = x["profiled"]["rows"]
         assert rows["makespan (s)"]["real"] > 0 and rows["makespan (s)"]["sim"] > 0
+        # one real run against each simulation: every model's "real" column is that run's figures, its error
+        # the simulation's distance from them
+        for name in ("profiled", "drift_corrected", "run_start_corrected", "following"):
+            rows = x[name]["rows"]
+            for key, label in (("duration_s", "makespan (s)"), ("mean_e2el_ms", "mean E2E (ms)"),
+                               ("mean_ttft_ms", "mean TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)")):
+                r = rows[label]
+                assert r["real"] == x["real"][key] > 0 and r["sim"] > 0
+                assert r["error_pct"] == pytest.approx((r["sim"] - r["real"]) / r["real"] * 100)
+            assert {k: rows[f"preemptions: {k}"]["real"] for k in x["real"]["preemptions"]} == x["real"]["preemptions"]
     report = gpu.report({"fidelity": f})
     assert "| 32/adaptive |" in report and "Simulator fidelity on this GPU (tiny-llama" in report
 
 
 def test_the_kv_section_hands_off_between_two_engines_and_decodes_as_one_engine():
+    from servewise.cluster.links import LinkModel
+
     s = gpu.Settings(kv_model="tiny-llama", kv_prompt_lens=[20, 70], kv_batch=3)
     k = gpu.kv_section(s, {"hbm_gbs": 20.0}, progress=lambda m: None, device="cpu")
     assert [x["prompt_len"] for x in k["rows"]] == [20, 70]
+    # tiny-llama in float32: 4 layers x K and V of 2 heads x 64 floats a token, blocks of 16 tokens
+    assert k["block_bytes"] == 4 * 2 * 2 * 64 * 4 * 16 and k["copy_gbs"] == 10.0  # a plain copy: half of 20 GB/s
     for x in k["rows"]:
-        assert x["outputs_identical"]
+        assert x["outputs_identical"] and x["requests"] == 3
         assert x["blocks"] == 3 * -(-x["prompt_len"] // 16) and x["bytes"] == x["blocks"] * k["block_bytes"]
+        assert 1 <= x["runs"] <= x["blocks"]
         assert x["layerwise_s"] > 0 and x["whole_s"] > 0 and x["sim_s"] > 0
+        # rates are the bytes over the saved times; the layer-wise time is the fastest way's
+        ways = x["layerwise_gbs_by_way"]
+        assert x["layerwise_gbs"] == pytest.approx(x["bytes"] / x["layerwise_s"] / 1e9)
+        assert x["layerwise_gbs"] == pytest.approx(max(ways.values()))
+        assert x["layerwise_way"] == max(ways, key=ways.get) and {"indexed", "index_copy", "runs"} <= set(ways)
+        assert x["whole_gbs"] == pytest.approx(x["bytes"] / x["whole_s"] / 1e9)
+        # the link model: the bytes at the copy rate plus one message a layer
+        assert x["sim_s"] == pytest.approx(LinkModel(10.0).send_time(x["bytes"], 4))
+        assert x["sim_error_pct"] == pytest.approx((x["sim_s"] - x["layerwise_s"]) / x["layerwise_s"] * 100)
     report = gpu.report({"kv": k})
     assert "| 3 x 70 |" in report and "KV hand-off between two engines" in report
 

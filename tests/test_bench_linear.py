@@ -14,14 +14,30 @@ def test_it_times_the_layers_the_engine_holds():
 
 
 def test_every_path_row_count_and_layer_is_reported(tmp_path):
+    """Every path, layer and row count timed each round; a figure is 2 x rows x in x out flops over the median
+    of its rounds' times, and a pass is the model's 4 layers and its output projection at those times."""
+    import statistics
+
     out = tmp_path / "linear.json"
     r = main(Settings(model="tiny-llama", rows=(1, 9), rounds=2, repeat=1, out=str(out)))
     assert json.loads(out.read_text())["summary"] == r["summary"]
     layers = [x for x in r["summary"] if x["layer"] != "pass"]
     assert len(layers) == 2 * 6 and all({"servewise", "bf16 oneDNN", "fp32"} <= set(x["gflops"]) <=
                                         {"servewise", "oneDNN prepacked", "bf16 oneDNN", "fp32"} for x in layers)
-    assert all(v > 0 for x in layers for v in x["gflops"].values())
     assert [x["rows"] for x in r["summary"] if x["layer"] == "pass"] == [1, 9] and len(r["rounds"]) == 2
+    shapes, paths = layer_shapes("tiny-llama"), set(layers[0]["gflops"])
+    assert all(set(row) == {f"{p}/{m}/{n}" for p in paths for m in shapes for n in (1, 9)} for row in r["rounds"])
+    assert all(t > 0 for row in r["rounds"] for t in row.values())
+    med = {k: statistics.median(row[k] for row in r["rounds"]) for k in r["rounds"][0]}
+    for x in layers:
+        assert (x["in"], x["out"]) == shapes[x["layer"]] and set(x["gflops"]) == paths
+        for p, g in x["gflops"].items():
+            assert g == pytest.approx(2 * x["rows"] * x["in"] * x["out"] / med[f"{p}/{x['layer']}/{x['rows']}"] / 1e9)
+    for x in (x for x in r["summary"] if x["layer"] == "pass"):
+        n = x["rows"]
+        for p, ms in x["ms"].items():  # tiny-llama: 4 layers
+            body = sum(med[f"{p}/{m}/{n}"] for m in shapes if m != "head")
+            assert ms == pytest.approx(1e3 * (4 * body + med[f"{p}/head/{n}"]))
 
 
 @pytest.mark.parametrize("rows", ["0", "1,x", ""])

@@ -68,10 +68,70 @@ def test_server_side_figures_are_the_metrics_changes():
                                          "recomputed_tokens": None, "swapped_bytes": 0.0})
 
 
+def test_the_command_line_runs_every_servewise_server_unless_told_and_vllm_first_given_its_command(monkeypatch):
+    """`bench peer`'s run(): without --servers, the four servewise servers (vLLM first with --vllm); the flags
+    reach the settings both servers are started from."""
+    import torch
+
+    from servewise.cli import main as cli
+
+    got = []
+    monkeypatch.setattr(peer, "main", got.append)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (--threads is the servers'; not this process's)
+    cli(["bench", "peer"])
+    cli(["bench", "peer", "--vllm", "py vllm_cli.py", "--kv-blocks", "77", "--block-size", "64", "--host-blocks", "0",
+         "--threads", "3", "--workloads", "burst,light", "--num-prompts", "9", "--port", "9001",
+         "--sw-args", "--max-num-seqs 128", "--model", "/m"])
+    cli(["bench", "peer", "--servers", "sw:swap:fair,sw:recompute:fcfs:chunked64"])
+    plain, with_vllm, chosen = got
+    sw = ["sw:recompute:fcfs", "sw:swap:fcfs", "sw:adaptive:fcfs", "sw:adaptive:fair"]
+    assert plain.servers == sw and plain.vllm is None and plain.workloads == ["long", "burst", "light"]
+    assert with_vllm.servers == ["vllm"] + sw and chosen.servers == ["sw:swap:fair", "sw:recompute:fcfs:chunked64"]
+    s = with_vllm
+    assert (s.model, s.vllm, s.kv_blocks, s.block_size, s.host_blocks, s.threads, s.workloads, s.num_prompts, s.port) \
+        == ("/m", "py vllm_cli.py", 77, 64, 0, 3, ["burst", "light"], 9, 9001)
+    argv, _ = server_command(s, "sw:swap:fcfs")
+    flag = lambda f: argv[argv.index(f) + 1]  # noqa: E731
+    assert (flag("--num-device-blocks"), flag("--block-size"), flag("--num-host-blocks"), flag("--threads"),
+            flag("--port"), flag("--max-num-seqs")) == ("77", "64", "0", "3", "9001", "128")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--servers", "sw:swap"], "server 'sw:swap': give 'vllm' or 'sw:PREEMPTION:POLICY[:chunkedN]'"),
+    (["--servers", "vllm"], "server 'vllm' needs the vLLM command"),
+    (["--workloads", "burst,huge"], "unknown workload(s) huge"),
+    (["--num-prompts", "0"], "argument --num-prompts: must be >= 1, got 0"),
+    (["--kv-blocks", "-1"], "argument --kv-blocks: must be >= 1, got -1"),
+])
+def test_bad_input_is_refused_in_one_line_before_any_server_starts(argv, message, tmp_path, capsys, monkeypatch):
+    import subprocess
+
+    import torch
+
+    from servewise.cli import main as cli
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **kw: pytest.fail("a server was started"))
+    out = tmp_path / "peer.json"
+    with pytest.raises(SystemExit) as e:
+        cli(["bench", "peer", *argv, "--port", "8049", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
 @pytest.mark.server
 @pytest.mark.process
-def test_a_servewise_server_under_kv_pressure_counts_what_it_recomputed(tmp_path):
-    # five 512 -> 256 requests at once on 64 blocks of 32 tokens (2,048 tokens; the five need 3,840): preemptions
+@pytest.mark.slow
+def test_a_servewise_server_under_kv_pressure_counts_what_it_recomputed(tmp_path, monkeypatch):
+    """Five 512 -> 256 requests at once on 64 blocks of 32 tokens (2,048 tokens; the five need 3,840): the
+    server preempts by recompute. Its figures: 5 x 256 output tokens over the client's duration, and each
+    preemption dropped a whole prompt's KV at least (512 tokens) and at most a whole request's (768)."""
+    import torch
+
+    from servewise.cli import main as cli
+
     s = Settings(servers=["sw:recompute:fcfs"], workloads=["burst"], num_prompts=5, kv_blocks=64, threads=1,
                  port=8047, out=str(tmp_path / "peer.json"))
     import socket
@@ -81,10 +141,17 @@ def test_a_servewise_server_under_kv_pressure_counts_what_it_recomputed(tmp_path
         busy.listen()
         with pytest.raises(RuntimeError, match="port 8047 is in use"):
             peer.main(s)
-    rows = peer.main(s)
-    (r,) = rows
-    assert r["completed"] == 5 and r["server"] == "sw:recompute:fcfs" and r["workload"] == "burst"
-    assert r["preemptions"]["recompute"] > 0 and r["preemptions"]["swap"] == 0
-    assert r["recomputed_tokens"] > 0 and r["swapped_bytes"] == 0
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    cli(["bench", "peer", "--servers", "sw:recompute:fcfs", "--workloads", "burst", "--num-prompts", "5",
+         "--kv-blocks", "64", "--threads", "1", "--port", "8047", "--out", s.out])
     saved = json.loads((tmp_path / "peer.json").read_text())
-    assert saved["rows"] == rows
+    (r,) = saved["rows"]
+    assert saved["settings"]["kv_blocks"] == 64 and saved["settings"]["servers"] == ["sw:recompute:fcfs"]
+    assert r["completed"] == 5 and r["server"] == "sw:recompute:fcfs" and r["workload"] == "burst"
+    assert r["output_tok_s"] * r["duration_s"] == pytest.approx(5 * 256, rel=1e-6)
+    assert r["req_s"] * r["duration_s"] == pytest.approx(5, rel=1e-6)
+    assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tpot_p50_ms"] <= r["tpot_p99_ms"]
+    assert r["ttft_p50_ms"] < r["mean_e2el_ms"]
+    n = r["preemptions"]["recompute"]
+    assert n > 0 and r["preemptions"]["swap"] == r["preemptions"]["swap_fallback"] == 0
+    assert 512 * n <= r["recomputed_tokens"] <= (512 + 256) * n and r["swapped_bytes"] == 0

@@ -15,10 +15,13 @@ def arguments(p) -> None:
 
 def run(a) -> None:
     import json
+    import os
 
     from servewise.predictors.fit import fit_predictors, format_report
     from servewise.predictors.profiler import load_profile
 
+    if not os.path.isfile(a.profile):
+        raise ValueError(f"{a.profile}: no such file (write a profile with `servewise profile`)")
     prof = load_profile(a.profile)
     preds = fit_predictors(prof, names=a.regressors, degrees=a.degrees, test_size=a.test_size, seed=a.seed)
     print(format_report(preds))

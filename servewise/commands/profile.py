@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from servewise.commands import fit_predictors
-from servewise.commands.options import fit_args, sizes
+from servewise.commands.options import at_least, fit_args, sizes
 
 HELP = "measure the real runner's step and copy times; fit the predictors"
 
@@ -15,11 +15,11 @@ def arguments(p) -> None:
                    help="model sizes as layers x hidden size, comma-separated")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=at_least(1), default=16)
     p.add_argument("--prefill-points", type=int, default=64, help="prefill (batch, tokens) samples per size")
     p.add_argument("--decode-points", type=int, default=96, help="decode (batch, context) samples per size")
-    p.add_argument("--max-batch", type=int, default=128)
-    p.add_argument("--reps", type=int, default=7, help="rounds per sample; the median is kept")
+    p.add_argument("--max-batch", type=at_least(1), default=128)
+    p.add_argument("--reps", type=at_least(1), default=7, help="rounds per sample; the median is kept")
     p.add_argument("--no-interleave", dest="interleave", action="store_false",
                    help="time one size at a time (less memory) instead of alternating the sizes' rounds")
     p.add_argument("--out", default="results/profile.json")

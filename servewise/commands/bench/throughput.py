@@ -18,7 +18,7 @@ def arguments(p) -> None:
                    help="dummy: random weights from config.json alone (no Hugging Face baseline then)")
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's elsewhere), float32, bfloat16, float16")
-    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-batch-size", type=at_least(1), default=16)
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default="results/bench_throughput.json")
