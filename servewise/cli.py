@@ -72,15 +72,20 @@ def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("servewise").setLevel(logging.INFO)  # one line says which compute paths are active
+    threads = None
     if a.threads:
         import torch
 
+        threads = torch.get_num_threads()
         torch.set_num_threads(a.threads)
     try:
         a.func(a)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # bad input, a path that is not there: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        if threads is not None:  # a caller in the same process (a test, a notebook) keeps its own setting
+            torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -262,3 +262,16 @@ def test_fuzzed_bench_serve_flags_fail_clearly(tmp_path, capsys, pairs):
     err = capsys.readouterr().err
     assert "Traceback" not in err and code == 2 and "error: " in err, (pairs, code, err)
     assert not out.exists()
+
+
+def test_a_missing_file_is_one_line_and_threads_are_given_back(tmp_path, capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "prefix", "--threads", str(before + 1), "--predictors", str(tmp_path / "missing.pkl"),
+              "--out", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("error:")
+    assert "missing.pkl" in err.strip().splitlines()[-1]
+    assert torch.get_num_threads() == before and not (tmp_path / "p.json").exists()
