@@ -1,5 +1,5 @@
 """`TextStream` streams, push by push, exactly the text and stop flags of the whole-output method it replaced
-(kept below as the oracle), for the built-in byte tokenizer and `tokenizers` tokenizers of each decoder
+(the bench's baseline, the oracle here), for the built-in byte tokenizer and `tokenizers` tokenizers of each decoder
 family, while decoding only a few tokens a push."""
 import json
 
@@ -7,34 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from servewise.bench.detokenize import QuadraticTextStream as OracleTextStream  # the method before
 from servewise.detokenize import TextStream
 from servewise.models.tokenizer import ByteTokenizer, HFTokenizer
 
 from conftest import random_prompts
-
-
-class OracleTextStream:
-    """The method before: decode every id and search all the text at every push (quadratic)."""
-
-    def __init__(self, tokenizer, stops):
-        self.tok, self.stops, self.ids, self.sent = tokenizer, stops, [], 0
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def push(self, ids, final):
-        self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            end, stopped = min(hits), True
-        else:
-            end, stopped = len(text), False
-            if not final:
-                end -= self.hold
-                if text.endswith("\ufffd"):
-                    end = min(end, len(text) - 1)
-        end = max(end, self.sent)
-        out, self.sent = text[self.sent:end], end
-        return out, stopped
 
 
 def pushes(cls, tok, ids, stops, sizes=None):
