@@ -2,18 +2,9 @@
 import json
 
 import pytest
-import torch
 
 from servewise.bench.offline import Settings, make_prompts
 from servewise.cli import main
-
-
-@pytest.fixture(autouse=True)
-def _threads_as_they_were():
-    """`bench offline --threads` (default 2) sets this process's torch threads too; the next test gets them back."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 def test_shared_prefix_prompts_share_their_heads():

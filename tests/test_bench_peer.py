@@ -71,13 +71,11 @@ def test_server_side_figures_are_the_metrics_changes():
 def test_the_command_line_runs_every_servewise_server_unless_told_and_vllm_first_given_its_command(monkeypatch):
     """`bench peer`'s run(): without --servers, the four servewise servers (vLLM first with --vllm); the flags
     reach the settings both servers are started from."""
-    import torch
-
+    
     from servewise.cli import main as cli
 
     got = []
     monkeypatch.setattr(peer, "main", got.append)
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (--threads is the servers'; not this process's)
     cli(["bench", "peer"])
     cli(["bench", "peer", "--vllm", "py vllm_cli.py", "--kv-blocks", "77", "--block-size", "64", "--host-blocks", "0",
          "--threads", "3", "--workloads", "burst,light", "--num-prompts", "9", "--port", "9001",
@@ -106,11 +104,9 @@ def test_the_command_line_runs_every_servewise_server_unless_told_and_vllm_first
 def test_bad_input_is_refused_in_one_line_before_any_server_starts(argv, message, tmp_path, capsys, monkeypatch):
     import subprocess
 
-    import torch
-
+    
     from servewise.cli import main as cli
 
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **kw: pytest.fail("a server was started"))
     out = tmp_path / "peer.json"
     with pytest.raises(SystemExit) as e:
@@ -128,8 +124,7 @@ def test_a_servewise_server_under_kv_pressure_counts_what_it_recomputed(tmp_path
     """Five 512 -> 256 requests at once on 64 blocks of 32 tokens (2,048 tokens; the five need 3,840): the
     server preempts by recompute. Its figures: 5 x 256 output tokens over the client's duration, and each
     preemption dropped a whole prompt's KV at least (512 tokens) and at most a whole request's (768)."""
-    import torch
-
+    
     from servewise.cli import main as cli
 
     s = Settings(servers=["sw:recompute:fcfs"], workloads=["burst"], num_prompts=5, kv_blocks=64, threads=1,
@@ -141,7 +136,6 @@ def test_a_servewise_server_under_kv_pressure_counts_what_it_recomputed(tmp_path
         busy.listen()
         with pytest.raises(RuntimeError, match="port 8047 is in use"):
             peer.main(s)
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     cli(["bench", "peer", "--servers", "sw:recompute:fcfs", "--workloads", "burst", "--num-prompts", "5",
          "--kv-blocks", "64", "--threads", "1", "--port", "8047", "--out", s.out])
     saved = json.loads((tmp_path / "peer.json").read_text())

@@ -11,14 +11,6 @@ import torch
 from servewise.cli import main
 
 
-@pytest.fixture(autouse=True)
-def _threads_as_they_were():
-    """A command's --threads sets this process's torch threads; the next test gets them back."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def refused(argv: list[str], capsys) -> str:
     """Run a command that must refuse its input: exit status 2, no traceback, exactly one `error:` line
     (argparse's usage lines before it aside); returns that line."""
