@@ -67,13 +67,18 @@ def test_real_engines_report_their_clock_and_the_measured_router_reads_it():
     queue would both send to the busy engine). Routed requests' estimates retire a window later."""
     from servewise import LLM, SamplingParams
 
-    sp = SamplingParams(max_tokens=1500, ignore_eos=True)
+    short, long = SamplingParams(max_tokens=16, ignore_eos=True), SamplingParams(max_tokens=1500, ignore_eos=True)
     busy, idle = (LLM("tiny-llama", num_device_blocks=256).engine for _ in range(2))
-    for k in range(2):
-        busy.add_request([7] * 32, sp)
-    for k in range(6):  # more requests and more memory than busy will hold
-        idle.add_request([9] * 320, sp)
+
+    def keep_busy():  # two short requests at a time: busy never holds more than 6 of its 256 blocks
+        if not busy.has_unfinished():
+            for _ in range(2):
+                busy.add_request([7] * 32, short)
+
+    for _ in range(6):  # more requests and more memory (30 blocks) than busy holds
+        idle.add_request([9] * 64, long)
     idle.step()  # its requests admitted and prefilled once, then left waiting
+    keep_busy()
     route = LoadAware(measure="busy", window_s=10.0)
     first = [busy.stats(), idle.stats()]
     route.utilisation(first)
@@ -81,6 +86,7 @@ def test_real_engines_report_their_clock_and_the_measured_router_reads_it():
     while time.monotonic() - t0 < 0.3 or steps < 3:  # busy runs steps back to back; idle runs none
         busy.step()
         steps += 1
+        keep_busy()
     loads = [busy.stats(), idle.stats()]
     assert loads[0].at_s > first[0].at_s + 0.29 and loads[1].at_s > first[1].at_s  # the clock moves
     assert loads[0].busy_s - first[0].busy_s > 0.5 * (loads[0].at_s - first[0].at_s)

@@ -71,7 +71,6 @@ def test_server_side_figures_are_the_metrics_changes():
 def test_the_command_line_runs_every_servewise_server_unless_told_and_vllm_first_given_its_command(monkeypatch):
     """`bench peer`'s run(): without --servers, the four servewise servers (vLLM first with --vllm); the flags
     reach the settings both servers are started from."""
-    
     from servewise.cli import main as cli
 
     got = []
@@ -104,7 +103,6 @@ def test_the_command_line_runs_every_servewise_server_unless_told_and_vllm_first
 def test_bad_input_is_refused_in_one_line_before_any_server_starts(argv, message, tmp_path, capsys, monkeypatch):
     import subprocess
 
-    
     from servewise.cli import main as cli
 
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **kw: pytest.fail("a server was started"))
@@ -124,7 +122,7 @@ def test_a_servewise_server_under_kv_pressure_counts_what_it_recomputed(tmp_path
     """Five 512 -> 256 requests at once on 64 blocks of 32 tokens (2,048 tokens; the five need 3,840): the
     server preempts by recompute. Its figures: 5 x 256 output tokens over the client's duration, and each
     preemption dropped a whole prompt's KV at least (512 tokens) and at most a whole request's (768)."""
-    
+
     from servewise.cli import main as cli
 
     s = Settings(servers=["sw:recompute:fcfs"], workloads=["burst"], num_prompts=5, kv_blocks=64, threads=1,

@@ -372,10 +372,11 @@ def test_engine_outputs_are_identical_on_either_layer_path():
 
 
 FREED_RSS = """
-import ctypes, sys
+import ctypes, os
 from servewise.runners.torch_runner import keep_freed_memory
 from servewise.engine.heap import glibc
-libc, rss = glibc(), lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+libc, page = glibc(), os.sysconf("SC_PAGE_SIZE")
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 print(keep_freed_memory())
 n = 256 << 20  # above glibc's largest dynamic mmap threshold (32 MiB): by default always a fresh mapping
