@@ -47,3 +47,17 @@ def wait_until(cond, timeout: float = 60.0, what: str = "the condition") -> None
     while not cond():
         assert time.monotonic() < end, f"timed out after {timeout:g} s waiting for {what}"
         time.sleep(0.01)
+
+
+def refused(argv: list[str], capsys) -> str:
+    """Run a command that must refuse its input: exit status 2, no traceback, exactly one `error:` line and
+    that one last (argparse's usage lines, or what the command printed before it, aside); returns it."""
+    from servewise.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert lines == [err.strip().splitlines()[-1]], err
+    return lines[0]

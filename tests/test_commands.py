@@ -10,17 +10,7 @@ import torch
 
 from servewise.cli import main
 
-
-def refused(argv: list[str], capsys) -> str:
-    """Run a command that must refuse its input: exit status 2, no traceback, exactly one `error:` line
-    (argparse's usage lines before it aside); returns that line."""
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert len(lines) == 1, err
-    return lines[0]
+from conftest import refused
 
 
 def monotone(m: dict, metric: str, quantiles=("p50", "p90", "p99"), suffix: str = "_s") -> bool:
