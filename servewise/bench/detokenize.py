@@ -17,9 +17,9 @@ characters span several ids.
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 
+from servewise.bench.attention import _best
 from servewise.detokenize import TextStream
 from servewise.metrics.summary import save_json
 
@@ -82,15 +82,6 @@ def stream(cls, tokenizer, ids: list[int], stops: list[str]) -> list[tuple[str, 
         if pushes[-1][1]:
             break
     return pushes
-
-
-def _best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main(s: Settings) -> dict:
