@@ -10,10 +10,12 @@ from servewise.engine.block_manager import BlockManager
 from servewise.engine.interfaces import CostModel
 from servewise.engine.llm_engine import LLMEngine
 from servewise.engine.scheduler import Scheduler
-from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
+from servewise.policies import ADMISSION_RULES, ORDERING_POLICIES, PREEMPTION_POLICIES
+from servewise.policies.admission import Chunked, Continuous, Groups, RequestBatches
+from servewise.policies.batch_time import BatchTimeEstimator
 from servewise.policies.batching import BATCHERS, SLOODBS, Magnus, Vanilla
 from servewise.policies.kv_fetch import AlwaysFetch, FetchOrRecompute
-from servewise.policies.batch_time import BatchTimeEstimator
+from servewise.policies.rules import BlockRules, NextBucket, Reserve, V0Rules
 
 
 def check_policies(config: EngineConfig) -> None:
@@ -41,19 +43,39 @@ def assemble(config: EngineConfig, mc, tokenizer, runner, cost_model: CostModel 
     cc = config.cache
     bm = BlockManager(n_dev, n_host, cc.block_size, cc.watermark,
                       prefix_key=weights_key(config, mc) if cc.enable_prefix_caching else None)
-    preemption = PREEMPTION_POLICIES[config.scheduler.preemption]
-    preemption = preemption(cost_model) if preemption.needs_costs else preemption()
-    sc = config.scheduler
-    ordering = ORDERING_POLICIES[sc.policy]
-    ordering = ordering(sc.token_age_s, sc.preemption_cap) if sc.policy == "prompt-first" else ordering()
-    scheduler = Scheduler(sc, bm, ordering, preemption)
-    if config.scheduler.batching != "continuous":
-        scheduler.batcher = make_batcher(config.scheduler, (n_dev - bm.watermark_blocks) * cc.block_size)
+    fetch = None
     if (store := getattr(runner, "store", None)) is not None:  # a global KV store: look up, fetch, write through
         bm.store = store
-        scheduler.fetch_policy = (FetchOrRecompute(cost_model, store.read_time, cc.block_size)
-                                  if cc.kv_store_fetch == "cost" else AlwaysFetch())
+        fetch = (FetchOrRecompute(cost_model, store.read_time, cc.block_size)
+                 if cc.kv_store_fetch == "cost" else AlwaysFetch())
+    scheduler = make_scheduler(config.scheduler, bm, cost_model, fetch)
     return LLMEngine(config, mc, tokenizer, bm, scheduler, runner, clock, owns_clock)
+
+
+def make_scheduler(sc, bm: BlockManager, cost_model: CostModel | None = None, fetch=None,
+                   preemption=None) -> Scheduler:
+    """The scheduler core with the policies a scheduler config names (policies/); `preemption`: an
+    object to use instead of the named preemption policy."""
+    if sc.policy not in ORDERING_POLICIES:
+        raise ValueError(f"unknown ordering policy {sc.policy!r}; choose from {', '.join(ORDERING_POLICIES)}")
+    if preemption is None:
+        preemption = PREEMPTION_POLICIES[sc.preemption]
+        preemption = preemption(cost_model) if preemption.needs_costs else preemption()
+    ordering = ORDERING_POLICIES[sc.policy]
+    ordering = ordering(sc.token_age_s, sc.preemption_cap) if sc.policy == "prompt-first" else ordering()
+    rule = ADMISSION_RULES[sc.policy]
+    if sc.batching != "continuous":
+        admission = RequestBatches(make_batcher(sc, (bm.num_device_blocks - bm.watermark_blocks) * bm.block_size))
+    elif rule == "groups":
+        if sc.chunked_prefill:
+            raise ValueError(f"chunked prefill does not combine with the {sc.policy!r} policy's group admission yet")
+        admission = Groups(sc.group_priority, sc.admit_min_batch, sc.admit_max_wait)
+    else:
+        admission = (Chunked if sc.chunked_prefill else Continuous)(ranked=rule == "ranked")
+    return Scheduler(sc, bm, ordering, preemption, admission,
+                     rules=V0Rules(bm.watermark_blocks) if sc.v0_rules else BlockRules(),
+                     reserve=Reserve(sc.reserve) if sc.reserve != "none" else None,
+                     lengths=NextBucket() if sc.correct_lengths else None, fetch=fetch)
 
 
 def make_batcher(sc, memory_cap: int):

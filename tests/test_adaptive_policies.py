@@ -10,8 +10,7 @@ from servewise.config import SchedulerConfig
 from servewise.engine.block_manager import BlockManager
 from servewise.engine.interfaces import Pool
 from servewise.engine.request import Status
-from servewise.engine.scheduler import Scheduler
-from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
+from servewise.assembly import make_scheduler
 from servewise.policies.ordering import Fair
 from servewise.policies.preemption import Adaptive
 from test_scheduler import req, run_step
@@ -33,7 +32,7 @@ class LinearPerf:
 def make(policy="fcfs", copy_ms=0.1, num_device=4, num_host=8, **kw):
     bm = BlockManager(num_device, num_host, block_size=4)
     pre = Adaptive(LinearPerf(copy_ms))
-    return Scheduler(SchedulerConfig(**kw), bm, ORDERING_POLICIES[policy](), pre), bm, pre
+    return make_scheduler(SchedulerConfig(policy=policy, **kw), bm, preemption=pre), bm, pre
 
 
 def fill_and_overflow(s):
@@ -140,7 +139,7 @@ def test_fair_compares_the_fitting_groups_or_the_whole_queues(compare):
     # swapped: ~1.1; waiting: one short request (4.5) that fits, and four long ones that arrived just before
     # t=10 (14 tokens each, ~0.007; none fits beside it): the fitting group's mean is 4.5, the queue's 0.91
     s, victim, new = swapped_and_waiting(2, 1.0)
-    s.config.group_priority = compare
+    s.admission.group_priority = compare
     for i in range(4):
         s.add(req(3 + i, 14, 9.9), 10.0)
     out = s.schedule(10.0)
@@ -151,8 +150,7 @@ def test_fair_compares_the_fitting_groups_or_the_whole_queues(compare):
 
 
 def test_vllm_rule_swaps_in_first_regardless_of_priority():
-    s = Scheduler(SchedulerConfig(), BlockManager(4, 8, block_size=4), ORDERING_POLICIES["fcfs"](),
-                  PREEMPTION_POLICIES["swap"]())
+    s = make_scheduler(SchedulerConfig(preemption="swap"), BlockManager(4, 8, block_size=4))
     a, b = req(0, 8, 0.0), req(1, 8, 0.5)
     s.add(a), s.add(b)
     run_step(s, s.schedule(1.0), 1.0)

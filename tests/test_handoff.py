@@ -113,7 +113,7 @@ def test_a_hand_off_never_leaks_blocks_nor_decodes_wrong_data(fault, want):
         book.abort(tid, "token instance aborted the request")
         assert b.abort_request("r")
         settle(book, tid, a, None)
-    assert a.block_manager.num_free_device == 32 and a.committed_blocks == 0 and not a.scheduler.held
+    assert a.block_manager.num_free_device == 32 and a.committed_blocks == 0 and not a.handoff.held
     if fault == "token side aborts":
         assert req.finish_reason == "abort"
     else:

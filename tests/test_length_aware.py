@@ -9,8 +9,8 @@ from servewise.builder import build_sim_engine
 from servewise.config import SchedulerConfig
 from servewise.engine.block_manager import BlockManager
 from servewise.engine.request import Request
-from servewise.engine.scheduler import Scheduler
-from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
+from servewise.assembly import make_scheduler
+from servewise.policies import ORDERING_POLICIES
 from servewise.policies.batching import SLOODBS, Batch, Magnus, Vanilla, wma
 from servewise.policies.batch_time import BatchTimeEstimator
 from servewise.policies.refitting import Refitting
@@ -124,7 +124,7 @@ def test_request_level_batches_finish_every_request_through_oom_splits(batching)
         running.append({r.request_id for r in eng.scheduler.running})
         eng.block_manager.check_invariants()
     assert all(r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens for r in reqs)
-    assert eng.scheduler.batcher.splits > 0 and eng.scheduler.preemption_counts["recompute"] > 0
+    assert eng.scheduler.admission.batcher.splits > 0 and eng.scheduler.preemption_counts["recompute"] > 0
     # one batch at a time: once a request has left, nothing joins until the batch has emptied
     for before, after in zip(running, running[1:]):
         assert not (after - before) or not before or not (before - after) or after.isdisjoint(before)
@@ -132,8 +132,8 @@ def test_request_level_batches_finish_every_request_through_oom_splits(batching)
 
 def test_request_level_batching_keeps_slots_until_the_batch_ends():
     bm = BlockManager(100, 0, block_size=4)
-    s = Scheduler(SchedulerConfig(batching="vanilla"), bm, ORDERING_POLICIES["fcfs"](), PREEMPTION_POLICIES["recompute"]())
-    s.batcher = Vanilla(memory_cap=400, max_batch=8, batch_size=2)
+    s = make_scheduler(SchedulerConfig(batching="vanilla"), bm)
+    s.admission.batcher = Vanilla(memory_cap=400, max_batch=8, batch_size=2)
     a, b, c = req(0, 4, out=1), req(1, 4, out=3), req(2, 4, out=1)
     for r in (a, b, c):
         s.add(r)
@@ -150,7 +150,7 @@ def test_request_level_batching_keeps_slots_until_the_batch_ends():
 def test_reservation_admits_only_what_can_grow_to_its_expected_length():
     for reserve, admitted in (("none", ["0", "1"]), ("max", ["0"]), ("predicted", ["0", "1"])):
         bm = BlockManager(10, 0, block_size=4)
-        s = Scheduler(SchedulerConfig(reserve=reserve), bm, ORDERING_POLICIES["fcfs"](), PREEMPTION_POLICIES["recompute"]())
+        s = make_scheduler(SchedulerConfig(reserve=reserve), bm)
         s.add(req(0, 8, out=16, predicted=4))  # 2 blocks now, 6 at max_tokens, 3 as predicted
         s.add(req(1, 8, out=16, predicted=4))
         assert s.schedule(0.0).scheduled == admitted, reserve
@@ -250,15 +250,15 @@ def test_magnus_baselines_vsq_and_glp_engines():
     perf, batch = quantized(4.25)
     assert batch > SYSTEMS["vanilla"][0]["batch_size"]  # the memory the weights give up holds more requests
     vsq = build(engine("sim", "vsq-fused", 64))
-    assert vsq.scheduler.batcher.batch_size == batch and vsq.runner.perf.weight_bytes == perf.weight_bytes
+    assert vsq.scheduler.admission.batcher.batch_size == batch and vsq.runner.perf.weight_bytes == perf.weight_bytes
     assert build(engine("sim", "vsq", 64)).runner.perf.dequant_pass and not vsq.runner.perf.dequant_pass
     assert vsq.block_manager.num_device_blocks == perf.device_blocks()
     assert not supported("real", "vsq") and supported("real", "glp")
     with pytest.raises(ValueError, match="simulated backend only"):
         engine("real", "vsq", 64)
     glp = build(engine("sim", "glp", 64))
-    assert isinstance(glp.scheduler.batcher, Magnus) and glp.scheduler.batcher.max_batch == 8
-    assert glp.scheduler.batcher.estimator is None  # first come, first served: no HRRN
+    assert isinstance(glp.scheduler.admission.batcher, Magnus) and glp.scheduler.admission.batcher.max_batch == 8
+    assert glp.scheduler.admission.batcher.estimator is None  # first come, first served: no HRRN
 
 
 @pytest.mark.parametrize("correct", [False, True])
@@ -271,10 +271,10 @@ def test_online_correction_predicts_again_a_request_that_outgrows_its_prediction
     seen = {}
     while eng.has_unfinished():
         eng.step()
-        seen.setdefault(len(r.output_token_ids), (r.predicted_len, eng.scheduler._expected(r)))
+        seen.setdefault(len(r.output_token_ids), (r.predicted_len, eng.scheduler.reserve.expected(r)))
     if correct:  # at 4, 8 and 16 tokens: the next power of two; what admission reserves for it grows with it
-        assert [seen[n][0] for n in (3, 4, 8, 16)] == [4, 8, 16, 32] and eng.scheduler.length_corrections == 3
+        assert [seen[n][0] for n in (3, 4, 8, 16)] == [4, 8, 16, 32] and eng.scheduler.snapshot().length_corrections == 3
         assert seen[8][1] == r.num_prompt_tokens + 16
     else:  # it is expected to end at every step from its 4th token on
-        assert seen[16][0] == 4 and seen[16][1] == r.num_prompt_tokens + 17 and eng.scheduler.length_corrections == 0
+        assert seen[16][0] == 4 and seen[16][1] == r.num_prompt_tokens + 17 and eng.scheduler.snapshot().length_corrections == 0
     assert len(r.output_token_ids) == 20

@@ -8,16 +8,14 @@ from servewise.config import SchedulerConfig
 from servewise.engine.block_manager import BlockManager
 from servewise.engine.interfaces import Pool
 from servewise.engine.request import Status
-from servewise.engine.scheduler import Scheduler
-from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
+from servewise.assembly import make_scheduler
 
 from test_scheduler import req, run_step
 
 
 def make(num_device=8, num_host=8, preemption="recompute", **kw):
     bm = BlockManager(num_device, num_host, block_size=4)
-    return Scheduler(SchedulerConfig(policy="priority", preemption=preemption, **kw), bm,
-                     ORDERING_POLICIES["priority"](), PREEMPTION_POLICIES[preemption]()), bm
+    return make_scheduler(SchedulerConfig(policy="priority", preemption=preemption, **kw), bm), bm
 
 
 def ranked(i, n, t, priority):
@@ -157,8 +155,7 @@ def test_the_engine_counts_the_recompute_tax_and_the_swap_bytes():
 def test_a_prompt_preempts_the_youngest_token_request_unless_age_or_the_cap_protects_it(case):
     policy = "fcfs" if case == "fcfs" else "prompt-first"
     bm = BlockManager(6, 0, block_size=4, watermark=0.0)
-    ordering = ORDERING_POLICIES[policy](2.0, 2) if policy == "prompt-first" else ORDERING_POLICIES[policy]()
-    s = Scheduler(SchedulerConfig(policy=policy), bm, ordering, PREEMPTION_POLICIES["recompute"]())
+    s = make_scheduler(SchedulerConfig(policy=policy, token_age_s=2.0, preemption_cap=2), bm)
     a, b = req(0, 4, 0.0), req(1, 4, 0.5)
     for r in (a, b):
         s.add(r)

@@ -3,14 +3,13 @@ from servewise.config import SchedulerConfig
 from servewise.engine.block_manager import BlockManager
 from servewise.engine.interfaces import Pool
 from servewise.engine.request import Request, Status
-from servewise.engine.scheduler import Scheduler
-from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
+from servewise.assembly import make_scheduler
 from servewise.sampling_params import SamplingParams
 
 
 def make(num_device=8, num_host=8, preemption="recompute", **kw):
     bm = BlockManager(num_device, num_host, block_size=4)
-    s = Scheduler(SchedulerConfig(**kw), bm, ORDERING_POLICIES["fcfs"](), PREEMPTION_POLICIES[preemption]())
+    s = make_scheduler(SchedulerConfig(preemption=preemption, **kw), bm)
     return s, bm
 
 
@@ -20,7 +19,7 @@ def req(i, n, t):
 
 
 def run_step(s, out, now=0.0):
-    return s.postprocess(out, [9] * len(out.scheduled), now)
+    return s.postprocess(out, [9] * len(out.scheduled), now)[0]
 
 
 def test_prefill_admits_in_arrival_order_within_budget():

@@ -6,16 +6,14 @@ from servewise.config import SchedulerConfig
 from servewise.engine.block_manager import BlockManager
 from servewise.engine.interfaces import Pool
 from servewise.engine.request import Request, Status
-from servewise.engine.scheduler import Scheduler
-from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
+from servewise.assembly import make_scheduler
 from servewise.predictors.gpu_swap import SWAP_MODELS, SwapModel, get_swap_model
 from servewise.sampling_params import SamplingParams
 
 
 def make(num_device=8, num_host=8, preemption="recompute", policy="fcfs", watermark=0.0, **kw):
     bm = BlockManager(num_device, num_host, block_size=4, watermark=watermark)
-    s = Scheduler(SchedulerConfig(policy=policy, **kw), bm, ORDERING_POLICIES[policy](),
-                  PREEMPTION_POLICIES[preemption]())
+    s = make_scheduler(SchedulerConfig(policy=policy, preemption=preemption, **kw), bm)
     return s, bm
 
 
@@ -25,7 +23,7 @@ def req(i, n, t, max_tokens=100):
 
 
 def run_step(s, out, now=0.0):
-    return s.postprocess(out, [9] * len(out.scheduled), now)
+    return s.postprocess(out, [9] * len(out.scheduled), now)[0]
 
 
 @pytest.mark.parametrize("v0", [False, True])

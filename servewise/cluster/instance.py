@@ -105,7 +105,7 @@ class Instance(EngineInstance):
             self.connector.connect(*args)
         elif kind == "release":
             self._forget_sent(args[0])
-            if args[0] in eng.scheduler.held:
+            if args[0] in eng.handoff.held:
                 eng.release(args[0])
         elif kind == "fail":  # the KV will not come
             if (inc := self.incoming.get(args[0])) is not None:
@@ -124,13 +124,13 @@ class Instance(EngineInstance):
     def _forget_sent(self, rid: str) -> None:
         if self.connector is not None:
             self.connector.forget(rid)
-        if rid in self.engine.scheduler.held:
+        if rid in self.engine.handoff.held:
             self.loop.open.pop(rid, None)  # its tokens come from the token instance now
 
     # --- the prompt side (its KV goes out through the connector, layer by layer as the runner computes) --
     def _handed_off(self, rids: list[str]) -> None:
         for rid in rids:
-            req = self.engine.scheduler.held[rid]
+            req = self.engine.handoff.held[rid]
             if "exit_on_handoff" in self.faults:
                 os._exit(3)  # the KV is published, the first token never reported
             lps = req.output_logprobs[0] if req.output_logprobs else None
@@ -142,7 +142,7 @@ class Instance(EngineInstance):
         """Serialized hand-offs: every layer's CRC, after the step's first tokens have been reported."""
         if not self.deferred:
             return []
-        tables, held = self.engine.block_manager.device_tables, self.engine.scheduler.held
+        tables, held = self.engine.block_manager.device_tables, self.engine.handoff.held
         for rid in self.deferred:
             if rid in held:
                 self.connector.send_all(rid, tables[rid][:blocks_for(held[rid].num_prompt_tokens, self.bs)])

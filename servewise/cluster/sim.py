@@ -71,7 +71,7 @@ class SimInstance:
                 self.requests[rid].output_token_ids[0] = args[0]
                 self._arrived(rid)
         elif kind == "release":
-            if rid in eng.scheduler.held:
+            if rid in eng.handoff.held:
                 eng.release(rid)
         elif kind == "fail":  # the KV will not come (its lease ran out): compute the request here
             if self.incoming.pop(rid, None) is not None:
@@ -453,7 +453,7 @@ class ClusterSim:
                 eng, sim = engines[i], sims[i]
                 if sim.busy:  # it reserves blocks between steps (a step frees its finished requests' at its end)
                     continue
-                if eng.scheduler.incoming and (got := eng.reserve_incoming()):
+                if eng.handoff.incoming and (got := eng.reserve_incoming()):
                     co.report(i, eng.stats())
                     for rid in got:
                         reserved.add(rid)
@@ -473,7 +473,7 @@ class ClusterSim:
                 for rid in stats.handed_off:
                     prefill[rid] = (stats.start, stats.end - stats.start)
                     begin_transfer(rid, now)
-        unfinished = [e for e in engines if e.has_unfinished() or e.scheduler.incoming or e.scheduler.receiving]
+        unfinished = [e for e in engines if e.has_unfinished() or e.handoff.pending]
         if unfinished or co.moves:
             raise RuntimeError(f"the cluster stopped with work left on {len(unfinished)} instances "
                                f"({len(co.moves)} transfers pending): a hand-off deadlock, please report it")

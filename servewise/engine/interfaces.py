@@ -89,6 +89,7 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)
     preempted: list[tuple[str, Preemption]] = field(default_factory=list)  # SWAP or RECOMPUTE
     partial: set[str] = field(default_factory=set)
+    num_running: int = 0  # requests in the running queue after scheduling (for the step's stats)
 
     def moved_blocks(self, dst: Pool, src: Pool | None = None) -> int:
         return sum(len(m.pairs) for m in self.kv_moves if m.dst == dst and src in (None, m.src))
@@ -158,6 +159,21 @@ class PoolStats:
     @property
     def used(self) -> int:
         return self.total - self.free
+
+
+@dataclass(kw_only=True, slots=True)
+class SchedulerSnapshot:
+    """What the engine reads of its scheduler: queue lengths, tokens to prefill, counts since start."""
+
+    running: int
+    waiting: int
+    swapped: int
+    queued_tokens: int  # prompt (and recompute) tokens still to prefill, of waiting and running requests
+    preemptions: dict[str, int]
+    dropped_tokens: int
+    swapped_blocks: tuple[int, int]  # blocks copied out to the host pool and back in
+    length_corrections: int  # output-length predictions raised (policies.lengths)
+    preemptions_by_priority: dict[int, int]  # where the admission ranks requests
 
 
 @dataclass(kw_only=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from servewise.config import EngineConfig, ModelConfig
 from servewise.engine.block_manager import BlockManager, blocks_for
+from servewise.engine.handoff import HandoffQueues
 from servewise.engine.interfaces import EngineStats, KVMove, Pool, PoolStats, Runner, StepStats
 from servewise.engine.request import Request
 from servewise.engine.scheduler import Scheduler
@@ -63,6 +64,7 @@ class LLMEngine:
         self.limits = RequestLimits(model_config.vocab_size, model_config.max_model_len, model_config.eos_token_id,
                                     bm.block_size, bm.num_device_blocks - bm.watermark_blocks,
                                     scheduler.ranked)
+        self.handoff = HandoffQueues(bm)  # the hand-off connector's scheduler side (cluster instances)
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self.committed_blocks = 0  # blocks of self.requests at their longest: a load measure for routers
@@ -119,7 +121,8 @@ class LLMEngine:
         if request_id in self._held:  # handed off already: its KV need not be sent
             self.release(request_id)
             return True
-        req = self.scheduler.abort(request_id, self.clock.now(), reason)
+        req = self.handoff.abort(request_id, self.clock.now(), reason) or \
+            self.scheduler.abort(request_id, self.clock.now(), reason)
         if req is not None:
             self._untrack(request_id)
             if self.lengths is not None:
@@ -131,27 +134,25 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        s, bm, now = self.scheduler, self.block_manager, self.clock.now()
-        queued = s.queued_tokens
-        if self.config.scheduler.chunked_prefill:  # prompts partly prefilled
-            queued += sum(n - 1 for r in s.running if (n := r.num_tokens - r.num_computed_tokens) > 1)
+        s, bm, now = self.scheduler.snapshot(), self.block_manager, self.clock.now()
         return EngineStats(
-            running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
+            running=s.running, waiting=s.waiting, swapped=s.swapped,
             device_blocks=PoolStats(bm.num_device_blocks, bm.num_free_device),
-            host_blocks=PoolStats(bm.num_host_blocks, bm.num_free_host), preemptions=dict(s.preemption_counts),
-            queued_tokens=queued, incoming=len(s.incoming) + len(s.receiving), committed_blocks=self.committed_blocks,
+            host_blocks=PoolStats(bm.num_host_blocks, bm.num_free_host), preemptions=s.preemptions,
+            queued_tokens=s.queued_tokens, incoming=len(self.handoff.incoming) + len(self.handoff.receiving),
+            committed_blocks=self.committed_blocks,
             inflight_tokens=self._inflight[1] if now < self._inflight[0] else 0,
             admitted_tokens=bm.admitted_tokens, prefix_hit_tokens=bm.hit_tokens, cached_blocks=len(bm.evictable),
             store_hit_tokens=bm.store_hit_tokens, dropped_tokens=s.dropped_tokens,
             swap_bytes=tuple(n * self.model_config.kv_bytes_per_token * bm.block_size for n in s.swapped_blocks),
-            preemptions_by_priority=dict(s.preemptions_by_priority),
+            preemptions_by_priority=s.preemptions_by_priority,
             lengths=self.lengths.stats() if self.lengths else None,
             busy_s=self._busy[0] - max(0.0, self._busy[1] - now), at_s=now)
 
-    # --- cluster hand-off (see scheduler): prefill here, decode elsewhere, or the other way round ----
+    # --- cluster hand-off (engine.handoff): prefill here, decode elsewhere, or the other way round ----
     def release(self, request_id: str) -> None:
         """The KV of a request this engine handed off has been sent: free its blocks."""
-        self.scheduler.release(request_id)
+        self.handoff.release(request_id)
         self.committed_blocks -= self._held.pop(request_id)
 
     def receive(self, req: Request) -> None:
@@ -164,7 +165,7 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self._track(req)
-        self.scheduler.receive(req)
+        self.handoff.receive(req)
 
     def expect(self, prompt: list[int], params: SamplingParams, request_id: str) -> Request:
         """Receive a request another instance prefills, before its first token is known: its prompt's
@@ -178,14 +179,15 @@ class LLMEngine:
 
     def reserve_incoming(self) -> list[str]:
         """Reserve blocks for received requests while they fit; returns their ids (their KV may come)."""
-        return [r.request_id for r in self.scheduler.reserve_incoming()]
+        return [r.request_id for r in self.handoff.reserve()]
 
     def kv_arrived(self, request_id: str) -> None:
-        self.scheduler.kv_arrived(request_id, self.clock.now())
+        """The KV of a reserved request is in its blocks: it decodes from the next step on."""
+        self.scheduler.resume(self.handoff.arrived(request_id), self.clock.now())
 
     def kv_failed(self, request_id: str) -> None:
         """The request's KV will not come, or came wrong: compute it here instead."""
-        self.scheduler.kv_failed(request_id, self.clock.now())
+        self.scheduler.requeue(self.handoff.failed(request_id), self.clock.now())
 
     def _take_guesses(self) -> None:
         """Put the length predictor's new guesses on their requests (those still here)."""
@@ -209,7 +211,7 @@ class LLMEngine:
         stats = StepStats(start=start, end=start, elapsed=elapsed, is_prefill=out.is_prefill,
                           batch_tokens=out.context_lens, scheduled_tokens=out.num_scheduled_tokens,
                           scheduled=out.scheduled, preempted=out.preempted, schedule_s=schedule_s,
-                          num_running=len(self.scheduler.running))
+                          num_running=out.num_running)
         if moves:
             stats.swapped_out_blocks = out.moved_blocks(Pool.HOST)
             stats.swapped_in_blocks = out.moved_blocks(Pool.DEVICE, Pool.HOST)
@@ -219,7 +221,8 @@ class LLMEngine:
             stats.elapsed += result.elapsed
             stats.end = self.clock.end_of(start, stats.elapsed)
             self._inflight = (stats.end, sum(n for n in out.num_scheduled_tokens if n > 1))
-            finished = self.scheduler.postprocess(out, result.tokens, stats.end, result.logprobs, result.failed)
+            finished, handed = self.scheduler.postprocess(out, result.tokens, stats.end, result.logprobs,
+                                                          result.failed)
             if self.block_manager.new_named:  # write-through: blocks named this step go to the KV store
                 pairs, self.block_manager.new_named = self.block_manager.new_named, []
                 stats.elapsed += self.runner.move_blocks(KVMove(Pool.DEVICE, Pool.STORE, pairs))
@@ -232,15 +235,16 @@ class LLMEngine:
             if self.lengths is not None:
                 for req in finished:
                     self.lengths.finished(req)
-            if self.scheduler.handed_off:
-                stats.handed_off = [r.request_id for r in self.scheduler.handed_off]
-                for rid in stats.handed_off:  # its blocks stay committed until released
+            if handed:
+                stats.handed_off = [r.request_id for r in handed]
+                for req in handed:  # its blocks stay committed until released
+                    rid = req.request_id
+                    self.handoff.hold(req)
                     self._untrack(rid)
                     self._held[rid] = n = len(self.block_manager.device_tables[rid])
                     self.committed_blocks += n
         else:
-            held = self.scheduler.held or self.scheduler.receiving  # blocks that transfers will free or fill
-            if not out.kv_moves and self.has_unfinished() and not held:
+            if not out.kv_moves and self.has_unfinished() and not self.handoff.busy:
                 raise RuntimeError("the scheduler made no progress; this is a bug, please report it")
             if out.finished_ids:
                 self.runner.execute(out)  # no rows, but the runner forgets the requests that ended

@@ -25,6 +25,7 @@ from servewise import lab
 from servewise.experiments import publish
 from servewise.metrics import save_json
 from servewise.metrics.plots import save_figure, series_style
+from servewise.policies.admission import RequestBatches
 from servewise.policies.refitting import Refitting
 from servewise.predictors.output_length import (PREDICTORS, Embedder, accuracy, features, instruction_of,
                                                 length_tokenizer, make_predictor, time_per_prediction)
@@ -296,14 +297,15 @@ def row(spec: lab.Spec, rec: lab.Record) -> dict:
     """A run's figures: the record's, SLO violations among the requests that finished (a request's
     deadline: its arrival plus its item's SLO) and the batcher's OOM splits."""
     m = rec.metrics
-    batcher = rec.engine.scheduler.batcher
+    admission = rec.engine.scheduler.admission
+    batcher = admission.batcher if isinstance(admission, RequestBatches) else None
     return {**rec.tags, "completed": m["completed"], "rejected": len(rec.rejected),
             "request_throughput": m["request_throughput"], "valid_token_throughput": m["output_throughput"],
             "total_token_throughput": m["total_token_throughput"],
             "mean_e2e_s": m["mean_e2el_ms"] / 1e3, "p99_e2e_s": m["p99_e2el_ms"] / 1e3,
             "mean_ttft_s": m["mean_ttft_ms"] / 1e3, "slo_violation_rate": rec.slo_violation_rate(spec.items),
             "duration_s": m["duration_s"], "preemptions": m["preemptions"]["recompute"],
-            "length_corrections": rec.engine.scheduler.length_corrections,
+            "length_corrections": rec.engine.scheduler.snapshot().length_corrections,
             "oom_splits": batcher.splits if batcher is not None else 0, "wall_s": rec.wall_s}
 
 

@@ -11,7 +11,16 @@ slower than the step itself lose time; the policy still compares the two costs w
 from __future__ import annotations
 
 
-class FetchOrRecompute:
+class Fetch:
+    def names(self, bm, req, hits: list[int]) -> list[bytes]:
+        """The names of the stored blocks after a request's cached `hits` to fetch at its admission."""
+        if not (names := bm.match_store(req, len(hits))):
+            return []
+        rest = req.num_tokens - (len(hits) + len(names)) * bm.block_size
+        return names[:self.choose([bm.store.tier(n) for n in names], rest)]
+
+
+class FetchOrRecompute(Fetch):
     """read_time: seconds to read blocks from a list of tiers (the store's read_time)."""
 
     name = "cost"
@@ -27,7 +36,7 @@ class FetchOrRecompute:
         return len(tiers) if self.read_time(tiers) < compute else 0
 
 
-class AlwaysFetch:
+class AlwaysFetch(Fetch):
     """Fetch whatever the store holds (for comparisons)."""
 
     name = "always"
