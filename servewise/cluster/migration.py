@@ -104,22 +104,17 @@ def _check(runner, first: int | None = None, heads: int | None = None, layer_ids
 def migrate_layers(runner, first: int) -> int:
     """Move layers first.. of a real runner's model to a peer; returns how many moved."""
     _check(runner, first=first)
-    runner.graphs = None  # CUDA graphs replay the layers as captured: decode eagerly from here on
-    layers = runner.model.layers
-    for i in range(first, len(layers)):
-        layers[i] = PeerLayer(layers[i], runner.kv_caches[i])
-        runner.kv_caches[i].zero_()
-    return len(layers) - first
+    n = len(runner.model.layers)
+    runner.hand_layers(range(first, n), lambda i, layer, cache: PeerLayer(layer, cache))
+    return n - first
 
 
 def migrate_heads(runner, heads: int, layer_ids=None) -> None:
     """Move the last `heads` KV heads of the given layers (default all) of a real runner's model to a peer."""
     _check(runner, heads=heads, layer_ids=layer_ids)
-    runner.graphs = None  # (as in migrate_layers)
-    kvh = runner.kv_caches[0].shape[2]
-    for i in range(len(runner.model.layers)) if layer_ids is None else layer_ids:
-        runner.model.layers[i].attend = HeadSplit(runner.kv_caches[i], kvh - heads)
-        runner.kv_caches[i].zero_()
+    keep = runner.kv_caches[0].shape[2] - heads
+    runner.hand_heads(range(len(runner.model.layers)) if layer_ids is None else layer_ids,
+                      lambda i, cache: HeadSplit(cache, keep))
 
 
 # --- to another process ---------------------------------------------------------------------------
@@ -294,10 +289,9 @@ def migrate_layers_to_process(runner, first: int, threads: int = 1) -> Peer:
     returns the peer (its copy_s, bytes and step_s say what it cost; close() ends it)."""
     _check(runner, first=first, process=True)
     peer = Peer(runner.model.c, threads)
-    layers = runner.model.layers
-    layers[first] = RemoteStage(runner, first, peer)
-    for i in range(first + 1, len(layers)):
-        layers[i] = _PassThrough()
+    stage = RemoteStage(runner, first, peer)
+    runner.hand_layers(range(first, len(runner.model.layers)),
+                       lambda i, layer, cache: stage if i == first else _PassThrough(), zero=False)
     return peer
 
 
@@ -309,7 +303,5 @@ def migrate_heads_to_process(runner, heads: int, threads: int = 1) -> Peer:
     peer = Peer(runner.model.c, threads)
     moved = {i: cache[:, :, kvh - heads:].contiguous() for i, cache in enumerate(runner.kv_caches)}
     peer.load("heads", moved, moved.values())
-    for i, layer in enumerate(runner.model.layers):
-        layer.attend = RemoteHeads(runner.kv_caches[i], kvh - heads, peer, i)
-        runner.kv_caches[i].zero_()
+    runner.hand_heads(range(len(runner.model.layers)), lambda i, cache: RemoteHeads(cache, kvh - heads, peer, i))
     return peer

@@ -242,6 +242,26 @@ class TorchRunner:
         self.model.before_layer = self._before_layer
         return time.perf_counter() - t0
 
+    # --- migration (cluster.migration): only the runner changes its model ------------------------
+    def hand_layers(self, ids, make, zero: bool = True) -> None:
+        """Layers `ids` compute elsewhere from now on: layer i becomes make(i, layer, its KV cache) (a
+        stand-in that runs it on a peer). With `zero`, the KV left here for them is zeroed, so that a
+        step that still read it would go wrong."""
+        self.graphs = None  # CUDA graphs replay the layers as captured: decode eagerly from here on
+        layers = self.model.layers
+        for i in ids:
+            layers[i] = make(i, layers[i], self.kv_caches[i])
+            if zero:
+                self.kv_caches[i].zero_()
+
+    def hand_heads(self, ids, make) -> None:
+        """Some KV heads of layers `ids` are attended elsewhere from now on: layer i's attention becomes
+        make(i, its KV cache) (which keeps the heads that stay); the cache here is zeroed."""
+        self.graphs = None
+        for i in ids:
+            self.model.layers[i].attend = make(i, self.kv_caches[i])
+            self.kv_caches[i].zero_()
+
     def finish_moves(self) -> None:
         """Wait for copies still in flight (a swap on its stream, a write-back to the store)."""
         if self._swap_events is not None:
