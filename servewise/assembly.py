@@ -11,7 +11,7 @@ from servewise.engine.interfaces import CostModel
 from servewise.engine.llm_engine import LLMEngine
 from servewise.engine.scheduler import Scheduler
 from servewise.policies import ADMISSION_RULES, ORDERING_POLICIES, PREEMPTION_POLICIES
-from servewise.policies.admission import Chunked, Continuous, Groups, RequestBatches
+from servewise.policies.admission import Chunked, Continuous, Groups, RequestBatches, StaticBatches
 from servewise.policies.batch_time import BatchTimeEstimator
 from servewise.policies.batching import BATCHERS, SLOODBS, Magnus, Vanilla
 from servewise.policies.kv_fetch import AlwaysFetch, FetchOrRecompute
@@ -65,7 +65,8 @@ def make_scheduler(sc, bm: BlockManager, cost_model: CostModel | None = None, fe
     ordering = ordering(sc.token_age_s, sc.preemption_cap) if sc.policy == "prompt-first" else ordering()
     rule = ADMISSION_RULES[sc.policy]
     if sc.batching != "continuous":
-        admission = RequestBatches(make_batcher(sc, (bm.num_device_blocks - bm.watermark_blocks) * bm.block_size))
+        batches = StaticBatches if sc.static_batches else RequestBatches
+        admission = batches(make_batcher(sc, (bm.num_device_blocks - bm.watermark_blocks) * bm.block_size))
     elif rule == "groups":
         if sc.chunked_prefill:
             raise ValueError(f"chunked prefill does not combine with the {sc.policy!r} policy's group admission yet")

@@ -116,6 +116,10 @@ class SchedulerConfig:
                                          "last request ends, assembled by vanilla (FCFS, --batch-size), magnus (WMA "
                                          "under a KV memory cap) or slo-odbs (UELLM)",
                            ("continuous", "vanilla", "magnus", "slo-odbs"))
+    static_batches: bool = option(False, "run request-level batches (--batching) as static batching does (Hugging Face "
+                                         "generate, the regime of Magnus and UELLM): prompts padded to the batch's "
+                                         "longest, the padding computed and its KV held, and a request that ends "
+                                         "computing on in its row until the batch's last request ends")
     batch_size: int = option(8, "requests per batch of --batching vanilla")
     batch_order: str = option("fcfs", "which queued batch runs next with --batching vanilla or magnus: the oldest "
                                       "(fcfs) or the highest response ratio (hrrn, with a KNN batch-time estimator)",
@@ -136,6 +140,8 @@ class SchedulerConfig:
         if self.batching != "continuous" and self.policy == "priority":
             raise ValueError("the priority policy ranks continuous batching; request-level batching (--batching) "
                              "keeps its own order")
+        if self.static_batches and self.batching == "continuous":
+            raise ValueError("static_batches runs request-level batches: it needs --batching vanilla, magnus or slo-odbs")
         if self.batching != "continuous" and self.chunked_prefill:
             raise ValueError("request-level batching (--batching) does not combine with chunked prefill")
         if self.batch_size < 1:
@@ -192,6 +198,9 @@ class EngineConfig:
         own = {f.name for f in fields(cls)}
         if unknown := set(kw) - own:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        if parts["scheduler"].static_batches and parts["cache"].enable_prefix_caching:
+            raise ValueError("static_batches computes padding as rows of filler tokens, which prefix caching would share: "
+                             "use one or the other")
         return cls(**kw, **parts)
 
 

@@ -90,7 +90,7 @@ class Scheduler:
             else:
                 return None
         req.status, req.finish_reason, req.finish_time = Status.ABORTED, reason, now
-        self._drop_from_runner(req)
+        self.forget(req)
         return req
 
     def snapshot(self) -> SchedulerSnapshot:
@@ -113,8 +113,7 @@ class Scheduler:
 
     def prefill_step(self, now: float, limit: int | None = None, out: SchedulerOutput | None = None,
                      gate=None) -> SchedulerOutput:
-        """Admit waiting requests, front first, while they fit (`limit` of them at most; `gate(req)`
-        false stops admission); the step computes their prompts."""
+        """Admit waiting requests, front first, while they fit (at most `limit`; until `gate(req)` is false)."""
         self.resort(self.waiting, now)
         batch: list[Request] = []
         tokens = longest = 0
@@ -168,8 +167,7 @@ class Scheduler:
 
     def grow(self, running: list[Request], req: Request, upto: int, now: float, out: SchedulerOutput,
              floor: int = 0) -> bool:
-        """Blocks for `req` up to `upto` tokens (with `floor` blocks free), preempting the back of
-        `running` until they fit; False if `req` itself was preempted."""
+        """Blocks for `req` up to `upto` tokens (`floor` more free), preempting the back; False if it went."""
         bm, rid = self.bm, req.request_id
         while max(bm.new_blocks_for(rid, upto), floor) > bm.num_free_device:
             victim = running.pop()
@@ -290,7 +288,8 @@ class Scheduler:
         self._batch = batch
         return out
 
-    def _drop_from_runner(self, req: Request) -> None:
+    def forget(self, req: Request) -> None:
+        """The runner drops its copy of the request with the next step."""
         if req.in_runner:
             self._forget.append(req.request_id)
             self._known_blocks.pop(req.request_id, None)
@@ -322,12 +321,13 @@ class Scheduler:
                 self.length_corrections += 1
             if req.finish_reason is not None:
                 req.status, req.finish_time = Status.FINISHED, now
-                self.bm.free(req.request_id)
-                self._drop_from_runner(req)
+                if not self.admission.keep_row(self, req):
+                    self.bm.free(req.request_id)
+                    self.forget(req)
                 finished.append(req)
             elif req.handoff:  # prefilled: its KV leaves for another instance; the blocks stay until released
                 req.status, req.handoff = Status.HANDED_OFF, False
-                self._drop_from_runner(req)
+                self.forget(req)
                 handed.append(req)
         if finished or handed or retried:
             done = set(map(id, finished + handed + retried))

@@ -13,11 +13,14 @@ keep arriving requests itself (`queue`, `remove`, `len`: request-level batches d
 - RequestBatches: request-level batching (Magnus, UELLM). A batch assembler (policies.batching) queues
   arriving requests in batches; one batch runs at a time (its prompts, then its decodes, nothing
   joining) until its last request ends; a batch whose KV does not fit is split in halves that queue again.
+- StaticBatches: those batches run as static batching runs them: prompts padded to the batch's longest,
+  padding computed and held, a request that ends keeping its row (computing) until the batch ends.
 """
 from __future__ import annotations
 
 from servewise.engine.interfaces import Preemption, SchedulerOutput
 from servewise.engine.request import Request, Status
+from servewise.sampling_params import SamplingParams
 
 
 class Admission:
@@ -37,6 +40,10 @@ class Admission:
 
     def step(self, sched, now: float) -> SchedulerOutput:
         raise NotImplementedError
+
+    def keep_row(self, sched, req: Request) -> bool:
+        """Whether a request that has just finished keeps its row (its blocks, the runner's copy)."""
+        return False
 
     # the ranked rules
     def admissible(self, sched, req: Request, now: float) -> bool:
@@ -230,7 +237,7 @@ class RequestBatches(Admission):
             if batch is None:
                 return SchedulerOutput(False)
             batch.start = now
-            sched.waiting.extend(batch.requests)
+            self._start(sched, batch)
         if sched.waiting:
             out = sched.prefill_step(now)
             if out.scheduled:
@@ -245,6 +252,9 @@ class RequestBatches(Admission):
             return nxt
         return out
 
+    def _start(self, sched, batch) -> None:
+        sched.waiting.extend(batch.requests)
+
     def _split(self, sched, now: float, out: SchedulerOutput) -> None:
         """The running batch ran out of blocks: its unfinished requests lose their KV (a recompute
         preemption each) and queue again in front as two halves (Magnus's OOM recovery)."""
@@ -258,3 +268,72 @@ class RequestBatches(Admission):
             req.status = Status.WAITING
         sched.running, sched.waiting, self._current = [], [], None
         self.batcher.requeue(reqs, now)
+
+
+class StaticBatches(RequestBatches):
+    """Request-level batches run as static batching runs them (Hugging Face `generate`, the regime Magnus
+    and UELLM were built for). Each prompt is padded to the batch's longest: beside every shorter prompt a
+    pad row of the missing tokens is computed with it and holds their KV until the batch ends. A request
+    that ends keeps its row: a stand-in (same id, its tokens thrown away) goes on decoding and holding KV
+    until the batch's last request ends. So the batch computes and holds what a padded batch does; on the
+    real engine the padding's attention is its own row's (a real row never attends to padding), so the
+    real rows' outputs are those of an unpadded run."""
+
+    def __init__(self, batcher):
+        super().__init__(batcher)
+        self.pads: list[Request] = []  # the running batch's pad rows
+        self.stand_ins: dict[str, tuple[Request, int]] = {}  # id -> (stand-in, tokens its model allows)
+
+    def keep_row(self, sched, req: Request) -> bool:
+        if self._current is None or not any(r is req for r in self._current.requests):
+            return False
+        stand_in = Request(req.request_id, req.prompt_token_ids, _FILLER, req.arrival_time, seq_no=req.seq_no,
+                           output_token_ids=list(req.output_token_ids), num_computed_tokens=req.num_computed_tokens,
+                           in_runner=True, status=Status.RUNNING)
+        req.in_runner = False  # the runner's copy is the stand-in's now
+        self.stand_ins[req.request_id] = (stand_in, req.max_total_tokens)
+        sched.running.append(stand_in)
+        return True
+
+    def _start(self, sched, batch) -> None:
+        longest = max(r.num_tokens for r in batch.requests)
+        for req in batch.requests:
+            sched.waiting.append(req)
+            if (n := longest - req.num_tokens) > 0:
+                pad = Request(f"{req.request_id}/pad", [0] * n, _FILLER, req.arrival_time, seq_no=req.seq_no)
+                sched.waiting.append(pad)
+                sched.queued_tokens += n
+                self.pads.append(pad)
+
+    def step(self, sched, now: float, retry: bool = True) -> SchedulerOutput:
+        if self._current is not None and all(r.finished for r in self._current.requests):
+            self._release(sched)
+        if self.stand_ins:  # a stand-in at its model's length stops computing (its KV stays)
+            sched.running = [r for r in sched.running if (r.request_id not in self.stand_ins or
+                                                          r.num_tokens <= self.stand_ins[r.request_id][1])]
+        out = super().step(sched, now, retry)
+        if out.is_prefill and self.pads:  # pad rows are computed once: they hold KV, they do not decode
+            pads = set(map(id, self.pads))
+            sched.running = [r for r in sched.running if id(r) not in pads]
+        return out
+
+    def _release(self, sched) -> None:
+        """The batch has ended, or is split: its pad rows and stand-ins go, with their KV."""
+        waiting = set(map(id, sched.waiting))
+        extra = self.pads + [s for s, _ in self.stand_ins.values()]
+        for req in extra:
+            if id(req) in waiting:
+                sched.queued_tokens -= req.num_tokens
+            sched.bm.free(req.request_id)
+            sched.forget(req)
+        gone = set(map(id, extra))
+        sched.running = [r for r in sched.running if id(r) not in gone]
+        sched.waiting = [r for r in sched.waiting if id(r) not in gone]
+        self.pads, self.stand_ins = [], {}
+
+    def _split(self, sched, now: float, out: SchedulerOutput) -> None:
+        self._release(sched)
+        super()._split(sched, now, out)
+
+
+_FILLER = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
