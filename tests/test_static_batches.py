@@ -55,13 +55,21 @@ def test_it_needs_request_level_batches():
         SchedulerConfig(static_batches=True)
 
 
-def test_real_rows_keep_their_tokens_on_the_real_engine():
+def test_real_rows_keep_their_tokens_on_the_real_engine(hf_dirs):
+    """The real rows of padded batches give Hugging Face's greedy tokens, and every block comes back."""
+    import torch
+    import transformers
+
+    path = hf_dirs["tiny-llama"]
     prompts = [[3 + i] * (4 + 9 * i) for i in range(5)]
-    params = [SamplingParams(max_tokens=4 + 7 * (i % 3), temperature=0.0, ignore_eos=True) for i in range(5)]
-    ref = LLM("tiny-llama", num_device_blocks=512).generate(prompts, params)
-    llm = LLM("tiny-llama", num_device_blocks=512, batching="vanilla", batch_size=3, static_batches=True)
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    lengths = [4 + 7 * (i % 3) for i in range(5)]
+    llm = LLM(path, num_device_blocks=512, batching="vanilla", batch_size=3, static_batches=True)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, n, out in zip(prompts, lengths, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt):].tolist()
     assert llm.engine.block_manager.num_free_device == llm.engine.block_manager.num_device_blocks
 
 
