@@ -63,3 +63,39 @@ def test_experiment_rejects_unknown_systems(pairs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["experiment", "magnus", "--data", pairs, "--systems", "magnus,nope", "--out-dir", str(tmp_path)])
     assert "unknown system(s) nope" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tasks(data_dir, tmp_path_factory):
+    """Magnus's kind of workload, small: 40 train and 40 workload requests of every task."""
+    path = tmp_path_factory.mktemp("tasks") / "tasks.jsonl.gz"
+    kept = {}
+    with gzip.open(os.path.join(data_dir, "magnus_tasks.jsonl.gz"), "rt") as f, gzip.open(path, "wt") as out:
+        for line in f:
+            row = json.loads(line)
+            if kept.setdefault((row["task"], row["split"]), 0) < 40:
+                kept[row["task"], row["split"]] += 1
+                out.write(line)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_magnus_on_its_own_kind_of_workload_in_both_regimes(tasks, tmp_path):
+    res = {}
+    for regime in ("static", "paged"):
+        out = tmp_path / regime
+        main(["experiment", "magnus", "--data", tasks, "--train", "100", "--num-requests", "60", "--rates", "8",
+              "--backends", "sim", "--systems", "vanilla,magnus", "--regime", regime, "--cache-dir", str(tmp_path),
+              "--out-dir", str(out)])
+        res[regime] = json.loads((out / "magnus.json").read_text())
+    static = res["static"]
+    assert static["regime"] == "static" and len(static["tasks"]) == 5
+    for t in static["tasks"].values():  # Table I: output length follows input on these tasks
+        assert t["requests"] > 0 and t["pearson"] > 0.5 and t["magnus_mae"] >= 0
+    search = static["wma_threshold"]
+    assert search["requests"] == 60 and len(search["throughput"]) == 6 and search["chosen"] in (1e3, 3e3, 1e4, 3e4, 1e5, 1e6)
+    assert search["throughput"][f"{search['chosen']:g}"] == max(search["throughput"].values())
+    runs = {(r["system"], regime): r for regime, x in res.items() for r in x["runs"]}
+    # static batches pay for padding and ended rows: vanilla takes longer than on the paged engine
+    assert runs["vanilla", "static"]["duration_s"] > runs["vanilla", "paged"]["duration_s"]
+    assert all(r["completed"] == 60 for r in runs.values())

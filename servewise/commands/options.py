@@ -162,7 +162,9 @@ def fit_args(p: argparse.ArgumentParser) -> None:
 
 def length_data_args(p) -> None:
     """ShareGPT pairs whose prompts are embedded for output-length prediction."""
-    p.add_argument("--data", required=True, help="ShareGPT pairs (JSONL, optionally .gz: {human, gpt} per line)")
+    p.add_argument("--data", required=True, help="ShareGPT pairs (JSONL, optionally .gz: {human, gpt} per line); "
+                                                 "`experiment magnus` and `uellm` also take Magnus's task requests "
+                                                 "(magnus_tasks.jsonl.gz)")
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "servewise", "embeddings"),
                    help="where embeddings are kept between runs ('' for nowhere)")
     p.add_argument("--seed", type=int, default=0)

@@ -14,6 +14,7 @@ length (capped), and each request carrying its predicted length (and, for UELLM,
 """
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -35,10 +36,11 @@ from servewise.workloads.datasets import WorkloadRequest, records
 
 @dataclass
 class LengthData:
-    prompts: list[list[int]]  # WordPiece ids of the human turn
+    prompts: list[list[int]]  # WordPiece ids of the human turn (of the instruction and input, for tasks)
     X: np.ndarray  # Magnus's features
     y: np.ndarray  # true output lengths
     embed_ms: float  # per request, both embeddings
+    tasks: list[str] | None = None  # each request's application (magnus_tasks), or None (ShareGPT)
 
 
 def load_length_data(path: str, n: int, cache_dir: str | None = None, progress: bool = True) -> LengthData:
@@ -63,6 +65,61 @@ def load_length_data(path: str, n: int, cache_dir: str | None = None, progress: 
     instr = emb.encode([instruction_of(t) for t in texts], progress=progress)
     embed_ms = (time.perf_counter() - t0) / n * 1e3
     return LengthData(prompts, features(user, instr, [len(p) for p in prompts]), np.asarray(outs, float), embed_ms)
+
+
+def is_task_data(path: str) -> bool:
+    """Whether `path` holds Magnus's kind of workload (magnus_tasks.jsonl.gz: task, instruction, input,
+    reference_output, split) rather than ShareGPT pairs."""
+    for _, row in records(path, (), jsonl=True, what="length data"):
+        return "reference_output" in row
+    return False
+
+
+def load_task_data(path: str, n_train: int, n: int, seed: int = 0, cache_dir: str | None = None,
+                   progress: bool = True) -> LengthData:
+    """Magnus's kind of workload: n_train requests of the file's train split, then n of its workload split,
+    each split shuffled with `seed` (the tasks mixed). A request's prompt is its instruction and input, its
+    output length the reference output's tokens; the instruction is the application-level text and the
+    input the user's (Magnus's two embeddings)."""
+    need = ("task", "instruction", "input", "reference_output", "split")
+    rows = {"train": [], "workload": []}
+    for line, row in records(path, need, jsonl=True, what="task requests"):
+        if row["split"] not in rows:
+            raise ValueError(f"{path}, line {line}: split must be train or workload, got {row['split']!r}")
+        rows[row["split"]].append(row)
+    for part, k in (("train", n_train), ("workload", n)):
+        if len(rows[part]) < k:
+            raise ValueError(f"{path} has {len(rows[part])} {part} requests, {k} asked for")
+        random.Random(f"{part}:{seed}").shuffle(rows[part])
+    chosen = rows["train"][:n_train] + rows["workload"][:n]
+    emb = Embedder(cache_dir)
+    tokenize = length_tokenizer(emb.tokenizer_path)
+    prompts = [tokenize(f"{r['instruction']}\n{r['input']}") for r in chosen]
+    outs = [max(1, len(tokenize(r["reference_output"]))) for r in chosen]
+    t0 = time.perf_counter()
+    user = emb.encode([r["input"] for r in chosen], progress=progress)
+    instr = emb.encode([r["instruction"] for r in chosen], progress=progress)
+    embed_ms = (time.perf_counter() - t0) / len(chosen) * 1e3
+    return LengthData(prompts, features(user, instr, [len(p) for p in prompts]), np.asarray(outs, float), embed_ms,
+                      [r["task"] for r in chosen])
+
+
+def task_figures(data: LengthData, start: int, predicted: dict) -> dict:
+    """Per task, over the workload part (from `start`): requests, mean input and output tokens, their
+    Pearson correlation (Magnus's Table I), and each predictor's mean absolute error."""
+    out = {}
+    tasks = np.asarray(data.tasks[start:])
+    lens = np.asarray([len(p) for p in data.prompts[start:]], float)
+    y = data.y[start:]
+    for task in sorted(set(tasks)):
+        m = tasks == task
+        row = {"requests": int(m.sum()), "mean_input": float(lens[m].mean()), "mean_output": float(y[m].mean()),
+               "pearson": float(np.corrcoef(lens[m], y[m])[0, 1]) if m.sum() > 2 else float("nan")}
+        for name, pred in predicted.items():
+            if name not in (None, "oracle"):
+                row[f"{name}_mae"] = float(np.mean(np.abs(pred[start:][m] - y[m])))
+        out[task] = row
+    return out
 
 
 def split(n: int, test_share: float) -> int:
@@ -227,6 +284,13 @@ class Settings:
     num_requests: int | None = None
     systems: tuple[str, ...] | None = None
     real_blocks: int = 512  # device KV blocks of the real engine
+    # request-level batches (vanilla, VSQ, GLP, ABP, Magnus, SLO-ODBS...) as the papers run them: "static"
+    # (padding computed and held, ended rows computing until their batch ends), or "paged" (the paged
+    # engine's: nothing computed for padding or ended rows); continuous systems run alike in both
+    regime: str = "static"
+    # Magnus's WMA threshold: searched (None) on the train split's requests in the simulator, at the highest
+    # rate, for the best request throughput of ABP (WMA assembly, no size limit), or this value
+    wma_threshold: float | None = None
     out_dir: str = "results/length_aware"
     # a per-operation calibration (`servewise calibrate`) pricing the simulated V100 instead of the roofline:
     # the V100's peaks with the constants of `calibration_gpu` (no V100 steps were measured to fit its own)
@@ -237,6 +301,8 @@ class Settings:
         self.systems = tuple(self.systems or EXPERIMENTS[self.experiment])
         if unknown := set(self.systems) - set(SYSTEMS):
             raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+        if self.regime not in ("static", "paged"):
+            raise ValueError(f"unknown regime {self.regime!r}; choose from static, paged")
         if unknown := set(self.backends) - {"sim", "real"}:
             raise ValueError(f"unknown backend(s) {', '.join(sorted(unknown))}; choose from sim, real")
 
@@ -268,13 +334,40 @@ def supported(backend: str, system: str, calibrated: bool = False) -> bool:
     return "weight_bits" not in SYSTEMS[system][0] or (backend == "sim" and not calibrated)
 
 
+WMA_GRID = (1e3, 3e3, 1e4, 3e4, 1e5, 1e6)
+
+
+def search_wma(data: LengthData, s: Settings, be: Backend, predicted: np.ndarray) -> dict:
+    """Magnus's threshold, chosen as its users would: ABP (WMA assembly without a size limit, first come
+    first served) on the train split's requests in the simulator, at the plan's highest rate, for each
+    threshold of WMA_GRID; the one of the best request throughput wins. (The predictions there are the
+    predictor's on its own training requests.)"""
+    n = min(s.train, be.num_requests)
+    train = LengthData(data.prompts[:n], data.X[:n], data.y[:n], data.embed_ms)
+    items = workload(train, 0, n, be, {"magnus": predicted[:n]}, s.seed)["magnus"]
+    rate = max(s.rates or be.rates)
+    arrivals = arrival_times(n, "poisson", rate, seed=s.seed)
+    tried = {}
+    for phi in WMA_GRID:
+        e = engine("sim", "magnus-fcfs", s.real_blocks, s.calibration, s.calibration_gpu, s.regime)
+        e.options["wma_threshold"] = phi
+        rec = lab.run(lab.Spec(e, items, arrivals))
+        tried[phi] = rec.metrics["request_throughput"]
+        print(f"WMA threshold search (train split, {n} requests at {rate:g} req/s): {phi:g} -> "
+              f"{tried[phi]:.2f} req/s", file=sys.stderr, flush=True)
+    best = max(tried, key=lambda phi: (tried[phi], -phi))
+    return {"requests": n, "rate": rate, "throughput": {f"{k:g}": v for k, v in tried.items()}, "chosen": best}
+
+
 def engine(backend: str, system: str, real_blocks: int, calibration: str | None = None,
-           calibration_gpu: str = "a100-80g") -> lab.Engine:
+           calibration_gpu: str = "a100-80g", regime: str = "paged") -> lab.Engine:
     """Simulated llama-7b on a V100 (as Magnus's ChatGLM-6B), priced by the roofline or, with `calibration`,
     per operation with `calibration_gpu`'s constants; or the real tiny-llama with `real_blocks` device
     blocks and no swap space; no warm-up request (it would run through the batcher and teach Magnus's
     batch-time estimator a batch that is not the workload's)."""
     options = dict(SYSTEMS[system][0])
+    if regime == "static" and options.get("batching", "continuous") != "continuous":
+        options["static_batches"] = True
     if not supported(backend, system, calibration is not None):
         raise ValueError(f"{system} runs on the simulated backend only (quantized weights), priced by the roofline")
     if backend == "sim":
@@ -312,7 +405,10 @@ def row(spec: lab.Spec, rec: lab.Record) -> dict:
 def run_experiment(s: Settings) -> dict:
     plan = s.plan()
     need = max(be.num_requests for be in plan.values())
-    data = load_length_data(s.data, s.train + need, s.cache_dir)
+    if is_task_data(s.data):
+        data = load_task_data(s.data, s.train, need, s.seed, s.cache_dir)
+    else:
+        data = load_length_data(s.data, s.train + need, s.cache_dir)
     uses = {SYSTEMS[x][1] for x in s.systems} - {None, "oracle"}
     predicted = {"oracle": data.y, None: None}
     accuracies = {}
@@ -320,6 +416,10 @@ def run_experiment(s: Settings) -> dict:
         model = make_predictor(name, s.seed).fit(data.X[:s.train], data.y[:s.train])
         predicted[name] = model.predict(data.X)
         accuracies[name] = accuracy(predicted[name][s.train:], data.y[s.train:])
+    wma = None
+    if any(SYSTEMS[x][0].get("batching") == "magnus" and "wma_threshold" not in SYSTEMS[x][0] for x in s.systems):
+        wma = {"chosen": s.wma_threshold} if s.wma_threshold is not None else \
+            search_wma(data, s, plan.get("sim", QUICK["sim"]), predicted.get("magnus", data.y))
     runs = []
     for b, be in plan.items():
         items = workload(data, s.train, be.num_requests, be, predicted, s.seed)
@@ -328,21 +428,35 @@ def run_experiment(s: Settings) -> dict:
             for system in s.systems:
                 if not supported(b, system, s.calibration is not None):
                     continue
-                spec = lab.Spec(engine(b, system, s.real_blocks, s.calibration, s.calibration_gpu),
-                                items[SYSTEMS[system][1]], arrivals,
+                eng = engine(b, system, s.real_blocks, s.calibration, s.calibration_gpu, s.regime)
+                if wma is not None and eng.options.get("batching") == "magnus":
+                    eng.options.setdefault("wma_threshold", wma["chosen"])
+                spec = lab.Spec(eng, items[SYSTEMS[system][1]], arrivals,
                                 tags={"backend": b, "system": system, "rate": rate})
                 runs.append(r := row(spec, lab.run(spec)))
                 print(f"{b:<4} {rate:>5g} req/s {system:<14} {r['request_throughput']:7.2f} req/s  mean E2E "
                       f"{r['mean_e2e_s']:8.2f} s  p99 {r['p99_e2e_s']:8.2f} s  SLO viol. {r['slo_violation_rate']:.0%}"
                       f"  ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    return {"experiment": s.experiment, "train": s.train, "accuracy": accuracies, "runs": runs,
+    return {"experiment": s.experiment, "data": os.path.basename(s.data), "regime": s.regime, "train": s.train,
+            "accuracy": accuracies, "runs": runs,
+            "tasks": task_figures(data, s.train, predicted) if data.tasks else None, "wma_threshold": wma,
             "backends": {b: be.__dict__ for b, be in plan.items()}, "seed": s.seed,
             "systems": {x: {"options": SYSTEMS[x][0], "prediction": SYSTEMS[x][1]} for x in s.systems},
             "calibration": s.calibration, "calibration_gpu": s.calibration_gpu if s.calibration else None}
 
 
 def report(res: dict) -> str:
-    lines = [f"{res['experiment']} experiment: predictors trained on {res['train']} ShareGPT pairs"]
+    kind = "task requests" if res.get("tasks") else "ShareGPT pairs"
+    lines = [f"{res['experiment']} experiment: predictors trained on {res['train']} {kind}; request-level batches "
+             f"{'static (padded, ended rows computing)' if res.get('regime') == 'static' else 'on the paged engine'}"]
+    if w := res.get("wma_threshold"):
+        how = (f"searched on {w['requests']} train requests at {w['rate']:g} req/s: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in w["throughput"].items()) + " req/s") if "throughput" in w else "given"
+        lines.append(f"  Magnus's WMA threshold {w['chosen']:g} ({how})")
+    for task, t in (res.get("tasks") or {}).items():
+        maes = ", ".join(f"{k[:-4]} MAE {v:.1f}" for k, v in t.items() if k.endswith("_mae"))
+        lines.append(f"  {task:<34} {t['requests']:>5} requests, input {t['mean_input']:6.1f} output "
+                     f"{t['mean_output']:6.1f} tokens, Pearson {t['pearson']:.3f}; {maes}")
     if res.get("calibration"):
         lines.append(f"  simulated V100 priced per operation: {res['calibration_gpu']}'s constants from "
                      f"{res['calibration']} with the V100's peaks (quantized systems not run: fp16 only)")

@@ -239,7 +239,7 @@ class RequestBatches(Admission):
             batch.start = now
             self._start(sched, batch)
         if sched.waiting:
-            out = sched.prefill_step(now)
+            out = sched.prefill_step(now, limit=self._rows_left(sched))
             if out.scheduled:
                 return out
         if not sched.waiting and decode_growth(sched) <= sched.bm.num_free_device:
@@ -254,6 +254,9 @@ class RequestBatches(Admission):
 
     def _start(self, sched, batch) -> None:
         sched.waiting.extend(batch.requests)
+
+    def _rows_left(self, sched) -> int:
+        return sched.config.max_num_seqs - len(sched.running)
 
     def _split(self, sched, now: float, out: SchedulerOutput) -> None:
         """The running batch ran out of blocks: its unfinished requests lose their KV (a recompute
@@ -304,6 +307,9 @@ class StaticBatches(RequestBatches):
                 sched.waiting.append(pad)
                 sched.queued_tokens += n
                 self.pads.append(pad)
+
+    def _rows_left(self, sched) -> int:
+        return len(sched.waiting)  # pad rows are part of their prompts' rows: the batch's size is its requests'
 
     def step(self, sched, now: float, retry: bool = True) -> SchedulerOutput:
         if self._current is not None and all(r.finished for r in self._current.requests):

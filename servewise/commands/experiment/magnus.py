@@ -10,7 +10,8 @@ HELP = ("Magnus: predicted output lengths, WMA batch assembly, HRRN, against sta
 def arguments(p) -> None:
     length_data_args(p)
     p.add_argument("--train", type=at_least(10), default=1000, help="pairs that train the predictors (the "
-                                                                     "workload's requests follow them)")
+                                                                     "workload's requests follow them; with "
+                                                                     "magnus_tasks data, requests of its train split)")
     p.add_argument("--full", action="store_true", help="more rates and requests")
     p.add_argument("--backends", default=None, help="comma-separated: sim, real (default both)")
     p.add_argument("--rates", type=rates, default=None, help="comma-separated request rates (default per backend)")
@@ -25,6 +26,11 @@ def arguments(p) -> None:
                         "instead of the roofline: the V100's peaks with --calibration-gpu's constants (quantized "
                         "systems are then not run)")
     p.add_argument("--calibration-gpu", default="a100-80g", help="whose constants in --calibration (default a100-80g)")
+    p.add_argument("--regime", choices=("static", "paged"), default="static",
+                   help="request-level batches as the papers run them (static: padding computed and held, ended rows "
+                        "computing until the batch ends) or on the paged engine (nothing computed for either)")
+    p.add_argument("--wma-threshold", type=float, default=None,
+                   help="Magnus's WMA threshold (default: searched on the train split's requests in the simulator)")
     p.add_argument("--out-dir", default="results/length_aware")
 
 
@@ -35,4 +41,5 @@ def run(a) -> None:
                   backends=tuple(b for b in (a.backends or "sim,real").split(",") if b),
                   rates=tuple(a.rates) if a.rates else None, num_requests=a.num_requests,
                   systems=tuple(a.systems.split(",")) if a.systems else None, real_blocks=a.real_blocks,
-                  out_dir=a.out_dir, calibration=a.calibration, calibration_gpu=a.calibration_gpu))
+                  out_dir=a.out_dir, calibration=a.calibration, calibration_gpu=a.calibration_gpu, regime=a.regime,
+                  wma_threshold=a.wma_threshold))
