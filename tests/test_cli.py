@@ -59,7 +59,7 @@ def test_every_engine_option_is_a_flag_with_its_choices(capsys):
     for f in _config_fields():
         assert "--" + f.name.replace("_", "-") in text
     assert "{fcfs,fair,spf,hrrn,priority,prompt-first,las}" in text and "{recompute,swap,adaptive}" in text
-    assert "--policy {fcfs,fair,spf,hrrn,priority,prompt-first}, --scheduling-policy" in text  # vLLM's name works too
+    assert "--policy {fcfs,fair,spf,hrrn,priority,prompt-first,las}, --scheduling-policy" in text  # vLLM's name works too
     assert "{continuous,vanilla,magnus,slo-odbs}" in text
     with pytest.raises(SystemExit):
         main(["generate", "--policy", "nonesuch"])

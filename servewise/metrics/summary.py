@@ -154,7 +154,33 @@ def format_table(m: dict, title: str = "Serving metrics") -> str:
     return "\n".join(lines)
 
 
+def provenance() -> dict:
+    """Where and when a result was measured: the code's commit (and whether its tree had changes not
+    committed), the UTC time, the CPU (model, cores, SIMD flags) and the torch threads."""
+    import datetime
+    import subprocess
+
+    import torch
+
+    from servewise.kernels import cpu_flags
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip()) if commit else None
+    except (OSError, subprocess.SubprocessError):
+        commit = dirty = None
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 None) if os.path.exists("/proc/cpuinfo") else None
+    return {"commit": commit, "uncommitted_changes": dirty,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": model, "cores": os.cpu_count(), "cpu_flags": cpu_flags(), "torch_threads": torch.get_num_threads()}
+
+
 def save_json(m: dict, path: str, **extra) -> None:
+    """Write a result with its provenance (the code's commit, the date, the machine) under "provenance"."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({**extra, **m}, f, indent=1)
+        json.dump({**extra, **m, "provenance": provenance()}, f, indent=1)
