@@ -13,7 +13,7 @@ from servewise.engine.scheduler import Scheduler
 from servewise.policies import ADMISSION_RULES, ORDERING_POLICIES, PREEMPTION_POLICIES
 from servewise.policies.admission import Chunked, Continuous, Groups, RequestBatches, StaticBatches
 from servewise.policies.batch_time import BatchTimeEstimator
-from servewise.policies.batching import BATCHERS, SLOODBS, Magnus, Vanilla
+from servewise.policies.batching import BATCHERS, S3, SLOODBS, Magnus, Vanilla
 from servewise.policies.kv_fetch import AlwaysFetch, FetchOrRecompute
 from servewise.policies.rules import BlockRules, NextBucket, Reserve, V0Rules
 
@@ -86,6 +86,8 @@ def make_batcher(sc, memory_cap: int):
         w1, w2 = sc.weights()
         return SLOODBS(memory_cap, sc.max_num_seqs, w1=w1, w2=w2, threshold=sc.slo_threshold, variant=sc.slo_odbs)
     estimator = BatchTimeEstimator() if sc.batch_order == "hrrn" else None
+    if kind is S3:
+        return S3(memory_cap, sc.max_num_seqs)
     if kind is Magnus:
         return Magnus(memory_cap, sc.max_num_seqs, sc.batch_order, sc.wma_threshold, estimator)
     return Vanilla(memory_cap, sc.max_num_seqs, sc.batch_order, sc.batch_size, estimator)

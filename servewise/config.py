@@ -114,8 +114,9 @@ class SchedulerConfig:
                                           "counts what it will still grow")
     batching: str = option("continuous", "continuous (iteration-level), or request-level batches that run until their "
                                          "last request ends, assembled by vanilla (FCFS, --batch-size), magnus (WMA "
-                                         "under a KV memory cap) or slo-odbs (UELLM)",
-                           ("continuous", "vanilla", "magnus", "slo-odbs"))
+                                         "under a KV memory cap), slo-odbs (UELLM) or s3 (similar predicted outputs "
+                                         "together, as UELLM's thesis describes S3)",
+                           ("continuous", "vanilla", "magnus", "slo-odbs", "s3"))
     static_batches: bool = option(False, "run request-level batches (--batching) as static batching does (Hugging Face "
                                          "generate, the regime of Magnus and UELLM): prompts padded to the batch's "
                                          "longest, the padding computed and its KV held, and a request that ends "

@@ -11,7 +11,7 @@ from servewise.engine.block_manager import BlockManager
 from servewise.engine.request import Request
 from servewise.assembly import make_scheduler
 from servewise.policies import ORDERING_POLICIES
-from servewise.policies.batching import SLOODBS, Batch, Magnus, Vanilla, wma
+from servewise.policies.batching import S3, SLOODBS, Batch, Magnus, Vanilla, wma
 from servewise.policies.batch_time import BatchTimeEstimator
 from servewise.policies.refitting import Refitting
 from servewise.predictors.output_length import (BucketClassifier, LinearInput, MagnusForest, accuracy,
@@ -278,3 +278,24 @@ def test_online_correction_predicts_again_a_request_that_outgrows_its_prediction
     else:  # it is expected to end at every step from its 4th token on
         assert seen[16][0] == 4 and seen[16][1] == r.num_prompt_tokens + 17 and eng.scheduler.snapshot().length_corrections == 0
     assert len(r.output_token_ids) == 20
+
+
+def test_s3_groups_similar_predictions_and_runs_the_oldest_requests_group():
+    """The thesis's S3 (formula 2-2): the queue sorted by predicted output, cut into consecutive groups
+    under the batch size and the KV cap; the group of the oldest request runs first."""
+    s3 = S3(memory_cap=10_000, max_batch=3)
+    predicted = [300, 10, 290, 12, 11, 310, 305]  # arrival order
+    for i, p in enumerate(predicted):
+        s3.add(req(i, 8, t=float(i), out=400, predicted=p), float(i))
+    assert [[r.request_id for r in g] for g in s3.groups(s3.pool)] == [["1", "4", "3"], ["2", "0", "6"], ["5"]]
+    def padding(groups):  # formula 2-2 over predicted outputs
+        return sum(max(r.predicted_len for r in g) * len(g) - sum(r.predicted_len for r in g) for g in groups)
+    fcfs = [s3.pool[k:k + 3] for k in range(0, len(s3.pool), 3)]
+    assert padding(s3.groups(s3.pool)) == 3 + 20 + 0 and padding(fcfs) == 300 + 597 + 0
+    first = s3.next(0.0)
+    assert [r.request_id for r in first.requests] == ["2", "0", "6"]  # holds request 0, the oldest
+    assert [r.request_id for r in s3.next(0.0).requests] == ["1", "4", "3"] and len(s3) == 1
+    tight = S3(memory_cap=2 * (8 + 300), max_batch=8)  # the KV cap: two requests of 8 + 300 tokens at most
+    for i, p in enumerate([300, 290, 280]):
+        tight.add(req(i, 8, out=400, predicted=p), 0.0)
+    assert [len(g) for g in tight.groups(tight.pool)] == [2, 1]

@@ -218,8 +218,14 @@ SYSTEMS = {
     "magnus": ({"batching": "magnus", "batch_order": "hrrn"}, "magnus"),
     "magnus-oracle": ({"batching": "magnus", "batch_order": "hrrn"}, "oracle"),
     "magnus-wma5e4": ({"batching": "magnus", "batch_order": "hrrn", "wma_threshold": 5e4}, "magnus"),  # ablation
-    "s3": ({"reserve": "predicted"}, "buckets"),  # S3: bucket predictions, reserve them, continuous
-    "s3-corrected": ({"reserve": "predicted", "correct_lengths": True}, "buckets"),  # + UELLM's online correction
+    # S3 as UELLM's thesis describes it (formula 2-2): static batches of similar bucketed predictions
+    "s3": ({"batching": "s3"}, "buckets"),
+    # continuous batching that reserves each request's bucketed prediction (servewise's earlier `s3`)
+    "cb-predicted": ({"reserve": "predicted"}, "buckets"),
+    "cb-predicted-corrected": ({"reserve": "predicted", "correct_lengths": True}, "buckets"),  # + online correction
+    # Morphling's way (configuration by stress tests of candidates, then fixed): vanilla static batching at
+    # the batch size that served most in the simulator on the train split (search_batch_size)
+    "morphling": ({"batching": "vanilla"}, None),
     "slo-odbs": ({"batching": "slo-odbs", "slo_weights": "0.5,0.5"}, "buckets"),  # Algorithm 3-1 as printed
     "slo-odbs-formula": ({"batching": "slo-odbs", "slo_weights": "0.5,0.5", "slo_odbs": "formula"}, "buckets"),
     "slo-odbs-capped": ({"batching": "slo-odbs", "slo_weights": "0.5,0.5", "slo_odbs": "capped"}, "buckets"),
@@ -229,7 +235,7 @@ SYSTEMS = {
 }
 EXPERIMENTS = {"magnus": ("vanilla", "vsq", "vsq-fused", "ccb", "continuous", "cb-spf", "cb-hrrn", "glp", "magnus-fcfs",
                           "magnus", "magnus-oracle", "magnus-wma5e4"),
-               "uellm": ("vanilla", "s3", "s3-corrected", "continuous", "slo-odbs", "slo-odbs-formula", "slo-odbs-capped",
+               "uellm": ("vanilla", "morphling", "s3", "cb-predicted", "cb-predicted-corrected", "continuous", "slo-odbs", "slo-odbs-formula", "slo-odbs-capped",
                          "slo-odbs-corrected", "slo-dbs", "odbs")}
 
 
@@ -359,6 +365,30 @@ def search_wma(data: LengthData, s: Settings, be: Backend, predicted: np.ndarray
     return {"requests": n, "rate": rate, "throughput": {f"{k:g}": v for k, v in tried.items()}, "chosen": best}
 
 
+BATCH_GRID = (2, 4, 8, 16, 32, 64)
+
+
+def search_batch_size(data: LengthData, s: Settings, be: Backend) -> dict:
+    """The Morphling-style baseline's configuration: vanilla static batching stress-tested at each batch
+    size of BATCH_GRID on the train split's requests in the simulator, at the plan's highest rate; the
+    size of the best request throughput is kept for every run (as a searched configuration is deployed
+    and left fixed)."""
+    n = min(s.train, be.num_requests)
+    train = LengthData(data.prompts[:n], data.X[:n], data.y[:n], data.embed_ms)
+    items = workload(train, 0, n, be, {None: None}, s.seed)[None]
+    rate = max(s.rates or be.rates)
+    arrivals = arrival_times(n, "poisson", rate, seed=s.seed)
+    tried = {}
+    for size in BATCH_GRID:
+        e = engine("sim", "vanilla", s.real_blocks, s.calibration, s.calibration_gpu, s.regime)
+        e.options["batch_size"] = size
+        tried[size] = lab.run(lab.Spec(e, items, arrivals)).metrics["request_throughput"]
+        print(f"batch size stress test (train split, {n} requests at {rate:g} req/s): {size} -> "
+              f"{tried[size]:.2f} req/s", file=sys.stderr, flush=True)
+    best = max(tried, key=lambda k: (tried[k], -k))
+    return {"requests": n, "rate": rate, "throughput": {str(k): v for k, v in tried.items()}, "chosen": best}
+
+
 def engine(backend: str, system: str, real_blocks: int, calibration: str | None = None,
            calibration_gpu: str = "a100-80g", regime: str = "paged") -> lab.Engine:
     """Simulated llama-7b on a V100 (as Magnus's ChatGLM-6B), priced by the roofline or, with `calibration`,
@@ -420,6 +450,7 @@ def run_experiment(s: Settings) -> dict:
     if any(SYSTEMS[x][0].get("batching") == "magnus" and "wma_threshold" not in SYSTEMS[x][0] for x in s.systems):
         wma = {"chosen": s.wma_threshold} if s.wma_threshold is not None else \
             search_wma(data, s, plan.get("sim", QUICK["sim"]), predicted.get("magnus", data.y))
+    morphling = search_batch_size(data, s, plan.get("sim", QUICK["sim"])) if "morphling" in s.systems else None
     runs = []
     for b, be in plan.items():
         items = workload(data, s.train, be.num_requests, be, predicted, s.seed)
@@ -431,6 +462,8 @@ def run_experiment(s: Settings) -> dict:
                 eng = engine(b, system, s.real_blocks, s.calibration, s.calibration_gpu, s.regime)
                 if wma is not None and eng.options.get("batching") == "magnus":
                     eng.options.setdefault("wma_threshold", wma["chosen"])
+                if system == "morphling":
+                    eng.options["batch_size"] = morphling["chosen"]
                 spec = lab.Spec(eng, items[SYSTEMS[system][1]], arrivals,
                                 tags={"backend": b, "system": system, "rate": rate})
                 runs.append(r := row(spec, lab.run(spec)))
@@ -439,7 +472,7 @@ def run_experiment(s: Settings) -> dict:
                       f"  ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     return {"experiment": s.experiment, "data": os.path.basename(s.data), "regime": s.regime, "train": s.train,
             "accuracy": accuracies, "runs": runs,
-            "tasks": task_figures(data, s.train, predicted) if data.tasks else None, "wma_threshold": wma,
+            "tasks": task_figures(data, s.train, predicted) if data.tasks else None, "wma_threshold": wma, "morphling": morphling,
             "backends": {b: be.__dict__ for b, be in plan.items()}, "seed": s.seed,
             "systems": {x: {"options": SYSTEMS[x][0], "prediction": SYSTEMS[x][1]} for x in s.systems},
             "calibration": s.calibration, "calibration_gpu": s.calibration_gpu if s.calibration else None}
@@ -453,6 +486,9 @@ def report(res: dict) -> str:
         how = (f"searched on {w['requests']} train requests at {w['rate']:g} req/s: " + ", ".join(
             f"{k} {v:.2f}" for k, v in w["throughput"].items()) + " req/s") if "throughput" in w else "given"
         lines.append(f"  Magnus's WMA threshold {w['chosen']:g} ({how})")
+    if m := res.get("morphling"):
+        lines.append(f"  Morphling-style batch size {m['chosen']} (stress-tested on {m['requests']} train requests at "
+                     f"{m['rate']:g} req/s: " + ", ".join(f"{k} {v:.2f}" for k, v in m["throughput"].items()) + " req/s)")
     for task, t in (res.get("tasks") or {}).items():
         maes = ", ".join(f"{k[:-4]} MAE {v:.1f}" for k, v in t.items() if k.endswith("_mae"))
         lines.append(f"  {task:<34} {t['requests']:>5} requests, input {t['mean_input']:6.1f} output "

@@ -9,6 +9,7 @@ Assemblers (`add` places an arriving request; `next` hands the engine its next b
 - `vanilla`: first come, first served, a fixed batch size (the baseline of Magnus).
 - `magnus`: Magnus's WMA-based adaptive assembly under a KV memory cap; batches run first come first
   served or by highest response ratio next (HRRN, with a KNN batch-time estimator).
+- `s3`: S3 as UELLM's thesis describes it: the queue cut into batches of similar predicted outputs.
 - `slo-odbs`: UELLM's Algorithm 3-1: the queue sorted by SLO and cut greedily into batches by a
   weighted objective; the batches of one pass run in order (as printed), or, in servewise's earlier
   variant, the algorithm is re-run whenever the engine is free under memory and size caps and its
@@ -249,4 +250,54 @@ class SLOODBS(Assembler):
         return self.queued.pop(0)
 
 
-BATCHERS = {"vanilla": Vanilla, "magnus": Magnus, "slo-odbs": SLOODBS}
+class S3(Assembler):
+    """S3 as UELLM's thesis describes it (its section 2.2.2, formula 2-2): batches that minimise the
+    padding of predicted outputs, sum over batches of (longest predicted output x size - their sum).
+    When the engine is free, the queue is sorted by predicted output and cut into consecutive groups
+    (for a fixed size that minimises formula 2-2), each at most `max_batch` requests and within the KV
+    memory cap (size x (longest input + longest predicted output)); the group holding the oldest
+    request runs, so that no prediction starves."""
+
+    name = "s3"
+
+    def __init__(self, memory_cap: int, max_batch: int):
+        super().__init__(memory_cap, max_batch, "fcfs")
+        self.pool: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self.pool) + super().__len__()
+
+    def add(self, req: Request, now: float) -> None:
+        self.pool.append(req)
+
+    def remove(self, request_id: str) -> Request | None:
+        for r in self.pool:
+            if r.request_id == request_id:
+                self.pool.remove(r)
+                return r
+        return super().remove(request_id)
+
+    def groups(self, requests: list[Request]) -> list[list[Request]]:
+        groups, cur, L, G = [], [], 0, 0
+        for q in sorted(requests, key=lambda r: (r.predicted_left, r.seq_no)):
+            l, g = max(L, q.num_tokens), max(G, q.predicted_left)
+            if cur and (len(cur) >= self.max_batch or (len(cur) + 1) * (l + g) > self.memory_cap):
+                groups.append(cur)
+                cur, l, g = [], q.num_tokens, q.predicted_left
+            cur.append(q)
+            L, G = l, g
+        return groups + [cur] if cur else groups
+
+    def next(self, now: float) -> Batch | None:
+        if self.queued:  # halves of a batch that ran out of memory go first
+            return self.queued.pop(0)
+        if not self.pool:
+            return None
+        oldest = min(self.pool, key=lambda r: (r.arrival_time, r.seq_no))
+        group = next(g for g in self.groups(self.pool) if any(r is oldest for r in g))
+        chosen = set(map(id, group))
+        self.pool = [r for r in self.pool if id(r) not in chosen]
+        return Batch(group, min(r.arrival_time for r in group))
+
+
+BATCHERS = {"vanilla": Vanilla, "magnus": Magnus, "slo-odbs": SLOODBS, "s3": S3}
