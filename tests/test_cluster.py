@@ -353,3 +353,28 @@ def test_splitwise_pools_repurpose_an_instance_borrowed_without_a_pause():
     now[0] = 100.0
     pools.prompt(200, [pload(900, 2), pload(100, 1)])
     assert pools.home == ["prompt", "token"] and pools.repurposed == 0
+
+
+def test_a_simulated_instance_whose_kv_will_not_come_computes_the_request_from_what_it_has():
+    """As a real instance does: without the first token it starts from the prompt (the placeholder goes);
+    with it, it computes prompt and first token and goes on from there."""
+    from servewise.builder import build_sim_engine
+    from servewise.cluster.sim import SimInstance
+    from servewise.sampling_params import SamplingParams
+
+    for first in (False, True):
+        inst = SimInstance(0, build_sim_engine("tiny-llama", hardware="a800-80g-pcie", num_device_blocks=64,
+                                               num_host_blocks=0))
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
+        inst.command(("expect", "r", [5] * 20, params, None))
+        if first:
+            inst.command(("first", "r", 77, None))
+        inst.command(("fail", "r"))
+        assert inst.take_events() == [("kv_done", "r", False, "the KV will not come", None)]
+        req = inst.requests["r"]
+        assert req.output_token_ids == ([77] if first else [])
+        while inst.engine.has_unfinished():
+            inst.engine.step()
+        # five tokens in all; the ones computed here: all five, or the four after the first
+        assert len(req.output_token_ids) == 5 and len(req.token_times) == (4 if first else 5)
+        assert req.output_token_ids[0] == (77 if first else 0) and req.num_computed_tokens == 24

@@ -74,7 +74,9 @@ class SimInstance:
             if rid in eng.handoff.held:
                 eng.release(rid)
         elif kind == "fail":  # the KV will not come (its lease ran out): compute the request here
-            if self.incoming.pop(rid, None) is not None:
+            if (inc := self.incoming.pop(rid, None)) is not None:
+                if not inc[1]:  # no first token came: start from the prompt (as a real instance does)
+                    self.requests[rid].output_token_ids.clear()
                 eng.kv_failed(rid)
                 self.events.append(("kv_done", rid, False, "the KV will not come", None))
         elif kind == "abort":
