@@ -142,7 +142,7 @@ class SchedulerConfig:
             raise ValueError("the priority policy ranks continuous batching; request-level batching (--batching) "
                              "keeps its own order")
         if self.static_batches and self.batching == "continuous":
-            raise ValueError("static_batches runs request-level batches: it needs --batching vanilla, magnus or slo-odbs")
+            raise ValueError("static_batches runs request-level batches: it needs --batching vanilla, magnus, slo-odbs or s3")
         if self.batching != "continuous" and self.chunked_prefill:
             raise ValueError("request-level batching (--batching) does not combine with chunked prefill")
         if self.batch_size < 1:
