@@ -142,7 +142,8 @@ class SchedulerConfig:
             raise ValueError("the priority policy ranks continuous batching; request-level batching (--batching) "
                              "keeps its own order")
         if self.static_batches and self.batching == "continuous":
-            raise ValueError("static_batches runs request-level batches: it needs --batching vanilla, magnus, slo-odbs or s3")
+            raise ValueError("static_batches runs request-level batches: it needs --batching vanilla, magnus, "
+                             "slo-odbs or s3")
         if self.batching != "continuous" and self.chunked_prefill:
             raise ValueError("request-level batching (--batching) does not combine with chunked prefill")
         if self.batch_size < 1:
@@ -200,8 +201,8 @@ class EngineConfig:
         if unknown := set(kw) - own:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         if parts["scheduler"].static_batches and parts["cache"].enable_prefix_caching:
-            raise ValueError("static_batches computes padding as rows of filler tokens, which prefix caching would share: "
-                             "use one or the other")
+            raise ValueError("static_batches computes padding as rows of filler tokens, which prefix caching "
+                             "would share: use one or the other")
         return cls(**kw, **parts)
 
 

@@ -235,7 +235,8 @@ SYSTEMS = {
 }
 EXPERIMENTS = {"magnus": ("vanilla", "vsq", "vsq-fused", "ccb", "continuous", "cb-spf", "cb-hrrn", "glp", "magnus-fcfs",
                           "magnus", "magnus-oracle", "magnus-wma5e4"),
-               "uellm": ("vanilla", "morphling", "s3", "cb-predicted", "cb-predicted-corrected", "continuous", "slo-odbs", "slo-odbs-formula", "slo-odbs-capped",
+               "uellm": ("vanilla", "morphling", "s3", "cb-predicted", "cb-predicted-corrected", "continuous",
+                         "slo-odbs", "slo-odbs-formula", "slo-odbs-capped",
                          "slo-odbs-corrected", "slo-dbs", "odbs")}
 
 
