@@ -359,6 +359,7 @@ def test_a_simulated_instance_whose_kv_will_not_come_computes_the_request_from_w
     """As a real instance does: without the first token it starts from the prompt (the placeholder goes);
     with it, it computes prompt and first token and goes on from there."""
     from servewise.builder import build_sim_engine
+    from servewise.cluster.protocol import Expect, Fail, First, KVDone
     from servewise.cluster.sim import SimInstance
     from servewise.sampling_params import SamplingParams
 
@@ -366,11 +367,11 @@ def test_a_simulated_instance_whose_kv_will_not_come_computes_the_request_from_w
         inst = SimInstance(0, build_sim_engine("tiny-llama", hardware="a800-80g-pcie", num_device_blocks=64,
                                                num_host_blocks=0))
         params = SamplingParams(max_tokens=5, ignore_eos=True)
-        inst.command(("expect", "r", [5] * 20, params, None))
+        inst.command(Expect("r", [5] * 20, params, None))
         if first:
-            inst.command(("first", "r", 77, None))
-        inst.command(("fail", "r"))
-        assert inst.take_events() == [("kv_done", "r", False, "the KV will not come", None)]
+            inst.command(First("r", 77))
+        inst.command(Fail("r"))
+        assert inst.take_events() == [KVDone("r", False, "the KV will not come", None)]
         req = inst.requests["r"]
         assert req.output_token_ids == ([77] if first else [])
         while inst.engine.has_unfinished():

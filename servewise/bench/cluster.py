@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from servewise.bench.fidelity import format_steps, step_check
+from servewise.cluster.protocol import First
 from servewise.kernels import cpu_flags
 from servewise.lab import Cluster, Spec, run
 from servewise.lab.run import build
@@ -84,7 +85,7 @@ def message_latency_s(rounds: int = 300) -> float:
     proc = ctx.Process(target=_echo, args=(there,), daemon=True)
     proc.start()
     trips = []
-    msg = ("first", "r1", 123, None)
+    msg = First("r1", 123)  # a hand-off command as the coordinator sends it
     for _ in range(rounds):
         t0 = time.perf_counter()
         here.send(msg)

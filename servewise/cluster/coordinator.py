@@ -3,8 +3,7 @@ owns it, the KV hand-off book with its leases, and what an instance's death does
 
 It runs on a clock it is given and does no I/O: the driver hands it what happened (a request arrived,
 an instance reported its outputs, load and events, a client aborted, an instance died) and delivers
-what it decided, as plain commands to instances (`tells`: (instance, command tuple), the commands of
-cluster.instance) and outputs to clients (`done`). The real cluster (cluster.serving) drives it with
+what it decided, as commands to instances (`tells`: (instance, command), cluster.protocol's dataclasses) and outputs to clients (`done`). The real cluster (cluster.serving) drives it with
 processes or Ray actors and wall time; the simulated cluster (cluster.sim) with simulated instances
 and links on the virtual clock. So both route with the same routers on the same reported loads, and
 hand requests off through the same states.
@@ -30,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from servewise.cluster.handoff import ENDED, HandoffBook
+from servewise.cluster.protocol import Abort, Add, Checksums, Expect, Fail, First, HandedOff, KVDone, Release
 from servewise.cluster.routers import SplitwisePools, StaticSplit, jsq, make_router
 from servewise.engine.block_manager import blocks_for
 from servewise.engine.interfaces import EngineStats, PoolStats
@@ -91,16 +91,16 @@ class Coordinator:
         self.placed: OrderedDict[str, tuple[int, int]] = OrderedDict()  # request id -> (prompt, token instance)
         self.keep_placed = keep_placed
         self.handoffs = {"committed": 0, "recomputed": 0, "expired": 0, "lost": 0}
-        self.tells: list[tuple[int, tuple]] = []
+        self.tells: list[tuple[int, object]] = []
         self.done: list[tuple] = []
 
-    def take(self) -> tuple[list[tuple[int, tuple]], list[tuple]]:
+    def take(self) -> tuple[list[tuple[int, object]], list[tuple]]:
         """What was decided since the last call: (commands to instances, outputs to clients)."""
         tells, done = self.tells, self.done
         self.tells, self.done = [], []
         return tells, done
 
-    def _tell(self, i: int, cmd: tuple) -> None:
+    def _tell(self, i: int, cmd) -> None:
         if self.up[i]:
             self.tells.append((i, cmd))
 
@@ -141,29 +141,29 @@ class Coordinator:
             self.placed.popitem(last=False)
         self._charge(p, len(ids), need if t == p else blocks_for(len(ids), block_size), True)
         if t == p:
-            self._tell(p, ("add", rid, ids, params, None))
+            self._tell(p, Add(rid, ids, params))
             return p, t
         self._charge(t, 0, need, False)
         tr = self.book.begin(rid, self.layers, self.clock(), leased=False)  # leased from the first token on
         prompt_route, token_route, handle = self.links.routes(tr.id, p, t)
         self.moves[rid] = Move(tr.id, p, t, handle)
-        self._tell(t, ("expect", rid, ids, params, token_route))
-        self._tell(p, ("add", rid, ids, params, prompt_route))
+        self._tell(t, Expect(rid, ids, params, token_route))
+        self._tell(p, Add(rid, ids, params, prompt_route))
         return p, t
 
     def abort(self, rid: str, reason: str) -> None:
         """A client gave up on a request (or it ended on a stop string)."""
         if (mv := self.moves.pop(rid, None)) is not None:
             self._end(mv, reason)
-            self._tell(mv.prompt, ("abort", rid, reason))
-            self._tell(mv.token, ("abort", rid, reason))
+            self._tell(mv.prompt, Abort(rid, reason))
+            self._tell(mv.token, Abort(rid, reason))
             if self.up[mv.token]:  # its report of the abort ends the stream
                 self.owner[rid] = mv.token
             else:
                 self.owner.pop(rid, None)
                 self.done.append((rid, [], None, True, reason))
         elif rid in self.owner:
-            self._tell(self.owner[rid], ("abort", rid, reason))
+            self._tell(self.owner[rid], Abort(rid, reason))
 
     def _end(self, mv: Move, reason: str | None = None, checksum: int | None = None) -> None:
         """End a transfer, committed (with the checksum of what arrived) or aborted (with a reason) if it
@@ -195,8 +195,8 @@ class Coordinator:
         # a commit before the outputs of the same report (the request may end in the step after its KV
         # came); a hand-off after them (the prompt instance's first token is still its own)
         for ev in events:
-            if ev[0] == "kv_done":
-                self._kv_done(*ev[1:])
+            if isinstance(ev, KVDone):
+                self._kv_done(ev.rid, ev.ok, ev.reason, ev.checksum)
         mine = []
         for out in outputs:
             rid = out[0]
@@ -208,26 +208,26 @@ class Coordinator:
                 if (mv := self.moves.pop(rid, None)) is not None:  # ended before its transfer did
                     self._end(mv, "finished before its hand-off")
                     other = mv.token if i == mv.prompt else mv.prompt
-                    self._tell(other, ("abort", rid, "finished on the other instance"))
+                    self._tell(other, Abort(rid, "finished on the other instance"))
         rest = []
         for ev in events:
-            if ev[0] == "handoff":
-                self._handoff(i, *ev[1:])
-            elif ev[0] == "checksums":
-                if (mv := self.moves.get(ev[1])) is not None:
+            if isinstance(ev, HandedOff):
+                self._handoff(i, ev.rid, ev.token, ev.logprobs)
+            elif isinstance(ev, Checksums):
+                if (mv := self.moves.get(ev.rid)) is not None:
                     self._tell(mv.token, ev)
-            elif ev[0] != "kv_done":
+            elif not isinstance(ev, KVDone):
                 rest.append(ev)
         return mine, rest
 
     def _handoff(self, i: int, rid: str, token: int, lps) -> None:
         mv = self.moves.get(rid)
         if mv is None:  # the transfer ended already (a bad checksum, an abort): nothing to keep here
-            self._tell(i, ("release", rid))
+            self._tell(i, Release(rid))
             return
         self.owner[rid] = mv.token
         self.book.renew(mv.tid, self.clock())
-        self._tell(mv.token, ("first", rid, token, lps))
+        self._tell(mv.token, First(rid, token, lps))
 
     def _kv_done(self, rid: str, ok: bool, why: str | None, checksum: int | None) -> None:
         """The token instance has the KV (ok) or computes the request itself; either way after the first token."""
@@ -235,7 +235,7 @@ class Coordinator:
             return
         self.handoffs["committed" if ok else "recomputed"] += 1
         self._end(mv, why, checksum if ok else None)
-        self._tell(mv.prompt, ("release", rid))
+        self._tell(mv.prompt, Release(rid))
 
     def expire(self) -> None:
         """End the transfers whose lease ran out: the token instance computes the request itself."""
@@ -244,9 +244,9 @@ class Coordinator:
                 continue
             self.handoffs["expired"] += 1
             self._end(mv)
-            self._tell(mv.prompt, ("abort", tr.request_id, "its KV transfer expired"))
+            self._tell(mv.prompt, Abort(tr.request_id, "its KV transfer expired"))
             self.owner[tr.request_id] = mv.token
-            self._tell(mv.token, ("fail", tr.request_id))
+            self._tell(mv.token, Fail(tr.request_id))
 
     # --- instances coming and going ----------------------------------------------------------
     def died(self, i: int, reason: str) -> None:
@@ -261,9 +261,9 @@ class Coordinator:
             other = mv.token if i == mv.prompt else mv.prompt
             if i == mv.prompt and self.up[other]:  # the token instance finishes it
                 self.owner[rid] = other
-                self._tell(other, ("fail", rid))
+                self._tell(other, Fail(rid))
             else:
-                self._tell(other, ("abort", rid, reason))
+                self._tell(other, Abort(rid, reason))
                 if self.owner.get(rid) is not None:
                     self.owner[rid] = i  # fails with this instance's requests, below
         lost = [rid for rid, j in self.owner.items() if j == i]

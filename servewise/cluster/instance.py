@@ -7,25 +7,17 @@ and a hand-off costs the sender a checksum per layer and the receiver one copy; 
 torch.distributed messages for instances that share no memory. The runner sends each layer as its
 forward pass writes it; this module carries out the hand-off's protocol around that.
 
-Commands in (plain tuples, from the coordinator):
-- ("add", rid, ids, params[, route]): a request; with a route (the link's: a record path, or
-  the token instance and a tag), this instance prefills it and hands it off, sending each layer's KV
-  (or its CRC, through shared memory) during the forward pass, layer by layer, when `layerwise`,
-  else after the step once the first token has been reported; it keeps the blocks until "release".
-- ("expect", rid, ids, params, route): a request another instance prefills; blocks are reserved for
-  it as soon as they are free, and each layer is copied in as soon as it is there.
-- ("first", rid, token, logprobs): its first token, sampled by the prompt instance.
-- ("checksums", rid, CRCs): the sender's, where the link does not carry them (gloo).
-- ("release", rid): the transfer has ended (committed, aborted or expired): free the held blocks.
-- ("fail", rid): the KV will not come (the sender died or its lease expired): compute the request here
-  from its prompt and whatever tokens it has.
-- ("connect", peer, generation): (gloo) form the pair group with a new or restarted peer.
-- ("peer_gone",): an instance died; drop any mapping of its memory.
-- and the engine loop's own (server.engine_loop): ("abort", rid, reason), ("trace", on), ("fault", name),
-  ("stop",).
+Commands in (cluster.protocol's dataclasses, from the coordinator): Add (with a route, prefilled here and
+handed off, each layer's KV (or its CRC, through shared memory) sent during the forward pass, layer by
+layer, when `layerwise`, else after the step once the first token has been reported; its blocks kept
+until Release), Expect (blocks reserved as soon as they are free, each layer copied in as soon as it is
+there), First, Checksums (the sender's, where the link does not carry them), Release, Fail, Abort,
+Connect (gloo: pair with a new or restarted peer), PeerGone; and the engine loop's own plain tuples
+(server.engine_loop): ("trace", on), ("fault", name), ("stop",). What to do with each hand-off command
+is cluster.protocol.HandoffRules', shared with the simulated instance; this module is the transport.
 
-Out: as the engine loop reports (server.engine_loop), with the hand-off's events: ("handoff", rid,
-token, logprobs), ("checksums", rid, CRCs), ("kv_done", rid, ok, reason, checksum).
+Out: as the engine loop reports (server.engine_loop), with the hand-off's events: HandedOff, Checksums,
+KVDone.
 """
 from __future__ import annotations
 
@@ -33,6 +25,8 @@ import os
 from dataclasses import KW_ONLY, dataclass, field
 
 from servewise.cluster.handoff import combine
+from servewise.cluster.protocol import (Abort, Add, Checksums, Connect, Expect, Fail, First, HandedOff, HandoffRules,
+                                        PeerGone, Release)
 from servewise.connectors.handoff import HandoffConnector, shm_cache_file
 from servewise.engine.block_manager import blocks_for
 from servewise.server.engine_loop import EngineInstance, engine_main
@@ -40,17 +34,17 @@ from servewise.server.engine_loop import EngineInstance, engine_main
 
 @dataclass
 class Incoming:
+    """The transport's side of an expected request (the rules' side: protocol.Inbound)."""
+
     route: tuple  # where its KV comes from (the link's business)
     layers: int
     _: KW_ONLY  # the fields below are passed by keyword
     state: object = None  # the link's
     reserved: bool = False
     copied: int = 0
-    first: tuple | None = None  # (token, logprobs) once the prompt instance has sent it
-    failed: str | None = None
-    orphaned: bool = False  # the coordinator says no first token will come unless it came already
     sums: list = field(default_factory=list)  # CRC-32 of each layer copied
     expected: list = field(default_factory=list)  # the sender's, per layer (None until known)
+    done: bool = False  # told the rules: every layer here and checked, or broken
 
     def __post_init__(self):
         self.expected = [None] * self.layers
@@ -68,55 +62,44 @@ class Instance(EngineInstance):
             connector.faults = self.faults  # (the injected faults that act on what it sends)
         self.deferred: list[str] = []  # serialized hand-offs to publish after the step's report
         self.incoming: dict[str, Incoming] = {}
+        self.rules = HandoffRules(engine)
 
     # --- commands ----------------------------------------------------------------------------
-    def command(self, cmd: tuple) -> list:
+    def command(self, cmd) -> list:
         """Apply one command; returns outputs for requests it refused."""
-        kind, *args = cmd
-        eng = self.engine
-        if kind == "add":
-            rid, ids, params, *rest = args  # a single engine's adds carry no route
-            route = rest[0] if rest else None
-            if refused := super().command(cmd):
+        eng, rules = self.engine, self.rules
+        if isinstance(cmd, Add):
+            if refused := super().command(("add", cmd.rid, cmd.ids, cmd.params)):
                 return refused
-            if route is not None:
-                eng.requests[rid].handoff = True
-                self.connector.send_to(rid, route)
-        elif kind == "expect":
-            rid, ids, params, route = args
+            rules.add(eng.requests[cmd.rid], cmd.route)
+            if cmd.route is not None:
+                self.connector.send_to(cmd.rid, cmd.route)
+        elif isinstance(cmd, Expect):
             try:
-                req = eng.expect(ids, params, rid)
+                req = rules.expect(cmd)
             except ValueError as e:
-                return [(rid, [], None, True, f"error: {e}")]
-            self.loop.open[rid] = [req, 1]
-            self.incoming[rid] = Incoming(route, self.layers)
-        elif kind == "first":
-            rid, token, lps = args
-            if (inc := self.incoming.get(rid)) is not None:
-                inc.first = (token, lps)
-                req = eng.requests[rid]
-                req.output_token_ids[0] = token
-                if lps is not None:
-                    req.output_logprobs.append(lps)
-        elif kind == "checksums":  # the sender's, where the link does not carry them
-            if (inc := self.incoming.get(args[0])) is not None:
-                inc.expected = list(args[1])
-        elif kind == "connect":  # (gloo) a pair group with a peer, new or restarted
-            self.connector.connect(*args)
-        elif kind == "release":
-            self._forget_sent(args[0])
-            if args[0] in eng.handoff.held:
-                eng.release(args[0])
-        elif kind == "fail":  # the KV will not come
-            if (inc := self.incoming.get(args[0])) is not None:
-                inc.failed, inc.orphaned = inc.failed or "the KV will not come", True
-        elif kind == "peer_gone":  # an instance died: drop what maps its memory
+                return [(cmd.rid, [], None, True, f"error: {e}")]
+            self.loop.open[cmd.rid] = [req, 1]
+            self.incoming[cmd.rid] = Incoming(cmd.route, self.layers)
+        elif isinstance(cmd, First):
+            rules.first(cmd)
+        elif isinstance(cmd, Checksums):
+            if (inc := self.incoming.get(cmd.rid)) is not None:
+                inc.expected = list(cmd.sums)
+        elif isinstance(cmd, Connect):
+            self.connector.connect(cmd.peer, cmd.generation)
+        elif isinstance(cmd, Release):
+            self._forget_sent(cmd.rid)
+            rules.release(cmd.rid)
+        elif isinstance(cmd, Fail):
+            rules.fail(cmd.rid)
+        elif isinstance(cmd, PeerGone):
             self.connector.peer_gone()
-        elif kind == "abort":
-            rid, reason = args
-            self._forget_sent(rid)
-            self.incoming.pop(rid, None)
-            self.loop.abort(rid, reason)
+        elif isinstance(cmd, Abort):
+            self._forget_sent(cmd.rid)
+            self.incoming.pop(cmd.rid, None)
+            rules.abort(cmd.rid)
+            self.loop.abort(cmd.rid, cmd.reason)
         else:
             return super().command(cmd)
         return []
@@ -134,7 +117,7 @@ class Instance(EngineInstance):
             if "exit_on_handoff" in self.faults:
                 os._exit(3)  # the KV is published, the first token never reported
             lps = req.output_logprobs[0] if req.output_logprobs else None
-            self.events.append(("handoff", rid, req.output_token_ids[0], lps))
+            self.events.append(HandedOff(rid, req.output_token_ids[0], lps))
             if not self.connector.layerwise:
                 self.deferred.append(rid)
 
@@ -151,38 +134,31 @@ class Instance(EngineInstance):
 
     # --- the token side ----------------------------------------------------------------------
     def _receive(self) -> None:
-        eng = self.engine
+        eng, rules = self.engine, self.rules
         for rid in eng.reserve_incoming():
             if rid in self.incoming:
                 self.incoming[rid].reserved = True
         tables = eng.block_manager.device_tables
-        for rid, inc in list(self.incoming.items()):
-            if inc.failed is None and inc.reserved:
-                try:
-                    self.connector.receive(inc, tables[rid], blocks_for(eng.requests[rid].num_prompt_tokens, self.bs))
-                except (OSError, ValueError) as e:
-                    inc.failed = f"unreadable KV: {e}"
-                bad = [k for k, (got, want) in enumerate(zip(inc.sums, inc.expected))
-                       if want is not None and got != want]
-                if bad and inc.failed is None:
-                    inc.failed = f"checksum mismatch in layer {bad[0]}"
-            if inc.failed is not None and (inc.first is not None or inc.orphaned):
-                self._recompute(rid, inc)
-            elif inc.copied == self.layers and inc.first is not None and None not in inc.expected:
-                del self.incoming[rid]
-                eng.kv_arrived(rid)
-                self.events.append(("kv_done", rid, True, None, combine(inc.sums)))
-
-    def _recompute(self, rid: str, inc: Incoming) -> None:
-        """Compute a request whose KV failed here instead. Without its first token (the prompt
-        instance died before sending it), it starts from its prompt like a new request."""
-        del self.incoming[rid]
-        self.events.append(("kv_done", rid, False, inc.failed, None))
-        req = self.engine.requests[rid]
-        if inc.first is None:
-            req.output_token_ids.clear()
+        for rid, inc in self.incoming.items():
+            if inc.done or not inc.reserved or rid not in rules.inbound or rules.inbound[rid].failed is not None:
+                continue
+            try:
+                self.connector.receive(inc, tables[rid], blocks_for(eng.requests[rid].num_prompt_tokens, self.bs))
+            except (OSError, ValueError) as e:
+                rules.broken(rid, f"unreadable KV: {e}")
+                inc.done = True
+                continue
+            bad = [k for k, (got, want) in enumerate(zip(inc.sums, inc.expected)) if want is not None and got != want]
+            if bad:
+                rules.broken(rid, f"checksum mismatch in layer {bad[0]}")
+                inc.done = True
+            elif inc.copied == self.layers and None not in inc.expected:
+                rules.ready(rid, combine(inc.sums))
+                inc.done = True
+        for rid in rules.settle():  # computed here from its prompt: none of its tokens has been reported
             self.loop.open[rid][1] = 0
-        self.engine.kv_failed(rid)
+        for rid in [rid for rid in self.incoming if rid not in rules.inbound]:
+            del self.incoming[rid]
 
     # --- the loop ----------------------------------------------------------------------------
     def step(self):
@@ -208,10 +184,13 @@ class Instance(EngineInstance):
         """KV on its way in, or waiting to go out: the loop polls often meanwhile."""
         return bool(self.incoming) or (self.connector is not None and self.connector.waiting())
 
-    def take_events(self) -> list[tuple]:
+    def take_events(self) -> list:
         if self.connector is not None and self.connector.events:  # (the checksums a link does not carry)
-            self.events += self.connector.events
+            self.events += [Checksums(rid, sums) for rid, sums in self.connector.events]
             self.connector.events = []
+        if self.rules.events:
+            self.events += self.rules.events
+            self.rules.events = []
         return super().take_events()
 
 

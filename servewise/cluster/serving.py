@@ -19,6 +19,7 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from servewise.cluster.coordinator import ROLES, Coordinator, Links
 from servewise.cluster.instance import instance_main
+from servewise.cluster.protocol import Connect, PeerGone
 from servewise.config import DEFAULT_MAX_WAITING
 from servewise.connectors.shm import discard, make_dir, remove_dir
 from servewise.engine.interfaces import EngineStats, PoolStats
@@ -171,7 +172,7 @@ class ClusterClient(StreamingClient):
                 # after this one (a hand-off's "expect") then finds the new pair group, not the dead one's
                 for x in self.members:
                     if x is not m:
-                        self._tell(x.index, ("connect", m.index, m.gen))
+                        self._tell(x.index, Connect(m.index, m.gen))
             self.co.started(m.index, stats)
             m.up = True
         return tokenizer, limits
@@ -213,7 +214,7 @@ class ClusterClient(StreamingClient):
                     conn[1].send(cmd)
             except Exception:  # noqa: BLE001 (the instance is gone: its reader reports it)
                 pass
-            if cmd[0] == "stop":
+            if cmd == ("stop",):
                 return
 
     def _read(self, m: Member, conn) -> None:
@@ -307,7 +308,7 @@ class ClusterClient(StreamingClient):
                 discard(m.cache_file)
                 for x in self.members:
                     if x is not m:
-                        self._tell(x.index, ("peer_gone",))
+                        self._tell(x.index, PeerGone())
             self.co.died(m.index, reason)
             self._flush()
             self._stats = self._aggregate()

@@ -28,6 +28,7 @@ from servewise.builder import build_sim_engine
 from servewise.cluster.coordinator import Coordinator
 from servewise.cluster.links import MODES, LinkModel, Network
 from servewise.cluster.machines import get_machine
+from servewise.cluster.protocol import Abort, Add, Expect, Fail, First, HandedOff, HandoffRules, Release
 from servewise.engine.block_manager import prefix_names
 from servewise.engine.clock import VirtualClock
 from servewise.engine.heap import quiet_gc
@@ -41,64 +42,54 @@ _STEP, _TRANSFER, _MONITOR = 1, 0, 2  # event kinds (in this order at one moment
 
 
 class SimInstance:
-    """A simulated instance behind the coordinator's commands (cluster.instance's, carried out on an
-    engine on the virtual clock). The token side's KV arrives when its transfer ends (the driver times
-    it with the link model); it decodes once that KV and the first token are both there."""
+    """A simulated instance behind the coordinator's commands, following the real instance's hand-off rules
+    (cluster.protocol.HandoffRules) on an engine on the virtual clock. The token side's KV is ready when
+    its transfer ends (the driver times it with the link model: `copied`)."""
 
     def __init__(self, index: int, engine):
         self.index, self.engine = index, engine
         self.busy = False
         self.steps, self.busy_s = 0, 0.0
         self.batch_time: dict[int, float] = {}  # tokens a step computed -> seconds spent in such steps
-        self.incoming: dict[str, list[bool]] = {}  # request id -> [KV copied, first token here]
+        self.rules = HandoffRules(engine)
         self.requests: dict[str, Request] = {}  # every request it took (the run's results)
-        self.events: list[tuple] = []
 
-    def command(self, cmd: tuple) -> None:
-        kind, rid, *args = cmd
-        eng = self.engine
-        if kind == "add":
-            ids, params, route = args
-            req = self.requests[rid] = eng.add_request(ids, params, request_id=rid)
-            req.handoff = route is not None
-        elif kind == "expect":  # its prompt and a placeholder first token, as a real instance takes it
-            ids, params, _ = args
-            self.requests[rid] = eng.expect(ids, params, rid)
-            self.incoming[rid] = [False, False]
-        elif kind == "first":
-            if (inc := self.incoming.get(rid)) is not None:
-                inc[1] = True
-                self.requests[rid].output_token_ids[0] = args[0]
-                self._arrived(rid)
-        elif kind == "release":
-            if rid in eng.handoff.held:
-                eng.release(rid)
-        elif kind == "fail":  # the KV will not come (its lease ran out): compute the request here
-            if (inc := self.incoming.pop(rid, None)) is not None:
-                if not inc[1]:  # no first token came: start from the prompt (as a real instance does)
-                    self.requests[rid].output_token_ids.clear()
-                eng.kv_failed(rid)
-                self.events.append(("kv_done", rid, False, "the KV will not come", None))
-        elif kind == "abort":
-            self.incoming.pop(rid, None)
-            eng.abort_request(rid, args[0])
+    def command(self, cmd) -> None:
+        eng, rules = self.engine, self.rules
+        if isinstance(cmd, Add):
+            rules.add(req := eng.add_request(cmd.ids, cmd.params, request_id=cmd.rid), cmd.route)
+            self.requests[cmd.rid] = req
+        elif isinstance(cmd, Expect):  # its prompt and a placeholder first token, as a real instance takes it
+            self.requests[cmd.rid] = rules.expect(cmd)
+        elif isinstance(cmd, First):
+            rules.first(cmd)
+        elif isinstance(cmd, Release):
+            rules.release(cmd.rid)
+        elif isinstance(cmd, Fail):  # the KV will not come (its lease ran out): compute the request here
+            rules.fail(cmd.rid)
+        elif isinstance(cmd, Abort):
+            rules.abort(cmd.rid)
+            eng.abort_request(cmd.rid, cmd.reason)
         else:
-            raise ValueError(f"a simulated instance has no command {kind!r}")
+            raise ValueError(f"a simulated instance has no command {cmd!r}")
+        rules.settle()
+
+    @property
+    def incoming(self) -> dict:
+        """Expected requests whose KV or first token is not here yet."""
+        return self.rules.inbound
 
     def copied(self, rid: str) -> None:
         """The request's KV transfer ended."""
-        if (inc := self.incoming.get(rid)) is not None:
-            inc[0] = True
-            self._arrived(rid)
+        self.rules.ready(rid, 0)
+        self.rules.settle()
 
-    def _arrived(self, rid: str) -> None:
-        if all(self.incoming[rid]):
-            del self.incoming[rid]
-            self.engine.kv_arrived(rid)
-            self.events.append(("kv_done", rid, True, None, 0))
+    @property
+    def events(self) -> list:
+        return self.rules.events
 
-    def take_events(self) -> list[tuple]:
-        ev, self.events = self.events, []
+    def take_events(self) -> list:
+        ev, self.rules.events = self.rules.events, []
         return ev
 
 
@@ -423,7 +414,7 @@ class ClusterSim:
                     sims[i].busy = False
                     eng = engines[i]
                     outs = [(rid, [], None, True, sims[i].requests[rid].finish_reason) for rid in stats.finished]
-                    handed = [("handoff", rid, sims[i].requests[rid].output_token_ids[0], None)
+                    handed = [HandedOff(rid, sims[i].requests[rid].output_token_ids[0])
                               for rid in stats.handed_off]
                     co.report(i, eng.stats())
                     co.outputs(i, outs, handed)

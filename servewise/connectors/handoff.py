@@ -33,7 +33,7 @@ class HandoffConnector(KVConnector):
         self.faults: dict[str, float] = {}  # injected (tests, chaos): drop, stall, corrupt -> share of hand-offs
         self.fates: dict[str, str | None] = {}  # request id -> the fault its hand-off meets, drawn once
         self._rng = random.Random(0)
-        self.events: list[tuple] = []  # ("checksums", rid, CRCs) where the link does not carry them
+        self.events: list[tuple] = []  # (rid, CRCs) where the link does not carry them (reported as Checksums)
         self._now: list[tuple[str, list[int]]] = []  # this step's requests whose prompt completes
 
     # --- the runner's side -------------------------------------------------------------------
@@ -86,7 +86,7 @@ class HandoffConnector(KVConnector):
         corrupt = fate == "corrupt" and layer == min(1, self.layers - 1)
         self.link.send(rid, self.routes[rid], layer, blocks, corrupt)
         if layer == self.layers - 1 and (sums := self.link.sent(rid)) is not None:
-            self.events.append(("checksums", rid, sums))
+            self.events.append((rid, sums))
 
     def forget(self, rid: str) -> None:
         """Its transfer has ended (or never will)."""

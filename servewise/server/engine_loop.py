@@ -141,7 +141,7 @@ def engine_main(engine_kwargs: dict, threads: int, cpus: set[int] | None, make_i
         try:
             while cmds.poll(timeout):
                 cmd = cmds.recv()
-                if cmd[0] == "stop":
+                if cmd == ("stop",):
                     return
                 refused += inst.command(cmd)
                 touched, timeout = True, 0
