@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
+    from servewise.metrics.summary import code_state
+
+    code_state()  # the commit a result is saved with is the one the run started from
     logging.basicConfig(format="%(message)s")
     logging.getLogger("servewise").setLevel(logging.INFO)  # one line says which compute paths are active
     threads = None

@@ -56,3 +56,21 @@ def test_metrics_of_a_real_run_are_consistent():
     assert 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"]
     assert m["mean_weighted_turnaround"] >= 1.0
     assert all(r.ttft > 0 and r.tpot > 0 for r in recs)
+
+
+def test_a_saved_result_names_its_commit_date_and_machine(tmp_path):
+    import datetime
+    import json
+    import os
+    import subprocess
+
+    from servewise.metrics import save_json
+
+    save_json({"x": 1}, str(tmp_path / "r.json"))
+    saved = json.loads((tmp_path / "r.json").read_text())
+    p = saved["provenance"]
+    assert saved["x"] == 1 and p["cores"] == os.cpu_count() and p["torch_threads"] >= 1 and p["cpu_flags"]
+    assert datetime.datetime.fromisoformat(p["date"]).tzinfo is not None
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    assert p["commit"] == (head or None) and isinstance(p["uncommitted_changes"], bool) == bool(head)

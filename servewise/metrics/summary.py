@@ -154,24 +154,38 @@ def format_table(m: dict, title: str = "Serving metrics") -> str:
     return "\n".join(lines)
 
 
+_CODE: tuple | None = None  # (commit, uncommitted changes) as they were when this process first asked
+
+
+def code_state() -> tuple[str | None, bool | None]:
+    """The checkout's commit and whether its tracked files had changes, read once per process (call it
+    when a run starts: the code a process runs is the code it imported)."""
+    global _CODE
+    if _CODE is None:
+        import subprocess
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        try:
+            commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    timeout=10).stdout.strip() or None
+            dirty = bool(subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                        capture_output=True, text=True, timeout=10).stdout.strip()) if commit else None
+        except (OSError, subprocess.SubprocessError):
+            commit = dirty = None
+        _CODE = (commit, dirty)
+    return _CODE
+
+
 def provenance() -> dict:
     """Where and when a result was measured: the code's commit (and whether its tree had changes not
-    committed), the UTC time, the CPU (model, cores, SIMD flags) and the torch threads."""
+    committed, when the run started), the UTC time, the CPU (model, cores, SIMD flags), the torch threads."""
     import datetime
-    import subprocess
 
     import torch
 
     from servewise.kernels import cpu_flags
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip()) if commit else None
-    except (OSError, subprocess.SubprocessError):
-        commit = dirty = None
+    commit, dirty = code_state()
     model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                  None) if os.path.exists("/proc/cpuinfo") else None
     return {"commit": commit, "uncommitted_changes": dirty,
