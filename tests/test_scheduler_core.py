@@ -44,3 +44,36 @@ def test_prefix_hits_do_not_count_against_the_token_budget():
     out = s.schedule(1.0)
     # each needs 1 token beyond its 8 cached ones: both fit a budget of 10, which 2 x 9 would not
     assert out.scheduled == ["b0", "b1"] and out.num_scheduled_tokens == [1, 1]
+
+
+def test_vllm_0_2_5_padding_rule_at_its_bounds():
+    from types import SimpleNamespace
+
+    from servewise.policies.rules import V0Rules
+
+    rules, sched = V0Rules(0), SimpleNamespace(config=SimpleNamespace(max_num_batched_tokens=20))
+    assert rules.joins(sched, 1, 10, 10, 10)  # two prompts padded to 10: exactly the budget
+    assert not rules.joins(sched, 1, 10, 10, 11)
+    sched.config.max_num_batched_tokens = 10_000
+    assert rules.joins(sched, 1, 1, 1, 257)  # padding of exactly 256 tokens (the 1-token prompt to 257)
+    assert not rules.joins(sched, 1, 1, 1, 258)
+
+
+def test_a_reserve_counts_prefix_hits_as_held_and_keeps_the_watermark_free():
+    from types import SimpleNamespace
+
+    from servewise.policies.rules import Reserve
+
+    r = Request("r", [1] * 8, SamplingParams(max_tokens=8, ignore_eos=True), 0.0)  # 16 tokens at most: 4 blocks
+    bm = SimpleNamespace(device_tables={}, num_free_device=4, watermark_blocks=1,
+                         blocks_needed=lambda n: -(-n // 4))
+    sched = SimpleNamespace(bm=bm, running=[])
+    reserve = Reserve("max")
+    assert not reserve.fits(sched, r, [], ())  # 4 blocks, 3 free above the watermark
+    assert reserve.fits(sched, r, [7], ())  # one of them a prefix hit: 3 to find
+    bm.watermark_blocks = 2
+    assert not reserve.fits(sched, r, [7], ())
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown reserve 'all'"):
+        Reserve("all")
