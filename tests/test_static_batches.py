@@ -91,3 +91,26 @@ def test_the_simulator_prices_the_padding_and_the_ended_rows():
     # (in which the last batch's rows are let go: nothing is computed)
     assert s1 == s0 + 1
     assert t1 > t0 and end1 > end0  # but computes padding and ended rows, and takes longer
+
+
+def test_a_static_batch_that_runs_out_of_blocks_is_split_and_lets_go_of_its_padding():
+    """Two requests whose padded batch outgrows the pool: the batch is split (Magnus's OOM recovery), its
+    pad rows and stand-ins go with their blocks, and each half runs to its end; no block is kept."""
+    bm_small = BlockManager(9, 0, block_size=4, watermark=0.0)
+    s = make_scheduler(SchedulerConfig(batching="vanilla", batch_size=2, static_batches=True), bm_small)
+    a, b = req(0, 4, 0.0), req(1, 12, 1.0)
+    a.params = SamplingParams(max_tokens=20, ignore_eos=True)
+    b.params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for r in (a, b):
+        s.add(r)
+    split_seen, steps = False, 0
+    while s.has_unfinished() and steps < 200:
+        out = s.schedule(float(steps))
+        split_seen |= bool(out.preempted)
+        if out.scheduled:
+            run_step(s, out, float(steps))
+        steps += 1
+    assert split_seen and s.admission.batcher.splits >= 1 and a.preemptions["recompute"] >= 1
+    assert len(a.output_token_ids) == 20 and len(b.output_token_ids) == 2
+    assert bm_small.num_free_device == 9 and not s.running and not s.waiting
+    assert not s.admission.pads and not s.admission.stand_ins
