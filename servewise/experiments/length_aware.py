@@ -342,52 +342,43 @@ def supported(backend: str, system: str, calibrated: bool = False) -> bool:
 
 
 WMA_GRID = (1e3, 3e3, 1e4, 3e4, 1e5, 1e6)
+BATCH_GRID = (2, 4, 8, 16, 32, 64)
 
 
-def search_wma(data: LengthData, s: Settings, be: Backend, predicted: np.ndarray) -> dict:
-    """Magnus's threshold, chosen as its users would: ABP (WMA assembly without a size limit, first come
-    first served) on the train split's requests in the simulator, at the plan's highest rate, for each
-    threshold of WMA_GRID; the one of the best request throughput wins. (The predictions there are the
-    predictor's on its own training requests.)"""
+def search_on_train(data: LengthData, s: Settings, be: Backend, system: str, option: str, grid: tuple,
+                    predicted: np.ndarray | None, what: str) -> dict:
+    """A configuration chosen as its users would choose it: `system` with `option` set to each value of
+    `grid`, run on the train split's requests in the simulator at the plan's highest rate; the value of
+    the best request throughput wins (the smaller one on a tie). `predicted`: the lengths the system is
+    given for those requests (a predictor's on its own training requests), or None."""
     n = min(s.train, be.num_requests)
     train = LengthData(data.prompts[:n], data.X[:n], data.y[:n], data.embed_ms)
-    items = workload(train, 0, n, be, {"magnus": predicted[:n]}, s.seed)["magnus"]
+    items = workload(train, 0, n, be, {"train": None if predicted is None else predicted[:n]}, s.seed)["train"]
     rate = max(s.rates or be.rates)
     arrivals = arrival_times(n, "poisson", rate, seed=s.seed)
     tried = {}
-    for phi in WMA_GRID:
-        e = engine("sim", "magnus-fcfs", s.real_blocks, s.calibration, s.calibration_gpu, s.regime)
-        e.options["wma_threshold"] = phi
-        rec = lab.run(lab.Spec(e, items, arrivals))
-        tried[phi] = rec.metrics["request_throughput"]
-        print(f"WMA threshold search (train split, {n} requests at {rate:g} req/s): {phi:g} -> "
-              f"{tried[phi]:.2f} req/s", file=sys.stderr, flush=True)
-    best = max(tried, key=lambda phi: (tried[phi], -phi))
+    for value in grid:
+        e = engine("sim", system, s.real_blocks, s.calibration, s.calibration_gpu, s.regime)
+        e.options[option] = value
+        tried[value] = lab.run(lab.Spec(e, items, arrivals)).metrics["request_throughput"]
+        print(f"{what} (train split, {n} requests at {rate:g} req/s): {value:g} -> {tried[value]:.2f} req/s",
+              file=sys.stderr, flush=True)
+    best = max(tried, key=lambda v: (tried[v], -v))
     return {"requests": n, "rate": rate, "throughput": {f"{k:g}": v for k, v in tried.items()}, "chosen": best}
 
 
-BATCH_GRID = (2, 4, 8, 16, 32, 64)
+def search_wma(data: LengthData, s: Settings, be: Backend, predicted: np.ndarray) -> dict:
+    """Magnus's threshold (the paper gives none): ABP (WMA assembly without a size limit, first come
+    first served) at each threshold of WMA_GRID."""
+    return search_on_train(data, s, be, "magnus-fcfs", "wma_threshold", WMA_GRID, predicted,
+                           "WMA threshold search")
 
 
 def search_batch_size(data: LengthData, s: Settings, be: Backend) -> dict:
     """The Morphling-style baseline's configuration: vanilla static batching stress-tested at each batch
-    size of BATCH_GRID on the train split's requests in the simulator, at the plan's highest rate; the
-    size of the best request throughput is kept for every run (as a searched configuration is deployed
-    and left fixed)."""
-    n = min(s.train, be.num_requests)
-    train = LengthData(data.prompts[:n], data.X[:n], data.y[:n], data.embed_ms)
-    items = workload(train, 0, n, be, {None: None}, s.seed)[None]
-    rate = max(s.rates or be.rates)
-    arrivals = arrival_times(n, "poisson", rate, seed=s.seed)
-    tried = {}
-    for size in BATCH_GRID:
-        e = engine("sim", "vanilla", s.real_blocks, s.calibration, s.calibration_gpu, s.regime)
-        e.options["batch_size"] = size
-        tried[size] = lab.run(lab.Spec(e, items, arrivals)).metrics["request_throughput"]
-        print(f"batch size stress test (train split, {n} requests at {rate:g} req/s): {size} -> "
-              f"{tried[size]:.2f} req/s", file=sys.stderr, flush=True)
-    best = max(tried, key=lambda k: (tried[k], -k))
-    return {"requests": n, "rate": rate, "throughput": {str(k): v for k, v in tried.items()}, "chosen": best}
+    size of BATCH_GRID; the size found is kept for every run (as a searched configuration is deployed and
+    left fixed)."""
+    return search_on_train(data, s, be, "vanilla", "batch_size", BATCH_GRID, None, "batch size stress test")
 
 
 def engine(backend: str, system: str, real_blocks: int, calibration: str | None = None,

@@ -168,7 +168,29 @@ class Magnus(Assembler):
             self.queued.append(Batch([req], now))
 
 
-class SLOODBS(Assembler):
+class Pooled(Assembler):
+    """An assembler that forms batches only when the engine asks for one: arriving requests wait in a
+    pool (besides the halves of split batches, queued as every assembler's)."""
+
+    def __init__(self, memory_cap: int, max_batch: int, order: str = "fcfs", estimator=None):
+        super().__init__(memory_cap, max_batch, order, estimator)
+        self.pool: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self.pool) + super().__len__()
+
+    def add(self, req: Request, now: float) -> None:
+        self.pool.append(req)
+
+    def remove(self, request_id: str) -> Request | None:
+        for r in self.pool:
+            if r.request_id == request_id:
+                self.pool.remove(r)
+                return r
+        return super().remove(request_id)
+
+
+class SLOODBS(Pooled):
     """UELLM's SLO-ODBS (thesis Algorithm 3-1), online: when the engine is free and no batch is ready, the
     queue is sorted by SLO (time left to each request's deadline) and walked greedily: a request joins the
     current batch while w1 * T_l + w2 * T_o <= threshold, with
@@ -195,20 +217,6 @@ class SLOODBS(Assembler):
             raise ValueError(f"unknown SLO-ODBS variant {variant!r}; choose from {', '.join(self.VARIANTS)}")
         self.w1, self.w2, self.threshold, self.l1, self.l2, self.no_slo = w1, w2, threshold, l1, l2, no_slo
         self.variant, self.sign = variant, 1.0 if variant == "formula" else -1.0
-        self.pool: list[Request] = []
-
-    def __len__(self) -> int:
-        return len(self.pool) + super().__len__()
-
-    def add(self, req: Request, now: float) -> None:
-        self.pool.append(req)
-
-    def remove(self, request_id: str) -> Request | None:
-        for r in self.pool:
-            if r.request_id == request_id:
-                self.pool.remove(r)
-                return r
-        return super().remove(request_id)
 
     def slo(self, req: Request, now: float) -> float:
         return max(0.0, req.deadline - now) if req.deadline is not None else self.no_slo
@@ -250,7 +258,7 @@ class SLOODBS(Assembler):
         return self.queued.pop(0)
 
 
-class S3(Assembler):
+class S3(Pooled):
     """S3 as UELLM's thesis describes it (its section 2.2.2, formula 2-2): batches that minimise the
     padding of predicted outputs, sum over batches of (longest predicted output x size - their sum).
     When the engine is free, the queue is sorted by predicted output and cut into consecutive groups
@@ -262,20 +270,6 @@ class S3(Assembler):
 
     def __init__(self, memory_cap: int, max_batch: int):
         super().__init__(memory_cap, max_batch, "fcfs")
-        self.pool: list[Request] = []
-
-    def __len__(self) -> int:
-        return len(self.pool) + super().__len__()
-
-    def add(self, req: Request, now: float) -> None:
-        self.pool.append(req)
-
-    def remove(self, request_id: str) -> Request | None:
-        for r in self.pool:
-            if r.request_id == request_id:
-                self.pool.remove(r)
-                return r
-        return super().remove(request_id)
 
     def groups(self, requests: list[Request]) -> list[list[Request]]:
         groups, cur, L, G = [], [], 0, 0
