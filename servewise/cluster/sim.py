@@ -74,11 +74,6 @@ class SimInstance:
             raise ValueError(f"a simulated instance has no command {cmd!r}")
         rules.settle()
 
-    @property
-    def incoming(self) -> dict:
-        """Expected requests whose KV or first token is not here yet."""
-        return self.rules.inbound
-
     def copied(self, rid: str) -> None:
         """The request's KV transfer ended."""
         self.rules.ready(rid, 0)
