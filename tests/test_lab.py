@@ -136,3 +136,19 @@ def test_the_splitwise_points_do_not_depend_on_what_only_chooses_the_points():
     b = Settings(data_dir="d", jobs=1)
     assert repr(point_settings(a)) == repr(point_settings(b))
     assert repr(point_settings(a)) != repr(point_settings(Settings(data_dir="d", seed=1)))
+
+
+def test_a_run_reports_how_much_of_what_it_computed_was_needed():
+    """Padded prompts and ended rows computing on lower the useful share (UELLM's formula 2-3); a
+    paged run computes exactly what its requests need."""
+    p, o = [8, 24, 16, 40], [2, 30, 10, 5]
+    items = [WorkloadRequest(n, m, [7 + i] * n) for i, (n, m) in enumerate(zip(p, o))]
+    opts = dict(num_device_blocks=256, batching="vanilla", batch_size=4)
+    paged, static = (run(Spec(Engine("sim", "tiny-llama", "a100-80g", options={**opts, "static_batches": st}), items))
+                     for st in (False, True))
+    need = sum(p) + sum(o) - len(o)
+    assert paged.utilisation()["useful_share"] == 1.0
+    # one batch of four rows: each prompt computed at the longest, each row decoding until the longest output ends
+    assert static.utilisation()["useful_share"] == pytest.approx(need / (4 * max(p) + 4 * (max(o) - 1)))
+    for r in (paged, static):
+        assert 0 < r.utilisation()["busy_share"] <= 1.0

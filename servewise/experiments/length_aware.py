@@ -421,7 +421,7 @@ def row(spec: lab.Spec, rec: lab.Record) -> dict:
             "mean_ttft_s": m["mean_ttft_ms"] / 1e3, "slo_violation_rate": rec.slo_violation_rate(spec.items),
             "duration_s": m["duration_s"], "preemptions": m["preemptions"]["recompute"],
             "length_corrections": rec.engine.scheduler.snapshot().length_corrections,
-            "oom_splits": batcher.splits if batcher is not None else 0, "wall_s": rec.wall_s}
+            "oom_splits": batcher.splits if batcher is not None else 0, "wall_s": rec.wall_s, **rec.utilisation()}
 
 
 def run_experiment(s: Settings) -> dict:
@@ -493,12 +493,13 @@ def report(res: dict) -> str:
                      f"{acc['bucket_accuracy']:.3f}, Pearson {acc['pearson']:.3f}")
     lines.append(f"{'backend':<8}{'req/s in':>9} {'system':<19}{'req/s':>7}{'valid tok/s':>12}{'total tok/s':>12}"
                  f"{'mean E2E s':>11}"
-                 f"{'p99 E2E s':>10}{'SLO viol.':>10}{'splits':>7}{'preempt':>8}")
+                 f"{'p99 E2E s':>10}{'SLO viol.':>10}{'splits':>7}{'preempt':>8}{'busy':>6}{'useful':>7}")
     for r in res["runs"]:
         lines.append(f"{r['backend']:<8}{r['rate']:>9g} {r['system']:<19}{r['request_throughput']:>7.2f}"
                      f"{r['valid_token_throughput']:>12.1f}{r.get('total_token_throughput', float('nan')):>12.1f}"
                      f"{r['mean_e2e_s']:>11.2f}{r['p99_e2e_s']:>10.2f}"
-                     f"{r['slo_violation_rate']:>10.1%}{r['oom_splits']:>7d}{r['preemptions']:>8d}")
+                     f"{r['slo_violation_rate']:>10.1%}{r['oom_splits']:>7d}{r['preemptions']:>8d}"
+                     f"{r.get('busy_share', float('nan')):>6.0%}{r.get('useful_share', float('nan')):>7.0%}")
     return "\n".join(lines)
 
 
@@ -510,14 +511,14 @@ def plot(res: dict, out_dir: str) -> list[str]:
 
     metrics = [("request_throughput", "requests/s"), ("mean_e2e_s", "mean E2E (s)"), ("p99_e2e_s", "p99 E2E (s)")]
     if res["experiment"] == "uellm":
-        metrics.append(("slo_violation_rate", "SLO violation rate"))
+        metrics += [("slo_violation_rate", "SLO violation rate"), ("useful_share", "useful share of computed tokens")]
     paths = []
     for backend in sorted({r["backend"] for r in res["runs"]}):
         runs = [r for r in res["runs"] if r["backend"] == backend]
         fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.2))
         for ax, (key, label) in zip(axes, metrics):
             for i, system in enumerate(dict.fromkeys(r["system"] for r in runs)):
-                pts = sorted((r["rate"], r[key]) for r in runs if r["system"] == system)
+                pts = sorted((r["rate"], r[key]) for r in runs if r["system"] == system and key in r)
                 ax.plot(*zip(*pts), label=system, **series_style(i))
             ax.set_xlabel("request rate (req/s)", fontsize=8)
             ax.set_ylabel(label, fontsize=8)

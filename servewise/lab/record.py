@@ -39,6 +39,18 @@ class Record:
         late = sum(getattr(it, "slo", None) is not None and r.finish > r.arrival + it.slo for r, it in done)
         return late / max(1, len(done))
 
+    def utilisation(self) -> dict:
+        """The device's use over the run (single engines): `busy_share`, its busy time over the run's
+        duration (first arrival to last finish: what a utilisation counter sampled over the run reads);
+        `useful_share`, the tokens the finished requests needed (prompt + output, the first output token
+        coming with the prompt) over the tokens the steps computed: UELLM's effective utilisation of a
+        static batch (its formula 2-3), which padding, ended rows computing on and recomputation lower."""
+        done = [r for r in self.requests if r.finish is not None and r.output_tokens > 0]
+        useful = sum(r.prompt_tokens + r.output_tokens - 1 for r in done)
+        duration, computed = self.metrics["duration_s"], self.steps.get("computed_tokens", 0)
+        return {"busy_share": self.steps["busy_s"] / duration if duration > 0 else 0.0,
+                "useful_share": useful / computed if computed else 0.0}
+
     def to_dict(self) -> dict:
         """The JSON-able part (no per-request records, no engine)."""
         out = {**self.tags, **{k: v for k, v in self.metrics.items()}, "rejected": len(self.rejected),

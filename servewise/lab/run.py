@@ -17,12 +17,13 @@ class _Steps:
         self.then = then
         self.n = self.prefill = self.decode = self.prefill_requests = 0
         self.schedule_s = self.busy_s = 0.0
-        self.out_blocks = self.in_blocks = 0
+        self.out_blocks = self.in_blocks = self.computed_tokens = 0
 
     def __call__(self, st: StepStats) -> None:
         self.n += 1
         self.schedule_s += st.schedule_s
         self.busy_s += st.elapsed
+        self.computed_tokens += sum(st.scheduled_tokens)
         self.out_blocks += st.swapped_out_blocks
         self.in_blocks += st.swapped_in_blocks
         if st.scheduled and st.is_prefill:
@@ -35,7 +36,8 @@ class _Steps:
 
     def as_dict(self) -> dict:
         return {"steps": self.n, "prefill_steps": self.prefill, "decode_steps": self.decode,
-                "prefill_requests": self.prefill_requests, "schedule_s": self.schedule_s, "busy_s": self.busy_s}
+                "prefill_requests": self.prefill_requests, "schedule_s": self.schedule_s, "busy_s": self.busy_s,
+                "computed_tokens": self.computed_tokens}
 
 
 def build(e: Engine | Cluster):
