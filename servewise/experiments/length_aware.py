@@ -348,9 +348,10 @@ BATCH_GRID = (2, 4, 8, 16, 32, 64)
 def search_on_train(data: LengthData, s: Settings, be: Backend, system: str, option: str, grid: tuple,
                     predicted: np.ndarray | None, what: str) -> dict:
     """A configuration chosen as its users would choose it: `system` with `option` set to each value of
-    `grid`, run on the train split's requests in the simulator at the plan's highest rate; the value of
-    the best request throughput wins (the smaller one on a tie). `predicted`: the lengths the system is
-    given for those requests (a predictor's on its own training requests), or None."""
+    `grid`, run on the train split's requests on the backend `be` (the simulator or the real engine) at
+    the plan's highest rate; the value of the best request throughput wins (the smaller one on a tie).
+    `predicted`: the lengths the system is given for those requests (a predictor's on its own training
+    requests), or None."""
     n = min(s.train, be.num_requests)
     train = LengthData(data.prompts[:n], data.X[:n], data.y[:n], data.embed_ms)
     items = workload(train, 0, n, be, {"train": None if predicted is None else predicted[:n]}, s.seed)["train"]
@@ -358,10 +359,11 @@ def search_on_train(data: LengthData, s: Settings, be: Backend, system: str, opt
     arrivals = arrival_times(n, "poisson", rate, seed=s.seed)
     tried = {}
     for value in grid:
-        e = engine("sim", system, s.real_blocks, s.calibration, s.calibration_gpu, s.regime)
+        e = engine(be.name, system, s.real_blocks, s.calibration, s.calibration_gpu, s.regime)
         e.options[option] = value
         tried[value] = lab.run(lab.Spec(e, items, arrivals)).metrics["request_throughput"]
-        print(f"{what} (train split, {n} requests at {rate:g} req/s): {value:g} -> {tried[value]:.2f} req/s",
+        print(f"{what} ({be.name}, train split, {n} requests at {rate:g} req/s): {value:g} -> {tried[value]:.2f} "
+              "req/s",
               file=sys.stderr, flush=True)
     best = max(tried, key=lambda v: (tried[v], -v))
     return {"requests": n, "rate": rate, "throughput": {f"{k:g}": v for k, v in tried.items()}, "chosen": best}
@@ -375,9 +377,9 @@ def search_wma(data: LengthData, s: Settings, be: Backend, predicted: np.ndarray
 
 
 def search_batch_size(data: LengthData, s: Settings, be: Backend) -> dict:
-    """The Morphling-style baseline's configuration: vanilla static batching stress-tested at each batch
-    size of BATCH_GRID; the size found is kept for every run (as a searched configuration is deployed and
-    left fixed)."""
+    """The Morphling-style baseline's configuration: vanilla static batching stress-tested on the backend
+    it is deployed on at each batch size of BATCH_GRID; the size found is kept for every run there (as a
+    searched configuration is deployed and left fixed)."""
     return search_on_train(data, s, be, "vanilla", "batch_size", BATCH_GRID, None, "batch size stress test")
 
 
@@ -442,7 +444,7 @@ def run_experiment(s: Settings) -> dict:
     if any(SYSTEMS[x][0].get("batching") == "magnus" and "wma_threshold" not in SYSTEMS[x][0] for x in s.systems):
         wma = {"chosen": s.wma_threshold} if s.wma_threshold is not None else \
             search_wma(data, s, plan.get("sim", QUICK["sim"]), predicted.get("magnus", data.y))
-    morphling = search_batch_size(data, s, plan.get("sim", QUICK["sim"])) if "morphling" in s.systems else None
+    morphling = {b: search_batch_size(data, s, be) for b, be in plan.items()} if "morphling" in s.systems else None
     runs = []
     for b, be in plan.items():
         items = workload(data, s.train, be.num_requests, be, predicted, s.seed)
@@ -455,7 +457,7 @@ def run_experiment(s: Settings) -> dict:
                 if wma is not None and eng.options.get("batching") == "magnus":
                     eng.options.setdefault("wma_threshold", wma["chosen"])
                 if system == "morphling":
-                    eng.options["batch_size"] = morphling["chosen"]
+                    eng.options["batch_size"] = morphling[b]["chosen"]
                 spec = lab.Spec(eng, items[SYSTEMS[system][1]], arrivals,
                                 tags={"backend": b, "system": system, "rate": rate})
                 runs.append(r := row(spec, lab.run(spec)))
@@ -478,9 +480,10 @@ def report(res: dict) -> str:
         how = (f"searched on {w['requests']} train requests at {w['rate']:g} req/s: " + ", ".join(
             f"{k} {v:.2f}" for k, v in w["throughput"].items()) + " req/s") if "throughput" in w else "given"
         lines.append(f"  Magnus's WMA threshold {w['chosen']:g} ({how})")
-    if m := res.get("morphling"):
-        lines.append(f"  Morphling-style batch size {m['chosen']} (stress-tested on {m['requests']} train requests at "
-                     f"{m['rate']:g} req/s: " + ", ".join(f"{k} {v:.2f}" for k, v in m["throughput"].items()) + " req/s)")
+    for b, m in (res.get("morphling") or {}).items():
+        lines.append(f"  Morphling-style batch size {m['chosen']} ({b}: stress-tested on {m['requests']} train requests "
+                     f"at {m['rate']:g} req/s: " + ", ".join(f"{k} {v:.2f}" for k, v in m["throughput"].items())
+                     + " req/s)")
     for task, t in (res.get("tasks") or {}).items():
         maes = ", ".join(f"{k[:-4]} MAE {v:.1f}" for k, v in t.items() if k.endswith("_mae"))
         lines.append(f"  {task:<34} {t['requests']:>5} requests, input {t['mean_input']:6.1f} output "
