@@ -63,6 +63,12 @@ class Instance(EngineInstance):
         self.deferred: list[str] = []  # serialized hand-offs to publish after the step's report
         self.incoming: dict[str, Incoming] = {}
         self.rules = HandoffRules(engine)
+        # module migration (mixed instances): the peers whose layers this one runs between its steps (their
+        # connection and work), the peer that runs this one's moved layers, and seconds spent on either side
+        self.hosting: list[tuple] = []
+        self.lent = None
+        self.hosted_s = 0.0
+        self._told = (0.0, 0.0)
 
     # --- commands ----------------------------------------------------------------------------
     def command(self, cmd) -> list:
@@ -95,6 +101,8 @@ class Instance(EngineInstance):
             rules.fail(cmd.rid)
         elif isinstance(cmd, PeerGone):
             self.connector.peer_gone()
+        elif isinstance(cmd, tuple) and cmd[0] in ("host", "lend"):
+            self._migrate(*cmd)
         elif isinstance(cmd, Abort):
             self._forget_sent(cmd.rid)
             self.incoming.pop(cmd.rid, None)
@@ -109,6 +117,42 @@ class Instance(EngineInstance):
             self.connector.forget(rid)
         if rid in self.engine.handoff.held:
             self.loop.open.pop(rid, None)  # its tokens come from the token instance now
+
+    # --- module migration (cluster.serving's rebalancing loop) -----------------------------------------
+    def _migrate(self, kind: str, *args) -> None:
+        """("host", conn): run a peer's layers that come over conn, between this instance's steps;
+        ("lend", first, conn): move layers first.. to the instance at conn's other end (it must host first)."""
+        import time
+
+        from servewise.cluster.migration import PeerWork, migrate_layers_to_process
+
+        if kind == "host":
+            args[0].send("ready")
+            self.hosting.append((args[0], PeerWork(self.engine.runner.model.c)))
+            return
+        if self.lent is not None:
+            raise ValueError("this instance lends its layers already")
+        first, conn = args
+        t0 = time.perf_counter()
+        self.lent = migrate_layers_to_process(self.engine.runner, first, conn=conn)
+        self.events.append(("lent", first, self.lent.bytes, self.lent.copy_s, time.perf_counter() - t0))
+
+    def _serve_peers(self) -> bool:
+        """Run what hosted peers sent; True if anything came."""
+        import time
+
+        did = False
+        for h in list(self.hosting):
+            conn, work = h
+            while conn.poll(0):
+                did = True
+                t0 = time.perf_counter()
+                if (msg := conn.recv()) is None:
+                    self.hosting.remove(h)
+                    break
+                conn.send(work(msg))
+                self.hosted_s += time.perf_counter() - t0
+        return did
 
     # --- the prompt side (its KV goes out through the connector, layer by layer as the runner computes) --
     def _handed_off(self, rids: list[str]) -> None:
@@ -177,14 +221,22 @@ class Instance(EngineInstance):
         did = bool(self.incoming)
         if self.incoming:
             self._receive()
+        served = self.hosting and self._serve_peers()
         outputs, stepped = super().tick()
-        return outputs, did or stepped
+        if self.hosting:
+            served = self._serve_peers() or served
+        return outputs, did or stepped or bool(served)
 
     def in_flight(self) -> bool:
-        """KV on its way in, or waiting to go out: the loop polls often meanwhile."""
-        return bool(self.incoming) or (self.connector is not None and self.connector.waiting())
+        """KV on its way in, or waiting to go out, or a peer's layers hosted: the loop polls often meanwhile."""
+        return bool(self.incoming) or bool(self.hosting) or (self.connector is not None and self.connector.waiting())
 
     def take_events(self) -> list:
+        if self.lent is not None or self.hosting:  # seconds waiting on the peer (in its steps), hosting peers
+            now = (self.lent.step_s if self.lent is not None else 0.0, self.hosted_s)
+            if now != self._told:
+                self.events.append(("migration", *now))
+                self._told = now
         if self.connector is not None and self.connector.events:  # (the checksums a link does not carry)
             self.events += [Checksums(rid, sums) for rid, sums in self.connector.events]
             self.connector.events = []

@@ -18,7 +18,9 @@ instead (weights and KV sent over a pipe once; then, at every step, the activati
 metadata, or per layer the moved heads' queries, keys and values, whose attention the peer computes
 while the source computes the kept heads), and `servewise bench migration` measures what that costs.
 Block moves after a migration (swaps, store fetches, hand-offs) still act on the source's cache only,
-so these functions refuse an engine with a host pool or a KV store.
+so these functions refuse an engine with a host pool, a KV store or a hand-off connector. An instance of
+a served cluster may host a peer's layers between its own steps (cluster.instance, `PeerWork`): the
+rebalancing loop on real instances (cluster.serving's `rebalance`) moves layers that way.
 """
 from __future__ import annotations
 
@@ -86,9 +88,9 @@ def _check(runner, first: int | None = None, heads: int | None = None, layer_ids
         raise ValueError(f"migration to another process is for CPU engines (the peer computes on CPU; this engine "
                          f"runs on {runner.kv_caches[0].device}); migrate_layers and migrate_heads move within the device")
     if getattr(runner, "host_cache", None) is not None and runner.host_cache.numel() or \
-            getattr(runner, "store", None) is not None:
-        raise ValueError("migration here supports engines without a host pool or KV store (their block moves "
-                         "would miss the peer's KV)")
+            getattr(runner, "store", None) is not None or getattr(runner, "connector", None) is not None:
+        raise ValueError("migration here supports engines without a host pool, KV store or hand-off connector "
+                         "(their block moves would miss the peer's KV)")
     layers = runner.model.layers
     if first is not None and not 0 < first < len(layers):
         raise ValueError(f"first must lie in 1..{len(layers) - 1} (the source keeps at least one layer)")
@@ -132,61 +134,77 @@ def _peer_main(conn, c, threads: int) -> None:
 
 def _serve(conn, c, threads: int) -> None:
     torch.set_num_threads(threads)
-    from servewise import kernels
-    from servewise.models.decoder import DecoderLayer
-    from servewise.models.opt import OPTLayer
-    from servewise.models.rope import Rotary
-
-    kind_of = DecoderLayer if c.arch == "llama" else OPTLayer
-    layers, caches, heads = [], [], {}
-    rotary = Rotary(c) if c.arch == "llama" else None
-    kernel = None
+    work = PeerWork(c)
     conn.send("ready")
     while (msg := conn.recv()) is not None:
+        conn.send(work(msg))
+
+
+class PeerWork:
+    """What a peer runs for a source: moved layers (weights and KV) or moved KV heads, taken once, then
+    their part of every step. A process of its own (`_serve`) or an instance that hosts a peer's layers
+    between its own steps (cluster.instance) calls it on each message and sends back what it returns."""
+
+    def __init__(self, c):
+        from servewise.models.decoder import DecoderLayer
+        from servewise.models.opt import OPTLayer
+        from servewise.models.rope import Rotary
+
+        self.c, self.kind = c, DecoderLayer if c.arch == "llama" else OPTLayer
+        self.layers, self.caches, self.heads = [], [], {}
+        self.rotary = Rotary(c) if c.arch == "llama" else None
+        self.kernel = None
+
+    def __call__(self, msg):
+        from servewise import kernels
+
         kind, *args = msg
         if kind == "layers":  # a migration: weights and KV of the moved layers
             for params, cache, index in args[0]:
-                layers.append(_rebuild(kind_of, c, params, index))
-                caches.append(cache)
-            conn.send("loaded")
-            continue
+                self.layers.append(_rebuild(self.kind, self.c, params, index))
+                self.caches.append(cache)
+            return "loaded"
         if kind == "heads":  # a migration: per layer, the KV of the moved heads
-            heads.update(args[0])
-            conn.send("loaded")
-            continue
+            self.heads.update(args[0])
+            return "loaded"
         use_kernel = args[-1]
-        if use_kernel and kernel is None:
-            kernel = kernels.cpu_ext()
+        if use_kernel and self.kernel is None:
+            self.kernel = kernels.cpu_ext()
+        kernel = self.kernel if use_kernel else None
         with torch.inference_mode():
             if kind == "attend":  # one layer's moved heads
                 i, q, k, v, opts, meta, _ = args
-                meta.kernel = kernel if use_kernel else None
-                conn.send(paged_attention(q, k, v, heads[i], meta, **opts))
-                continue
+                meta.kernel = kernel
+                return paged_attention(q, k, v, self.heads[i], meta, **opts)
             x, rest, _ = args  # "step": the moved layers, with the layer's other arguments
             for a in rest:
                 if hasattr(a, "kernel"):
-                    a.kernel = kernel if use_kernel else None
-            for layer, cache in zip(layers, caches):
-                x = layer(x, *(a if not isinstance(a, str) else cache if a == _CACHE else rotary for a in rest))
-        conn.send(x)
+                    a.kernel = kernel
+            for layer, cache in zip(self.layers, self.caches):
+                x = layer(x, *(a if not isinstance(a, str) else cache if a == _CACHE else self.rotary for a in rest))
+            return x
 
 
 class Peer:
-    """A peer process for a runner's model; `load` sends it what migrates (its copy time and bytes kept)."""
+    """A peer process for a runner's model (or, given `conn`, a peer already running at the connection's other
+    end: an instance hosting the layers); `load` sends it what migrates (its copy time and bytes kept)."""
 
-    def __init__(self, c, threads: int = 1):
+    def __init__(self, c, threads: int = 1, conn=None):
         import multiprocessing as mp
 
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_peer_main, args=(child, c, threads), daemon=True)
-        self.proc.start()
-        child.close()  # the peer's end: a peer that dies then reads as EOF here, not as a hang
+        self.proc = None
+        if conn is not None:
+            self.conn = conn
+        else:
+            ctx = mp.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_peer_main, args=(child, c, threads), daemon=True)
+            self.proc.start()
+            child.close()  # the peer's end: a peer that dies then reads as EOF here, not as a hang
         if self.recv() != "ready":  # (a fresh interpreter importing torch: not part of the move)
-            raise RuntimeError("the peer process did not start")
+            raise RuntimeError("the peer did not start")
         self.copy_s = self.step_s = 0.0  # the migration's transfer; time a step spends on the peer's side
         self.bytes = 0
 
@@ -194,7 +212,8 @@ class Peer:
         try:
             msg = self.conn.recv()
         except EOFError:
-            raise RuntimeError(f"the peer process ended (exit code {self.proc.exitcode})") from None
+            raise RuntimeError(f"the peer process ended (exit code {self.proc.exitcode})" if self.proc else
+                               "the hosting peer went away") from None
         if isinstance(msg, tuple) and msg and msg[0] == "error":
             raise RuntimeError(f"the peer process failed: {msg[1]}")
         return msg
@@ -213,7 +232,12 @@ class Peer:
         return dataclasses.replace(meta, kernel=None), meta.kernel is not None
 
     def close(self) -> None:
-        if self.proc.is_alive():
+        if self.proc is None:  # a hosting instance: it stops hosting
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+        elif self.proc.is_alive():
             try:
                 self.conn.send(None)
             except OSError:
@@ -284,11 +308,12 @@ class _PassThrough(nn.Module):
         return x
 
 
-def migrate_layers_to_process(runner, first: int, threads: int = 1) -> Peer:
-    """Move layers first.. of a real runner's model to a new process (weights and KV sent over a pipe);
-    returns the peer (its copy_s, bytes and step_s say what it cost; close() ends it)."""
+def migrate_layers_to_process(runner, first: int, threads: int = 1, conn=None) -> Peer:
+    """Move layers first.. of a real runner's model to a new process (weights and KV sent over a pipe), or,
+    given `conn`, to the peer at its other end (an instance hosting them: cluster.instance takes ("host",
+    conn)); returns the peer (its copy_s, bytes and step_s say what it cost; close() ends it)."""
     _check(runner, first=first, process=True)
-    peer = Peer(runner.model.c, threads)
+    peer = Peer(runner.model.c, threads, conn)
     stage = RemoteStage(runner, first, peer)
     runner.hand_layers(range(first, len(runner.model.layers)),
                        lambda i, layer, cache: stage if i == first else _PassThrough(), zero=False)

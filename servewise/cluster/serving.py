@@ -27,6 +27,10 @@ from servewise.server.client import StreamingClient
 from servewise.server.engine_process import spawn
 
 
+PIPE_BYTES_PER_S = 0.3e9  # what the rebalancing loop prices a move's copy at: a pipe between processes here
+# (servewise bench migration measured 0.3-0.7 GB/s)
+
+
 def parse_instances(spec: str) -> list[str]:
     """"2" -> two mixed instances; "prompt=1,token=1" (or "prompt:1,token:1") -> the roles in order."""
     spec = spec.strip()
@@ -89,12 +93,26 @@ class Member:
 class ClusterClient(StreamingClient):
     def __init__(self, engine_kwargs: dict, roles: list[str], threads: int = 1, launcher: str = "process",
                  layerwise: bool = True, router: str = "jsq", lease_s: float = 5.0,
-                 max_waiting: int = DEFAULT_MAX_WAITING, max_restarts: int = 3, pin: bool = False, transport: str = "shm", on_finish=None, log=None):
+                 max_waiting: int = DEFAULT_MAX_WAITING, max_restarts: int = 3, pin: bool = False, transport: str = "shm", on_finish=None, log=None,
+                 rebalance=None):
+        """rebalance: a cluster.rebalance.Rebalancing: its loop moves layers between the instances (mixed ones,
+        in processes) every period of wall time (see _rebalance_loop)."""
         if launcher not in ("process", "ray"):
             raise ValueError(f"unknown launcher {launcher!r}; choose process or ray")
         if transport not in ("shm", "gloo"):
             raise ValueError(f"unknown KV transport {transport!r}; choose shm or gloo")
         self.transport = transport
+        if rebalance is not None and (launcher != "process" or set(roles) != {"mixed"} or rebalance.loop == "objective"):
+            raise ValueError("the rebalancing loop on real instances moves layers between mixed instances in processes "
+                             "(a split's hand-offs would read moved layers' KV where it no longer is), with the "
+                             "greedy or sets loop")
+        self.rebalance = rebalance
+        # the loop's moves (when: time.monotonic(), from, to, layers, carried out, bytes, seconds) and every
+        # period's loads (time.monotonic(), [(compute, memory) per instance])
+        self.migrations: list[dict] = []
+        self.load_log: list[tuple] = []
+        self._moved_s = [(0.0, 0.0)] * len(roles)  # per instance: steps' waits on its peer, peers' layers run (s)
+        self._pipes: list = []
         self.engine_kwargs, self.threads, self.layerwise = dict(engine_kwargs), threads, layerwise
         device = self.engine_kwargs.get("device", "auto")
         if device not in ("auto", "cpu"):  # their KV hand-offs (shm, gloo) and migrations move host memory
@@ -198,6 +216,89 @@ class ClusterClient(StreamingClient):
         for m in self.members:
             self._start_io(m)
         threading.Thread(target=self._expire_loop, name="servewise-leases", daemon=True).start()
+        if self.rebalance is not None:
+            threading.Thread(target=self._rebalance_loop, name="servewise-rebalance", daemon=True).start()
+
+    # --- module migration: Algorithm 4-1 on real instances ------------------------------------------
+    def _rebalance_loop(self) -> None:
+        """Every period of wall time, each instance's U = compute + memory (4-28): compute, the share of the
+        period it computed (its steps, less their waits on the peer that runs its moved layers, plus the
+        peers' layers it ran between its steps); memory, its device blocks in use. The Rebalancer plans from
+        them; a layer move is carried out (migration.migrate_layers_to_process over a pipe to the peer
+        instance, which runs the layers between its own steps); what is not done here, recorded but not
+        carried out: head moves, give-backs, a second lease from or to an instance already in one."""
+        from copy import deepcopy
+
+        from servewise.cluster.rebalance import LAYERS, Load, Rebalancer
+        from servewise.models.loader import load_model_config
+        from servewise.predictors.roofline import layer_params
+
+        cfg = self.rebalance
+        c, _ = load_model_config(self.engine_kwargs["model"])
+        block = self.engine_kwargs.get("block_size") or 16
+        rb = Rebalancer(cfg, c.num_layers, c.num_kv_heads, layer_params(c) * 4, block * c.kv_bytes_per_token,
+                        PIPE_BYTES_PER_S)
+        last_t = time.monotonic()
+        with self._co:
+            last = self._busy()
+        lending: dict[int, int] = {}  # source -> the instance running its layers
+        while not self._stopping:
+            time.sleep(cfg.period_s)
+            now = time.monotonic()
+            with self._co:
+                busy, stats = self._busy(), list(self.co.loads)
+                leases = self._leases
+            span, loads = now - last_t, []
+            for i, (b, b0, st) in enumerate(zip(busy, last, stats)):
+                used = st.device_blocks.total - st.device_blocks.free if st is not None else 0
+                loads.append(Load(min(1.0, max(0.0, (b - b0) / span)), used, st.device_blocks.total if st else 0,
+                                  layers_out=c.num_layers - leases[i][1] if i in leases else 0))
+            last, last_t = busy, now
+            self.load_log.append((now, [(x.compute, x.memory) for x in loads]))
+            saved = deepcopy(rb.leases)
+            moves, done = rb.plan(loads), []
+            for m in moves:
+                ok = (not m.back and m.kind == LAYERS and m.src not in lending and m.dst not in lending
+                      and m.src not in lending.values())
+                entry = {"t": now, "src": m.src, "dst": m.dst, "kind": m.kind, "amount": m.amount, "back": m.back,
+                         "gap": m.gap, "predicted_benefit": m.benefit, "carried_out": ok}
+                with self._co:
+                    if ok:
+                        first = c.num_layers - m.amount
+                        lending[m.src] = m.dst
+                        entry["layers"] = [first, c.num_layers - 1]
+                        self._lend(m.src, m.dst, first)
+                        done.append(m)
+                    self.migrations.append(entry)
+            if len(done) < len(moves):  # the planner's leases: only what was carried out
+                rb.leases = saved
+                for m in done:
+                    rb._record(m)
+
+    def _busy(self) -> list[float]:
+        """Per instance, the seconds it has computed: its steps less their waits on a peer, plus peers' layers."""
+        return [(st.busy_s if st is not None else 0.0) - w + h for st, (w, h) in zip(self.co.loads, self._moved_s)]
+
+    @property
+    def _leases(self) -> dict[int, tuple[int, int]]:
+        """source -> (the instance running its layers, the first of them), as carried out."""
+        return {x["src"]: (x["dst"], x["layers"][0]) for x in self.migrations if x["carried_out"]}
+
+    def _lend(self, src: int, dst: int, first: int) -> None:
+        """Layers first.. of instance src move to instance dst (dst hosts, then src lends over a new pipe)."""
+        here, there = self._ctx.Pipe()
+        self._pipes += [here, there]  # (kept open until each instance has taken its end)
+        self._tell(dst, ("host", there))
+        self._tell(src, ("lend", first, here))
+
+    def _on_lent(self, i: int, first: int, nbytes: int, copy_s: float, total_s: float) -> None:
+        for x in reversed(self.migrations):
+            if x["src"] == i and x["carried_out"]:
+                x.update(bytes=nbytes, copy_s=copy_s, total_s=total_s)
+                break
+
+    def _on_migration(self, i: int, waited_s: float, hosted_s: float) -> None:
+        self._moved_s[i] = (waited_s, hosted_s)
 
     def _start_io(self, m: Member) -> None:
         threading.Thread(target=self._read, args=(m, m.conn), name=f"servewise-read-{m.index}", daemon=True).start()
@@ -413,5 +514,7 @@ class ClusterClient(StreamingClient):
             if proc.is_alive():
                 proc.kill()  # (it ignores SIGTERM: see engine_main)
                 proc.join(5)
+        for conn in self._pipes:
+            conn.close()
         remove_dir(self.kv_dir)
         logging.getLogger("servewise").debug("cluster stopped")

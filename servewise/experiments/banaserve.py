@@ -38,7 +38,7 @@ import itertools
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from servewise import lab
 from servewise.experiments import publish
@@ -63,6 +63,33 @@ SYSTEMS = {"round-robin": ("mixed", "round_robin", False, False),
            "banaserve-objective": ("split", "load_aware", False, "objective"),
            "banaserve+store": ("split", "load_aware", True, "greedy")}
 MONITOR_S = 2.0  # how often every run's loads are sampled (and, for banaserve, its rebalancing period)
+DISTSERVE = "pd-distserve"  # the fixed split, half and half; pd-distserve-P+T: P prompt and T token instances
+SEARCHED = "pd-distserve-searched"  # with --seeds: the split that served best on the tuning seed, per rate
+# with --seeds: (system, baseline) pairs whose served requests/s are compared seed by seed
+RATIOS = tuple((x, b) for x in ("banaserve", "banaserve-sets", "banaserve-objective", "banaserve+store", "pd-load-aware")
+               for b in (DISTSERVE, SEARCHED, "round-robin"))
+SUMMED = ("request_throughput", "mean_e2e_s", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "util_gap", "moves")
+
+
+def split_of(system: str, instances: int) -> int | None:
+    """Prompt instances of a P/D system (pd-distserve-P+T: P; every other split, and Splitwise's pools at
+    the start: half), None if its instances serve whole requests."""
+    if system.startswith(DISTSERVE + "-") and system != SEARCHED:
+        p, sep, t = system[len(DISTSERVE) + 1:].partition("+")
+        if not (sep and p.isdigit() and t.isdigit() and int(p) >= 1 and int(t) >= 1 and int(p) + int(t) == instances):
+            raise ValueError(f"{system!r}: a split is {DISTSERVE}-P+T with P, T >= 1 and P + T = {instances} instances")
+        return int(p)
+    return None if spec(system)[0] == "mixed" else instances // 2
+
+
+def spec(system: str) -> tuple:
+    """The SYSTEMS entry of a system (a pd-distserve-P+T split: pd-distserve's)."""
+    return SYSTEMS[DISTSERVE if system.startswith(DISTSERVE + "-") else system]
+
+
+def splits(instances: int) -> list[str]:
+    """Every prompt / token split of the instances, as pd-distserve-P+T systems."""
+    return [f"{DISTSERVE}-{p}+{instances - p}" for p in range(1, instances)]
 
 
 @dataclass(kw_only=True)
@@ -86,13 +113,18 @@ class Settings:
     workload: str = "shared-prefix"
     trace: str | None = None  # the Azure conv trace CSV, for workload azure-conv
     seed: int = 0
+    seeds: tuple[int, ...] = ()  # repeat the sweep over these seeds: means and 95% intervals (`seed` unused)
+    tune_seed: int | None = None  # with seeds: the seed on which DistServe's split is chosen (default max(seeds) + 1)
     out_dir: str = "results/banaserve"
     calibration: str | None = None  # a per-operation calibration (`servewise calibrate`) instead of the roofline
 
     def __post_init__(self):
         for x in self.systems:
-            if x not in SYSTEMS:
-                raise ValueError(f"unknown system {x!r}; choose from {', '.join(SYSTEMS)}")
+            if x not in SYSTEMS and not x.startswith(DISTSERVE + "-") or x == SEARCHED:
+                raise ValueError(f"unknown system {x!r}; choose from {', '.join(SYSTEMS)} (or {DISTSERVE}-P+T)")
+            split_of(x, self.instances)
+        if self.tune_seed is not None and self.tune_seed in self.seeds:
+            raise ValueError(f"the tuning seed {self.tune_seed} must not be one of the evaluation seeds")
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
 
@@ -104,7 +136,7 @@ def cluster(model: str, system: str, instances: int, store_gb: float, calibratio
     from servewise.cluster.rebalance import Rebalancing
     from servewise.cluster.sim import Design
 
-    roles, router, store, migrate = SYSTEMS[system]
+    roles, router, store, migrate = spec(system)
     kw = dict(enable_prefix_caching=True, **({"perf_table": calibration} if calibration else {}))
     if migrate:
         kw.update(rebalance=Rebalancing(period_s=MONITOR_S, loop=migrate))
@@ -114,7 +146,8 @@ def cluster(model: str, system: str, instances: int, store_gb: float, calibratio
         kw.update(kv_store="simulated", kv_store_gb=store_gb)
     if roles == "mixed":
         return lab.Cluster(model, Design(mixed={"a100": instances}), {"router": router, **kw})
-    design = Design(prompt={"a100": instances // 2}, token={"a100": instances - instances // 2})
+    p = split_of(system, instances)
+    design = Design(prompt={"a100": p}, token={"a100": instances - p})
     return lab.Cluster(model, design, {"split_router": router, **kw})
 
 
@@ -124,8 +157,7 @@ def row(rec: lab.Record, instances: int) -> dict:
     system, m, res, pc = rec.tags["system"], rec.metrics, rec.result, rec.prefix_cache
     if rec.rejected:
         raise ValueError(f"{len(rec.rejected)} of {len(res.requests)} requests rejected, e.g. {rec.rejected[0][1]}")
-    mixed = SYSTEMS[system][0] == "mixed"
-    prompt_side = instances if mixed else instances // 2  # (split: skew among the prompt instances)
+    prompt_side = split_of(system, instances) or instances  # (split: skew among the prompt instances)
     routed = [sum(1 for p in res.placed if p and p[0] == i) for i in range(prompt_side)]
     busy = [b / rec.cluster["makespan_s"] for b in rec.steps["busy_s"]]
     util = [[c + m for c, m in per] for _, per in res.loads]  # the thesis's U = compute + memory (4-28)
@@ -189,9 +221,11 @@ def workload(s: Settings, mc) -> tuple[list, list[float] | None]:
 
         if not s.trace:
             raise ValueError("--workload azure-conv needs --trace (the Azure conv trace CSV)")
-        rows = load_azure_trace(s.trace, limit=n)
+        if s.seed < 0:
+            raise ValueError(f"--workload azure-conv takes the trace's seed-th window of requests: seed {s.seed} < 0")
+        rows = load_azure_trace(s.trace, limit=n * (s.seed + 1))[n * s.seed:]  # seed k: requests kn .. kn + n - 1
         if len(rows) < n:
-            raise ValueError(f"{s.trace} holds {len(rows)} requests; --num-requests asks for {n}")
+            raise ValueError(f"{s.trace} holds fewer than {n * (s.seed + 1)} requests: --num-requests {n} at seed {s.seed}")
         gaps = np.diff([r.arrival for r in rows], prepend=rows[0].arrival)
         gaps = (gaps / gaps[1:].mean()).tolist() if n > 1 and gaps[1:].mean() > 0 else [0.0] * n
         lens = [(min(r.prompt_len, cap), min(r.output_len, out)) for r in rows]
@@ -250,7 +284,7 @@ def plot(res: dict, out_dir: str) -> str:
                    ("mean_tpot_ms", "mean TPOT (ms)"), ("mean_e2e_s", "mean E2E (s)")]
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics), 3.2))
     for ax, (key, label) in zip(axes, metrics):
-        for i, system in enumerate(SYSTEMS):
+        for i, system in enumerate(dict.fromkeys(r["system"] for r in res["runs"])):
             pts = sorted((r["rate"], r[key]) for r in res["runs"] if r["system"] == system)
             if pts:
                 ax.plot(*zip(*pts), label=system, **series_style(i))
@@ -302,32 +336,199 @@ def plot(res: dict, out_dir: str) -> str:
     return paths
 
 
-def main(s: Settings) -> None:
-    from tqdm import tqdm
-
-    from servewise.models.loader import load_model_config
+def sweep(s: Settings, mc, systems, bar=None) -> tuple[list, list[dict]]:
+    """One seed's runs (s.seed): every system at every rate; returns (the workload's requests, the runs)."""
     from servewise.workloads.arrivals import arrival_times
 
-    mc, _ = load_model_config(s.model, "float16")
     items, gaps = workload(s, mc)
-    res = {"experiment": "banaserve-dispatch", "model": s.model, "instances": s.instances, "num_requests": s.num_requests,
-           "workload": s.workload, "mean_prompt": statistics.mean(it.prompt_len for it in items),
-           "mean_output": statistics.mean(it.output_len for it in items),
-           "prefixes": s.prefixes, "prefix_len": s.prefix_len, "suffix_len": s.suffix_len, "output_len": s.output_len,
-           "zipf": s.zipf, "store_gb": s.store_gb, "rates": list(s.rates), "calibration": s.calibration, "runs": []}
-    t0 = time.perf_counter()
-    bar = tqdm(total=len(s.rates) * len(s.systems), desc="simulations", unit="run", disable=not sys.stderr.isatty())
+    runs = []
     for rate in s.rates:
         if gaps is None:
             arrivals = arrival_times(len(items), "poisson", rate, seed=s.seed)
         else:  # the trace's gaps, rescaled: mean rate `rate`
             arrivals = list(itertools.accumulate(g / rate for g in gaps))
-        for system in s.systems:
-            spec = lab.Spec(cluster(s.model, system, s.instances, s.store_gb, s.calibration), items, arrivals,
-                            tags={"system": system, "rate": rate})
-            res["runs"].append(row(lab.run(spec), s.instances))
-            bar.update()
+        for system in systems:
+            spec_ = lab.Spec(cluster(s.model, system, s.instances, s.store_gb, s.calibration), items, arrivals,
+                             tags={"system": system, "rate": rate})
+            runs.append(row(lab.run(spec_), s.instances) | {"seed": s.seed})
+            if bar is not None:
+                bar.update()
+    return items, runs
+
+
+def best_split(runs: list[dict], tol: float = 0.01) -> str:
+    """Of one rate's runs of several splits, the system that served the most requests/s; among those within
+    `tol` of the most, the one with the lowest mean E2E (below saturation every split serves what arrives)."""
+    top = max(r["request_throughput"] for r in runs)
+    return min((r for r in runs if r["request_throughput"] >= top * (1 - tol)), key=lambda r: r["mean_e2e_s"])["system"]
+
+
+def value(r: dict, key: str) -> float:
+    return len(r["migrations"]) if key == "moves" else r[key]
+
+
+def aggregate(runs: list[dict], keys=SUMMED) -> list[dict]:
+    """Per rate and system (in the runs' order), each key's mean over the seeds, the half-width of its 95%
+    confidence interval (Student's t over the seeds) and the per-seed values."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["rate"], r["system"]), []).append(r)
+    out = []
+    for (rate, system), rs in sorted(groups.items(), key=lambda kv: kv[0][0]):
+        row_ = {"rate": rate, "system": system, "seeds": [r["seed"] for r in rs]}
+        for k in keys:
+            vals = [value(r, k) for r in rs]
+            mean, half = lab.ci95(vals)
+            row_[k] = {"mean": mean, "half": half, "values": vals}
+        out.append(row_)
+    return out
+
+
+def ratios(runs: list[dict], pairs=RATIOS) -> list[dict]:
+    """Per rate and (system, baseline) pair: the system's served requests/s over the baseline's, seed by seed
+    (the same workload and arrivals), with their mean and 95% interval; `holds` says whether the interval
+    lies above 1 (True), below 1 (False) or straddles it (None)."""
+    by = {(r["seed"], r["rate"], r["system"]): r["request_throughput"] for r in runs}
+    seeds, rates = sorted({r["seed"] for r in runs}), sorted({r["rate"] for r in runs})
+    out = []
+    for rate in rates:
+        for x, b in pairs:
+            vals = [by[k, rate, x] / by[k, rate, b] for k in seeds if (k, rate, x) in by and (k, rate, b) in by]
+            if vals:
+                mean, half = lab.ci95(vals)
+                holds = True if mean - half > 1 else False if mean + half < 1 else None
+                out.append({"rate": rate, "system": x, "baseline": b, "mean": mean, "half": half, "values": vals,
+                            "holds": holds})
+    return out
+
+
+def label(system: str, instances: int) -> str:
+    """A split's P+T (pd-distserve: the half split's)."""
+    p = split_of(system, instances)
+    return f"{p}+{instances - p}"
+
+
+def seeded(s: Settings, mc, res: dict) -> str:
+    """The sweep over s.seeds (means and intervals), with DistServe's split searched on s.tune_seed when
+    pd-distserve is among the systems; fills res, returns the file name."""
+    from tqdm import tqdm
+
+    search = DISTSERVE in s.systems
+    candidates = [DISTSERVE] + [x for x in splits(s.instances) if split_of(x, s.instances) != s.instances // 2]
+    systems = list(dict.fromkeys([*s.systems, *(candidates if search else [])]))
+    tune = s.tune_seed if s.tune_seed is not None else max(s.seeds) + 1
+    bar = tqdm(total=len(s.rates) * (len(systems) * len(s.seeds) + (len(candidates) if search else 0)),
+               desc="simulations", unit="run", disable=not sys.stderr.isatty())
+    runs, prompts, outputs = [], [], []
+    for k in s.seeds:
+        items, got = sweep(replace(s, seed=k), mc, systems, bar)
+        prompts.append(statistics.mean(it.prompt_len for it in items))
+        outputs.append(statistics.mean(it.output_len for it in items))
+        runs += got
+    res.update(seeds=list(s.seeds), mean_prompt=statistics.mean(prompts), mean_output=statistics.mean(outputs))
+    if search:
+        _, tuned = sweep(replace(s, seed=tune), mc, candidates, bar)
+        res["search"] = []
+        for rate in s.rates:
+            at = [r for r in tuned if r["rate"] == rate]
+            chosen = best_split(at)
+            evald = {x: statistics.mean(r["request_throughput"] for r in runs if r["rate"] == rate and r["system"] == x)
+                     for x in candidates}
+            res["search"].append({"rate": rate, "tune_seed": tune, "chosen": label(chosen, s.instances),
+                                  "tune_req_s": {label(r["system"], s.instances): r["request_throughput"] for r in at},
+                                  "eval_req_s": {label(x, s.instances): v for x, v in evald.items()},
+                                  "oracle": label(max(evald, key=evald.get), s.instances)})
+            runs += [r | {"system": SEARCHED, "split": label(chosen, s.instances)} for r in runs
+                     if r["rate"] == rate and r["system"] == chosen]
     bar.close()
+    for r in runs:
+        r.pop("loads", None)  # (the loads over time: per seed, too many to keep)
+    res["runs"], res["summary"], res["ratios"] = runs, aggregate(runs), ratios(runs)
+    model = "" if s.model == "llama-13b" else f"_{s.model}"
+    return f"banaserve_{'dispatch' if s.workload == 'shared-prefix' else s.workload}{model}_seeds"
+
+
+def report_seeds(res: dict) -> str:
+    n = len(res["seeds"])
+    lines = [f"BanaServe over seeds {', '.join(map(str, res['seeds']))}: {res['instances']} x A100 ({res['model']}), "
+             f"{res['num_requests']} requests a seed, workload {res['workload']} (mean prompt {res['mean_prompt']:.0f}, "
+             f"output {res['mean_output']:.0f} tokens); mean +- half-width of the 95% interval over the {n} seeds",
+             f"{'rate':>5} {'system':<22}{'req/s':>16}{'mean E2E s':>17}{'mean TTFT ms':>17}{'U gap':>13}{'moves':>7}"]
+    for x in res["summary"]:
+        lines.append(f"{x['rate']:>5g} {x['system']:<22}" + "".join(
+            f"{x[k]['mean']:>{w}.{d}f} +- {x[k]['half']:<{d + 3}.{d}f}" for k, w, d in
+            (("request_throughput", 8, 2), ("mean_e2e_s", 8, 2), ("mean_ttft_ms", 9, 0), ("util_gap", 6, 2)))
+            + f"{x['moves']['mean']:>6.1f}")
+    for x in res.get("search", []):
+        tune = ", ".join(f"{k} {v:.2f}" for k, v in x["tune_req_s"].items())
+        evald = ", ".join(f"{k} {v:.2f}" for k, v in x["eval_req_s"].items())
+        lines.append(f"DistServe's split at {x['rate']:g} req/s: {x['chosen']} (tuning seed {x['tune_seed']}: {tune} req/s; "
+                     f"evaluation seeds' mean: {evald}; best there {x['oracle']})")
+    word = {True: "above 1", False: "below 1", None: "straddles 1"}
+    for x in res["ratios"]:
+        lines.append(f"{x['rate']:>5g} {x['system']} / {x['baseline']}: {x['mean']:.2f}x +- {x['half']:.2f} "
+                     f"(seeds: {', '.join(f'{v:.2f}' for v in x['values'])}; {word[x['holds']]})")
+    return "\n".join(lines)
+
+
+def plot_seeds(res: dict, out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = list(dict.fromkeys(x["system"] for x in res["summary"]))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, key, what in ((axes[0], "request_throughput", "requests/s served"), (axes[1], "mean_e2e_s", "mean E2E (s)")):
+        for i, system in enumerate(shown):
+            pts = sorted((x["rate"], x[key]["mean"], x[key]["half"]) for x in res["summary"] if x["system"] == system)
+            rate, mean, half = zip(*pts)
+            ax.errorbar(rate, mean, yerr=half, label=system, capsize=2, lw=1, **series_style(i))
+        ax.set_xlabel("request rate (req/s)", fontsize=8)
+        ax.set_ylabel(what, fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=6)
+    pairs = list(dict.fromkeys((x["system"], x["baseline"]) for x in res["ratios"] if x["baseline"] != "round-robin"
+                               and x["system"].startswith("banaserve")))
+    for i, (system, base) in enumerate(pairs):
+        pts = sorted((x["rate"], x["mean"], x["half"]) for x in res["ratios"] if (x["system"], x["baseline"]) == (system, base))
+        rate, mean, half = zip(*pts)
+        axes[2].errorbar(rate, mean, yerr=half, label=f"{system} / {base}", capsize=2, lw=1, **series_style(i))
+    axes[2].axhline(1.0, color="grey", lw=0.8)
+    axes[2].set_xlabel("request rate (req/s)", fontsize=8)
+    axes[2].set_ylabel("requests/s served, ratio (per seed)", fontsize=8)
+    axes[2].tick_params(labelsize=7)
+    if pairs:
+        axes[2].legend(fontsize=6)
+    fig.suptitle(f"{res['workload']}: {res['instances']} simulated A100s, {res['model']}; mean and 95% interval over "
+                 f"seeds {', '.join(map(str, res['seeds']))}", fontsize=9)
+    return [save_figure(fig, out_dir, f"{res['name']}.png")]
+
+
+def main(s: Settings) -> None:
+    from tqdm import tqdm
+
+    from servewise.models.loader import load_model_config
+
+    mc, _ = load_model_config(s.model, "float16")
+    res = {"experiment": "banaserve-dispatch", "model": s.model, "instances": s.instances, "num_requests": s.num_requests,
+           "workload": s.workload, "prefixes": s.prefixes, "prefix_len": s.prefix_len, "suffix_len": s.suffix_len,
+           "output_len": s.output_len, "zipf": s.zipf, "store_gb": s.store_gb, "rates": list(s.rates),
+           "calibration": s.calibration, "runs": []}
+    t0 = time.perf_counter()
+    if s.seeds:
+        res["name"] = seeded(s, mc, res)
+        res["wall_s"] = time.perf_counter() - t0
+        publish(res, report_seeds(res), s.out_dir, res["name"], plot_seeds)
+        return
+    bar = tqdm(total=len(s.rates) * len(s.systems), desc="simulations", unit="run", disable=not sys.stderr.isatty())
+    items, res["runs"] = sweep(s, mc, s.systems, bar)
+    bar.close()
+    res.update(mean_prompt=statistics.mean(it.prompt_len for it in items),
+               mean_output=statistics.mean(it.output_len for it in items))
+    for r in res["runs"]:
+        r.pop("seed")
     if s.workload == "shared-prefix":
         res["overlap"] = [overlap(m) for m in dict.fromkeys((s.model, "llama-3-8b"))]
     res["wall_s"] = time.perf_counter() - t0

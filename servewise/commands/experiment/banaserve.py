@@ -32,15 +32,28 @@ def arguments(p) -> None:
                    help="a per-operation calibration (.json from `servewise calibrate`) pricing the A100s' steps "
                         "instead of the roofline")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=at_least(2), default=None,
+                   help="repeat the sweep over seeds 0..N-1: means and 95%% intervals (Student's t), and with "
+                        "pd-distserve among the systems its prompt:token split chosen per rate on --tune-seed")
+    p.add_argument("--tune-seed", type=at_least(0), default=None,
+                   help="with --seeds: the seed that chooses DistServe's split (default N, not an evaluation seed)")
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--real-loop", choices=["greedy", "sets"], default=None,
+                   help="instead of the simulations: Algorithm 4-1's loop (this form) moving layers between two real "
+                        "tiny-llama instances on this machine, against the same run with the loop only watching")
     p.add_argument("--out-dir", default="results/banaserve")
 
 
 def run(a) -> None:
+    if a.real_loop:
+        from servewise.bench.migration import LoopSettings, real_loop
+
+        return real_loop(LoopSettings(loop=a.real_loop, threads=a.threads or 1, out_dir=a.out_dir))
     from servewise.experiments.banaserve import SYSTEMS, Settings, main
 
     main(Settings(model=a.model, instances=a.instances,
                   systems=tuple(a.systems.split(",")) if a.systems else tuple(SYSTEMS), num_requests=a.num_requests,
                   prefixes=a.prefixes, prefix_len=a.prefix_len, suffix_len=a.suffix_len, output_len=a.output_len,
                   zipf=a.zipf, store_gb=a.store_gb, rates=tuple(a.rates), workload=a.workload, trace=a.trace,
-                  seed=a.seed, out_dir=a.out_dir, calibration=a.calibration))
+                  seed=a.seed, seeds=tuple(range(a.seeds)) if a.seeds else (), tune_seed=a.tune_seed,
+                  out_dir=a.out_dir, calibration=a.calibration))
