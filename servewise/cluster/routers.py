@@ -47,6 +47,16 @@ def jsq_tokens(prompt_len: int, loads: list[EngineStats]) -> int:
     return min(range(len(loads)), key=lambda i: (loads[i].pending_tokens, queue(loads[i])))
 
 
+def decode_pending(s: EngineStats) -> int:
+    """An instance's pending tokens as a token machine (SplitwisePools): one a request it decodes or will
+    decode (running, waiting, swapped, or on its way to it), plus the prompt tokens queued or being
+    computed there."""
+    return s.pending_tokens + queue(s) + s.incoming
+
+
+TOKEN_RULES = ("pending_tokens", "committed_blocks")  # how SplitwisePools picks a token instance
+
+
 def memory_use(s: EngineStats) -> float:
     """The share of the instance's device blocks in use."""
     total = s.device_blocks.total
@@ -168,17 +178,28 @@ class CacheAware:
 
 class SplitwisePools:
     """Splitwise's pools (Patel et al., ISCA 2024, cluster-level scheduling): instances start in the
-    prompt or the token pool. A request's prompt goes to the prompt instance with the fewest pending
-    prompt tokens (queued or being computed); its decode to the token instance with the fewest
-    committed blocks (what its requests would hold at their longest, prompt plus max_tokens), chosen
-    when its prompt starts so that the transfer can overlap it. Under load an instance passes to the mixed pool, where it takes
-    both phases:
+    prompt or the token pool, and each request gets a prompt and a token instance when it arrives (so
+    that the transfer can overlap its prompt), both by join-the-shortest-queue, a queue measured in
+    pending tokens (`token_rule` "pending_tokens", the default):
+    - a prompt instance's pending tokens: its prompt tokens queued or being computed;
+    - a token instance's (`decode_pending`): the tokens its coming iterations owe, one per request it
+      decodes or will decode (running, waiting, swapped, or handed to it with its KV on the way) plus
+      any prompt tokens queued or being computed there (an instance taking both phases). A decoding
+      request costs its instance one token an iteration whatever its length; SplitwiseSim's count
+      (its scheduler's sched_pending_tokens) is the same, a prompt's size plus one for a request that
+      runs both phases on one machine.
+    `token_rule` "committed_blocks" picks the token instance with the fewest committed blocks instead
+    (what its requests would hold at their longest, prompt plus max_tokens; SplitwiseSim's mixed-pool
+    scheduler does so, by memory), servewise's earlier rule. Under load an instance passes to the
+    mixed pool, where it takes both phases:
     - a prompt instance is full when it has a queue and its queued tokens plus the new prompt exceed
       `max_pending_tokens` (8192, SplitwiseSim's setting); when all are, the mixed pool is tried the
       same way, and then the token instance with the fewest queued tokens is borrowed;
-    - a token instance is full when its committed blocks plus the request's would exceed its pool;
-      when all are, the mixed pool is tried, then the prompt instance with the fewest committed
-      blocks that has room is borrowed; failing that, the request decodes where it was prefilled.
+    - a token instance is full when its committed blocks plus the request's would exceed its pool; the
+      shortest queue of those with room takes the request (committed_blocks: the instance with the
+      fewest committed blocks, if it has room); when none has, the mixed pool is tried, then the prompt
+      instance with room is borrowed (the shortest queue, or the fewest committed blocks); failing
+      that, the request decodes where it was prefilled.
     A mixed instance goes back to its pool once it is idle (`idle`). With `repurpose_s`, Splitwise's
     coarse repurposing under sustained load: an instance borrowed that long without a pause joins the
     pool of the phase it was borrowed for (a token instance taking prompts becomes a prompt instance),
@@ -186,13 +207,15 @@ class SplitwisePools:
     """
 
     def __init__(self, roles: list[str], max_pending_tokens: int = 8192, repurpose_s: float | None = None,
-                 clock=None):
+                 clock=None, token_rule: str = "pending_tokens"):
+        if token_rule not in TOKEN_RULES:
+            raise ValueError(f"unknown token rule {token_rule!r}; choose from {', '.join(TOKEN_RULES)}")
         if set(roles) - {"prompt", "token"} or "prompt" not in roles or "token" not in roles:
             raise ValueError(f"Splitwise pools need prompt and token instances only, got roles {sorted(set(roles))}")
         if repurpose_s is not None and (repurpose_s <= 0 or clock is None):
             raise ValueError(f"repurposing needs a positive period and a clock, got {repurpose_s}")
         self.home, self.pool = list(roles), list(roles)
-        self.max_pending_tokens = max_pending_tokens
+        self.max_pending_tokens, self.token_rule = max_pending_tokens, token_rule
         self.borrowed = 0  # times an instance moved to the mixed pool
         self.repurpose_s, self.clock = repurpose_s, clock
         self.since: dict[int, tuple[float, str]] = {}  # borrowed instance -> (since when, the phase it takes)
@@ -227,13 +250,18 @@ class SplitwisePools:
 
     def token(self, need_blocks: int, loads: list[EngineStats], prompt_instance: int) -> int:
         fits = lambda j: loads[j].committed_blocks + need_blocks <= loads[j].device_blocks.total  # noqa: E731
-        for pool in ("token", "mixed"):
-            if cands := self._in(pool):
-                i = min(cands, key=lambda j: loads[j].committed_blocks)
-                if fits(i):
+        if self.token_rule == "committed_blocks":
+            key = lambda j: loads[j].committed_blocks  # noqa: E731
+            for pool in ("token", "mixed"):
+                if (cands := self._in(pool)) and fits(i := min(cands, key=key)):
                     return i
+        else:
+            key = lambda j: (decode_pending(loads[j]), loads[j].committed_blocks)  # noqa: E731
+            for pool in ("token", "mixed"):
+                if cands := [j for j in self._in(pool) if fits(j)]:
+                    return min(cands, key=key)
         if cands := [j for j in self._in("prompt") if fits(j)]:
-            return self._borrow(min(cands, key=lambda j: loads[j].committed_blocks), "token")
+            return self._borrow(min(cands, key=key), "token")
         return prompt_instance
 
     def idle(self, i: int) -> None:

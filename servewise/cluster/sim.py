@@ -29,6 +29,7 @@ from servewise.cluster.coordinator import Coordinator
 from servewise.cluster.links import MODES, LinkModel, Network
 from servewise.cluster.machines import get_machine
 from servewise.cluster.protocol import Abort, Add, Expect, Fail, First, HandedOff, HandoffRules, Release
+from servewise.cluster.routers import TOKEN_RULES, SplitwisePools
 from servewise.engine.block_manager import prefix_names
 from servewise.engine.clock import VirtualClock
 from servewise.engine.heap import quiet_gc
@@ -174,6 +175,8 @@ class ClusterSim:
     role, predictors.perf.Calibrated's corrections (measured on real instances). split_router: a
     split design as a fixed split (routers.StaticSplit, prompts by this router) instead of Splitwise's
     pools. repurpose_s: Splitwise's coarse repurposing (an instance borrowed that long changes pool).
+    token_rule: how Splitwise's pools pick a request's token instance (routers.TOKEN_RULES: the shortest
+    queue in pending tokens, or the fewest committed blocks).
     Engine options (max_num_batched_tokens, chunked_prefill, ...) apply to every instance."""
 
     def __init__(self, model: str, design: Design, router: str = "jsq_tokens", perf_table=None,
@@ -181,9 +184,13 @@ class ClusterSim:
                  token_axis: str = "batch", predictors=None, link_gbps: float | None = None,
                  calibration: dict[str, dict] | None = None, split_router: str | None = None, rebalance=None,
                  monitor_s: float | None = None, lease_s: float = 5.0, cost_models: list | None = None,
-                 repurpose_s: float | None = None, layerwise_fixed_s: float = 0.0, **engine_kw):
+                 repurpose_s: float | None = None, layerwise_fixed_s: float = 0.0,
+                 token_rule: str = "pending_tokens", **engine_kw):
         if transfer not in MODES:
             raise ValueError(f"unknown transfer mode {transfer!r}; choose from {', '.join(MODES)}")
+        if token_rule not in TOKEN_RULES:
+            raise ValueError(f"unknown token rule {token_rule!r}; choose from {', '.join(TOKEN_RULES)}")
+        self.token_rule = token_rule
         from servewise.models.loader import load_model_config
 
         self.model, self.design, self.transfer = model, design, transfer
@@ -245,6 +252,8 @@ class ClusterSim:
 
     def _coordinator(self) -> Coordinator:
         co = Coordinator(self.roles, clock=self.clock.now, **self.routing)
+        if isinstance(co.pools, SplitwisePools):
+            co.pools.token_rule = self.token_rule
         co.layers = self.layers
         for i, e in enumerate(self.engines):
             co.report(i, e.stats())

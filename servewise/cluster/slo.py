@@ -29,7 +29,8 @@ def reference_for(model: str, options: dict | None = None):
 def check(model: str, design, items, arrivals, *, options: dict | None = None, reference=None,
           slo: dict = SPLITWISE_SLO, tags: dict | None = None, batches: bool = False) -> dict:
     """Simulate `design` (cluster.sim.Design) on the workload with ClusterSim's keywords `options`, and
-    summarize it: latency and slowdown percentiles, each limit's verdict and all of them (slo_met);
+    summarize it: latency and slowdown percentiles, each limit's verdict and all of them (slo_met: the
+    requests the cluster refused count as misses, metrics.slowdown; slo_met_served: without them);
     then `tags`; requests, rejected, wall_s, steps, transfers, borrowed, preemptions, the KV transfers' share of
     end-to-end latency, the performance models; the design's machines, cost and power; with `batches`,
     per role the seconds its instances spent in steps of each token count ({role: {tokens: s}}).
@@ -40,7 +41,7 @@ def check(model: str, design, items, arrivals, *, options: dict | None = None, r
     reference = reference_for(model, options) if reference is None else reference
     sim = ClusterSim(model, design, **(options or {}))
     res = sim.run(items, arrivals)
-    m = summarize(res.requests, reference, slo)
+    m = summarize(res.requests, reference, slo, refused=len(res.rejected))
     e2e = sum(r.e2el for r in records(res.requests))
     m.update(tags or {})
     m.update(requests=len(items), rejected=len(res.rejected), wall_s=res.wall_s, steps=sum(res.steps),

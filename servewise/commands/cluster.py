@@ -9,7 +9,7 @@ HELP = "simulate a cluster of instances (Splitwise's prompt/token split, or not)
 
 def arguments(p) -> None:
     from servewise.cluster.links import MODES
-    from servewise.cluster.routers import ROUTERS
+    from servewise.cluster.routers import ROUTERS, TOKEN_RULES
 
     # Splitwise's machine-level batching: prompt batches of up to 2048 tokens, up to 512 requests
     engine_args(p, skip=("load_format", "dtype", "device", "seed", "predictors", "length_predictor"),
@@ -20,6 +20,10 @@ def arguments(p) -> None:
                    help="machines running whole requests, e.g. dgx-h100:40 (a baseline without a split)")
     p.add_argument("--router", default="jsq_tokens", choices=list(ROUTERS),
                    help="for designs without a split (split designs use Splitwise's pools)")
+    p.add_argument("--token-rule", default="pending_tokens", choices=list(TOKEN_RULES),
+                   help="split designs: a request's token machine is the one with the fewest pending tokens "
+                        "(Splitwise's JSQ: a token per request it decodes, plus prompt tokens queued there) or "
+                        "the fewest committed KV blocks (servewise's earlier rule)")
     p.add_argument("--perf-table", default=None,
                    help="Splitwise's measured GPU table (perf_model.csv.gz), or a calibration (.json, from "
                         "`servewise calibrate`) pricing each operation; default: the analytical roofline")
@@ -36,14 +40,13 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    import json
-    import os
     import resource
 
     from servewise.cluster.sim import Design
     from servewise.cluster.slo import reference_perf
     from servewise.lab import Cluster, Spec, run as run_spec
     from servewise.lab.run import build
+    from servewise.metrics import save_json
     from servewise.metrics.slowdown import summarize
 
     design = Design(a.prompt or {}, a.token or {}, a.mixed or {})
@@ -56,7 +59,8 @@ def run(a) -> None:
         kw.setdefault("dtype", "float32")
         mc, _ = load_model_config(a.model, kw["dtype"])
         preds = ensure_predictors(a.model, mc, "cpu", kw.get("block_size", 16), getattr(a, "predictors", None))
-    spec_cluster = Cluster(a.model, design, dict(kw, router=a.router, perf_table=a.perf_table, transfer=a.transfer,
+    spec_cluster = Cluster(a.model, design, dict(kw, router=a.router, token_rule=a.token_rule,
+                                                 perf_table=a.perf_table, transfer=a.transfer,
                                                  layerwise_fixed_s=a.layerwise_fixed_ms / 1e3,
                                                  token_axis=a.token_axis, predictors=preds))
     sim = build(spec_cluster)
@@ -70,7 +74,7 @@ def run(a) -> None:
     res, c = rec.result, rec.cluster
     # slowdowns against an unloaded DGX-A100 (Splitwise's reference), or this CPU for this-cpu designs
     ref = eng.runner.perf if preds is not None else reference_perf(a.model, a.perf_table, a.token_axis)
-    m = summarize(rec.requests, ref)
+    m = summarize(rec.requests, ref, refused=len(rec.rejected))  # refused requests count as SLO misses
     by_item = iter(rec.requests)  # the admitted ones, in item order
     m.update(changes(items, [next(by_item) if r is not None else None for r in res.requests], notes,
                      eng.model_config.max_model_len))
@@ -95,9 +99,9 @@ def run(a) -> None:
     for k in ("ttft", "tbt", "e2e"):
         print(f"{k.upper():<5} " + " ".join(f"{m[f'{k}_p{q}_s']:>9.3f}" for q in (50, 90, 99)) + "   " +
               " / ".join(f"{m[f'{k}_p{q}_slowdown']:.2f}" + ("" if m[f"{k}_p{q}_ok"] else "!") for q in (50, 90, 99)))
-    print(f"Splitwise's SLOs {'met' if m['slo_met'] else 'missed (! marks each limit passed)'}")
+    print(f"Splitwise's SLOs {'met' if m['slo_met'] else 'missed (! marks each limit passed)'}"
+          + (f" ({m['refused']} refused requests counted as misses; on the served alone: "
+             f"{'met' if m['slo_met_served'] else 'missed'})" if m["refused"] else ""))
     print(f"simulation wall time {rec.wall_s:.2f} s, {m['steps']} steps, peak memory {m['peak_rss_mb']:.0f} MB")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(m, f, indent=1)
+    save_json(m, a.out)
     print(f"saved {a.out}")

@@ -6,8 +6,10 @@
 - provisioning: for the code trace at 70 req/s, the cheapest machine counts of every design that
   meet the SLOs, searched along the feasibility frontier (Figure 12: Splitwise-HH's prompt x token
   grid);
-- load sweeps of the iso-power and iso-cost designs (Figure 16), and the highest load each meets
-  the SLOs at, with its cost and power (Figures 18-19);
+- load sweeps of the iso-power and iso-cost designs on each trace (Figure 16), from a load every
+  design meets up, each design's stopping after `sweep_stop` loads missed in a row; the highest load
+  each meets the SLOs at, with its cost and power, and its ratio to the baselines' (Figures 18-19;
+  the baselines swept under both batchings, `sweep_baselines`);
 - mixed machines: the iso-power Splitwise-HH around its highest load, every instance under FCFS or
   under Splitwise's machine-level rule for machines that run both phases (prompts first, preempting
   younger token-phase requests; tokens protected by age and a preemption cap: --policy prompt-first);
@@ -18,7 +20,9 @@
 Workloads: the 1-hour Azure traces are rescaled to a load as Splitwise's generator does: Poisson
 arrivals at the target rate for `duration_s`, prompt and output sizes drawn independently, with
 replacement, from the trace (seeded). Designs run on BLOOM-176B, 8-GPU machines with tensor
-parallelism 8, the measured table when given (else the roofline, labelled analytical). Every
+parallelism 8, the measured table when given (else the roofline, labelled analytical). Split designs
+pick each request's token machine by the shortest queue in pending tokens (`token_rule`, see
+cluster.routers.SplitwisePools). The SLOs count a refused request as a miss (metrics.slowdown). Every
 simulation is a servewise.lab run; the searches are servewise.cluster.provision's.
 """
 from __future__ import annotations
@@ -33,6 +37,7 @@ from multiprocessing import get_context
 
 from servewise.cluster.machines import get_machine
 from servewise.cluster.provision import budget_splits, highest_load, provision
+from servewise.cluster.routers import TOKEN_RULES
 from servewise.cluster.sim import Design
 from servewise.cluster.slo import check
 from servewise.lab.checkpoint import Checkpoint
@@ -76,8 +81,13 @@ class Settings:
     max_machines: int = 40  # per pool in the provisioning search; A100 pools 70, as the paper's simulator swept them
     max_baseline_machines: int = 140  # the paper's simulator swept baselines up to 139 A100 machines
     provision_kinds: tuple[str, ...] = tuple(KINDS)
-    sweep_trace: str = "conv"
-    sweep_rates: tuple[float, ...] = tuple(range(60, 201, 20))
+    sweep_trace: str = "conv"  # the trace of the iso search, mixed and batches sections
+    sweep_traces: tuple[str, ...] = ("conv", "code")  # the load sweeps' (Figure 16: both)
+    # from a load where every design, Baseline-A100 too, meets the SLOs (Figure 18 reads its ratios off them)
+    sweep_rates: tuple[float, ...] = tuple(float(r) for r in range(10, 201, 10))
+    sweep_stop: int = 2  # a design's sweep stops after this many loads missed in a row (0: every load)
+    sweep_baselines: tuple[str, ...] = ("chunked", "whole")  # the baselines' batchings the sweeps run
+    token_rule: str = "pending_tokens"  # split designs' token machine (cluster.routers.TOKEN_RULES)
     mixed_rates: tuple[float, ...] = (70.0, 90.0, 105.0)  # the mixed section's loads (conv trace, Splitwise-HH 25 + 15)
     batches_rate: float = 70.0  # the batches section's load (sweep trace)
     robustness_model: str = "llama-2-70b"  # the model the robustness section serves on the code-provisioned designs
@@ -101,6 +111,12 @@ class Settings:
             raise ValueError(f"unknown design(s) {', '.join(sorted(bad))}; choose from {', '.join(KINDS)}")
         if bad := set(self.sections) - set(SECTIONS):
             raise ValueError(f"unknown section(s) {', '.join(sorted(bad))}; choose from {', '.join(SECTIONS)}")
+        if bad := set(self.sweep_traces) - {"conv", "code"}:
+            raise ValueError(f"unknown trace(s) {', '.join(sorted(bad))}; choose from conv, code")
+        if bad := set(self.sweep_baselines) - {"chunked", "whole"}:
+            raise ValueError(f"unknown baseline batching(s) {', '.join(sorted(bad))}; choose from chunked, whole")
+        if self.token_rule not in TOKEN_RULES:
+            raise ValueError(f"unknown token rule {self.token_rule!r}; choose from {', '.join(TOKEN_RULES)}")
         if self.splitwisesim and not self.measured:
             raise ValueError("--splitwisesim takes SplitwiseSim's measured table; it does not combine with --roofline")
         if self.calibration and (self.splitwisesim or not self.measured):
@@ -122,6 +138,7 @@ class Settings:
 
 QUICK = dict(duration_s=20.0, max_machines=12, max_baseline_machines=24,
              provision_kinds=("Baseline-H100", "Splitwise-HH"), provision_rate=10.0, sweep_rates=(10.0, 20.0),
+             sweep_traces=("conv",), sweep_baselines=("chunked",),
              transfer_prompts=(512, 2048), mixed_rates=(90.0,))
 
 _TRACES: dict[str, list[WorkloadRequest]] = {}
@@ -144,8 +161,9 @@ def options(s: Settings, kind: str) -> dict:
     """ClusterSim's keywords for a design of `kind`: the slowdowns' reference follows their perf_table
     and token_axis (cluster.slo.reference_for)."""
     baseline = KINDS[kind][1] is None
+    split = {} if baseline else {"token_rule": s.token_rule}
     return dict(router="jsq_tokens", perf_table=s.table, transfer=s.transfer,
-                chunked_prefill=baseline and s.baseline_batching == "chunked", **assumptions(s))
+                chunked_prefill=baseline and s.baseline_batching == "chunked", **split, **assumptions(s))
 
 
 def rescaled(s: Settings, trace: str, rate: float) -> tuple[list[WorkloadRequest], list[float]]:
@@ -267,10 +285,26 @@ def transfer_overheads(s: Settings) -> list[dict]:
 
 
 def _sweep_point(args) -> dict:
-    s, table_name, kind, counts, rate = args
-    m = run_design(s, kind, counts, s.sweep_trace, rate)
-    m["cluster"] = table_name
+    """One design at one load of a sweep; `batching`: a baseline's (chunked or whole; None for a split)."""
+    s, trace, table_name, kind, counts, batching, rate = args
+    engine = {} if batching is None else {"chunked_prefill": batching == "chunked"}
+    m = run_design(s, kind, counts, trace, rate, **engine)
+    m.update(cluster=table_name, batching=batching)
     return m
+
+
+def _sweep_design(job) -> list[dict]:
+    """One design's sweep over s.sweep_rates, lowest first, each point kept by the checkpoint; it stops
+    after s.sweep_stop loads missed in a row (loads past them only take longer to simulate)."""
+    checkpoint, s, stop, args = job
+    points, missed = [], 0
+    for rate in sorted(s.sweep_rates):
+        m = checkpoint.call(_sweep_point, (s, *args, rate))
+        points.append(m)
+        missed = 0 if m["slo_met"] else missed + 1
+        if stop and missed >= stop:
+            break
+    return points
 
 
 BUDGETS = {"iso-power": ("power", 40 * 44.0), "iso-cost": ("cost", 40 * 4.76)}  # 40 DGX-H100's
@@ -304,7 +338,8 @@ def iso_search(s: Settings, pool, progress=lambda done, total: None,
 def point_settings(s: Settings) -> Settings:
     """s as the points see it: without what only chooses which points run (so that a resumed run with
     other sections, designs or jobs finds the points it shares with the first)."""
-    return replace(s, jobs=1, sections=SECTIONS, designs=tuple(KINDS), provision_kinds=tuple(KINDS))
+    return replace(s, jobs=1, sections=SECTIONS, designs=tuple(KINDS), provision_kinds=tuple(KINDS),
+                   sweep_traces=("conv", "code"), sweep_stop=0, sweep_baselines=("chunked", "whole"))
 
 
 def run_experiment(s: Settings, progress=print, checkpoint: Checkpoint = Checkpoint(None)) -> dict:
@@ -329,14 +364,14 @@ def run_experiment(s: Settings, progress=print, checkpoint: Checkpoint = Checkpo
             progress(f"cost-optimal {kind}: {best['counts'] if best else 'none within the search bounds'} "
                      f"({len(res['evaluated'])} designs simulated, {time.perf_counter() - t0:.0f} s)")
         out["provisioning"] = prov
-        tasks = [(ps, name, kind, counts, rate) for name, table in (("iso-power", ISO_POWER), ("iso-cost", ISO_COST))
-                 for kind, counts in table.items() if kind in s.designs and "sweep" in s.sections
-                 for rate in s.sweep_rates]
+        jobs = [(checkpoint, ps, s.sweep_stop, (trace, name, kind, counts, batching)) for trace in s.sweep_traces
+                for name, table in (("iso-power", ISO_POWER), ("iso-cost", ISO_COST))
+                for kind, counts in table.items() if kind in s.designs and "sweep" in s.sections
+                for batching in (s.sweep_baselines if KINDS[kind][1] is None else (None,))]
         points = []
-        for m in checkpoint.map(pool, _sweep_point, tasks):
-            points.append(m)
-            if len(points) % 10 == 0 or len(points) == len(tasks):
-                progress(f"load sweep: {len(points)}/{len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
+        for i, ms in enumerate(pool.map(_sweep_design, jobs), 1):
+            points += ms
+            progress(f"load sweep: {i}/{len(jobs)} designs, {len(points)} runs ({time.perf_counter() - t0:.0f} s)")
         def searched(done: int, total: int) -> None:
             if done % 5 == 0 or done == total:
                 progress(f"iso-power and iso-cost search: {done}/{total} splits ({time.perf_counter() - t0:.0f} s)")
@@ -359,25 +394,57 @@ def run_experiment(s: Settings, progress=print, checkpoint: Checkpoint = Checkpo
         progress(f"robustness: {len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
     out["sweep"] = points
     out["throughput"] = max_throughput(points)
+    out["figure18"] = figure18(out["throughput"])
     out["wall_s"] = time.perf_counter() - t0
     return out
 
 
 def max_throughput(points: list[dict]) -> list[dict]:
-    """Per cluster and design: the highest swept load meeting the SLOs, with cost and power."""
+    """Per trace, cluster and design (a baseline per batching): the highest swept load meeting the SLOs,
+    with cost and power, the lowest load swept and whether it was met, and the ratio of its highest load
+    to each baseline's (vs_<baseline>_<batching>; None where that baseline met no load swept)."""
     rows = {}
     for m in points:
-        key = (m["cluster"], m["kind"])
-        row = rows.setdefault(key, {"cluster": m["cluster"], "kind": m["kind"], "counts": m["counts"],
-                                    "cost": m["cost"], "power": m["power"], "max_rate": 0.0})
+        key = (m.get("trace", "conv"), m["cluster"], m["kind"], m.get("batching"))
+        row = rows.setdefault(key, {"trace": key[0], "cluster": m["cluster"], "kind": m["kind"], "batching": key[3],
+                                    "counts": m["counts"], "cost": m["cost"], "power": m["power"], "max_rate": 0.0,
+                                    "lowest_rate": m["rate"], "lowest_met": m["slo_met"], "refused": 0})
+        if m["rate"] < row["lowest_rate"]:
+            row["lowest_rate"], row["lowest_met"] = m["rate"], m["slo_met"]
+        row["refused"] += m.get("refused", 0)
         if m["slo_met"]:
             row["max_rate"] = max(row["max_rate"], m["rate"])
     out = list(rows.values())
     for row in out:
-        ref = rows.get((row["cluster"], "Baseline-H100"))
-        row["vs_baseline_h100"] = row["max_rate"] / ref["max_rate"] if ref and ref["max_rate"] else None
-        ref = rows.get((row["cluster"], "Baseline-A100"))
-        row["vs_baseline_a100"] = row["max_rate"] / ref["max_rate"] if ref and ref["max_rate"] else None
+        for (trace, cluster, kind, batching), ref in rows.items():
+            if (trace, cluster) == (row["trace"], row["cluster"]) and batching is not None:
+                name = f"vs_{kind.lower().replace('-', '_')}_{batching}"
+                row[name] = row["max_rate"] / ref["max_rate"] if ref["max_rate"] else None
+    return out
+
+
+# the paper's Figure 18 comparisons: (cluster, design, baseline, its throughput ratio), conversation trace
+FIGURE18 = (("iso-power", "Splitwise-AA", "Baseline-A100", 2.15), ("iso-power", "Splitwise-HA", "Baseline-H100", 1.18),
+            ("iso-cost", "Splitwise-AA", "Baseline-H100", 1.4))
+
+
+def figure18(throughput: list[dict]) -> list[dict]:
+    """Figure 18's ratios read off the sweeps: per trace, cluster and split design, its highest load meeting
+    the SLOs over each baseline's (each batching), with the paper's figure where it gives one."""
+    out = []
+    for row in throughput:
+        if row["batching"] is not None:
+            continue
+        for ref in throughput:
+            if (ref["trace"], ref["cluster"]) != (row["trace"], row["cluster"]) or ref["batching"] is None:
+                continue
+            paper = next((x for c, k, b, x in FIGURE18 if (c, k, b) == (row["cluster"], row["kind"], ref["kind"])
+                          and row["trace"] == "conv"), None)
+            out.append({"trace": row["trace"], "cluster": row["cluster"], "kind": row["kind"],
+                        "baseline": ref["kind"], "batching": ref["batching"], "max_rate": row["max_rate"],
+                        "baseline_max_rate": ref["max_rate"], "baseline_lowest_rate": ref["lowest_rate"],
+                        "baseline_lowest_met": ref["lowest_met"],
+                        "ratio": row["max_rate"] / ref["max_rate"] if ref["max_rate"] else None, "paper": paper})
     return out
 
 
@@ -419,15 +486,28 @@ def report(r: dict) -> str:
         show = lambda d: _counts(kind, d["counts"]) if d["counts"] else "none"  # noqa: E731
         lines.append(f"{kind:<16} {show(b):>9} {b['cost']:>7.1f} {b['power']:>7.1f} {show(w):>11} {w['cost']:>7.1f} "
                      f"{w['power']:>7.1f} {len(p['evaluated']):>9}")
-    lines += ["", f"Highest {r['settings']['sweep_trace']} load meeting the SLOs "
-              f"(swept {', '.join(f'{x:g}' for x in r['settings']['sweep_rates'])} req/s)",
-              f"{'cluster':<10} {'design':<16} {'machines':>9} {'cost':>7} {'power':>7} {'req/s':>6} "
-              f"{'vs H100':>8} {'vs A100':>8}"]
+    lines += ["", f"Highest load meeting the SLOs, refused requests counted as misses (swept "
+              f"{', '.join(f'{x:g}' for x in r['settings']['sweep_rates'])} req/s, each design stopping after "
+              f"{r['settings'].get('sweep_stop', 0) or 'no'} loads missed in a row; token machines by "
+              f"{r['settings'].get('token_rule', 'committed_blocks')})",
+              f"{'trace':<5} {'cluster':<10} {'design':<24} {'machines':>9} {'cost':>7} {'power':>7} {'req/s':>6} "
+              f"{'lowest':>7} {'refused':>8}"]
     for t in r["throughput"]:
-        vs = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
-        lines.append(f"{t['cluster']:<10} {t['kind']:<16} {_counts(t['kind'], t['counts']):>9} {t['cost']:>7.1f} "
-                     f"{t['power']:>7.1f} {t['max_rate']:>6g} {vs(t['vs_baseline_h100']):>8} "
-                     f"{vs(t['vs_baseline_a100']):>8}")
+        name = t["kind"] + (f" ({t['batching']})" if t.get("batching") else "")
+        lowest = f"{t.get('lowest_rate', 0):g}{'' if t.get('lowest_met', True) else '!'}"
+        lines.append(f"{t.get('trace', 'conv'):<5} {t['cluster']:<10} {name:<24} {_counts(t['kind'], t['counts']):>9} "
+                     f"{t['cost']:>7.1f} {t['power']:>7.1f} {t['max_rate']:>6g} {lowest:>7} {t.get('refused', 0):>8}")
+    if r.get("figure18"):
+        lines += ["", "Figure 18: a split design's highest load over a baseline's, read off the sweeps (-: the "
+                  "baseline met no load swept; ! beside its lowest load: missed there)",
+                  f"{'trace':<5} {'cluster':<10} {'design':<16} {'baseline':<24} {'req/s':>6} {'base':>6} "
+                  f"{'ratio':>6} {'paper':>6}"]
+        for f in r["figure18"]:
+            base = f"{f['baseline']} ({f['batching']})"
+            lines.append(f"{f['trace']:<5} {f['cluster']:<10} {f['kind']:<16} {base:<24} {f['max_rate']:>6g} "
+                         f"{f['baseline_max_rate']:>5g}{'' if f['baseline_lowest_met'] else '!'} "
+                         f"{(format(f['ratio'], '.2f') + 'x') if f['ratio'] else '-':>6} "
+                         f"{(format(f['paper'], 'g') + 'x') if f['paper'] else '':>6}")
     if r.get("iso_search"):
         lines += ["", "Splits searched within the budgets (prompt machines in steps of 5): the highest load met"]
         for x in r["iso_search"]:
@@ -455,14 +535,16 @@ def report(r: dict) -> str:
                              f"{'yes' if m['slo_met'] else 'no':>5}")
     if r.get("robustness"):
         lines += ["", f"Robustness (Figure 20): the designs provisioned for the code trace and {r['settings']['model']} "
-                  f"at {r['settings']['provision_rate']:g} req/s, on another trace or model; P50 / P90 / P99 slowdowns",
+                  f"at {r['settings']['provision_rate']:g} req/s, on another trace or model; P50 / P90 / P99 slowdowns "
+                  "(refused requests counted as infinite; no*: met on the served requests alone)",
                   f"{'design':<16} {'machines':>9} {'trace':<5} {'model':<12} {'TTFT':>18} {'TBT':>16} "
                   f"{'E2E':>16} {'SLOs':>5} {'refused':>8} {'repurposed':>11}"]
         for m in r["robustness"]:
             cells = " ".join(f"{' / '.join(format(m[f'{k}_p{q}_slowdown'], '.1f') for q in PERCENTILES):>{w}}"
                              for k, w in (("ttft", 18), ("tbt", 16), ("e2e", 16)))
             lines.append(f"{m['kind']:<16} {_counts(m['kind'], m['counts']):>9} {m['trace']:<5} {m['model']:<12} "
-                         f"{cells} {'yes' if m['slo_met'] else 'no':>5} {m['rejected']:>8} "
+                         f"{cells} {'yes' if m['slo_met'] else 'no*' if m.get('slo_met_served') else 'no':>5} "
+                         f"{m['rejected']:>8} "
                          f"{(str(m['repurposed']) if m.get('repurpose') else '-'):>11}")
     lines += ["", "The paper:"] + [f"- {v}" for v in r["paper"].values()]
     lines.append(f"\nexperiment wall time {r['wall_s']:.0f} s")
@@ -511,17 +593,18 @@ def plot(r: dict, out_dir: str) -> list[str]:
         paths.append(os.path.join(out_dir, "splitwise_provisioning_hh.png"))
         fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
         plt.close(fig)
-    for cluster in ("iso-power", "iso-cost"):  # Figure 16
-        pts = [m for m in r["sweep"] if m["cluster"] == cluster]
+    for trace, cluster in [(t, c) for t in ("conv", "code") for c in ("iso-power", "iso-cost")]:  # Figure 16
+        pts = [m for m in r["sweep"] if m["cluster"] == cluster and m.get("trace", "conv") == trace]
         if not pts:
             continue
         fig, axes = plt.subplots(3, 3, figsize=(12, 9), sharex=True)
-        for kind in dict.fromkeys(m["kind"] for m in pts):
-            ms = sorted((m for m in pts if m["kind"] == kind), key=lambda m: m["rate"])
+        for kind, batching in dict.fromkeys((m["kind"], m.get("batching")) for m in pts):
+            ms = sorted((m for m in pts if (m["kind"], m.get("batching")) == (kind, batching)), key=lambda m: m["rate"])
             for i, metric in enumerate(("ttft", "tbt", "e2e")):
-                for j, q in enumerate(PERCENTILES):
+                for j, q in enumerate(PERCENTILES):  # (a slowdown counting refused requests may be infinite)
                     axes[i][j].plot([m["rate"] for m in ms], [m[f"{metric}_p{q}_slowdown"] for m in ms], marker=".",
-                                    label=kind)
+                                    ls="--" if batching == "whole" else "-",
+                                    label=kind + (f" ({batching})" if batching else ""))
         from servewise.metrics.slowdown import SPLITWISE_SLO
 
         for i, metric in enumerate(("ttft", "tbt", "e2e")):
@@ -533,8 +616,8 @@ def plot(r: dict, out_dir: str) -> list[str]:
                 if i == 2:
                     ax.set_xlabel("req/s")
         axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"{cluster} designs, {r['settings']['sweep_trace']} trace (red: the SLO)")
-        paths.append(os.path.join(out_dir, f"splitwise_{cluster}_sweep.png"))
+        fig.suptitle(f"{cluster} designs, {trace} trace (red: the SLO)")
+        paths.append(os.path.join(out_dir, f"splitwise_{cluster}_sweep_{trace}.png"))
         fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
         plt.close(fig)
     if not r["transfer"]:

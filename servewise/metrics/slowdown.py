@@ -6,10 +6,15 @@ Each is divided by what the request would take alone on the reference machine (S
 uncontended DGX-A100), from the same performance model: the prompt time of its prompt, the token
 time of a batch of one, and their sum over its tokens. The SLO holds when
 every P50 / P90 / P99 slowdown is within Splitwise's limits (TTFT 2 / 3 / 6x, TBT and E2E
-1.25 / 1.5 / 5x). Requests the instances rejected (too long for the model or a pool) are not in the
-percentiles: the callers report them beside.
+1.25 / 1.5 / 5x). A request the cluster refused (too long for the model or a pool) never got an
+answer: it counts as a miss, an infinite slowdown of each kind in the slowdown percentiles (so a P99
+limit fails once about 1% of the requests are refused, P50 once half are). The latency
+percentiles in seconds are of the served requests alone; `refused` and the verdict on the served ones
+alone (`slo_met_served`) are reported beside.
 """
 from __future__ import annotations
+
+import math
 
 from servewise.metrics.summary import PERCENTILES, RequestRecord, percentile
 
@@ -52,14 +57,33 @@ def slowdowns(requests, reference) -> dict[str, list[float]]:
     return out
 
 
-def summarize(requests, reference, slo: dict = SPLITWISE_SLO) -> dict:
-    """Latency percentiles (s), slowdown percentiles, and whether each SLO limit holds."""
+def with_refused(values: list[float], refused: int, q: float) -> float:
+    """The q-th percentile (linear between order statistics, as metrics.summary.percentile) of `values`
+    and `refused` more values above all of them, each infinite."""
+    n = len(values) + refused
+    if not refused or not n:
+        return percentile(values, q)
+    v = sorted(values)
+    pos = q / 100 * (n - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    if hi >= len(v):
+        return float("inf")
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def summarize(requests, reference, slo: dict = SPLITWISE_SLO, refused: int = 0) -> dict:
+    """Latency percentiles (s) of the served requests, slowdown percentiles with the `refused` requests
+    counted as infinite slowdowns, whether each SLO limit holds, and whether all hold with the refused
+    (slo_met) and on the served requests alone (slo_met_served)."""
     lat, slow = latencies(requests), slowdowns(requests, reference)
-    m = {"completed": len(lat["e2e"])}
+    m = {"completed": len(lat["e2e"]), "refused": refused}
+    served = True
     for k in ("ttft", "tbt", "e2e"):
         for q, limit in zip(PERCENTILES, slo[k]):
             m[f"{k}_p{q}_s"] = percentile(lat[k], q)
-            m[f"{k}_p{q}_slowdown"] = s = percentile(slow[k], q)
+            m[f"{k}_p{q}_slowdown"] = s = with_refused(slow[k], refused, q)
             m[f"{k}_p{q}_ok"] = s <= limit
+            served = served and percentile(slow[k], q) <= limit
     m["slo_met"] = all(m[f"{k}_p{q}_ok"] for k in slo for q in PERCENTILES)
+    m["slo_met_served"] = served
     return m

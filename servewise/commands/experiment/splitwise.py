@@ -19,6 +19,15 @@ def arguments(p) -> None:
                         "memory of 8 x 80 GiB less its weights figure, no reserve")
     p.add_argument("--baseline-batching", default="chunked", choices=["chunked", "whole"],
                    help="baselines with chunked prefill (decodes first), or whole prompts first as in the paper")
+    p.add_argument("--token-rule", default="pending_tokens", choices=["pending_tokens", "committed_blocks"],
+                   help="split designs: each request's token machine by the shortest queue in pending tokens "
+                        "(Splitwise's JSQ) or by the fewest committed KV blocks (servewise's earlier rule)")
+    p.add_argument("--sweep-traces", default=None,
+                   help="comma-separated traces the load sweeps run (Figure 16; default: conv,code)")
+    p.add_argument("--sweep-rates", default=None,
+                   help="comma-separated loads of the sweeps in req/s (default: 10 to 200 in steps of 10)")
+    p.add_argument("--sweep-stop", type=int, default=None,
+                   help="a design's sweep stops after this many loads missed in a row (default 2; 0: every load)")
     p.add_argument("--designs", default=None,
                    help="comma-separated subset of Baseline-A100, Baseline-H100, Splitwise-AA, Splitwise-HH, "
                         "Splitwise-HA, Splitwise-HHcap (default: all)")
@@ -46,8 +55,14 @@ def run(a) -> None:
         kw["duration_s"] = a.duration
     if a.designs:
         kw["designs"] = tuple(a.designs.split(","))
+    if a.sweep_traces:
+        kw["sweep_traces"] = tuple(a.sweep_traces.split(","))
+    if a.sweep_rates:
+        kw["sweep_rates"] = tuple(float(x) for x in a.sweep_rates.split(","))
+    if a.sweep_stop is not None:
+        kw["sweep_stop"] = a.sweep_stop
     if a.sections:
         kw["sections"] = tuple(a.sections.split(","))
     main(Settings(data_dir=a.data_dir, measured=not a.roofline, calibration=a.calibration, seed=a.seed,
-                  splitwisesim=a.splitwisesim,
+                  splitwisesim=a.splitwisesim, token_rule=a.token_rule,
                   baseline_batching=a.baseline_batching, **kw), a.out_dir)
