@@ -108,8 +108,8 @@ def test_a_sweep_stops_after_the_loads_missed_in_a_row(monkeypatch):
 
     monkeypatch.setattr(sw, "_sweep_point", fake)
     s = sw.Settings(data_dir="unused", sweep_rates=(50.0, 10.0, 20.0, 30.0, 40.0, 60.0))
-    pts = sw._sweep_design((Checkpoint(None), s, 2, ("conv", "iso-power", "Splitwise-HH", (25, 15), None)))
+    pts = sw._sweep_design((Checkpoint(None), s, 2, ("conv", "Splitwise-HH", (25, 15), None)))
     assert ran == [10.0, 20.0, 30.0, 40.0, 50.0] and [p["rate"] for p in pts] == ran  # 20 missed, then 40, 50
     ran.clear()
-    sw._sweep_design((Checkpoint(None), s, 0, ("conv", "iso-power", "Splitwise-HH", (25, 15), None)))
+    sw._sweep_design((Checkpoint(None), s, 0, ("conv", "Splitwise-HH", (25, 15), None)))
     assert len(ran) == 6

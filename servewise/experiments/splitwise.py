@@ -84,8 +84,8 @@ class Settings:
     sweep_trace: str = "conv"  # the trace of the iso search, mixed and batches sections
     sweep_traces: tuple[str, ...] = ("conv", "code")  # the load sweeps' (Figure 16: both)
     # from a load where every design, Baseline-A100 too, meets the SLOs (Figure 18 reads its ratios off them)
-    sweep_rates: tuple[float, ...] = tuple(float(r) for r in range(10, 201, 10))
-    sweep_stop: int = 2  # a design's sweep stops after this many loads missed in a row (0: every load)
+    sweep_rates: tuple[float, ...] = (10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 80.0, 100.0, 120.0, 140.0, 160.0, 180.0, 200.0)
+    sweep_stop: int = 1  # a design's sweep stops after this many loads missed in a row (0: every load)
     sweep_baselines: tuple[str, ...] = ("chunked", "whole")  # the baselines' batchings the sweeps run
     token_rule: str = "pending_tokens"  # split designs' token machine (cluster.routers.TOKEN_RULES)
     mixed_rates: tuple[float, ...] = (70.0, 90.0, 105.0)  # the mixed section's loads (conv trace, Splitwise-HH 25 + 15)
@@ -286,16 +286,16 @@ def transfer_overheads(s: Settings) -> list[dict]:
 
 def _sweep_point(args) -> dict:
     """One design at one load of a sweep; `batching`: a baseline's (chunked or whole; None for a split)."""
-    s, trace, table_name, kind, counts, batching, rate = args
+    s, trace, kind, counts, batching, rate = args
     engine = {} if batching is None else {"chunked_prefill": batching == "chunked"}
     m = run_design(s, kind, counts, trace, rate, **engine)
-    m.update(cluster=table_name, batching=batching)
+    m["batching"] = batching
     return m
 
 
 def _sweep_design(job) -> list[dict]:
     """One design's sweep over s.sweep_rates, lowest first, each point kept by the checkpoint; it stops
-    after s.sweep_stop loads missed in a row (loads past them only take longer to simulate)."""
+    after `stop` loads missed in a row (0: never; loads past them only take longer to simulate)."""
     checkpoint, s, stop, args = job
     points, missed = [], 0
     for rate in sorted(s.sweep_rates):
@@ -364,13 +364,17 @@ def run_experiment(s: Settings, progress=print, checkpoint: Checkpoint = Checkpo
             progress(f"cost-optimal {kind}: {best['counts'] if best else 'none within the search bounds'} "
                      f"({len(res['evaluated'])} designs simulated, {time.perf_counter() - t0:.0f} s)")
         out["provisioning"] = prov
-        jobs = [(checkpoint, ps, s.sweep_stop, (trace, name, kind, counts, batching)) for trace in s.sweep_traces
-                for name, table in (("iso-power", ISO_POWER), ("iso-cost", ISO_COST))
-                for kind, counts in table.items() if kind in s.designs and "sweep" in s.sections
-                for batching in (s.sweep_baselines if KINDS[kind][1] is None else (None,))]
+        clusters: dict = {}  # each design swept once, in every cluster that has it (both have Splitwise-HH 25 + 15)
+        for name, table in (("iso-power", ISO_POWER), ("iso-cost", ISO_COST)):
+            for kind, counts in table.items():
+                if kind in s.designs and "sweep" in s.sections:
+                    for trace in s.sweep_traces:
+                        for batching in (s.sweep_baselines if KINDS[kind][1] is None else (None,)):
+                            clusters.setdefault((trace, kind, counts, batching), []).append(name)
+        jobs = [(checkpoint, ps, s.sweep_stop, key) for key in clusters]
         points = []
-        for i, ms in enumerate(pool.map(_sweep_design, jobs), 1):
-            points += ms
+        for i, (key, ms) in enumerate(zip(clusters, pool.map(_sweep_design, jobs)), 1):
+            points += [{**m, "cluster": name} for name in clusters[key] for m in ms]
             progress(f"load sweep: {i}/{len(jobs)} designs, {len(points)} runs ({time.perf_counter() - t0:.0f} s)")
         def searched(done: int, total: int) -> None:
             if done % 5 == 0 or done == total:
@@ -488,7 +492,7 @@ def report(r: dict) -> str:
                      f"{w['power']:>7.1f} {len(p['evaluated']):>9}")
     lines += ["", f"Highest load meeting the SLOs, refused requests counted as misses (swept "
               f"{', '.join(f'{x:g}' for x in r['settings']['sweep_rates'])} req/s, each design stopping after "
-              f"{r['settings'].get('sweep_stop', 0) or 'no'} loads missed in a row; token machines by "
+              f"{r['settings'].get('sweep_stop', 0) or 'no'} missed load(s) in a row; token machines by "
               f"{r['settings'].get('token_rule', 'committed_blocks')})",
               f"{'trace':<5} {'cluster':<10} {'design':<24} {'machines':>9} {'cost':>7} {'power':>7} {'req/s':>6} "
               f"{'lowest':>7} {'refused':>8}"]

@@ -25,9 +25,9 @@ def arguments(p) -> None:
     p.add_argument("--sweep-traces", default=None,
                    help="comma-separated traces the load sweeps run (Figure 16; default: conv,code)")
     p.add_argument("--sweep-rates", default=None,
-                   help="comma-separated loads of the sweeps in req/s (default: 10 to 200 in steps of 10)")
+                   help="comma-separated loads of the sweeps in req/s (default: 10 to 60 in steps of 10, then to 200 in steps of 20)")
     p.add_argument("--sweep-stop", type=int, default=None,
-                   help="a design's sweep stops after this many loads missed in a row (default 2; 0: every load)")
+                   help="a design's sweep stops after this many loads missed in a row (default 1; 0: every load)")
     p.add_argument("--designs", default=None,
                    help="comma-separated subset of Baseline-A100, Baseline-H100, Splitwise-AA, Splitwise-HH, "
                         "Splitwise-HA, Splitwise-HHcap (default: all)")
