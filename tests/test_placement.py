@@ -97,7 +97,7 @@ def test_topology_checks_its_matrices():
         Topology([Device("rtx3090")] * 2, [[1.0, 0.0], [1.0, 1.0]], [[0.0] * 2] * 2)
 
 
-def test_the_thesis_systems_ua_ub_s3_run_on_placements_with_slos():
+def test_the_thesis_systems_run_on_placements_with_slos_and_gpu_utilisation():
     from servewise.experiments.placement import case, report, with_predictions
     from servewise.workloads.arrivals import arrival_times
     from servewise.workloads.datasets import WorkloadRequest
@@ -105,14 +105,23 @@ def test_the_thesis_systems_ua_ub_s3_run_on_placements_with_slos():
     items = with_predictions([WorkloadRequest(64 + 8 * i, 20 + 30 * i, [7] * (64 + 8 * i)) for i in range(12)],
                              (0.5, 60.0), seed=0)
     assert {it.predicted_len for it in items} >= {24, 48, 96} and all(0.5 <= it.slo <= 60 for it in items)
+    systems = ("continuous", "vanilla", "slo-odbs", "s3", "morphling")
+    stress = (items[::-1], arrival_times(12, "poisson", 8.0, seed=1))
     c = case("llama-13b", "4x3090-capped", items, {4.0: arrival_times(12, "poisson", 4.0, seed=0)},
-             systems=("slo-odbs", "s3"))
+             systems=systems, stress=stress)
     runs = {(p["mode"], r["system"]): r for p in c["placements"] for r in p["runs"]}
-    assert ("HELR", "slo-odbs") in runs and ("greedy", "s3") in runs  # UA and S3
+    assert {("HELR", "slo-odbs"), ("greedy", "slo-odbs"), ("HELR", "vanilla"), ("greedy", "s3")} <= set(runs)
+    m = c["morphling"]  # the stress test's best configuration is the one that runs
+    assert m["tried"][f"{m['mode']} x{m['batch_size']}"] == max(m["tried"].values())
+    assert [k for k in runs if k[1] == "morphling"] == [(m["mode"], "morphling")]
     assert all(r["completed"] == 12 and 0 <= r["slo_violation_rate"] <= 1 for r in runs.values())
-    text = report({"rates": [4.0], "systems": ["slo-odbs", "s3"], "num_requests": 12, "workload": "crafted",
+    # static batches compute padding and ended rows; continuous batching computes only what is needed
+    assert runs[("HELR", "continuous")]["useful_share"] == 1.0
+    assert all(r["useful_share"] < 1.0 for k, r in runs.items() if k[1] != "continuous")
+    assert all(0 < r["gpu_utilisation"] <= 1 for r in runs.values())
+    text = report({"rates": [4.0], "systems": list(systems), "num_requests": 12, "workload": "crafted",
                    "cases": [c]})
-    assert "UA " in text and "UB " in text and "S3 " in text
+    assert all(f"{name} " in text for name in ("UA", "UB", "UD", "S3", "Morphling"))
     # deadlines no step can meet: every request is late
     late = case("llama-13b", "4x3090-capped", with_predictions(items, (1e-6, 1e-6), seed=0),
                 {4.0: arrival_times(12, "poisson", 4.0, seed=0)}, systems=("continuous",))

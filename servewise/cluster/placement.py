@@ -291,13 +291,16 @@ class PipelinePerf:
         self.block_bytes = planner.mc.kv_bytes_per_token * block_size
         chain = " -> ".join(f"{planner.topo.devices[i].label} x{k}" for i, k in self.stages)
         self.label = f"analytical roofline pipeline ({placement.mode}: {chain})"
+        self.stage_busy = [0.0] * len(self.stages)  # each stage's compute time over the passes priced so far
 
     def _pass(self, tokens: int, pairs: int, kv_tokens: int, heads: int) -> float:
         p, t = self.p, self.p.overhead_s
         act = p.mc.hidden_size * p.perfs[0].itemsize * tokens
         for s, (i, k) in enumerate(self.stages):
             last = s == len(self.stages) - 1
-            t += p.perfs[i].span(k, tokens, pairs, kv_tokens, heads if last else 0)
+            span = p.perfs[i].span(k, tokens, pairs, kv_tokens, heads if last else 0)
+            self.stage_busy[s] += span
+            t += span
             if not last:
                 j = self.stages[s + 1][0]
                 t += p.topo.latency_s[i][j] + act / (p.topo.gbps[i][j] * 1e9)

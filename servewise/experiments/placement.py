@@ -3,9 +3,13 @@
 Each device set is placed by the exact DP (HELR, LR, HE: cluster.placement) and by the baselines
 (even, greedy); the analytical per-pass latency of every placement is printed, and the workload runs
 through the simulated engine on each feasible placement (cluster.placement.PipelinePerf) at every
-request rate, under each batching system: continuous batching, SLO-ODBS (on a HELR placement it is the
-thesis's full system UA, on the greedy one, a device map filled in order, its UB) and S3 (continuous,
-admitting what the predicted output needs).
+request rate, under each batching system (SYSTEMS). Request-level systems run as static batches by
+default (the thesis's regime: padding computed and held, ended rows computing until their batch ends;
+`regime="paged"` runs them on the paged engine). The thesis's comparison (its Figure 3-5): UA = HELR +
+SLO-ODBS, UB = greedy (a device map filled in order) + SLO-ODBS, UD = HELR + vanilla static batches,
+S3 = greedy + S3 (formula 2-2), Morphling = the placement and batch size that served most in a stress
+test on another draw of the workload, then fixed. Each run reports GPU utilisation: the mean busy share of
+the GPUs its placement uses, and the useful share of the tokens it computed (formula 2-3).
 
 Assumptions (none of these is in the thesis, which gives no values):
 - links: the thesis's testbed topology (its Table 3-1): devices 0-1 and 2-3 share a PCIe switch
@@ -36,7 +40,17 @@ SETS = {
                                         for w in (350, 300, 250, 150)],
 }
 MODELS = ("llama-13b", "llama-30b")
-SYSTEMS = {"continuous": {}, "slo-odbs": {"batching": "slo-odbs"}, "s3": {"reserve": "predicted"}}
+SYSTEMS = {
+    "continuous": {},  # servewise's continuous batching (beyond the thesis)
+    "cb-predicted": {"reserve": "predicted"},  # continuous, admitting what the predicted output needs (was `s3`)
+    "vanilla": {"batching": "vanilla", "batch_size": 8},  # static batches in arrival order: UD's batching
+    "s3": {"batching": "s3"},  # the thesis's S3: batches of similar bucketed predictions (formula 2-2)
+    "slo-odbs": {"batching": "slo-odbs"},  # Algorithm 3-1 as printed: UB on greedy, UA on HELR
+    "morphling": {"batching": "vanilla"},  # its placement and batch size stress-tested (stress_test)
+}
+THESIS = {"UA": ("HELR", "slo-odbs"), "UB": ("greedy", "slo-odbs"), "UD": ("HELR", "vanilla"), "S3": ("greedy", "s3"),
+          "Morphling": (None, "morphling")}  # name: (placement, system); Morphling's placement is its stress test's
+BATCH_GRID = (4, 8, 16, 32, 64)
 
 
 def thesis_topology(devices: list[Device]) -> Topology:
@@ -59,6 +73,7 @@ class Settings:
     max_output_len: int = 512
     rates: tuple[float, ...] = (1.0, 4.0, 16.0)
     systems: tuple[str, ...] = ("continuous",)
+    regime: str = "static"  # request-level systems as static batches ("paged": on the paged engine)
     slo_range: tuple[float, float] = (10.0, 120.0)
     seed: int = 0
     out_dir: str = "results/placement"
@@ -69,6 +84,8 @@ class Settings:
                 raise ValueError(f"unknown device set {s!r}; choose from {', '.join(SETS)}")
         if unknown := set(self.systems) - set(SYSTEMS):
             raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+        if self.regime not in ("static", "paged"):
+            raise ValueError(f"unknown regime {self.regime!r}; choose from static, paged")
 
 
 def with_predictions(items, slo_range: tuple[float, float], seed: int):
@@ -85,16 +102,49 @@ def with_predictions(items, slo_range: tuple[float, float], seed: int):
     return items
 
 
+def options(system: str, regime: str = "static", **extra) -> dict:
+    """Engine options of a system: request-level batching as static batches under the static regime."""
+    o = {"dtype": "float16", "max_num_seqs": 256, **SYSTEMS[system], **extra}
+    if regime == "static" and o.get("batching", "continuous") != "continuous":
+        o["static_batches"] = True
+    return o
+
+
+def measure(model: str, perf: PipelinePerf, opts: dict, items, arrivals) -> dict:
+    """One simulated run on a placement's pipeline: its figures and GPU utilisation."""
+    before = list(perf.stage_busy)
+    rec = lab.run(spec := lab.Spec(lab.Engine("sim", model, perf=perf, options=opts), items, arrivals))
+    m, busy = rec.metrics, sum(perf.stage_busy) - sum(before)
+    return {"output_throughput": m["output_throughput"], "request_throughput": m["request_throughput"],
+            "mean_e2e_s": m["mean_e2el_ms"] / 1e3, "mean_tpot_ms": m["mean_tpot_ms"],
+            "mean_ttft_ms": m["mean_ttft_ms"], "completed": m["completed"],
+            "slo_violation_rate": rec.slo_violation_rate(spec.items),
+            "gpu_utilisation": busy / (len(perf.stages) * m["duration_s"]) if m["duration_s"] > 0 else 0.0,
+            "useful_share": rec.utilisation()["useful_share"]}
+
+
+def stress_test(model: str, perfs: dict, stress, regime: str) -> dict:
+    """Morphling's way: every feasible placement x every batch size of BATCH_GRID run on the stress
+    workload (items, arrivals); the configuration that served the most requests a second is kept."""
+    items, arrivals = stress
+    tried = {(mode, b): measure(model, perf, options("morphling", regime, batch_size=b), items, arrivals)
+             ["request_throughput"] for mode, perf in perfs.items() for b in BATCH_GRID}
+    mode, b = max(tried, key=lambda k: (tried[k], -k[1]))
+    return {"mode": mode, "batch_size": b, "tried": {f"{m} x{k}": v for (m, k), v in tried.items()}}
+
+
 def case(model: str, set_name: str, items, arrivals_by_rate: dict, progress=None,
-         systems: tuple[str, ...] = ("continuous",)) -> dict:
+         systems: tuple[str, ...] = ("continuous",), regime: str = "static", stress=None) -> dict:
     """Every placement mode on one device set: the plan, its analytical pass time and, when feasible, a
-    simulated run per batching system and rate on the pipeline it makes."""
+    simulated run per batching system and rate on the pipeline it makes. `stress` (items, arrivals): the
+    workload Morphling's configuration is stress-tested on (needed with "morphling")."""
     from servewise.models.loader import load_model_config
 
     mc, _ = load_model_config(model, "float16")
     topo = thesis_topology(SETS[set_name])
     planner = Planner(mc, topo, Workload())
     out = {"model": model, "set": set_name, "devices": [d.label for d in topo.devices], "placements": []}
+    perfs = {}
     for mode in MODES:
         t0 = time.perf_counter()
         p = planner.place(mode)
@@ -102,56 +152,79 @@ def case(model: str, set_name: str, items, arrivals_by_rate: dict, progress=None
         row["solve_s"] = time.perf_counter() - t0
         row["runs"] = []
         if p.feasible:
-            perf = PipelinePerf(planner, p)
-            row["kv_blocks"] = perf.device_blocks()
-            for system in systems:
-                engine = lab.Engine("sim", model, perf=perf, options={"dtype": "float16", "max_num_seqs": 256,
-                                                                      **SYSTEMS[system]})
-                for rate, arrivals in arrivals_by_rate.items():
-                    rec = lab.run(spec := lab.Spec(engine, items, arrivals))
-                    m = rec.metrics
-                    row["runs"].append({"system": system, "rate": rate, "output_throughput": m["output_throughput"],
-                                        "request_throughput": m["request_throughput"],
-                                        "mean_e2e_s": m["mean_e2el_ms"] / 1e3, "mean_tpot_ms": m["mean_tpot_ms"],
-                                        "mean_ttft_ms": m["mean_ttft_ms"], "completed": m["completed"],
-                                        "slo_violation_rate": rec.slo_violation_rate(spec.items)})
-                    if progress:
-                        progress()
+            perfs[mode] = PipelinePerf(planner, p)
+            row["kv_blocks"] = perfs[mode].device_blocks()
         out["placements"].append(row)
+    if "morphling" in systems and perfs:
+        if stress is None:
+            raise ValueError("the morphling system needs a stress workload")
+        out["morphling"] = stress_test(model, perfs, stress, regime)
+    for row in out["placements"]:
+        if (perf := perfs.get(row["mode"])) is None:
+            continue
+        for system in systems:
+            extra = {}
+            if system == "morphling":
+                if row["mode"] != out["morphling"]["mode"]:
+                    continue
+                extra["batch_size"] = out["morphling"]["batch_size"]
+            for rate, arrivals in arrivals_by_rate.items():
+                row["runs"].append({"system": system, "rate": rate,
+                                    **measure(model, perf, options(system, regime, **extra), items, arrivals)})
+                if progress:
+                    progress()
+    return out
+
+
+def thesis_runs(case: dict) -> dict:
+    """{(name, rate): run} for the thesis's systems (THESIS) that ran on this case."""
+    by = {(p["mode"], r.get("system", "continuous"), r["rate"]): r for p in case["placements"] for r in p["runs"]}
+    out = {}
+    for name, (mode, system) in THESIS.items():
+        mode = mode or case.get("morphling", {}).get("mode")
+        out.update({(name, rate): r for (m, x, rate), r in by.items() if (m, x) == (mode, system)})
     return out
 
 
 def report(res: dict) -> str:
     rates, systems = res["rates"], res.get("systems", ["continuous"])
-    lines = [f"UELLM placement (HELR): analytical roofline, {res['num_requests']} {res['workload']} requests per run",
-             f"{'set':<18}{'model':<11}{'mode':<8}{'system':<12}{'GPUs':>5}{'pass ms':>9}{'KV blocks':>10}  "
-             + "".join(f"{'tok/s @' + format(r, 'g'):>12}{'E2E s':>8}{'SLO':>6}" for r in rates) + "  stages"]
+    lines = [f"UELLM placement (HELR): analytical roofline, {res['num_requests']} {res['workload']} requests per run"
+             f"{', request-level systems as ' + res['regime'] + ' batches' if 'regime' in res else ''}",
+             f"{'set':<18}{'model':<11}{'mode':<8}{'system':<13}{'GPUs':>5}{'pass ms':>9}{'KV blocks':>10}  "
+             + "".join(f"{'tok/s @' + format(r, 'g'):>12}{'E2E s':>8}{'SLO':>6}{'GPU':>6}" for r in rates) + "  stages"]
     for case in res["cases"]:
         for p in case["placements"]:
             chain = " > ".join(f"{s['label']}:{s['layers']}" for s in p["stages"])
             if not p["feasible"]:
-                lines.append(f"{case['set']:<18}{case['model']:<11}{p['mode']:<8}{'':<12}{'-':>5}{'-':>9}{'-':>10}  "
-                             + " " * 26 * len(rates) + f"  infeasible: {p['why']}")
+                lines.append(f"{case['set']:<18}{case['model']:<11}{p['mode']:<8}{'':<13}{'-':>5}{'-':>9}{'-':>10}  "
+                             + " " * 32 * len(rates) + f"  infeasible: {p['why']}")
                 continue
             for system in systems:
+                runs = [r for r in p["runs"] if r.get("system", "continuous") == system]
                 cells = "".join(f"{r['output_throughput']:>12.0f}{r['mean_e2e_s']:>8.1f}"
-                                f"{r.get('slo_violation_rate', 0):>6.0%}"
-                                for r in p["runs"] if r.get("system", "continuous") == system)
-                lines.append(f"{case['set']:<18}{case['model']:<11}{p['mode']:<8}{system:<12}{p['devices_used']:>5}"
-                             f"{p['latency_ms']:>9.2f}{p['kv_blocks']:>10}  {cells}  {chain}")
-    if {"slo-odbs", "s3"} <= set(systems):
-        lines.append("the thesis's systems: UA = HELR placement + SLO-ODBS, UB = greedy placement + SLO-ODBS, "
-                     "S3 = greedy placement + S3 (req/s, mean E2E s, SLO violations)")
-        for case in res["cases"]:
-            by = {(p["mode"], r.get("system", "continuous"), r["rate"]): r for p in case["placements"]
-                  for r in p["runs"]}
+                                f"{r.get('slo_violation_rate', 0):>6.0%}{r.get('gpu_utilisation', float('nan')):>6.0%}"
+                                for r in runs)
+                if runs:
+                    lines.append(f"{case['set']:<18}{case['model']:<11}{p['mode']:<8}{system:<13}"
+                                 f"{p['devices_used']:>5}{p['latency_ms']:>9.2f}{p['kv_blocks']:>10}  {cells}  {chain}")
+    for case in res["cases"]:
+        if m := case.get("morphling"):
+            lines.append(f"Morphling-style configuration, {case['set']} {case['model']}: {m['mode']} placement, batch "
+                         f"size {m['batch_size']} (stress test, req/s: "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in m["tried"].items()) + ")")
+    runs = {c["set"] + " " + c["model"]: thesis_runs(c) for c in res["cases"]}
+    if any(runs.values()):
+        lines.append("the thesis's systems (Figure 3-5): UA = HELR + SLO-ODBS, UB = greedy + SLO-ODBS, UD = HELR + "
+                     "vanilla, S3 = greedy + S3, Morphling = stress-tested placement and batch size "
+                     "(req/s, mean E2E s, SLO violations, GPU utilisation, useful share of computed tokens)")
+        for key, by in runs.items():
             for rate in rates:
-                cells = [(name, by.get(key)) for name, key in (("UA", ("HELR", "slo-odbs", rate)),
-                                                               ("UB", ("greedy", "slo-odbs", rate)),
-                                                               ("S3", ("greedy", "s3", rate)))]
-                lines.append(f"  {case['set']:<18}{case['model']:<11}{rate:>5g} req/s  " + "   ".join(
-                    f"{name} " + (f"{r['request_throughput']:.2f} / {r['mean_e2e_s']:.1f} / {r['slo_violation_rate']:.0%}"
-                                  if r else "infeasible") for name, r in cells))
+                cells = [f"{name} " + (f"{r['request_throughput']:.2f} / {r['mean_e2e_s']:.1f} / "
+                                       f"{r['slo_violation_rate']:.0%} / {r.get('gpu_utilisation', 0):.0%} / "
+                                       f"{r.get('useful_share', 0):.0%}") for name in THESIS
+                         if (r := by.get((name, rate)))]
+                if cells:
+                    lines.append(f"  {key:<30}{rate:>5g} req/s  " + "   ".join(cells))
     return "\n".join(lines)
 
 
@@ -175,15 +248,21 @@ def plot(res: dict, out_dir: str) -> list[str]:
         ax.set_ylabel("ms per decode pass (8 rows)", fontsize=7)
         ax.tick_params(labelsize=6)
         ax = axes[1][c]
-        styles = {"continuous": "-", "slo-odbs": "--", "s3": ":"}  # colour: the placement; line: the system
-        for m, p in enumerate(ps):
-            for system in dict.fromkeys(r.get("system", "continuous") for r in p["runs"]):
-                runs = [r for r in p["runs"] if r.get("system", "continuous") == system]
-                ax.plot([r["rate"] for r in runs], [r["output_throughput"] for r in runs], marker="o", markersize=3,
-                        color=f"C{m}", linestyle=styles[system], label=p["mode"] if system == "continuous" else
-                        (system if m == 0 else None))
+        thesis = thesis_runs(case)
+        if thesis:  # the thesis's systems (Figure 3-5), requests served a second
+            for name in THESIS:
+                pts = sorted((rate, r["request_throughput"]) for (n, rate), r in thesis.items() if n == name)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", markersize=3, label=name)
+            ax.set_ylabel("requests/s (simulated)", fontsize=7)
+        else:  # each placement under continuous batching
+            for m, p in enumerate(ps):
+                runs = [r for r in p["runs"] if r.get("system", "continuous") == "continuous"]
+                if runs:
+                    ax.plot([r["rate"] for r in runs], [r["output_throughput"] for r in runs], marker="o",
+                            markersize=3, color=f"C{m}", label=p["mode"])
+            ax.set_ylabel("output tokens/s (simulated)", fontsize=7)
         ax.set_xlabel("request rate (req/s)", fontsize=7)
-        ax.set_ylabel("output tokens/s (simulated)", fontsize=7)
         ax.tick_params(labelsize=6)
         if ax.lines:
             ax.legend(fontsize=6)
@@ -199,20 +278,25 @@ def main(s: Settings) -> None:
     from servewise.workloads.build import build_workload
 
     res = {"experiment": "uellm-placement", "workload": s.workload, "num_requests": s.num_requests,
-           "rates": list(s.rates), "systems": list(s.systems), "slo_range": list(s.slo_range),
-           "assumptions": __doc__.split("Assumptions")[1].strip(), "cases": []}
+           "rates": list(s.rates), "systems": list(s.systems), "regime": s.regime, "slo_range": list(s.slo_range),
+           "seed": s.seed, "assumptions": __doc__.split("Assumptions")[1].strip(), "cases": []}
     t0 = time.perf_counter()
-    bar = tqdm(total=len(s.sets) * len(s.models) * len(MODES) * len(s.rates) * len(s.systems), desc="simulations",
+    fixed = "morphling" in s.systems  # one placement, not every mode
+    bar = tqdm(total=len(s.sets) * len(s.models) * len(s.rates) * (len(MODES) * (len(s.systems) - fixed) + fixed),
+               desc="simulations (infeasible placements skipped)",
                unit="run",
                disable=not sys.stderr.isatty())
     for model in s.models:
         mc, tok = load_model_config(model, "float16")
-        items, _ = build_workload(s.workload, tok, mc.vocab_size, data=s.data, num_requests=s.num_requests,
-                                  max_output_len=s.max_output_len, seed=s.seed)
-        items = with_predictions(items, s.slo_range, s.seed)
+        draw = lambda seed: with_predictions(build_workload(  # noqa: E731
+            s.workload, tok, mc.vocab_size, data=s.data, num_requests=s.num_requests,
+            max_output_len=s.max_output_len, seed=seed)[0], s.slo_range, seed)
+        items = draw(s.seed)
         arrivals = {r: arrival_times(len(items), "poisson", r, seed=s.seed) for r in s.rates}
+        # Morphling's stress test: another draw of the workload at the highest rate
+        stress = (draw(s.seed + 1), arrival_times(s.num_requests, "poisson", max(s.rates), seed=s.seed + 1))
         for name in s.sets:
-            res["cases"].append(case(model, name, items, arrivals, bar.update, s.systems))
+            res["cases"].append(case(model, name, items, arrivals, bar.update, s.systems, s.regime, stress))
     bar.close()
     res["wall_s"] = time.perf_counter() - t0
     publish(res, report(res), s.out_dir, "uellm_placement", plot)

@@ -18,7 +18,11 @@ def arguments(p) -> None:
     p.add_argument("--max-output-len", type=at_least(1), default=512)
     p.add_argument("--rates", type=rates, default="1,4,16", help="comma-separated poisson request rates")
     p.add_argument("--systems", default="continuous", help="comma-separated batching systems, from continuous, "
-                   "slo-odbs, s3 (slo-odbs and s3 together add the thesis's UA / UB / S3 comparison)")
+                   "cb-predicted, vanilla, s3, slo-odbs, morphling (any of vanilla, s3, slo-odbs, morphling add the "
+                   "thesis's UA / UB / UD / S3 / Morphling comparison)")
+    p.add_argument("--regime", choices=("static", "paged"), default="static",
+                   help="request-level systems as static batches, as the thesis runs them (padding computed and "
+                        "held, ended rows computing until their batch ends), or on the paged engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default="results/placement")
@@ -29,4 +33,5 @@ def run(a) -> None:
 
     lists = {k: tuple(getattr(a, k).split(",")) for k in ("models", "sets", "systems") if getattr(a, k)}
     main(Settings(**lists, workload=a.workload, data=a.data, num_requests=a.num_requests,
-                  max_output_len=a.max_output_len, rates=tuple(a.rates), seed=a.seed, out_dir=a.out_dir))
+                  max_output_len=a.max_output_len, rates=tuple(a.rates), regime=a.regime, seed=a.seed,
+                  out_dir=a.out_dir))
