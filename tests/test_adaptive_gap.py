@@ -7,11 +7,23 @@ from servewise.experiments import adaptive_gap as G
 
 def test_the_gap_experiment_runs_every_section_and_slower_swaps_hurt_vllm_s(tmp_path):
     g = replace(G.QUICK, real_model=None, workloads=("chatbot",), seeds=2, num_requests_sim=120,
-                slowdowns=(1, 100), loads=(0.5, 2.0), admit_min_batch=(1, 8))
+                slowdowns=(1, 100), link_slowdowns=(3,), loads=(0.5, 2.0), admit_min_batch=(1, 8))
     res = G.run_experiment(g)
-    assert {"table", "swapcost", "crossover", "coalesce", "arrivals"} <= set(res)
-    # every system ran every seed of the table
-    assert len(res["table"]) == 2 * len(G.SYSTEMS)
+    assert {"table", "swapcost", "crossover", "links", "coalesce", "arrivals"} <= set(res)
+    # every system and vllm_s variant ran every seed of the table
+    assert len(res["table"]) == 2 * (len(G.SYSTEMS) + len(G.VLLM_S_VARIANTS))
+    tab = G._group(res["table"], "system", "seed")
+    for seed in range(2):
+        (fb,), (stall,), (stop,) = (tab[(x, seed)] for x in ("vllm_s", "vllm_s+stall", "vllm_s+abort"))
+        assert fb["preemptions"]["swap_fallback"] > 0 and stop["stopped_at_s"] is not None
+        # stopped: counted up to the stop, over what finished by then
+        assert stop["completed"] < 120 and stop["duration_s"] == stop["stopped_at_s"] < fb["duration_s"]
+        assert stall["stalls"] > 0 and stall["preemptions"]["swap_fallback"] <= fb["preemptions"]["swap_fallback"]
+        assert stall["completed"] == fb["completed"] == 120
+    # on a link 3 times slower Algorithm 1 swaps some requests and recomputes others by choice
+    (alg1,) = [r for r in res["links"] if r["system"] == "adaptive+fcfs" and r["seed"] == 0]
+    p = alg1["preemptions"]
+    assert p["swap"] > 0 and p["recompute"] - p["swap_fallback"] > 0
     by = G._group(res["swapcost"], "slowdown", "system")
     ratio = {k: sum(r["throughput"] for r in by[(k, "vllm")]) / sum(r["throughput"] for r in by[(k, "vllm_s")])
              for k in (1, 100)}
@@ -26,7 +38,8 @@ def test_the_gap_experiment_runs_every_section_and_slower_swaps_hurt_vllm_s(tmp_
     low = [r for r in res["arrivals"] if r["load"] == 0.5]
     assert low and all(r["rate"] == 0.5 * r["capacity"] for r in low)
     text = G.report(res)
-    for title in ("speed-up of adaptive+fair", "swaps k times slower", "predicted recompute", "coalesced",
+    for title in ("speed-up of adaptive+fair", "over vllm_s+abort", "engines stopped on a full host pool", "steps held",
+                  "swaps k times slower", "predicted recompute", "Algorithm 1 alone", "coalesced",
                   "requests arriving over time"):
         assert title in text
     paths = G.plot(res, str(tmp_path))

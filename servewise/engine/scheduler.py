@@ -38,6 +38,7 @@ class Scheduler:
         self.config, self.bm = config, block_manager
         self.ordering, self.preemption, self.admission, self.rules = ordering, preemption, admission, rules
         self.reserve, self.lengths, self.fetch = reserve, lengths, fetch
+        self.holds = getattr(preemption, "holds", None)  # a mode that may stop a decode step rather than evict
         self.static, self.ranked = ordering.static, admission.ranked
         self.waiting, self.running, self.swapped = [], [], []  # the queues: list[Request] each
         self.queued_tokens = 0  # tokens still to prefill of the waiting requests
@@ -144,7 +145,8 @@ class Scheduler:
     def decode_step(self, now: float, swap_in_limit: int | None = None,
                     out: SchedulerOutput | None = None) -> SchedulerOutput:
         """One token for every running request, preempting from the back when blocks run out; then,
-        if nothing was preempted, swapped requests back (`swap_in_limit` of them at most)."""
+        if nothing was preempted, swapped requests back (`swap_in_limit` of them at most). A preemption
+        mode that holds a victim (see grow) ends the step there: the rest keep their blocks and wait."""
         out = SchedulerOutput(False) if out is None else out
         out.is_prefill = False
         self.resort(self.running, now)
@@ -157,19 +159,27 @@ class Scheduler:
             # fast path: its blocks have room (the token decoded this step sits at position num_tokens - 1)
             if req.num_tokens <= len(tables[req.request_id]) * bs and bm.num_free_device >= floor:
                 i += 1
-            elif self.grow(running, req, req.num_tokens, now, out, floor):
+            elif (grown := self.grow(running, req, req.num_tokens, now, out, floor, hold=i > 0)) is None:
+                break  # the preemption mode holds (host pool full): req and those behind it sit this step out
+            elif grown:
                 i += 1
-        if not out.preempted:
+        held = len(running) - i
+        if not out.preempted and not held:
             self.swap_in(running, now, out, swap_in_limit)
         self.running = running
+        batch = running[:len(running) - held]
         # running requests all came through a prefill: the runner holds them; each decodes one token
-        return self.rows(out, list(running), [1] * len(running), fresh=False)
+        return self.rows(out, batch, [1] * len(batch), fresh=False)
 
     def grow(self, running: list[Request], req: Request, upto: int, now: float, out: SchedulerOutput,
-             floor: int = 0) -> bool:
-        """Blocks for `req` up to `upto` tokens (`floor` more free), preempting the back; False if it went."""
+             floor: int = 0, hold: bool = False) -> bool | None:
+        """Blocks for `req` up to `upto` tokens (`floor` more free), preempting the back; False if it went.
+        With `hold`, a preemption mode that `holds` a victim (policies.preemption.SwapStall) stops it
+        instead: nothing is preempted and None is returned."""
         bm, rid = self.bm, req.request_id
         while max(bm.new_blocks_for(rid, upto), floor) > bm.num_free_device:
+            if hold and self.holds is not None and self.holds(running[-1], bm):
+                return None
             victim = running.pop()
             self.preempt(victim, now, out)
             if victim is req:

@@ -11,6 +11,11 @@ Sections (--sections):
 - swapcost: the swap made k times slower (bandwidth / k, per-copy host time x k): vllm / vllm_s and
   adaptive+fair / vllm against k, and the k at which vllm_s falls as far behind vllm as in the paper.
 - crossover: predicted recompute vs swap of one request by length and link speed.
+- links: the swap made k times slower for k where the cost-aware choice goes both ways: always
+  recompute (vllm), always swap (vllm_s), Algorithm 1 alone (adaptive+fcfs) and AdaptiveLLM, with
+  the swap / recompute-by-choice / host-full split of every system.
+The table section also runs vllm_s's other ways to meet a full host pool (`variants`: stall, or stop
+the engine as vLLM 0.2.5 did; policies.preemption).
 - coalesce: fair admission that holds small prefill groups back (admit_min_batch).
 - arrivals: the five systems on Poisson arrivals and on the Azure conv trace's arrivals, each at loads
   given as fractions of vllm's all-at-once capacity; simulated and on the real engine.
@@ -28,9 +33,13 @@ from servewise.experiments.adaptivellm import (ADAPTIVE, BASELINES, Settings, cr
                                                workload)
 from servewise.lab import ci95
 from servewise.policies import SYSTEMS
+from servewise.policies.preemption import VLLM_S_VARIANTS
+
+SYSTEM_MODES = {x: mode for x, (_, mode) in (*SYSTEMS.items(), *VLLM_S_VARIANTS.items())}  # system -> preemption
 from servewise.workloads.arrivals import arrival_times
 
-SECTIONS = ("table", "swapcost", "crossover", "coalesce", "arrivals")
+SECTIONS = ("table", "swapcost", "crossover", "links", "coalesce", "arrivals")
+LINK_SYSTEMS = ("vllm", "vllm_s", "adaptive+fcfs", ADAPTIVE)
 # The paper's Table 3 (max output 64): AdaptiveLLM's speed-up over vLLM / vLLM_s.
 PAPER_TABLE3 = {("opt-13b", "chatbot"): (1.38, 2.46), ("opt-13b", "alpaca"): (1.36, 2.55),
                 ("opt-13b", "summary"): (1.15, 2.50), ("opt-30b", "chatbot"): (1.27, 1.98),
@@ -51,6 +60,8 @@ class GapSettings:
     num_requests_real: int = 200  # chatbot requests on the real engine (enough to fill its 128 blocks)
     swap_model: str = "pinned-overlap"
     slowdowns: tuple[float, ...] = (1, 3, 10, 30, 100)  # the swapcost section's k
+    variants: tuple[str, ...] = tuple(VLLM_S_VARIANTS)  # vllm_s's other host-full behaviours, in the table
+    link_slowdowns: tuple[float, ...] = (1, 1.25, 1.5, 2, 3, 5)  # the links section's k: the choice goes both ways
     admit_min_batch: tuple[int, ...] = (1, 4, 8)
     admit_max_wait: float = 0.2  # simulated seconds (the coalesce section)
     loads: tuple[float, ...] = (0.5, 0.9, 1.5)  # arrival rates as fractions of vllm's all-at-once capacity
@@ -63,6 +74,9 @@ class GapSettings:
     predictors: str | None = None
 
     def __post_init__(self):
+        if unknown := set(self.variants) - set(VLLM_S_VARIANTS):
+            raise ValueError(f"unknown variant(s) {', '.join(sorted(unknown))}; "
+                             f"choose from {', '.join(VLLM_S_VARIANTS)}")
         if unknown := set(self.sections) - set(SECTIONS):
             raise ValueError(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
         if not self.sim_models:
@@ -77,7 +91,7 @@ class GapSettings:
 
 
 QUICK = GapSettings(sim_models=("opt-13b",), workloads=("chatbot", "summary"), seeds=3, num_requests_sim=300,
-                    num_requests_real=96, slowdowns=(1, 10, 100), loads=(0.5, 1.5))
+                    num_requests_real=96, slowdowns=(1, 10, 100), link_slowdowns=(2, 3), loads=(0.5, 1.5))
 FULL = GapSettings()
 
 
@@ -107,7 +121,19 @@ def _workloads(g: GapSettings, models):
 
 def table(g: GapSettings, say) -> list[dict]:
     return measure_all((spec("table", "sim", model, items, wl, g.max_output_len, x, 256, s, tags={"seed": seed})
-                        for model, wl, seed, s, items in _workloads(g, g.sim_models) for x in SYSTEMS), say)
+                        for model, wl, seed, s, items in _workloads(g, g.sim_models)
+                        for x in (*SYSTEMS, *g.variants)), say)
+
+
+def links(g: GapSettings, say) -> list[dict]:
+    """The first model on links k times slower, where Algorithm 1 swaps some requests and recomputes others."""
+    from servewise.predictors.gpu_swap import get_swap_model
+
+    base = get_swap_model(g.swap_model)
+    return measure_all((spec("links", "sim", model, items, wl, g.max_output_len, x, 256, s,
+                             swap=base.scaled(bandwidth=1 / k, call=k), tags={"seed": seed, "slowdown": k})
+                        for model, wl, seed, s, items in _workloads(g, g.sim_models[:1])
+                        for k in g.link_slowdowns for x in LINK_SYSTEMS), say)
 
 
 def swapcost(g: GapSettings, say) -> list[dict]:
@@ -177,7 +203,8 @@ def arrivals(g: GapSettings, say) -> list[dict]:
 def run_experiment(g: GapSettings, progress=None) -> dict:
     say = progress or (lambda m: None)
     res = {"settings": asdict(g)}
-    for name, fn in (("table", table), ("swapcost", swapcost), ("coalesce", coalesce), ("arrivals", arrivals)):
+    for name, fn in (("table", table), ("swapcost", swapcost), ("links", links), ("coalesce", coalesce),
+                     ("arrivals", arrivals)):
         if name in g.sections:
             t0 = time.perf_counter()
             res[name] = fn(g, say)
@@ -186,8 +213,9 @@ def run_experiment(g: GapSettings, progress=None) -> dict:
         from servewise.predictors.gpu_swap import get_swap_model
 
         s, swap = g.base(), get_swap_model(g.swap_model)
-        res["crossover"] = {m: {str(k): crossover(m, s, swap=swap.scaled(bandwidth=1 / k, call=k))
-                                for k in (1, 10, 100)} for m in g.sim_models}
+        res["crossover"] = {m: {str(k): crossover(m, s, swap=swap.scaled(bandwidth=1 / k, call=k),
+                                          tokens=(16, 64, 128, 256, 512, 1024, 2048))
+                                for k in sorted({1, *g.link_slowdowns, 10, 100})} for m in g.sim_models}
     return res
 
 
@@ -199,32 +227,86 @@ def _group(runs: list[dict], *keys) -> dict:
     return by
 
 
+def _tp(by: dict, key: tuple) -> np.ndarray:
+    """Throughputs of a group of runs, in seed order."""
+    return np.array([r["throughput"] for r in sorted(by.get(key, []), key=lambda r: r["seed"])])
+
+
 def table_lines(res: dict) -> list[str]:
     runs = res.get("table")
     if not runs:
         return []
     g = res["settings"]
+    variants = tuple(g.get("variants", ()))
+    bases = (*BASELINES, *variants)
     by = _group(runs, "model", "workload", "system")
-    lines = [f"speed-up of {ADAPTIVE} over vllm / vllm_s, max output {g['max_output_len']}, vLLM 0.2.5 rules, swaps "
-             f"{g['swap_model']}; mean+-95% CI over {g['seeds']} seeds; paper's Table 3 beside",
-             f"{'model':<11}{'workload':<9}{'over vllm':>13}{'over vllm_s':>13}{'paper':>12}"
-             f"{'vllm tok/s':>12}{'vllm_s/vllm':>13}"]
+    lines = [f"speed-up of {ADAPTIVE} over {' / '.join(bases)}, max output {g['max_output_len']}, vLLM 0.2.5 rules, "
+             f"swaps {g['swap_model']}; mean+-95% CI over {g['seeds']} seeds; paper's Table 3 (over vllm / vllm_s) "
+             f"beside", f"{'model':<11}{'workload':<9}" + "".join(f"{'over ' + b:>19}" for b in bases)
+             + f"{'paper':>12}{'vllm tok/s':>12}{'vllm_s/vllm':>13}"]
+    cells: dict = {b: [] for b in bases}
     for model in g["sim_models"]:
         for wl in g["workloads"]:
-            tp = {x: [r["throughput"] for r in sorted(by.get((model, wl, x), []), key=lambda r: r["seed"])]
-                  for x in SYSTEMS}
-            if not all(tp[x] for x in (ADAPTIVE, *BASELINES)):
+            tp = {x: _tp(by, (model, wl, x)) for x in (ADAPTIVE, *bases)}
+            if not all(len(tp[x]) for x in (ADAPTIVE, *BASELINES)):
                 continue
-            a, v, vs = (np.array(tp[x]) for x in (ADAPTIVE, *BASELINES))
-            paper = PAPER_TABLE3.get((model, wl))
-            lines.append(f"{model:<11}{wl:<9}{_fmt(a / v):>13}{_fmt(a / vs):>13}"
-                         f"{(f'{paper[0]:.2f}/{paper[1]:.2f}' if paper else '-'):>12}{np.mean(v):>12.0f}"
-                         f"{_fmt(vs / v):>13}")
-    lines += ["", "preemptions per system, all table runs: swap / recompute by choice / recompute because the host "
-                  "pool was full (of all preemptions)"]
+            a, paper = tp[ADAPTIVE], PAPER_TABLE3.get((model, wl))
+            row = ""
+            for b in bases:
+                ok = len(tp[b]) and (tp[b] > 0).all()
+                row += f"{_fmt(a / tp[b]) if ok else 'no throughput':>19}"
+                if ok:
+                    cells[b].append(float(np.mean(a / tp[b])))
+            lines.append(f"{model:<11}{wl:<9}{row}{(f'{paper[0]:.2f}/{paper[1]:.2f}' if paper else '-'):>12}"
+                         f"{np.mean(tp['vllm']):>12.0f}{_fmt(tp['vllm_s'] / tp['vllm']):>13}")
+    lo, hi = min(p[1] for p in PAPER_TABLE3.values()), max(p[1] for p in PAPER_TABLE3.values())
+    lines.append(f"range of the cells' means, cells with a throughput (the paper's over vllm_s: {lo:.2f}-{hi:.2f}): "
+                 + "; ".join(f"over {b} {min(c):.2f}-{max(c):.2f}" for b, c in cells.items() if c))
     for wl in g["workloads"]:
-        for x in SYSTEMS:
-            lines.append(f"  {wl:<9}{x:<16}{_shares([r for r in runs if r['workload'] == wl and r['system'] == x])}")
+        aborts = [r for r in runs if r["workload"] == wl and SYSTEM_MODES.get(r["system"]) == "swap-abort"]
+        if stopped := [r for r in aborts if r.get("stopped_at_s") is not None]:
+            lines.append(f"{wl}: engines stopped on a full host pool in {len(stopped)} of {len(aborts)} runs, each "
+                         f"counted up to its stop: {min(r['completed'] for r in stopped)}-"
+                         f"{max(r['completed'] for r in stopped)} of {g['num_requests_sim']} requests finished, "
+                         f"stopped at {min(r['stopped_at_s'] for r in stopped):.2f}-"
+                         f"{max(r['stopped_at_s'] for r in stopped):.2f} s (a run that ran on: "
+                         f"{_fmt([r['duration_s'] for r in runs if (r['workload'], r['system']) == (wl, 'vllm_s')], 1)} s)")
+    lines += ["", "preemptions per system, all table runs: swap / recompute by choice / recompute because the host "
+                  "pool was full (of all preemptions); steps held by swap-stall"]
+    for wl in g["workloads"]:
+        for x in (*SYSTEMS, *variants):
+            rs = [r for r in runs if r["workload"] == wl and r["system"] == x]
+            if rs:
+                stall = SYSTEM_MODES.get(x) == "swap-stall"
+                held = f"; {sum(r.get('stalls', 0) for r in rs)} steps held" if stall else ""
+                lines.append(f"  {wl:<9}{x:<16}{_shares(rs)}{held}")
+    return lines
+
+
+def links_lines(res: dict) -> list[str]:
+    runs = res.get("links")
+    if not runs:
+        return []
+    from servewise.predictors.gpu_swap import get_swap_model
+
+    g, base = res["settings"], get_swap_model(res["settings"]["swap_model"])
+    model = g["sim_models"][0]
+    by = _group(runs, "workload", "slowdown", "system")
+    lines = [f"{model}, max output {g['max_output_len']}, swaps k times slower than {base.name}: output tok/s "
+             f"(mean+-95% CI), Algorithm 1 alone (adaptive+fcfs) over the better of always-recompute (vllm) and "
+             f"always-swap (vllm_s), and each cost-aware system's preemptions: swap / recompute by choice / "
+             f"host-full fallback (shares of all)",
+             f"{'workload':<9}{'k':>5}{'GB/s':>7}" + "".join(f"{x:>16}" for x in LINK_SYSTEMS) + f"{'fcfs/best':>14}"]
+    for wl in g["workloads"]:
+        for k in g["link_slowdowns"]:
+            tp = {x: _tp(by, (wl, k, x)) for x in LINK_SYSTEMS}
+            if not all(len(v) for v in tp.values()):
+                continue
+            best = np.maximum(tp["vllm"], tp["vllm_s"])
+            lines.append(f"{wl:<9}{k:>5g}{base.gbps / k:>7.1f}" + "".join(f"{_fmt(tp[x], 0):>16}" for x in LINK_SYSTEMS)
+                         + f"{_fmt(tp['adaptive+fcfs'] / best):>14}")
+            for x in ("adaptive+fcfs", ADAPTIVE):
+                lines.append(f"{'':<21}{x:<16}{_shares(by[(wl, k, x)])}")
     return lines
 
 
@@ -276,7 +358,7 @@ def crossover_lines(res: dict) -> list[str]:
     if "crossover" not in res:
         return []
     lines = [f"predicted recompute / swap out+in of one request (ms) by length, swaps {res['settings']['swap_model']} "
-             f"and k = 10, 100 times slower: where the cost-aware choice is swap"]
+             f"k times slower: where the cost-aware choice is swap"]
     for model, by_k in res["crossover"].items():
         for k, rows in by_k.items():
             lines.append(f"  {model:<10} k={k:<4}" + "  ".join(
@@ -329,7 +411,7 @@ def report(res: dict) -> str:
     g = res["settings"]
     parts = [f"{g['num_device_blocks']} device / {g['num_host_blocks']} host blocks of 16; simulated GPU "
              f"{g['hardware']} (analytical roofline); vLLM 0.2.5 rules; swaps: {g['swap_model']}"]
-    for fn in (table_lines, swapcost_lines, crossover_lines, coalesce_lines, arrivals_lines):
+    for fn in (table_lines, swapcost_lines, crossover_lines, links_lines, coalesce_lines, arrivals_lines):
         if lines := fn(res):
             parts += ["", *lines]
     return "\n".join(parts)
@@ -363,8 +445,9 @@ def plot(res: dict, out_dir: str) -> list[str]:
     return [save_figure(fig, out_dir, "adaptive_gap_swapcost.png")]
 
 
-def main(g: GapSettings, out_dir: str, scale: str = "quick") -> None:
-    """Run the experiment (`scale` names its settings in the first line), print and save its report."""
+def main(g: GapSettings, out_dir: str, scale: str = "quick", name: str = "adaptive_gap") -> None:
+    """Run the experiment (`scale` names its settings in the first line), print and save its report as
+    out_dir/name.txt and name.json."""
     from servewise.experiments import publish
 
     print(f"AdaptiveLLM gap ({scale}): sections {', '.join(g.sections)}; simulated "
@@ -373,4 +456,4 @@ def main(g: GapSettings, out_dir: str, scale: str = "quick") -> None:
     res = run_experiment(g, progress=lambda m: print(f"[{time.perf_counter() - t0:6.0f} s] {m}", file=sys.stderr,
                                                      flush=True))
     res["wall_s"] = time.perf_counter() - t0
-    publish(res, report(res), out_dir, "adaptive_gap", plot)
+    publish(res, report(res), out_dir, name, plot)

@@ -23,8 +23,11 @@ from servewise import lab
 from servewise.engine.interfaces import StepStats
 from servewise.lab import Engine, Spec
 from servewise.lab.checkpoint import Checkpoint
+from servewise.lab.run import build
+from servewise.metrics.summary import RequestRecord, compute
 from servewise.models.loader import load_model_config
 from servewise.policies import SYSTEMS
+from servewise.policies.preemption import VLLM_S_VARIANTS, HostPoolFull
 from servewise.predictors.perf import make_perf
 from servewise.workloads.presets import preset_workload
 
@@ -67,8 +70,9 @@ class Settings:
     seed: int = 0
 
     def __post_init__(self):
-        if unknown := set(self.systems) - set(SYSTEMS):
-            raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+        if unknown := set(self.systems) - set(SYSTEMS) - set(VLLM_S_VARIANTS):
+            raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}; choose from "
+                             f"{', '.join([*SYSTEMS, *VLLM_S_VARIANTS])}")
 
 
 QUICK = Settings()
@@ -101,6 +105,11 @@ class Run:
     prefill_steps: int = 0
     prefill_requests: int = 0  # requests over all prefill steps
     decode_steps: int = 0
+    stalls: int = 0  # swap-stall: decode steps cut short because the host pool was full
+    # swap-abort: when the engine stopped (seconds from the first arrival; None: it ran to the end); the
+    # run's throughput then counts the requests finished by then, over the time to then
+    stopped_at_s: float | None = None
+    generated_tokens: int = 0  # output tokens of every request, finished or not (differs only when stopped)
 
 
 POINT = ("kind", "backend", "model", "workload", "max_output_len", "system", "max_num_seqs")  # a spec's first tags
@@ -145,7 +154,7 @@ def spec(kind: str, backend: str, model: str, items, wl: str, max_out: int, syst
     from the start). Simulated swaps are priced by `swap` (a gpu_swap model or name; default s.swap_model,
     None: the roofline's link) over a link with `efficiency`; `extra` are more engine options (such as
     admit_min_batch). Tagged with its Run's first fields, then `tags` (seed, ...)."""
-    policy, preemption = SYSTEMS[system]
+    policy, preemption = SYSTEMS[system] if system in SYSTEMS else VLLM_S_VARIANTS[system]
     options = dict(num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks, block_size=s.block_size,
                    policy=policy, preemption=preemption, max_num_seqs=max_num_seqs, v0_rules=s.v0_rules,
                    max_num_batched_tokens=s.max_num_batched_tokens, group_priority=s.group_priority, **extra)
@@ -162,29 +171,51 @@ def spec(kind: str, backend: str, model: str, items, wl: str, max_out: int, syst
 
 def measure(sp: Spec) -> dict:
     """Run a spec in the lab: its Run (read off the record; scheduling time at >= 120 running requests
-    counted step by step; the cost-aware policy's decisions read off the engine), then its further tags."""
+    counted step by step; the cost-aware policy's decisions read off the engine), then its further tags.
+    An engine that stops on a full host pool (swap-abort) is measured up to then: the requests finished
+    by then, over the time from the first arrival to the stop."""
     crowded = [0.0, 0]
+    steps = {"steps": 0, "prefill_steps": 0, "prefill_requests": 0, "decode_steps": 0}
 
     def observe(st: StepStats) -> None:
+        steps["steps"] += 1
+        if st.scheduled:
+            steps["prefill_steps" if st.is_prefill else "decode_steps"] += 1
+            steps["prefill_requests"] += len(st.scheduled) * st.is_prefill
         if st.num_running >= 120:
             crowded[0] += st.schedule_s
             crowded[1] += 1
 
-    rec = lab.run(sp, on_step=observe)
-    m, steps = rec.metrics, rec.steps
-    run = Run(**{k: rec.tags[k] for k in POINT}, throughput=m["output_throughput"], duration_s=m["duration_s"],
+    engine, taken = build(sp.engine), []
+    enqueue = engine.enqueue
+
+    def keep(req):  # every request the engine takes, to count what finished should it stop
+        taken.append(req)
+        return enqueue(req)
+
+    engine.enqueue = keep
+    stopped = None
+    try:
+        rec = lab.run(sp, on_step=observe, engine=engine)
+        m, tags = rec.metrics, rec.tags
+    except HostPoolFull as e:
+        stopped = e.now - min(r.arrival_time for r in taken)
+        m, tags = compute([RequestRecord.from_request(r) for r in taken], duration=stopped), sp.tags
+    run = Run(**{k: tags[k] for k in POINT}, throughput=m["output_throughput"], duration_s=m["duration_s"],
               mean_e2e_s=(m["mean_e2el_ms"] or 0.0) / 1e3, weighted_turnaround=m["mean_weighted_turnaround"],
-              completed=m["completed"], rejected=len(rec.rejected), preemptions=m["preemptions"],
+              completed=m["completed"], rejected=len(sp.items) - len(taken), preemptions=m["preemptions"],
               schedule_calls=steps["steps"], schedule_s_at_128=crowded[0], schedule_calls_at_128=crowded[1],
               prefill_steps=steps["prefill_steps"], prefill_requests=steps["prefill_requests"],
-              decode_steps=steps["decode_steps"])
-    pre = rec.engine.scheduler.preemption
+              decode_steps=steps["decode_steps"], stopped_at_s=stopped,
+              generated_tokens=sum(len(r.output_token_ids) for r in taken))
+    pre = engine.scheduler.preemption
+    run.stalls = getattr(pre, "stalls", 0)
     if hasattr(pre, "decisions"):
         run.predict_s, run.decisions = pre.predict_s, len(pre.decisions)
         for d in pre.decisions:  # one example per mode; a recompute chosen on cost alone is kept apart
             run.examples.setdefault(d.mode.value if d.host_room or d.mode != "recompute" else "recompute, host full",
                                     d.why())
-    return asdict(run) | {k: v for k, v in rec.tags.items() if k not in POINT}
+    return asdict(run) | {k: v for k, v in tags.items() if k not in POINT}
 
 
 def machine() -> str:

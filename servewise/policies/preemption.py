@@ -3,6 +3,12 @@
 `choose` returns a Preemption: SWAP (copy its KV blocks to the host pool), RECOMPUTE (drop its KV
 and re-prefill prompt + generated tokens later), or SWAP_FALLBACK (swap wanted, host pool full, so
 recompute; counted separately).
+
+Always-swap has three ways to meet a full host pool: `swap` recomputes the victim instead;
+`swap-stall` preempts nothing and lets the request that needed blocks, and those behind it, sit the
+step out (a mode with `holds` is asked by the scheduler's decode step before it evicts anyone);
+`swap-abort` stops the engine, as vLLM 0.2.5 did (its scheduler raised a RuntimeError, which ended the
+engine's loop and every request in it).
 """
 from __future__ import annotations
 
@@ -28,6 +34,48 @@ class Swap:
 
     def choose(self, req: Request, bm: BlockManager, now: float) -> Preemption:
         return Preemption.SWAP if bm.can_swap_out(req.request_id) else Preemption.SWAP_FALLBACK
+
+
+class SwapStall(Swap):
+    """Always swap; when the host pool cannot take the victim, nothing is preempted: the request that
+    needed blocks and every request behind it keep their blocks and sit this step out, until
+    finished requests free device blocks (and swap-ins host ones). Only when that would leave the
+    step empty (the request at the front needs the blocks) is the victim recomputed instead
+    (SWAP_FALLBACK): otherwise a full device and a full host pool would wait on each other forever."""
+
+    name = "swap-stall"
+
+    def __init__(self):
+        self.stalls = 0  # steps cut short because the host pool was full
+
+    def holds(self, victim: Request, bm: BlockManager) -> bool:
+        """Whether the decode step stops here rather than evict `victim` (asked when requests ahead of
+        the one that needs blocks decode this step)."""
+        if bm.can_swap_out(victim.request_id):
+            return False
+        self.stalls += 1
+        return True
+
+
+class HostPoolFull(RuntimeError):
+    """The engine stops: a request had to be swapped out and the host pool had no room for it."""
+
+    def __init__(self, request_id: str, now: float):
+        super().__init__(f"request {request_id} cannot be swapped out: the host pool is full; the engine stops "
+                         f"(vLLM 0.2.5's always-swap behaviour). Give it more host blocks.")
+        self.request_id, self.now = request_id, now
+
+
+class SwapAbort(Swap):
+    """Always swap; a full host pool stops the engine (HostPoolFull propagates out of its step), as in
+    vLLM 0.2.5, whose scheduler raised when it could not swap a victim out: nothing in flight finishes."""
+
+    name = "swap-abort"
+
+    def choose(self, req: Request, bm: BlockManager, now: float) -> Preemption:
+        if bm.can_swap_out(req.request_id):
+            return Preemption.SWAP
+        raise HostPoolFull(req.request_id, now)
 
 
 @dataclass(kw_only=True)
@@ -88,7 +136,8 @@ class Adaptive:
         return mode
 
 
-PREEMPTION_POLICIES: dict[str, type] = {"recompute": Recompute, "swap": Swap, "adaptive": Adaptive}
+PREEMPTION_POLICIES: dict[str, type] = {"recompute": Recompute, "swap": Swap, "swap-stall": SwapStall,
+                                        "swap-abort": SwapAbort, "adaptive": Adaptive}
 
 # The systems compared in AdaptiveLLM's evaluation: (ordering policy, preemption policy).
 SYSTEMS: dict[str, tuple[str, str]] = {
@@ -98,3 +147,6 @@ SYSTEMS: dict[str, tuple[str, str]] = {
     "recompute+fair": ("fair", "recompute"),
     "adaptive+fair": ("fair", "adaptive"),  # AdaptiveLLM
 }
+# vllm_s with the other ways to meet a full host pool (compared in experiments.adaptive_gap)
+VLLM_S_VARIANTS: dict[str, tuple[str, str]] = {"vllm_s+stall": ("fcfs", "swap-stall"),
+                                               "vllm_s+abort": ("fcfs", "swap-abort")}

@@ -11,8 +11,14 @@ def arguments(p) -> None:
     p.add_argument("--full", action="store_true",
                    help="4 models, 3 workloads, 5 seeds of 1,000 simulated requests, 200 real (quick: opt-13b, "
                         "chatbot and summary, 3 seeds of 300 simulated and 96 real)")
-    p.add_argument("--sections", default=None, help="comma-separated subset of table, swapcost, crossover, coalesce, "
-                                                    "arrivals (default: all)")
+    p.add_argument("--sections", default=None, help="comma-separated subset of table, swapcost, crossover, links, "
+                                                    "coalesce, arrivals (default: all)")
+    p.add_argument("--variants", default=None,
+                   help="vllm_s's other ways to meet a full host pool run in the table section, comma-separated "
+                        "(default vllm_s+stall,vllm_s+abort; '' for none)")
+    p.add_argument("--link-slowdowns", type=rates, default=None,
+                   help="the links section's swap slowdowns k, where the cost-aware choice goes both ways "
+                        "(default 1,1.25,1.5,2,3,5; quick 2,3)")
     p.add_argument("--sim-models", default=None, help="comma-separated simulated models (the first runs the "
                                                       "swapcost, coalesce and arrivals sections)")
     p.add_argument("--real-model", default=None, help="real engine model of the arrivals section ('' for none; "
@@ -37,6 +43,8 @@ def arguments(p) -> None:
     p.add_argument("--predictors", default=None, help="predictors for the real engine's adaptive preemption")
     p.add_argument("--threads", type=int, default=0, help="torch threads of the real engine (0: torch's default)")
     p.add_argument("--out-dir", default="results/adaptive_gap")
+    p.add_argument("--name", default="adaptive_gap", help="the report's and the JSON's file name (out-dir/NAME.txt, "
+                                                          "NAME.json)")
 
 
 def run(a) -> None:
@@ -50,8 +58,9 @@ def run(a) -> None:
     given = dict(data_dir=a.data_dir, predictors=a.predictors, trace=a.trace, sim_models=names(a.sim_models),
                  workloads=names(a.workloads), sections=names(a.sections), seeds=a.seeds, swap_model=a.swap_model,
                  hardware=a.hardware, num_device_blocks=a.num_device_blocks, num_host_blocks=a.num_host_blocks,
-                 max_output_len=a.max_output_len, num_requests_real=a.real_requests, loads=a.loads)
+                 max_output_len=a.max_output_len, num_requests_real=a.real_requests, loads=a.loads,
+                 variants=names(a.variants), link_slowdowns=a.link_slowdowns)
     g = replace(FULL if a.full else QUICK, **{k: v for k, v in given.items() if v is not None})
     if a.real_model is not None:  # '': simulated only
         g = replace(g, real_model=a.real_model or None)
-    main(g, a.out_dir, "full" if a.full else "quick")
+    main(g, a.out_dir, "full" if a.full else "quick", a.name)
