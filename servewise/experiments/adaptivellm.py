@@ -537,8 +537,9 @@ def plot(result: dict, out_dir: str) -> list[str]:
     return paths
 
 
-def main(s: Settings, out_dir: str, scale: str = "quick") -> None:
-    """Run the experiment (`scale` names its settings in the first line), print and save its report."""
+def main(s: Settings, out_dir: str, scale: str = "quick", name: str = "adaptivellm") -> None:
+    """Run the experiment (`scale` names its settings in the first line), print and save its report as
+    out_dir/name.txt and name.json."""
     from servewise.experiments import publish
 
     if ADAPTIVE not in s.systems or not set(BASELINES) <= set(s.systems):
@@ -553,4 +554,4 @@ def main(s: Settings, out_dir: str, scale: str = "quick") -> None:
     t0 = time.perf_counter()
     result = run_experiment(s, progress=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=checkpoint)
     result["wall_s"] = time.perf_counter() - t0
-    publish(result, report(result), out_dir, "adaptivellm", plot)
+    publish(result, report(result), out_dir, name, plot)

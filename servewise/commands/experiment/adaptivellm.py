@@ -39,6 +39,8 @@ def arguments(p) -> None:
     p.add_argument("--out-dir", default="results/adaptivellm",
                    help="where the report, JSON and figures go; finished runs are kept in its points/ directory, "
                         "so that the same command, stopped, resumes from them")
+    p.add_argument("--name", default="adaptivellm", help="the report's and the JSON's file name (out-dir/NAME.txt, "
+                                                         "NAME.json)")
 
 
 def run(a) -> None:
@@ -57,4 +59,4 @@ def run(a) -> None:
                  systems=names(a.systems), group_priority=a.group_priority,
                  calibration=a.calibration)
     s = replace(FULL if a.full else QUICK, **{k: v for k, v in given.items() if v is not None})
-    main(s, a.out_dir, "full" if a.full else "quick")
+    main(s, a.out_dir, "full" if a.full else "quick", a.name)
