@@ -242,7 +242,8 @@ class RequestBatches(Admission):
             out = sched.prefill_step(now, limit=self._rows_left(sched))
             if out.scheduled:
                 return out
-        if not sched.waiting and decode_growth(sched) <= sched.bm.num_free_device:
+        # (requests waiting with no row left are the batch's next wave: they go as its rows end)
+        if (not sched.waiting or self._rows_left(sched) <= 0) and decode_growth(sched) <= sched.bm.num_free_device:
             return sched.decode_step(now)
         out = SchedulerOutput(False)
         self._split(sched, now, out)
