@@ -14,12 +14,14 @@ def test_the_gap_experiment_runs_every_section_and_slower_swaps_hurt_vllm_s(tmp_
     assert len(res["table"]) == 2 * (len(G.SYSTEMS) + len(G.VLLM_S_VARIANTS))
     tab = G._group(res["table"], "system", "seed")
     for seed in range(2):
-        (fb,), (stall,), (stop,) = (tab[(x, seed)] for x in ("vllm_s", "vllm_s+stall", "vllm_s+abort"))
+        (fb,), (stall,), (stop,), (drop,) = (tab[(x, seed)] for x in ("vllm_s", "vllm_s+stall", "vllm_s+abort",
+                                                                     "vllm_s+drop"))
         assert fb["preemptions"]["swap_fallback"] > 0 and stop["stopped_at_s"] is not None
         # stopped: counted up to the stop, over what finished by then
         assert stop["completed"] < 120 and stop["duration_s"] == stop["stopped_at_s"] < fb["duration_s"]
         assert stall["stalls"] > 0 and stall["preemptions"]["swap_fallback"] <= fb["preemptions"]["swap_fallback"]
         assert stall["completed"] == fb["completed"] == 120
+        assert drop["dropped"] > 0 and drop["completed"] == 120 - drop["dropped"]
     # on a link 3 times slower Algorithm 1 swaps some requests and recomputes others by choice
     (alg1,) = [r for r in res["links"] if r["system"] == "adaptive+fcfs" and r["seed"] == 0]
     p = alg1["preemptions"]
@@ -38,7 +40,7 @@ def test_the_gap_experiment_runs_every_section_and_slower_swaps_hurt_vllm_s(tmp_
     low = [r for r in res["arrivals"] if r["load"] == 0.5]
     assert low and all(r["rate"] == 0.5 * r["capacity"] for r in low)
     text = G.report(res)
-    for title in ("speed-up of adaptive+fair", "over vllm_s+abort", "engines stopped on a full host pool", "steps held",
+    for title in ("speed-up of adaptive+fair", "over vllm_s+abort", "engines stopped on a full host pool", "steps held", "requests aborted",
                   "swaps k times slower", "predicted recompute", "Algorithm 1 alone", "coalesced",
                   "requests arriving over time"):
         assert title in text

@@ -1,6 +1,7 @@
 """Always-swap meeting a full host pool, on hand-built scheduler states: `swap` recomputes the victim,
 `swap-stall` lets the request that needed blocks and those behind it sit the step out (recomputing only
-when nothing else could run), `swap-abort` stops the engine as vLLM 0.2.5 did."""
+when nothing else could run), `swap-abort` stops the engine as vLLM 0.2.5 did, `swap-drop` aborts the
+victim alone."""
 import pytest
 
 from servewise.assembly import make_scheduler
@@ -8,7 +9,7 @@ from servewise.config import SchedulerConfig
 from servewise.engine.block_manager import BlockManager
 from servewise.engine.request import Request, Status
 from servewise.policies import PREEMPTION_POLICIES
-from servewise.policies.preemption import HostPoolFull, Swap, SwapAbort, SwapStall
+from servewise.policies.preemption import HostPoolFull, Swap, SwapAbort, SwapDrop, SwapStall
 from servewise.sampling_params import SamplingParams
 from test_scheduler import run_step
 
@@ -35,6 +36,7 @@ def full(policy, first_len=8, num_host=1):
 
 def test_the_modes_are_registered():
     assert PREEMPTION_POLICIES["swap-stall"] is SwapStall and PREEMPTION_POLICIES["swap-abort"] is SwapAbort
+    assert PREEMPTION_POLICIES["swap-drop"] is SwapDrop
 
 
 def test_swap_recomputes_the_victim_when_the_host_pool_is_full():
@@ -68,8 +70,8 @@ def test_swap_stall_recomputes_when_nothing_else_could_run():
     assert c.preemptions["swap_fallback"] == 1
 
 
-def test_swap_stall_and_abort_swap_while_the_host_pool_has_room():
-    for pre in (SwapStall(), SwapAbort()):
+def test_swap_stall_abort_and_drop_swap_while_the_host_pool_has_room():
+    for pre in (SwapStall(), SwapAbort(), SwapDrop()):
         s, bm, (a, b, c) = full(pre, num_host=8)
         out = s.schedule(1.0)
         assert out.preempted == [("2", "swap")] and c.status is Status.SWAPPED
@@ -80,3 +82,14 @@ def test_swap_abort_stops_the_engine_when_the_host_pool_is_full():
     with pytest.raises(HostPoolFull) as e:
         s.schedule(1.5)
     assert (e.value.request_id, e.value.now) == ("2", 1.5)
+
+
+def test_swap_drop_aborts_the_victim_and_goes_on():
+    pre = SwapDrop()
+    s, bm, (a, b, c) = full(pre)
+    out = s.schedule(1.0)
+    assert out.preempted == [] and out.scheduled == ["0", "1"] and "2" in out.finished_ids
+    assert (c.status, c.finish_reason, c.finish_time) == (Status.ABORTED, "abort", 1.0) and pre.dropped == 1
+    assert "2" not in bm.device_tables and sum(c.preemptions.values()) == 0
+    assert all(r is not c for r in s.running + s.waiting + s.swapped)
+    bm.check_invariants()

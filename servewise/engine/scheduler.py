@@ -39,6 +39,7 @@ class Scheduler:
         self.ordering, self.preemption, self.admission, self.rules = ordering, preemption, admission, rules
         self.reserve, self.lengths, self.fetch = reserve, lengths, fetch
         self.holds = getattr(preemption, "holds", None)  # a mode that may stop a decode step rather than evict
+        self.drops = getattr(preemption, "drops", None)  # a mode that may abort a victim rather than preempt it
         self.static, self.ranked = ordering.static, admission.ranked
         self.waiting, self.running, self.swapped = [], [], []  # the queues: list[Request] each
         self.queued_tokens = 0  # tokens still to prefill of the waiting requests
@@ -218,6 +219,11 @@ class Scheduler:
         return True
 
     def preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
+        if self.drops is not None and self.drops(req, self.bm):  # it ends, aborted (policies.preemption.SwapDrop)
+            self.bm.free(req.request_id)
+            req.status, req.finish_reason, req.finish_time = Status.ABORTED, "abort", now
+            self.forget(req)
+            return
         mode = self.preemption.choose(req, self.bm, now)
         self.count_preemption(req, mode)
         if mode is Preemption.SWAP:

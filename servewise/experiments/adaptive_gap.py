@@ -14,8 +14,8 @@ Sections (--sections):
 - links: the swap made k times slower for k where the cost-aware choice goes both ways: always
   recompute (vllm), always swap (vllm_s), Algorithm 1 alone (adaptive+fcfs) and AdaptiveLLM, with
   the swap / recompute-by-choice / host-full split of every system.
-The table section also runs vllm_s's other ways to meet a full host pool (`variants`: stall, or stop
-the engine as vLLM 0.2.5 did; policies.preemption).
+The table section also runs vllm_s's other ways to meet a full host pool (`variants`: stall, stop the
+engine as vLLM 0.2.5 did, or abort the victim alone; policies.preemption).
 - coalesce: fair admission that holds small prefill groups back (admit_min_batch).
 - arrivals: the five systems on Poisson arrivals and on the Azure conv trace's arrivals, each at loads
   given as fractions of vllm's all-at-once capacity; simulated and on the real engine.
@@ -272,13 +272,16 @@ def table_lines(res: dict) -> list[str]:
                          f"{max(r['stopped_at_s'] for r in stopped):.2f} s (a run that ran on: "
                          f"{_fmt([r['duration_s'] for r in runs if (r['workload'], r['system']) == (wl, 'vllm_s')], 1)} s)")
     lines += ["", "preemptions per system, all table runs: swap / recompute by choice / recompute because the host "
-                  "pool was full (of all preemptions); steps held by swap-stall"]
+                  "pool was full (of all preemptions); steps held by swap-stall, requests aborted by swap-drop"]
     for wl in g["workloads"]:
         for x in (*SYSTEMS, *variants):
             rs = [r for r in runs if r["workload"] == wl and r["system"] == x]
             if rs:
-                stall = SYSTEM_MODES.get(x) == "swap-stall"
-                held = f"; {sum(r.get('stalls', 0) for r in rs)} steps held" if stall else ""
+                mode = SYSTEM_MODES.get(x)
+                done = _fmt([r["completed"] for r in rs], 0)
+                held = (f"; {sum(r.get('stalls', 0) for r in rs)} steps held" if mode == "swap-stall" else
+                        f"; {sum(r.get('dropped', 0) for r in rs)} requests aborted, {done} of "
+                        f"{g['num_requests_sim']} finished a run" if mode == "swap-drop" else "")
                 lines.append(f"  {wl:<9}{x:<16}{_shares(rs)}{held}")
     return lines
 

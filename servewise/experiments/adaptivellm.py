@@ -106,6 +106,7 @@ class Run:
     prefill_requests: int = 0  # requests over all prefill steps
     decode_steps: int = 0
     stalls: int = 0  # swap-stall: decode steps cut short because the host pool was full
+    dropped: int = 0  # swap-drop: requests aborted because the host pool was full
     # swap-abort: when the engine stopped (seconds from the first arrival; None: it ran to the end); the
     # run's throughput then counts the requests finished by then, over the time to then
     stopped_at_s: float | None = None
@@ -209,7 +210,7 @@ def measure(sp: Spec) -> dict:
               decode_steps=steps["decode_steps"], stopped_at_s=stopped,
               generated_tokens=sum(len(r.output_token_ids) for r in taken))
     pre = engine.scheduler.preemption
-    run.stalls = getattr(pre, "stalls", 0)
+    run.stalls, run.dropped = getattr(pre, "stalls", 0), getattr(pre, "dropped", 0)
     if hasattr(pre, "decisions"):
         run.predict_s, run.decisions = pre.predict_s, len(pre.decisions)
         for d in pre.decisions:  # one example per mode; a recompute chosen on cost alone is kept apart

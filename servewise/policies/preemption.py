@@ -8,7 +8,8 @@ Always-swap has three ways to meet a full host pool: `swap` recomputes the victi
 `swap-stall` preempts nothing and lets the request that needed blocks, and those behind it, sit the
 step out (a mode with `holds` is asked by the scheduler's decode step before it evicts anyone);
 `swap-abort` stops the engine, as vLLM 0.2.5 did (its scheduler raised a RuntimeError, which ended the
-engine's loop and every request in it).
+engine's loop and every request in it); `swap-drop` aborts only the victim and goes on (what that
+code's comment names as the fix it meant: a mode with `drops` is asked before every preemption).
 """
 from __future__ import annotations
 
@@ -78,6 +79,22 @@ class SwapAbort(Swap):
         raise HostPoolFull(req.request_id, now)
 
 
+class SwapDrop(Swap):
+    """Always swap; when the host pool cannot take the victim, the victim ends, aborted (unfinished, its
+    blocks freed), and the engine goes on."""
+
+    name = "swap-drop"
+
+    def __init__(self):
+        self.dropped = 0  # requests aborted because the host pool was full
+
+    def drops(self, victim: Request, bm: BlockManager) -> bool:
+        if bm.can_swap_out(victim.request_id):
+            return False
+        self.dropped += 1
+        return True
+
+
 @dataclass(kw_only=True)
 class Decision:
     request_id: str
@@ -137,7 +154,7 @@ class Adaptive:
 
 
 PREEMPTION_POLICIES: dict[str, type] = {"recompute": Recompute, "swap": Swap, "swap-stall": SwapStall,
-                                        "swap-abort": SwapAbort, "adaptive": Adaptive}
+                                        "swap-abort": SwapAbort, "swap-drop": SwapDrop, "adaptive": Adaptive}
 
 # The systems compared in AdaptiveLLM's evaluation: (ordering policy, preemption policy).
 SYSTEMS: dict[str, tuple[str, str]] = {
@@ -149,4 +166,5 @@ SYSTEMS: dict[str, tuple[str, str]] = {
 }
 # vllm_s with the other ways to meet a full host pool (compared in experiments.adaptive_gap)
 VLLM_S_VARIANTS: dict[str, tuple[str, str]] = {"vllm_s+stall": ("fcfs", "swap-stall"),
-                                               "vllm_s+abort": ("fcfs", "swap-abort")}
+                                               "vllm_s+abort": ("fcfs", "swap-abort"),
+                                               "vllm_s+drop": ("fcfs", "swap-drop")}

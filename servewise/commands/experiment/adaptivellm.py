@@ -17,7 +17,7 @@ def arguments(p) -> None:
                                                      "(with --trace)")
     p.add_argument("--systems", default=None,
                    help="comma-separated: vllm,vllm_s,adaptive+fcfs,recompute+fair,adaptive+fair (default), and "
-                        "vllm_s+stall, vllm_s+abort (vllm_s's other ways to meet a full host pool)")
+                        "vllm_s+stall, vllm_s+abort, vllm_s+drop (vllm_s's other ways to meet a full host pool)")
     p.add_argument("--hardware", default=None, help="simulated GPU (default a800-80g-pcie)")
     p.add_argument("--num-device-blocks", type=at_least(1), default=None, help="device pool (default 128)")
     p.add_argument("--num-host-blocks", type=at_least(0), default=None, help="host pool (default 64)")

@@ -15,7 +15,7 @@ def arguments(p) -> None:
                                                     "coalesce, arrivals (default: all)")
     p.add_argument("--variants", default=None,
                    help="vllm_s's other ways to meet a full host pool run in the table section, comma-separated "
-                        "(default vllm_s+stall,vllm_s+abort; '' for none)")
+                        "(default vllm_s+stall,vllm_s+abort,vllm_s+drop; '' for none)")
     p.add_argument("--link-slowdowns", type=rates, default=None,
                    help="the links section's swap slowdowns k, where the cost-aware choice goes both ways "
                         "(default 1,1.25,1.5,2,3,5; quick 2,3)")
