@@ -10,7 +10,7 @@ from servewise.engine.block_manager import BlockManager
 from servewise.engine.interfaces import CostModel
 from servewise.engine.llm_engine import LLMEngine
 from servewise.engine.scheduler import Scheduler
-from servewise.policies import ADMISSION_RULES, ORDERING_POLICIES, PREEMPTION_POLICIES
+from servewise.policies import ADMISSION_RULES, ORDERING_POLICIES, PREEMPTION_POLICIES, resolve
 from servewise.policies.admission import Chunked, Continuous, Groups, RequestBatches, StaticBatches
 from servewise.policies.batch_time import BatchTimeEstimator
 from servewise.policies.batching import BATCHERS, S3, SLOODBS, Magnus, Vanilla
@@ -19,10 +19,9 @@ from servewise.policies.rules import BlockRules, NextBucket, Reserve, V0Rules
 
 
 def check_policies(config: EngineConfig) -> None:
-    for table, name, what in ((ORDERING_POLICIES, config.scheduler.policy, "ordering policy"),
-                              (PREEMPTION_POLICIES, config.scheduler.preemption, "preemption mode")):
-        if name not in table:
-            raise ValueError(f"unknown {what} {name!r}; choose from {', '.join(table)}")
+    resolve(config.scheduler.policy)
+    if (name := config.scheduler.preemption) not in PREEMPTION_POLICIES:
+        raise ValueError(f"unknown preemption mode {name!r}; choose from {', '.join(PREEMPTION_POLICIES)}")
 
 
 def needs_costs(config: EngineConfig) -> bool:
@@ -56,14 +55,13 @@ def make_scheduler(sc, bm: BlockManager, cost_model: CostModel | None = None, fe
                    preemption=None) -> Scheduler:
     """The scheduler core with the policies a scheduler config names (policies/); `preemption`: an
     object to use instead of the named preemption policy."""
-    if sc.policy not in ORDERING_POLICIES:
-        raise ValueError(f"unknown ordering policy {sc.policy!r}; choose from {', '.join(ORDERING_POLICIES)}")
+    policy = resolve(sc.policy)
     if preemption is None:
         preemption = PREEMPTION_POLICIES[sc.preemption]
         preemption = preemption(cost_model) if preemption.needs_costs else preemption()
-    ordering = ORDERING_POLICIES[sc.policy]
-    ordering = ordering(sc.token_age_s, sc.preemption_cap) if sc.policy == "prompt-first" else ordering()
-    rule = ADMISSION_RULES[sc.policy]
+    ordering = ORDERING_POLICIES[policy]
+    ordering = ordering(sc.token_age_s, sc.preemption_cap) if policy == "prompt-first" else ordering()
+    rule = ADMISSION_RULES[policy]
     if sc.batching != "continuous":
         batches = StaticBatches if sc.static_batches else RequestBatches
         admission = batches(make_batcher(sc, (bm.num_device_blocks - bm.watermark_blocks) * bm.block_size))

@@ -81,9 +81,11 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = option(256, "requests in the running batch at most")
     max_num_batched_tokens: int = option(4096, "tokens one step computes at most (a longer prompt runs alone)")
-    policy: str = option("fcfs", "request ordering (policies.ORDERING_POLICIES); priority: vLLM's priority "
-                                 "scheduling, by each request's priority (lower first); prompt-first: Splitwise's "
-                                 "mixed machines, prompts preempting younger token-phase requests")
+    policy: str = option("fcfs", "request ordering: a registered name (priority: vLLM's, by each request's "
+                                 "priority, lower first; prompt-first: Splitwise's mixed machines; vtc: fair across "
+                                 "clients; mlfq: FastServe's skip-join queues; edf: by each request's latency "
+                                 "targets), or a policy of your own: PATH.py[:NAME] or an installed entry point of "
+                                 "the group servewise.policies")
     token_age_s: float = option(2.0, "--policy prompt-first: a token-phase request this many seconds after its "
                                      "arrival outranks new prompts (its priority grows with its age)")
     preemption_cap: int = option(2, "--policy prompt-first: a request preempted this many times is not preempted "

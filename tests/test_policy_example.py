@@ -16,8 +16,9 @@ from test_scheduler import req, run_step
 def test_it_is_registered_by_its_file_alone():
     assert ORDERING_POLICIES["las"].__module__ == "servewise.policies.least_served"
     assert ADMISSION_RULES["las"] == "swapped-first"
-    shown = subprocess.run([sys.executable, "-m", "servewise", "simulate", "--help"], capture_output=True, text=True)
-    assert "prompt-first,las}" in shown.stdout
+    shown = subprocess.run([sys.executable, "-m", "servewise", "simulate", "--policy", "las", "--help"],
+                           capture_output=True, text=True)
+    assert shown.returncode == 0 and "registered: fcfs, " in shown.stdout and "las" in shown.stdout.split("registered:")[1]
 
 
 def test_the_most_served_request_is_preempted_first():

@@ -25,7 +25,7 @@ def engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = (), defaults
     """Engine options as flags; `defaults` replaces the configuration's defaults for this command."""
     from servewise.policies import ORDERING_POLICIES, PREEMPTION_POLICIES
 
-    registries = {"policy": tuple(ORDERING_POLICIES), "preemption": tuple(PREEMPTION_POLICIES)}
+    registries = {"preemption": tuple(PREEMPTION_POLICIES)}  # --policy also takes a file or an entry point
     options = [f for f in config_fields() if f.name not in skip]
     p.set_defaults(engine_options=[f.name for f in options if f.name != "model"])
     for f in options:
@@ -36,9 +36,22 @@ def engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = (), defaults
             continue
         choices = f.metadata["choices"] or registries.get(f.name)
         flags = (flag, "--scheduling-policy") if f.name == "policy" else (flag,)  # vLLM's name too
-        p.add_argument(*flags, type={"int": int, "float": float}.get(kind, str), default=default, choices=choices,
-                       help=f.metadata["help"] + (f" (default: {default})" if default is not None else ""))
+        convert = policy_name if f.name == "policy" else {"int": int, "float": float}.get(kind, str)
+        names = f"; registered: {', '.join(ORDERING_POLICIES)}" if f.name == "policy" else ""
+        p.add_argument(*flags, type=convert, default=default, choices=choices,
+                       help=f.metadata["help"] + names + (f" (default: {default})" if default is not None else ""))
     threads_arg(p)
+
+
+def policy_name(name: str) -> str:
+    """--policy: a registered ordering, a file that registers one (PATH.py[:NAME]) or an entry point."""
+    from servewise.policies import resolve
+
+    try:
+        resolve(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
 
 
 def engine_kwargs(a) -> dict:

@@ -54,6 +54,9 @@ class Request:
     predicted_len: int | None = None  # its output length as predicted on arrival (length-aware scheduling)
     deadline: float | None = None  # when it should be finished, on the engine's clock (its SLO)
     priority: int = 0  # under the priority policy: lower values are served first (vLLM's convention)
+    client: str | None = None  # who sent it (the OpenAI API's `user`): fairness across clients (policies/vtc.py)
+    ttft_target: float | None = None  # its SLO: seconds from arrival to the first token (policies/edf.py)
+    tpot_target: float | None = None  # and seconds per output token after it
 
     @property
     def times_preempted(self) -> int:

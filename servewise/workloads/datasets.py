@@ -26,6 +26,9 @@ class WorkloadRequest:
     text: str | None = None  # the prompt as text, where ids were made from one (what a text client sends)
     predicted_len: int | None = None  # its output length as predicted before it runs (length-aware scheduling)
     slo: float | None = None  # seconds after its arrival by which it should be finished
+    client: str | None = None  # who sends it (per-client fairness)
+    ttft_target: float | None = None  # its latency targets: seconds to the first token,
+    tpot_target: float | None = None  # and per output token after it
 
 
 def _open(path: str):

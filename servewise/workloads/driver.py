@@ -50,7 +50,8 @@ def run_workload(engine, items: list[WorkloadRequest], arrivals: list[float],
             except ValueError as e:
                 rejected.append((i, str(e)))
                 continue
-            req.predicted_len = item.predicted_len
+            req.predicted_len, req.client = item.predicted_len, item.client
+            req.ttft_target, req.tpot_target = item.ttft_target, item.tpot_target
             req.deadline = t + item.slo if item.slo is not None else None
             reqs[i] = engine.enqueue(req)
         if not engine.has_unfinished():
