@@ -419,8 +419,10 @@ def seeded(s: Settings, mc, res: dict) -> str:
     tune = s.tune_seed if s.tune_seed is not None else max(s.seeds) + 1
     bar = tqdm(total=len(s.rates) * (len(systems) * len(s.seeds) + (len(candidates) if search else 0)),
                desc="simulations", unit="run", disable=not sys.stderr.isatty())
-    runs, prompts, outputs = [], [], []
+    runs, prompts, outputs, t0 = [], [], [], time.perf_counter()
     for k in s.seeds:
+        if not sys.stderr.isatty():  # (a log's progress)
+            print(f"seed {k} of {list(s.seeds)}, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         items, got = sweep(replace(s, seed=k), mc, systems, bar)
         prompts.append(statistics.mean(it.prompt_len for it in items))
         outputs.append(statistics.mean(it.output_len for it in items))
