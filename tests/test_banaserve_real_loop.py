@@ -40,22 +40,27 @@ def test_an_instance_runs_a_peers_layers_between_its_steps_and_outputs_stay_the_
         src.command(("lend", 3, here))  # the last layer moves, mid-generation
         with pytest.raises(ValueError, match="lends its layers already"):
             src.command(("lend", 2, here))
+        for _ in range(4):
+            src.engine.step()
+        waited = src.lent.step_s
+        events = src.take_events()
+        src.command(("reclaim",))  # given back mid-generation: the layer and its KV as the peer kept it
         while src.engine.has_unfinished():
             src.engine.step()
         while ref.has_unfinished():
             ref.step()
-    finally:
-        src.lent.close()
         time.sleep(0.05)
+    finally:
         stop.set()
         t.join()
     assert [r.output_token_ids for r in reqs[src.engine]] == [r.output_token_ids for r in reqs[ref]]
-    assert host.hosted_s > 0 and not host.hosting  # the peer ran the layer; closing ends the hosting
-    events = src.take_events()
+    assert host.hosted_s > 0 and not host.hosting and src.lent is None  # the peer ran the layer, then let it go
     (lent,) = [e for e in events if e[0] == "lent"]
     assert lent[1] == 3 and lent[2] > 0  # the first layer moved, and the bytes sent
     # the seconds its steps waited on the peer, for the loop's measure of its compute
-    assert src.lent.step_s > 0 and [e for e in events if e[0] == "migration"] == [("migration", src.lent.step_s, 0.0)]
+    assert waited > 0 and [e for e in events if e[0] == "migration"] == [("migration", waited, 0.0)]
+    (back,) = src.take_events()  # (the seconds waited did not change since they were last told)
+    assert back[0] == "reclaimed" and back[1] > 0
 
 
 def test_the_served_loop_refuses_what_it_cannot_keep_correct():

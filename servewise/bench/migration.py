@@ -111,19 +111,20 @@ class LoopSettings:
     dispatch; `num_requests` arrive `rate` a second, evenly: the even ones `long_len` prompt tokens and
     `long_out` output tokens (all on instance 0), the odd ones `short_len` and `short_out` (instance 1). Run
     once with the rebalancing loop watching only, once acting every `period_s` (`loop`: greedy or sets; at
-    most `max_layers` layers out of an instance)."""
+    most `max_layers` layers out of an instance); `blocks` KV blocks of 16 tokens an instance."""
 
     model: str = "tiny-llama"
-    num_requests: int = 120
-    rate: float = 12.0
+    num_requests: int = 40
+    rate: float = 4.0
     long_len: int = 1024
-    long_out: int = 16
+    long_out: int = 8
     short_len: int = 16
     short_out: int = 16
     period_s: float = 1.0
     loop: str = "greedy"
     max_layers: int = 1
     threads: int = 1
+    blocks: int = 768  # KV blocks of 16 tokens per instance
     out_dir: str = "results/banaserve"
 
 
@@ -170,7 +171,7 @@ def _served(s: LoopSettings, act: bool) -> dict:
     layers = load_model_config(s.model)[0].num_layers
     cfg = Rebalancing(period_s=s.period_s, loop=s.loop, heads=False, layer_step=s.max_layers,
                       max_share=min(0.5, s.max_layers / layers), **({} if act else {"delta_up": 2.0, "delta_down": 2.0}))
-    client = ClusterClient(dict(model=s.model, num_device_blocks=2048, num_host_blocks=0, block_size=16),
+    client = ClusterClient(dict(model=s.model, num_device_blocks=s.blocks, num_host_blocks=0, block_size=16),
                            ["mixed", "mixed"], threads=s.threads, router="round_robin", rebalance=cfg)
     try:
         client.start()

@@ -67,7 +67,7 @@ class Instance(EngineInstance):
         # connection and work), the peer that runs this one's moved layers, and seconds spent on either side
         self.hosting: list[tuple] = []
         self.lent = None
-        self.hosted_s = 0.0
+        self.waited_s = self.hosted_s = 0.0  # (waited: by the peers lent to before the present one)
         self._told = (0.0, 0.0)
 
     # --- commands ----------------------------------------------------------------------------
@@ -101,7 +101,7 @@ class Instance(EngineInstance):
             rules.fail(cmd.rid)
         elif isinstance(cmd, PeerGone):
             self.connector.peer_gone()
-        elif isinstance(cmd, tuple) and cmd[0] in ("host", "lend"):
+        elif isinstance(cmd, tuple) and cmd[0] in ("host", "lend", "reclaim"):
             self._migrate(*cmd)
         elif isinstance(cmd, Abort):
             self._forget_sent(cmd.rid)
@@ -121,14 +121,24 @@ class Instance(EngineInstance):
     # --- module migration (cluster.serving's rebalancing loop) -----------------------------------------
     def _migrate(self, kind: str, *args) -> None:
         """("host", conn): run a peer's layers that come over conn, between this instance's steps;
-        ("lend", first, conn): move layers first.. to the instance at conn's other end (it must host first)."""
+        ("lend", first, conn): move layers first.. to the instance at conn's other end (it must host first);
+        ("reclaim",): take the lent layers back, with their KV."""
         import time
 
-        from servewise.cluster.migration import PeerWork, migrate_layers_to_process
+        from servewise.cluster.migration import PeerWork, migrate_layers_to_process, reclaim_layers
 
         if kind == "host":
             args[0].send("ready")
             self.hosting.append((args[0], PeerWork(self.engine.runner.model.c)))
+            return
+        if kind == "reclaim":
+            if self.lent is None:
+                raise ValueError("this instance has lent no layers")
+            t0 = time.perf_counter()
+            nbytes = reclaim_layers(self.engine.runner, self.lent)
+            self.waited_s += self.lent.step_s
+            self.lent = None
+            self.events.append(("reclaimed", nbytes, time.perf_counter() - t0))
             return
         if self.lent is not None:
             raise ValueError("this instance lends its layers already")
@@ -144,14 +154,17 @@ class Instance(EngineInstance):
         did = False
         for h in list(self.hosting):
             conn, work = h
-            while conn.poll(0):
-                did = True
-                t0 = time.perf_counter()
-                if (msg := conn.recv()) is None:
-                    self.hosting.remove(h)
-                    break
-                conn.send(work(msg))
-                self.hosted_s += time.perf_counter() - t0
+            try:
+                while conn.poll(0):
+                    did = True
+                    t0 = time.perf_counter()
+                    if (msg := conn.recv()) is None:
+                        self.hosting.remove(h)
+                        break
+                    conn.send(work(msg))
+                    self.hosted_s += time.perf_counter() - t0
+            except (EOFError, OSError):  # the source is gone (its instance stopped)
+                self.hosting.remove(h)
         return did
 
     # --- the prompt side (its KV goes out through the connector, layer by layer as the runner computes) --
@@ -232,8 +245,8 @@ class Instance(EngineInstance):
         return bool(self.incoming) or bool(self.hosting) or (self.connector is not None and self.connector.waiting())
 
     def take_events(self) -> list:
-        if self.lent is not None or self.hosting:  # seconds waiting on the peer (in its steps), hosting peers
-            now = (self.lent.step_s if self.lent is not None else 0.0, self.hosted_s)
+        if self.lent is not None or self.hosting or self.waited_s:  # seconds waiting on peers (in its steps), hosting
+            now = (self.waited_s + (self.lent.step_s if self.lent is not None else 0.0), self.hosted_s)
             if now != self._told:
                 self.events.append(("migration", *now))
                 self._told = now

@@ -167,6 +167,9 @@ class PeerWork:
         if kind == "heads":  # a migration: per layer, the KV of the moved heads
             self.heads.update(args[0])
             return "loaded"
+        if kind == "return":  # the layers go back: their KV with them
+            caches, self.layers, self.caches = self.caches, [], []
+            return caches
         use_kernel = args[-1]
         if use_kernel and self.kernel is None:
             self.kernel = kernels.cpu_ext()
@@ -315,9 +318,24 @@ def migrate_layers_to_process(runner, first: int, threads: int = 1, conn=None) -
     _check(runner, first=first, process=True)
     peer = Peer(runner.model.c, threads, conn)
     stage = RemoteStage(runner, first, peer)
+    peer.first, peer.originals = first, list(runner.model.layers[first:])  # (for reclaim_layers)
     runner.hand_layers(range(first, len(runner.model.layers)),
                        lambda i, layer, cache: stage if i == first else _PassThrough(), zero=False)
     return peer
+
+
+def reclaim_layers(runner, peer: Peer) -> int:
+    """The layers migrate_layers_to_process moved to `peer` come back: their KV (as the peer kept it) is copied
+    into the runner's cache and its own layers compute again; the peer is closed. Returns the bytes back."""
+    t0 = time.perf_counter()
+    peer.conn.send(("return",))
+    caches = peer.recv()
+    for i, cache in enumerate(caches, peer.first):
+        runner.kv_caches[i].copy_(cache)
+        runner.model.layers[i] = peer.originals[i - peer.first]
+    peer.copy_s += time.perf_counter() - t0
+    peer.close()
+    return sum(c.numel() * c.element_size() for c in caches)
 
 
 def migrate_heads_to_process(runner, heads: int, threads: int = 1) -> Peer:

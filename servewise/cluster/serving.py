@@ -112,6 +112,7 @@ class ClusterClient(StreamingClient):
         self.migrations: list[dict] = []
         self.load_log: list[tuple] = []
         self._moved_s = [(0.0, 0.0)] * len(roles)  # per instance: steps' waits on its peer, peers' layers run (s)
+        self._lending: dict[int, tuple[int, int]] = {}  # source -> (the instance running its layers, the first)
         self._pipes: list = []
         self.engine_kwargs, self.threads, self.layerwise = dict(engine_kwargs), threads, layerwise
         device = self.engine_kwargs.get("device", "auto")
@@ -225,8 +226,9 @@ class ClusterClient(StreamingClient):
         period it computed (its steps, less their waits on the peer that runs its moved layers, plus the
         peers' layers it ran between its steps); memory, its device blocks in use. The Rebalancer plans from
         them; a layer move is carried out (migration.migrate_layers_to_process over a pipe to the peer
-        instance, which runs the layers between its own steps); what is not done here, recorded but not
-        carried out: head moves, give-backs, a second lease from or to an instance already in one."""
+        instance, which runs the layers between its own steps), and so is a give-back (the owner takes its
+        layers and their KV back: migration.reclaim_layers); what is not done here, recorded but not carried
+        out: head moves, a second lease from or to an instance already in one, part of a lease given back."""
         from copy import deepcopy
 
         from servewise.cluster.rebalance import LAYERS, Load, Rebalancer
@@ -241,13 +243,13 @@ class ClusterClient(StreamingClient):
         last_t = time.monotonic()
         with self._co:
             last = self._busy()
-        lending: dict[int, int] = {}  # source -> the instance running its layers
+        lending = self._lending
         while not self._stopping:
             time.sleep(cfg.period_s)
             now = time.monotonic()
             with self._co:
                 busy, stats = self._busy(), list(self.co.loads)
-                leases = self._leases
+                leases = dict(lending)
             span, loads = now - last_t, []
             for i, (b, b0, st) in enumerate(zip(busy, last, stats)):
                 used = st.device_blocks.total - st.device_blocks.free if st is not None else 0
@@ -258,18 +260,26 @@ class ClusterClient(StreamingClient):
             saved = deepcopy(rb.leases)
             moves, done = rb.plan(loads), []
             for m in moves:
-                ok = (not m.back and m.kind == LAYERS and m.src not in lending and m.dst not in lending
-                      and m.src not in lending.values())
+                if m.back:  # the owner (dst) takes back everything it lent to src (one lease of its layers)
+                    ok = m.kind == LAYERS and lending.get(m.dst, (None,))[0] == m.src and \
+                        m.amount == c.num_layers - lending[m.dst][1]
+                else:
+                    ok = m.kind == LAYERS and not ({m.src, m.dst} & (set(lending) | {d for d, _ in lending.values()}))
                 entry = {"t": now, "src": m.src, "dst": m.dst, "kind": m.kind, "amount": m.amount, "back": m.back,
                          "gap": m.gap, "predicted_benefit": m.benefit, "carried_out": ok}
                 with self._co:
-                    if ok:
+                    if ok and m.back:
+                        first = lending.pop(m.dst)[1]
+                        entry["layers"] = [first, c.num_layers - 1]
+                        self._tell(m.dst, ("reclaim",))
+                    elif ok:
                         first = c.num_layers - m.amount
-                        lending[m.src] = m.dst
+                        lending[m.src] = (m.dst, first)
                         entry["layers"] = [first, c.num_layers - 1]
                         self._lend(m.src, m.dst, first)
-                        done.append(m)
                     self.migrations.append(entry)
+                if ok:
+                    done.append(m)
             if len(done) < len(moves):  # the planner's leases: only what was carried out
                 rb.leases = saved
                 for m in done:
@@ -278,11 +288,6 @@ class ClusterClient(StreamingClient):
     def _busy(self) -> list[float]:
         """Per instance, the seconds it has computed: its steps less their waits on a peer, plus peers' layers."""
         return [(st.busy_s if st is not None else 0.0) - w + h for st, (w, h) in zip(self.co.loads, self._moved_s)]
-
-    @property
-    def _leases(self) -> dict[int, tuple[int, int]]:
-        """source -> (the instance running its layers, the first of them), as carried out."""
-        return {x["src"]: (x["dst"], x["layers"][0]) for x in self.migrations if x["carried_out"]}
 
     def _lend(self, src: int, dst: int, first: int) -> None:
         """Layers first.. of instance src move to instance dst (dst hosts, then src lends over a new pipe)."""
@@ -293,8 +298,14 @@ class ClusterClient(StreamingClient):
 
     def _on_lent(self, i: int, first: int, nbytes: int, copy_s: float, total_s: float) -> None:
         for x in reversed(self.migrations):
-            if x["src"] == i and x["carried_out"]:
+            if x["src"] == i and x["carried_out"] and not x["back"]:
                 x.update(bytes=nbytes, copy_s=copy_s, total_s=total_s)
+                break
+
+    def _on_reclaimed(self, i: int, nbytes: int, total_s: float) -> None:
+        for x in reversed(self.migrations):
+            if x["dst"] == i and x["carried_out"] and x["back"]:
+                x.update(bytes=nbytes, copy_s=total_s, total_s=total_s)
                 break
 
     def _on_migration(self, i: int, waited_s: float, hosted_s: float) -> None:
