@@ -115,7 +115,7 @@ class LoopSettings:
 
     model: str = "tiny-llama"
     num_requests: int = 40
-    rate: float = 4.0
+    rate: float = 3.0
     long_len: int = 1024
     long_out: int = 8
     short_len: int = 16

@@ -27,6 +27,8 @@ from servewise.server.client import StreamingClient
 from servewise.server.engine_process import spawn
 
 
+WINDOW = 3  # periods over which the loop measures compute: an instance reports its busy time after each step,
+# and a step may outlast a period
 PIPE_BYTES_PER_S = 0.3e9  # what the rebalancing loop prices a move's copy at: a pipe between processes here
 # (servewise bench migration measured 0.3-0.7 GB/s)
 
@@ -223,7 +225,7 @@ class ClusterClient(StreamingClient):
     # --- module migration: Algorithm 4-1 on real instances ------------------------------------------
     def _rebalance_loop(self) -> None:
         """Every period of wall time, each instance's U = compute + memory (4-28): compute, the share of the
-        period it computed (its steps, less their waits on the peer that runs its moved layers, plus the
+        last WINDOW periods it computed (its steps, less their waits on the peer that runs its moved layers, plus the
         peers' layers it ran between its steps); memory, its device blocks in use. The Rebalancer plans from
         them; a layer move is carried out (migration.migrate_layers_to_process over a pipe to the peer
         instance, which runs the layers between its own steps), and so is a give-back (the owner takes its
@@ -240,9 +242,8 @@ class ClusterClient(StreamingClient):
         block = self.engine_kwargs.get("block_size") or 16
         rb = Rebalancer(cfg, c.num_layers, c.num_kv_heads, layer_params(c) * 4, block * c.kv_bytes_per_token,
                         PIPE_BYTES_PER_S)
-        last_t = time.monotonic()
         with self._co:
-            last = self._busy()
+            seen = [(time.monotonic(), self._busy())]  # the last WINDOW periods' (time, busy seconds per instance)
         lending = self._lending
         while not self._stopping:
             time.sleep(cfg.period_s)
@@ -250,12 +251,13 @@ class ClusterClient(StreamingClient):
             with self._co:
                 busy, stats = self._busy(), list(self.co.loads)
                 leases = dict(lending)
-            span, loads = now - last_t, []
-            for i, (b, b0, st) in enumerate(zip(busy, last, stats)):
+            seen = [*seen[-WINDOW:], (now, busy)]
+            (then, before), loads = seen[0], []
+            span = now - then
+            for i, (b, b0, st) in enumerate(zip(busy, before, stats)):
                 used = st.device_blocks.total - st.device_blocks.free if st is not None else 0
                 loads.append(Load(min(1.0, max(0.0, (b - b0) / span)), used, st.device_blocks.total if st else 0,
                                   layers_out=c.num_layers - leases[i][1] if i in leases else 0))
-            last, last_t = busy, now
             self.load_log.append((now, [(x.compute, x.memory) for x in loads]))
             saved = deepcopy(rb.leases)
             moves, done = rb.plan(loads), []
