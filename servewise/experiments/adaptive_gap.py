@@ -364,7 +364,7 @@ def crossover_lines(res: dict) -> list[str]:
              f"k times slower: where the cost-aware choice is swap"]
     for model, by_k in res["crossover"].items():
         for k, rows in by_k.items():
-            lines.append(f"  {model:<10} k={k:<4}" + "  ".join(
+            lines.append(f"  {model:<10} k={k:<5}" + "  ".join(
                 f"{r['tokens']}: {r['recompute_ms']:.0f}/{r['swap_ms']:.0f} {r['choice'][:4]}" for r in rows))
     return lines
 

@@ -4,7 +4,7 @@
 and re-prefill prompt + generated tokens later), or SWAP_FALLBACK (swap wanted, host pool full, so
 recompute; counted separately).
 
-Always-swap has three ways to meet a full host pool: `swap` recomputes the victim instead;
+Always-swap has four ways to meet a full host pool: `swap` recomputes the victim instead;
 `swap-stall` preempts nothing and lets the request that needed blocks, and those behind it, sit the
 step out (a mode with `holds` is asked by the scheduler's decode step before it evicts anyone);
 `swap-abort` stops the engine, as vLLM 0.2.5 did (its scheduler raised a RuntimeError, which ended the
