@@ -7,12 +7,13 @@ its first iteration, the prefill, costs about as much as `prompt / prompt_tokens
 iterations), so long prompts start low. Lower queues are served first, the earliest arrival first
 within a queue, and a waiting request of a lower queue preempts running requests of higher ones
 (the `ranked` admission rule; the preempted are swapped or recomputed as --preemption says). A request
-that has waited `starve_s` seconds since its arrival without a token, or since its last token, is
-promoted to queue 0 until it gets one (FastServe's starvation prevention; None turns it off).
+not running that has waited `starve_s` seconds since its arrival or its last token is promoted to
+queue 0 and stays there (FastServe's starvation prevention; None turns it off): promoted for a quantum
+only, it would be preempted again at once under load, its KV copied or recomputed for a few tokens.
 """
 from __future__ import annotations
 
-from servewise.engine.request import Request
+from servewise.engine.request import Request, Status
 from servewise.policies.ordering import Ordering, register
 
 
@@ -25,6 +26,7 @@ class SkipJoinMLFQ(Ordering):
         if quantum < 1 or levels < 1 or prompt_tokens_per_token < 1:
             raise ValueError("mlfq: quantum, levels and prompt_tokens_per_token must be >= 1")
         self.quantum, self.levels, self.ratio, self.starve_s = quantum, levels, prompt_tokens_per_token, starve_s
+        self.promoted: set[str] = set()  # requests promoted to queue 0 for good
 
     def entry(self, prompt_len: int) -> int:
         """The first queue whose quantum covers the prompt's cost in decode iterations (skip-join)."""
@@ -34,6 +36,9 @@ class SkipJoinMLFQ(Ordering):
         return k
 
     def level(self, req: Request) -> int:
+        """Its queue: from its entry queue, one down per quantum used; 0 once promoted."""
+        if req.request_id in self.promoted:
+            return 0
         k, left = self.entry(req.num_prompt_tokens), len(req.output_token_ids)
         while k < self.levels - 1 and left >= self.quantum << k:
             left -= self.quantum << k
@@ -41,6 +46,8 @@ class SkipJoinMLFQ(Ordering):
         return k
 
     def key(self, req: Request, now: float) -> tuple:
-        last = req.token_times[-1] if req.token_times else req.arrival_time
-        starving = self.starve_s is not None and now - last >= self.starve_s
-        return (0 if starving else self.level(req), req.arrival_time, req.seq_no)
+        if self.starve_s is not None and req.status in (Status.WAITING, Status.SWAPPED):
+            last = req.token_times[-1] if req.token_times else req.arrival_time
+            if now - last >= self.starve_s:
+                self.promoted.add(req.request_id)
+        return (self.level(req), req.arrival_time, req.seq_no)

@@ -27,6 +27,7 @@ class WorkloadRequest:
     predicted_len: int | None = None  # its output length as predicted before it runs (length-aware scheduling)
     slo: float | None = None  # seconds after its arrival by which it should be finished
     client: str | None = None  # who sends it (per-client fairness)
+    priority: int = 0  # under the priority policy: lower values first
     ttft_target: float | None = None  # its latency targets: seconds to the first token,
     tpot_target: float | None = None  # and per output token after it
 

@@ -51,7 +51,7 @@ def run_workload(engine, items: list[WorkloadRequest], arrivals: list[float],
                 rejected.append((i, str(e)))
                 continue
             req.predicted_len, req.client = item.predicted_len, item.client
-            req.ttft_target, req.tpot_target = item.ttft_target, item.tpot_target
+            req.ttft_target, req.tpot_target, req.priority = item.ttft_target, item.tpot_target, item.priority
             req.deadline = t + item.slo if item.slo is not None else None
             reqs[i] = engine.enqueue(req)
         if not engine.has_unfinished():

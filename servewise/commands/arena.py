@@ -1,0 +1,37 @@
+"""`servewise arena`: scheduling policies side by side on one workload, ranked."""
+from __future__ import annotations
+
+from servewise.commands.options import at_least
+
+HELP = "rank scheduling policies on one workload (simulated or real): goodput, latency, fairness, recompute"
+
+
+def arguments(p) -> None:
+    from servewise.experiments.arena import POLICIES, WORKLOADS
+
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated: registered names, PATH.py[:NAME] files or installed entry points")
+    p.add_argument("--workload", default="tenants", choices=WORKLOADS)
+    p.add_argument("--data", default=None, help="the workload's file (sharegpt, azure-*, magnus-tasks)")
+    p.add_argument("--backend", default="sim", choices=("sim", "real"))
+    p.add_argument("--model", default=None, help="default: llama-2-7b simulated, tiny-llama real")
+    p.add_argument("--hardware", default="rtx3090", help="the simulated GPU (default: 24 GB, so KV is scarce)")
+    p.add_argument("--num-requests", type=at_least(1), default=1000)
+    p.add_argument("--rate", type=float, default=None, help="poisson requests/s (default 3 simulated, 12 real: near saturation)")
+    p.add_argument("--seeds", type=at_least(1), default=3)
+    p.add_argument("--preemption", default="recompute", help="what a preempted request's KV gets (recompute, swap, ...)")
+    p.add_argument("--ttft-target", type=float, default=None, help="seconds (default 2 simulated, 1 real)")
+    p.add_argument("--tpot-target", type=float, default=None, help="seconds (default 0.1 simulated, 0.2 real)")
+    p.add_argument("--num-device-blocks", type=at_least(1), default=None)
+    p.add_argument("--max-output-len", type=at_least(1), default=1024)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--out-dir", default="results/arena")
+
+
+def run(a) -> None:
+    from servewise.experiments.arena import Settings, main
+
+    main(Settings(policies=tuple(x for x in a.policies.split(",") if x), workload=a.workload, data=a.data,
+                  backend=a.backend, model=a.model, hardware=a.hardware, num_requests=a.num_requests, rate=a.rate,
+                  seeds=a.seeds, preemption=a.preemption, ttft_target=a.ttft_target, tpot_target=a.tpot_target,
+                  num_device_blocks=a.num_device_blocks, max_output_len=a.max_output_len, out_dir=a.out_dir))
