@@ -58,7 +58,7 @@ def test_every_engine_option_is_a_flag_with_its_choices(capsys):
     text = capsys.readouterr().out
     for f in _config_fields():
         assert "--" + f.name.replace("_", "-") in text
-    assert "{fcfs,fair,spf,hrrn,priority,prompt-first,las}" in text and "{recompute,swap,adaptive}" in text
+    assert "{fcfs,fair,spf,hrrn,priority,prompt-first,las}" in text and "{recompute,swap,swap-stall,swap-abort,swap-drop,adaptive}" in text
     assert "--policy {fcfs,fair,spf,hrrn,priority,prompt-first,las}, --scheduling-policy" in text  # vLLM's name works too
     assert "{continuous,vanilla,magnus,slo-odbs,s3}" in text
     with pytest.raises(SystemExit):
