@@ -35,6 +35,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0
+    client: str | None = None  # who sent it (the OpenAI API's `user`): per-client fairness (--policy vtc)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:

@@ -155,3 +155,13 @@ def test_a_policy_from_an_installed_entry_point_runs_by_name(tmp_path):
     assert "longest-prompt-first" not in ORDERING_POLICIES  # loaded in that process only
     with pytest.raises(ValueError, match="unknown ordering policy 'longest-prompt-first'"):
         resolve("longest-prompt-first")  # not installed here
+
+
+def test_the_openai_user_field_is_the_requests_client():
+    from servewise.builder import build_sim_engine
+    from servewise.server.protocol import CompletionRequest
+
+    params = CompletionRequest(model="m", prompt="hi", max_tokens=2, user="alice").sampling_params(None, 16)
+    eng = build_sim_engine("tiny-llama", hardware="a100-80g", num_device_blocks=64, policy="vtc")
+    assert eng.add_request([5, 6, 7], params).client == "alice"
+    assert eng.add_request([5, 6, 7], CompletionRequest(model="m", prompt="x").sampling_params(2, 16)).client is None

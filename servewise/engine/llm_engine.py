@@ -113,7 +113,7 @@ class LLMEngine:
         mc = self.model_config
         return Request(rid, ids, params, self.clock.now() if arrival_time is None else arrival_time, prompt=text,
                        seq_no=seq, eos_token_id=mc.eos_token_id, more_eos_token_ids=mc.more_eos_token_ids,
-                       max_total_tokens=mc.max_model_len, priority=params.priority)
+                       max_total_tokens=mc.max_model_len, priority=params.priority, client=params.client)
 
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a request and free its blocks; reason becomes its finish_reason ("stop" when the

@@ -27,6 +27,7 @@ class _Sampling(BaseModel):
     stream_options: dict | None = None
     ignore_eos: bool = False  # vLLM's extension, used by benchmark clients
     priority: int = 0  # vLLM's extension: the request's rank under --policy priority (lower first)
+    user: str | None = None  # the OpenAI API's end-user id: the request's client (--policy vtc is fair across them)
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -50,7 +51,8 @@ class _Sampling(BaseModel):
             top_k=-1 if self.top_k in (None, 0) else self.top_k, min_p=given(self.min_p, 0.0),
             presence_penalty=given(self.presence_penalty, 0.0), frequency_penalty=given(self.frequency_penalty, 0.0),
             repetition_penalty=given(self.repetition_penalty, 1.0), logprobs=self.num_logprobs(),
-            seed=self.seed, ignore_eos=self.ignore_eos, stop=self.stop_strings(), priority=self.priority)
+            seed=self.seed, ignore_eos=self.ignore_eos, stop=self.stop_strings(), priority=self.priority,
+            client=self.user)
 
     def num_logprobs(self) -> int | None:
         """How many top log-probabilities each token carries; None: no log-probabilities."""
