@@ -17,7 +17,9 @@ def arguments(p) -> None:
     p.add_argument("--model", default=None, help="default: llama-2-7b simulated, tiny-llama real")
     p.add_argument("--hardware", default="rtx3090", help="the simulated GPU (default: 24 GB, so KV is scarce)")
     p.add_argument("--num-requests", type=at_least(1), default=1000)
-    p.add_argument("--rate", type=float, default=None, help="poisson requests/s (default 3 simulated, 12 real: near saturation)")
+    p.add_argument("--rate", type=float, default=None, help="poisson requests/s (default: --load x the capacity)")
+    p.add_argument("--load", type=float, default=1.1,
+                   help="the rate as a share of the capacity FCFS shows with every request there at once")
     p.add_argument("--seeds", type=at_least(1), default=3)
     p.add_argument("--preemption", default="recompute", help="what a preempted request's KV gets (recompute, swap, ...)")
     p.add_argument("--ttft-target", type=float, default=None, help="seconds (default 2 simulated, 1 real)")
@@ -33,5 +35,5 @@ def run(a) -> None:
 
     main(Settings(policies=tuple(x for x in a.policies.split(",") if x), workload=a.workload, data=a.data,
                   backend=a.backend, model=a.model, hardware=a.hardware, num_requests=a.num_requests, rate=a.rate,
-                  seeds=a.seeds, preemption=a.preemption, ttft_target=a.ttft_target, tpot_target=a.tpot_target,
+                  load=a.load, seeds=a.seeds, preemption=a.preemption, ttft_target=a.ttft_target, tpot_target=a.tpot_target,
                   num_device_blocks=a.num_device_blocks, max_output_len=a.max_output_len, out_dir=a.out_dir))

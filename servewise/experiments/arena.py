@@ -54,7 +54,8 @@ class Settings:
     model: str | None = None  # default: llama-2-7b simulated on an RTX 3090 (24 GB), tiny-llama on the real engine
     hardware: str = "rtx3090"
     num_requests: int = 1000
-    rate: float | None = None  # default per backend: near the simulated A100's / this CPU's saturation
+    rate: float | None = None  # requests/s; default: `load` x the capacity measured on the workload
+    load: float = 1.1  # just past saturation, where the order of service matters
     seeds: int = 3
     preemption: str = "recompute"
     ttft_target: float | None = None  # seconds; default per backend
@@ -78,7 +79,8 @@ class Settings:
         if self.seeds < 1 or self.num_requests < 1:
             raise ValueError("seeds and num_requests must be >= 1")
         self.model = self.model or ("tiny-llama" if real else "llama-2-7b")
-        self.rate = self.rate or (12.0 if real else 3.0)  # near saturation on the default models
+        if self.rate is not None and self.rate <= 0 or not 0 < self.load <= 10:
+            raise ValueError("rate must be > 0 and load in (0, 10]")
         self.ttft_target = self.ttft_target or (1.0 if real else 2.0)
         self.tpot_target = self.tpot_target or (0.2 if real else 0.1)
         if real and self.num_device_blocks is None:
@@ -122,7 +124,7 @@ def arrivals(s: Settings, items: list[WorkloadRequest], rng: random.Random) -> l
     the time on, at five times its rate)."""
     t, out = 0.0, []
     for it in items:
-        t += rng.expovariate(s.rate)
+        t += rng.expovariate(s.rate or 1.0)
         out.append(t)
     if s.workload == "bursts":  # the heavy tenant's requests pushed into the on-periods of a 10 s cycle
         out = [10.0 * math.floor(a / 10.0) + (a % 10.0) / 5.0 if it.client == "tenant0" else a
@@ -252,6 +254,13 @@ def run_arena(s: Settings) -> dict:
     from servewise.models.loader import load_model_config
 
     _, tok = load_model_config(s.model, "float16")
+    capacity = None
+    if s.rate is None:  # FCFS with every request there at once: the most the engine serves a second
+        items, _ = workload(s, 0, tok)
+        capacity = lab.run(lab.Spec(engine(s, "fcfs"), items, [0.0] * len(items))).metrics["request_throughput"]
+        s.rate = s.load * capacity
+        print(f"capacity {capacity:.2f} req/s (FCFS, all {len(items)} requests at once): rate {s.rate:.2f} req/s",
+              file=sys.stderr, flush=True)
     runs = []
     total, t0 = len(s.policies) * s.seeds, time.perf_counter()
     for seed in range(s.seeds):
@@ -263,7 +272,8 @@ def run_arena(s: Settings) -> dict:
                   f"{f['goodput']:.2f} req/s  mean E2E {f['mean_e2e_s']:.2f} s  max gap {f['max_gap']:.0f}  "
                   f"preemptions {f['preemptions']}", file=sys.stderr, flush=True)
     return {"experiment": "arena", "workload": s.workload, "data": s.data, "backend": s.backend, "model": s.model,
-            "hardware": s.hardware if s.backend == "sim" else None, "rate": s.rate, "num_requests": s.num_requests,
+            "hardware": s.hardware if s.backend == "sim" else None, "rate": s.rate, "capacity": capacity,
+            "load": s.load if capacity else None, "num_requests": s.num_requests,
             "seeds": s.seeds, "preemption": s.preemption, "ttft_target": s.ttft_target, "tpot_target": s.tpot_target,
             "runs": runs, "board": board(runs, s.policies), "wall_s": time.perf_counter() - t0}
 
@@ -293,7 +303,8 @@ def _cell(v, key) -> str:
 def report(res: dict) -> str:
     where = (f"{res['model']} simulated on {res['hardware']}" if res["backend"] == "sim"
              else f"{res['model']} on the real engine")
-    lines = [f"Policy arena: {res['workload']} workload, {res['num_requests']} requests at {res['rate']:g} req/s, "
+    load = f" ({res['load']:g} x the {res['capacity']:.2f} req/s capacity)" if res.get("capacity") else ""
+    lines = [f"Policy arena: {res['workload']} workload, {res['num_requests']} requests at {res['rate']:.3g} req/s{load}, "
              f"{where}, preemption {res['preemption']}, targets TTFT {res['ttft_target']:g} s / TPOT "
              f"{res['tpot_target'] * 1e3:g} ms; mean ± 95% interval over {res['seeds']} seed(s)", "",
              "| rank | policy | " + " | ".join(label for label, _ in METRICS.values()) + " |",
@@ -318,7 +329,7 @@ def plot(res: dict, out_dir: str) -> list[str]:
         ax.invert_yaxis()
         ax.set_title(METRICS[key][0] + (" (higher better)" if METRICS[key][1] else " (lower better)"), fontsize=8)
         ax.tick_params(labelsize=7)
-    fig.suptitle(f"policy arena: {res['workload']}, {res['backend']} ({res['model']}), {res['rate']:g} req/s, "
+    fig.suptitle(f"policy arena: {res['workload']}, {res['backend']} ({res['model']}), {res['rate']:.3g} req/s, "
                  f"{res['seeds']} seed(s)", fontsize=9)
     fig.tight_layout()
     return [save_figure(fig, out_dir, f"arena_{res['workload']}_{res['backend']}.png")]
