@@ -54,7 +54,7 @@ class Settings:
     model: str | None = None  # default: llama-2-7b simulated on an RTX 3090 (24 GB), tiny-llama on the real engine
     hardware: str = "rtx3090"
     num_requests: int = 1000
-    rate: float | None = None  # requests/s; default: `load` x the capacity measured on the workload
+    rate: float | None = None  # requests/s; default: `load` x the capacity measured on each seed's requests
     load: float = 1.1  # just past saturation, where the order of service matters
     seeds: int = 3
     preemption: str = "recompute"
@@ -91,8 +91,9 @@ def heavy_tailed(rng: random.Random, median: float, sigma: float, lo: int, hi: i
     return int(min(hi, max(lo, rng.lognormvariate(math.log(median), sigma))))
 
 
-def workload(s: Settings, seed: int, tokenizer) -> tuple[list[WorkloadRequest], list[float]]:
-    """The requests (each with a client, a priority and targets) and their arrival times."""
+def workload(s: Settings, seed: int, tokenizer) -> tuple[list[WorkloadRequest], dict]:
+    """The requests (each with a client, a priority and targets) and their arrival times at the seed's
+    rate: s.rate, or s.load x the capacity (what FCFS serves a second with every request there at once)."""
     rng = random.Random(f"arena:{s.workload}:{seed}")
     clients = [f"tenant{k}" for k in range(len(SHARES))]
     if s.workload in ("tenants", "bursts"):
@@ -116,15 +117,20 @@ def workload(s: Settings, seed: int, tokenizer) -> tuple[list[WorkloadRequest], 
     heaviest = max(set(it.client for it in items), key=lambda c: sum(it.client == c for it in items))
     for it in items:  # under `priority` the client that sends most is served after the others
         it.priority = int(it.client == heaviest)
-    return items, arrivals(s, items, rng)
+    shape = {"capacity": None, "rate": s.rate}
+    if s.rate is None:
+        shape["capacity"] = lab.run(lab.Spec(engine(s, "fcfs"), items, [0.0] * len(items))).metrics["request_throughput"]
+        shape["rate"] = s.load * shape["capacity"]
+    shape["arrivals"] = arrivals(shape["rate"], s, items, rng)
+    return items, shape
 
 
-def arrivals(s: Settings, items: list[WorkloadRequest], rng: random.Random) -> list[float]:
-    """Poisson arrivals at s.rate in all; under `bursts` the heaviest client sends in bursts (a fifth of
+def arrivals(rate: float, s: Settings, items: list[WorkloadRequest], rng: random.Random) -> list[float]:
+    """Poisson arrivals at `rate` in all; under `bursts` the heaviest client sends in bursts (a fifth of
     the time on, at five times its rate)."""
     t, out = 0.0, []
     for it in items:
-        t += rng.expovariate(s.rate or 1.0)
+        t += rng.expovariate(rate)
         out.append(t)
     if s.workload == "bursts":  # the heavy tenant's requests pushed into the on-periods of a 10 s cycle
         out = [10.0 * math.floor(a / 10.0) + (a % 10.0) / 5.0 if it.client == "tenant0" else a
@@ -254,26 +260,23 @@ def run_arena(s: Settings) -> dict:
     from servewise.models.loader import load_model_config
 
     _, tok = load_model_config(s.model, "float16")
-    capacity = None
-    if s.rate is None:  # FCFS with every request there at once: the most the engine serves a second
-        items, _ = workload(s, 0, tok)
-        capacity = lab.run(lab.Spec(engine(s, "fcfs"), items, [0.0] * len(items))).metrics["request_throughput"]
-        s.rate = s.load * capacity
-        print(f"capacity {capacity:.2f} req/s (FCFS, all {len(items)} requests at once): rate {s.rate:.2f} req/s",
-              file=sys.stderr, flush=True)
-    runs = []
+    runs, rates = [], []
     total, t0 = len(s.policies) * s.seeds, time.perf_counter()
     for seed in range(s.seeds):
-        items, times = workload(s, seed, tok)
+        items, shape = workload(s, seed, tok)
+        rates.append({"seed": seed, "capacity": shape["capacity"], "rate": shape["rate"]})
+        if shape["capacity"] is not None:
+            print(f"seed {seed}: capacity {shape['capacity']:.2f} req/s (FCFS, all {len(items)} requests at once), "
+                  f"rate {shape['rate']:.2f} req/s", file=sys.stderr, flush=True)
         for policy in s.policies:
-            rec = lab.run(lab.Spec(engine(s, policy), items, times, tags={"policy": policy, "seed": seed}))
-            runs.append(f := {"policy": policy, "seed": seed, **figures(rec, items)})
+            rec = lab.run(lab.Spec(engine(s, policy), items, shape["arrivals"], tags={"policy": policy, "seed": seed}))
+            runs.append(f := {"policy": policy, "seed": seed, "rate": shape["rate"], **figures(rec, items)})
             print(f"[{len(runs)}/{total}, {time.perf_counter() - t0:.0f} s] seed {seed} {policy:<10} goodput "
                   f"{f['goodput']:.2f} req/s  mean E2E {f['mean_e2e_s']:.2f} s  max gap {f['max_gap']:.0f}  "
                   f"preemptions {f['preemptions']}", file=sys.stderr, flush=True)
     return {"experiment": "arena", "workload": s.workload, "data": s.data, "backend": s.backend, "model": s.model,
-            "hardware": s.hardware if s.backend == "sim" else None, "rate": s.rate, "capacity": capacity,
-            "load": s.load if capacity else None, "num_requests": s.num_requests,
+            "hardware": s.hardware if s.backend == "sim" else None, "rate": s.rate, "load": s.load, "rates": rates,
+            "num_requests": s.num_requests,
             "seeds": s.seeds, "preemption": s.preemption, "ttft_target": s.ttft_target, "tpot_target": s.tpot_target,
             "runs": runs, "board": board(runs, s.policies), "wall_s": time.perf_counter() - t0}
 
@@ -303,8 +306,9 @@ def _cell(v, key) -> str:
 def report(res: dict) -> str:
     where = (f"{res['model']} simulated on {res['hardware']}" if res["backend"] == "sim"
              else f"{res['model']} on the real engine")
-    load = f" ({res['load']:g} x the {res['capacity']:.2f} req/s capacity)" if res.get("capacity") else ""
-    lines = [f"Policy arena: {res['workload']} workload, {res['num_requests']} requests at {res['rate']:.3g} req/s{load}, "
+    at = (f"{res['rate']:g} req/s" if res["rate"] else f"{res['load']:g} x each seed's capacity (" +
+          ", ".join(f"{r['rate']:.2f}" for r in res["rates"]) + " req/s)")
+    lines = [f"Policy arena: {res['workload']} workload, {res['num_requests']} requests at {at}, "
              f"{where}, preemption {res['preemption']}, targets TTFT {res['ttft_target']:g} s / TPOT "
              f"{res['tpot_target'] * 1e3:g} ms; mean ± 95% interval over {res['seeds']} seed(s)", "",
              "| rank | policy | " + " | ".join(label for label, _ in METRICS.values()) + " |",
@@ -329,7 +333,8 @@ def plot(res: dict, out_dir: str) -> list[str]:
         ax.invert_yaxis()
         ax.set_title(METRICS[key][0] + (" (higher better)" if METRICS[key][1] else " (lower better)"), fontsize=8)
         ax.tick_params(labelsize=7)
-    fig.suptitle(f"policy arena: {res['workload']}, {res['backend']} ({res['model']}), {res['rate']:.3g} req/s, "
+    at = f"{res['rate']:g} req/s" if res["rate"] else f"{res['load']:g} x capacity"
+    fig.suptitle(f"policy arena: {res['workload']}, {res['backend']} ({res['model']}), {at}, "
                  f"{res['seeds']} seed(s)", fontsize=9)
     fig.tight_layout()
     return [save_figure(fig, out_dir, f"arena_{res['workload']}_{res['backend']}.png")]
