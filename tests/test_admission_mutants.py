@@ -417,3 +417,16 @@ def test_a_step_with_no_room_ends_a_hold():
     run_step(s, out, 1.25)
     out = s.schedule(2.25)
     assert out.is_prefill and out.scheduled == ["1"]
+
+
+def test_a_static_batch_whose_last_row_does_not_fit_is_split_at_once():
+    """Nothing in a static batch lets go of its KV before the batch ends (ended rows keep computing), so a
+    last prompt that does not fit beside the others never will: the batch is split in that step."""
+    s, bm = sched(num_device=6, batching="vanilla", batch_size=2, static_batches=True)
+    a, b = req(0, 2, 0.0), req(1, 12, 1.0)
+    s.add(a), s.add(b)
+    out = s.schedule(0.0)  # a and its pad of 10 (4 blocks); b needs 3, 2 are free
+    assert out.scheduled == ["0", "0/pad"]
+    run_step(s, out)
+    out = s.schedule(1.0)
+    assert out.preempted == [("0", "recompute")] and out.scheduled == ["0"] and s.admission.batcher.splits == 1
