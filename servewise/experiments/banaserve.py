@@ -31,6 +31,13 @@ one move a period between the extremes (banaserve), Algorithm 4-1 as printed ove
 underloaded sets (banaserve-sets), or the moves that most raise the objective of formula 4-27
 (banaserve-objective). Every run samples the instances' loads every MONITOR_S seconds; the report gives the
 mean gap between the most and the least loaded instance, and a figure shows the loads over time.
+
+With `seeds`, every system runs at every rate once per seed (a seed draws the lengths and the Poisson
+arrivals; on the Azure trace it takes the trace's seed-th window of requests) and the report gives each
+figure's mean and 95% interval over the seeds, and each (system, baseline) pair's ratio of requests/s
+taken seed by seed. With pd-distserve among the systems, DistServe also runs at every other prompt /
+token split (pd-distserve-P+T), and pd-distserve-searched is, per rate, the split that served best on
+`tune_seed`, a seed not evaluated.
 """
 from __future__ import annotations
 
