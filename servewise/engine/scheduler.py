@@ -30,7 +30,7 @@ def _move(out: SchedulerOutput, src: Pool, dst: Pool, pairs: list[tuple[int, int
 
 class Scheduler:
     """config: max_num_seqs and max_num_batched_tokens; the strategies (policies/): ordering (key,
-    static), preemption (choose), admission (step, queue, remove, __len__, ranked), rules (joins,
+    static), preemption (choose, holds, drops), admission (step, queue, remove, __len__, ranked), rules (joins,
     decode_floor, swap_spare), and optional reserve (fits), lengths (correct) and fetch (choose)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, ordering, preemption, admission,
@@ -38,8 +38,6 @@ class Scheduler:
         self.config, self.bm = config, block_manager
         self.ordering, self.preemption, self.admission, self.rules = ordering, preemption, admission, rules
         self.reserve, self.lengths, self.fetch = reserve, lengths, fetch
-        self.holds = getattr(preemption, "holds", None)  # a mode that may stop a decode step rather than evict
-        self.drops = getattr(preemption, "drops", None)  # a mode that may abort a victim rather than preempt it
         self.static, self.ranked = ordering.static, admission.ranked
         self.waiting, self.running, self.swapped = [], [], []  # the queues: list[Request] each
         self.queued_tokens = 0  # tokens still to prefill of the waiting requests
@@ -179,7 +177,7 @@ class Scheduler:
         instead: nothing is preempted and None is returned."""
         bm, rid = self.bm, req.request_id
         while max(bm.new_blocks_for(rid, upto), floor) > bm.num_free_device:
-            if hold and self.holds is not None and self.holds(running[-1], bm):
+            if hold and self.preemption.holds(running[-1], bm):
                 return None
             victim = running.pop()
             self.preempt(victim, now, out)
@@ -219,7 +217,7 @@ class Scheduler:
         return True
 
     def preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
-        if self.drops is not None and self.drops(req, self.bm):  # it ends, aborted (policies.preemption.SwapDrop)
+        if self.preemption.drops(req, self.bm):  # it ends, aborted (policies.preemption.SwapDrop)
             self.bm.free(req.request_id)
             req.status, req.finish_reason, req.finish_time = Status.ABORTED, "abort", now
             self.forget(req)

@@ -6,10 +6,10 @@ recompute; counted separately).
 
 Always-swap has four ways to meet a full host pool: `swap` recomputes the victim instead;
 `swap-stall` preempts nothing and lets the request that needed blocks, and those behind it, sit the
-step out (a mode with `holds` is asked by the scheduler's decode step before it evicts anyone);
+step out (the scheduler's decode step asks a mode's `holds` before it evicts anyone);
 `swap-abort` stops the engine, as vLLM 0.2.5 did (its scheduler raised a RuntimeError, which ended the
 engine's loop and every request in it); `swap-drop` aborts only the victim and goes on (what that
-code's comment names as the fix it meant: a mode with `drops` is asked before every preemption).
+code's comment names as the fix it meant: the scheduler asks a mode's `drops` before every preemption).
 """
 from __future__ import annotations
 
@@ -21,17 +21,29 @@ from servewise.engine.interfaces import Preemption
 from servewise.engine.request import Request
 
 
-class Recompute:
-    name = "recompute"
+class Mode:
+    """The interface: `choose(req, bm, now)` -> a Preemption for a victim; `holds(victim, bm)`: stop the
+    decode step rather than evict `victim`; `drops(victim, bm)`: abort `victim` rather than preempt it;
+    `needs_costs`: built with a performance model."""
+
     needs_costs = False
+
+    def holds(self, victim: Request, bm: BlockManager) -> bool:
+        return False
+
+    def drops(self, victim: Request, bm: BlockManager) -> bool:
+        return False
+
+
+class Recompute(Mode):
+    name = "recompute"
 
     def choose(self, req: Request, bm: BlockManager, now: float) -> Preemption:
         return Preemption.RECOMPUTE
 
 
-class Swap:
+class Swap(Mode):
     name = "swap"
-    needs_costs = False
 
     def choose(self, req: Request, bm: BlockManager, now: float) -> Preemption:
         return Preemption.SWAP if bm.can_swap_out(req.request_id) else Preemption.SWAP_FALLBACK
@@ -113,7 +125,7 @@ class Decision:
                 f"{room} -> {self.mode.value}")
 
 
-class Adaptive:
+class Adaptive(Mode):
     """AdaptiveLLM's cost-aware choice (Algorithm 1): swap when the predicted swap-out plus swap-in
     time is below the predicted recompute (a prefill of prompt + generated tokens) and the host pool
     has room; otherwise recompute ("swap_fallback" when only the room was missing).
