@@ -115,6 +115,7 @@ class ClusterClient(StreamingClient):
         self.load_log: list[tuple] = []
         self._moved_s = [(0.0, 0.0)] * len(roles)  # per instance: steps' waits on its peer, peers' layers run (s)
         self._lending: dict[int, tuple[int, int]] = {}  # source -> (the instance running its layers, the first)
+        self._reported: list[float | None] = [None] * len(roles)  # when each instance last reported (monotonic)
         self._pipes: list = []
         self.engine_kwargs, self.threads, self.layerwise = dict(engine_kwargs), threads, layerwise
         device = self.engine_kwargs.get("device", "auto")
@@ -226,7 +227,7 @@ class ClusterClient(StreamingClient):
     def _rebalance_loop(self) -> None:
         """Every period of wall time, each instance's U = compute + memory (4-28): compute, the share of the
         last WINDOW periods it computed (its steps, less their waits on the peer that runs its moved layers, plus the
-        peers' layers it ran between its steps); memory, its device blocks in use. The Rebalancer plans from
+        peers' layers it ran between its steps, plus the step under way: _busy); memory, its device blocks in use. The Rebalancer plans from
         them; a layer move is carried out (migration.migrate_layers_to_process over a pipe to the peer
         instance, which runs the layers between its own steps), and so is a give-back (the owner takes its
         layers and their KV back: migration.reclaim_layers); what is not done here, recorded but not carried
@@ -243,13 +244,14 @@ class ClusterClient(StreamingClient):
         rb = Rebalancer(cfg, c.num_layers, c.num_kv_heads, layer_params(c) * 4, block * c.kv_bytes_per_token,
                         PIPE_BYTES_PER_S)
         with self._co:
-            seen = [(time.monotonic(), self._busy())]  # the last WINDOW periods' (time, busy seconds per instance)
+            now = time.monotonic()
+            seen = [(now, self._busy(now))]  # the last WINDOW periods' (time, busy seconds per instance)
         lending = self._lending
         while not self._stopping:
             time.sleep(cfg.period_s)
             now = time.monotonic()
             with self._co:
-                busy, stats = self._busy(), list(self.co.loads)
+                busy, stats = self._busy(now), list(self.co.loads)
                 leases = dict(lending)
             seen = [*seen[-WINDOW:], (now, busy)]
             (then, before), loads = seen[0], []
@@ -287,9 +289,17 @@ class ClusterClient(StreamingClient):
                 for m in done:
                     rb._record(m)
 
-    def _busy(self) -> list[float]:
-        """Per instance, the seconds it has computed: its steps less their waits on a peer, plus peers' layers."""
-        return [(st.busy_s if st is not None else 0.0) - w + h for st, (w, h) in zip(self.co.loads, self._moved_s)]
+    def _busy(self, now: float) -> list[float]:
+        """Per instance, the seconds it has computed by `now`: its steps less their waits on a peer, plus peers'
+        layers, plus, while it holds requests, the time since its last report (the step under way: an instance
+        reports after each step, and a long prefill outlasts a period)."""
+        out = []
+        for st, (w, h), at in zip(self.co.loads, self._moved_s, self._reported):
+            busy = (st.busy_s if st is not None else 0.0) - w + h
+            if st is not None and at is not None and (st.running or st.waiting):
+                busy += max(0.0, now - at)
+            out.append(busy)
+        return out
 
     def _lend(self, src: int, dst: int, first: int) -> None:
         """Layers first.. of instance src move to instance dst (dst hosts, then src lends over a new pipe)."""
@@ -385,6 +395,7 @@ class ClusterClient(StreamingClient):
             if not m.up:
                 return
             self.co.report(m.index, stats)
+            self._reported[m.index] = time.monotonic()
             mine, rest = self.co.outputs(m.index, outputs, events)
             for ev in rest:
                 getattr(self, f"_on_{ev[0]}")(m.index, *ev[1:])
