@@ -162,28 +162,31 @@ def test_s3_serves_queued_halves_first_and_nothing_from_an_empty_pool():
 
 
 # --- fetch or compute ------------------------------------------------------------------------------
+MS = 2.0 ** -10  # a "millisecond" that adds and subtracts exactly in floating point
+
+
 class Cost:
-    """prefill of n tokens takes n ms."""
+    """prefill of n tokens takes n MS."""
 
     def __init__(self):
         self.calls = []
 
     def prefill(self, lens):
         self.calls.append(list(lens))
-        return sum(lens) * 1e-3
+        return sum(lens) * MS
 
 
 def test_fetch_or_recompute_fetches_only_when_the_read_is_strictly_cheaper():
     cost = Cost()
-    f = FetchOrRecompute(cost, lambda tiers: len(tiers) * 0.016, 16)
-    # 4 stored blocks (64 tokens) before 10 computed anyway: computing them adds 74 - 10 = 64 ms
-    assert f.choose(["disk"] * 4, 10) == 0  # a read of exactly 64 ms: compute
+    f = FetchOrRecompute(cost, lambda tiers: len(tiers) * 16 * MS, 16)
+    # 4 stored blocks (64 tokens) before 10 computed anyway: computing them adds 74 - 10 = 64 MS
+    assert f.choose(["disk"] * 4, 10) == 0  # a read of exactly 64: compute
     assert cost.calls == [[74], [10]]
-    f.read_time = lambda tiers: 0.0639
+    f.read_time = lambda tiers: 63.5 * MS
     assert f.choose(["disk"] * 4, 10) == 4
-    # none computed after them: the step computes at least one token, so computing them adds 64 - 1 ms
+    # none computed after them: the step computes at least one token, so computing them adds 64 - 1
     assert f.choose(["disk"] * 4, 0) == 0 and cost.calls[-2:] == [[64], [1]]
-    f.read_time = lambda tiers: 0.0629
+    f.read_time = lambda tiers: 62.5 * MS
     assert f.choose(["disk"] * 4, 0) == 4
     assert AlwaysFetch().choose(["disk"] * 3, 0) == 3
 
@@ -213,3 +216,33 @@ def test_fetch_names_the_stored_blocks_after_the_hits_that_it_chooses():
     assert h.names(bm, r, [7, 8]) == [b"a", b"b"] and bm.asked == [("0", 2)]
     assert h.seen == (["memory", "memory", "disk", "disk"], 30 - (2 + 4) * 4)
     assert h.names(BM([]), r, []) == []
+
+
+def test_magnus_puts_a_request_in_the_older_of_two_equally_good_batches():
+    m = Magnus(memory_cap=10**6, max_batch=8, order="fcfs", threshold=1e9)
+    m.queued = [Batch([req(0, 10, predicted=5)], 0.0), Batch([req(1, 10, predicted=5)], 1.0)]
+    m.add(req(2, 10, predicted=5), 2.0)
+    assert ids(m.queued) == [["0", "2"], ["1"]]
+
+
+def test_slo_odbs_objective_at_its_bounds():
+    with pytest.raises(ValueError, match=r"^unknown SLO-ODBS variant 'x'; choose from printed, formula, capped$"):
+        SLOODBS(memory_cap=10, max_batch=2, variant="x")
+    assert SLOODBS(memory_cap=10, max_batch=2).slo(req(0, 4), 0.0) == 1e6  # no deadline: a million seconds
+    # only T_l = (SLO + L_CM) x (size + 1): a second request of SLO 2 s beside one of 1 s gives (2 + 1) x 2 = 6
+    rs = [req(0, 10, predicted=10, deadline=1.0), req(1, 10, predicted=10, deadline=2.0)]
+    for threshold, batches in ((6.0, [["0", "1"]]), (5.9, [["0"], ["1"]])):
+        u = SLOODBS(memory_cap=10**6, max_batch=8, w1=1.0, w2=0.0, threshold=threshold)
+        assert ids(u.build(rs, 0.0)) == batches
+    # a first request past its deadline (SLO 0) leaves L_CM at 0: (2 + 0) x 2 = 4
+    late = [req(0, 10, predicted=10, deadline=1.0), req(1, 10, predicted=10, deadline=4.0)]
+    u = SLOODBS(memory_cap=10**6, max_batch=8, w1=1.0, w2=0.0, threshold=4.0)
+    assert ids(u.build(late, 2.0)) == [["0", "1"]]
+
+
+def test_capped_slo_odbs_measures_each_new_batch_from_its_first_request():
+    # 30, 30, 31, 30 tokens (input + predicted) under a cap of 60: the third opens a batch that the
+    # fourth cannot join (2 x 31 = 62)
+    capped = SLOODBS(memory_cap=60, max_batch=8, w1=0.0, w2=0.0, threshold=0.0, variant="capped")
+    rs = [req(i, 10, predicted=p, deadline=float(i)) for i, p in enumerate((20, 20, 21, 20))]
+    assert ids(capped.build(rs, 0.0)) == [["0", "1"], ["2"], ["3"]]
