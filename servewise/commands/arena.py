@@ -21,7 +21,8 @@ def arguments(p) -> None:
     p.add_argument("--load", type=float, default=1.1,
                    help="the rate as a share of the capacity FCFS shows with every request there at once")
     p.add_argument("--seeds", type=at_least(1), default=3)
-    p.add_argument("--preemption", default="recompute", help="what a preempted request's KV gets (recompute, swap, ...)")
+    p.add_argument("--preemption", default="recompute",
+                   help="what a preempted request's KV gets (recompute, swap, ...)")
     p.add_argument("--ttft-target", type=float, default=None, help="seconds (default 2 simulated, 1 real)")
     p.add_argument("--tpot-target", type=float, default=None, help="seconds (default 0.1 simulated, 0.2 real)")
     p.add_argument("--num-device-blocks", type=at_least(1), default=None)
@@ -35,5 +36,6 @@ def run(a) -> None:
 
     main(Settings(policies=tuple(x for x in a.policies.split(",") if x), workload=a.workload, data=a.data,
                   backend=a.backend, model=a.model, hardware=a.hardware, num_requests=a.num_requests, rate=a.rate,
-                  load=a.load, seeds=a.seeds, preemption=a.preemption, ttft_target=a.ttft_target, tpot_target=a.tpot_target,
+                  load=a.load, seeds=a.seeds, preemption=a.preemption, ttft_target=a.ttft_target,
+                  tpot_target=a.tpot_target,
                   num_device_blocks=a.num_device_blocks, max_output_len=a.max_output_len, out_dir=a.out_dir))

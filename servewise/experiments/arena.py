@@ -36,7 +36,8 @@ WORKLOADS = ("tenants", "bursts", "sharegpt", "azure-conv", "azure-code", "magnu
 SHARES = (4, 1, 1, 1)  # the tenants' request rates, relative
 W_IN, W_OUT = 1.0, 2.0  # service weights of a prompt and an output token (VTC's)
 METRICS = {  # key: (label, higher is better)
-    "goodput": ("goodput (req/s)", True), "mean_ttft_s": ("mean TTFT (s)", False), "p99_ttft_s": ("p99 TTFT (s)", False),
+    "goodput": ("goodput (req/s)", True),
+    "mean_ttft_s": ("mean TTFT (s)", False), "p99_ttft_s": ("p99 TTFT (s)", False),
     "mean_tpot_ms": ("mean TPOT (ms)", False), "p99_tpot_ms": ("p99 TPOT (ms)", False),
     "mean_e2e_s": ("mean E2E (s)", False), "p99_e2e_s": ("p99 E2E (s)", False),
     "jain": ("Jain's index", True), "max_gap": ("max service gap", False),
@@ -97,8 +98,11 @@ def workload(s: Settings, seed: int, tokenizer) -> tuple[list[WorkloadRequest], 
     rng = random.Random(f"arena:{s.workload}:{seed}")
     clients = [f"tenant{k}" for k in range(len(SHARES))]
     if s.workload in ("tenants", "bursts"):
-        items = [WorkloadRequest(n := heavy_tailed(rng, 256, 0.8, 16, 2048), heavy_tailed(rng, 128, 1.0, 4, s.max_output_len),
-                                 [rng.randrange(100, 30000) for _ in range(n)]) for _ in range(s.num_requests)]
+        items = []
+        for _ in range(s.num_requests):
+            n = heavy_tailed(rng, 256, 0.8, 16, 2048)
+            items.append(WorkloadRequest(n, heavy_tailed(rng, 128, 1.0, 4, s.max_output_len),
+                                         [rng.randrange(100, 30000) for _ in range(n)]))
     elif s.workload == "magnus-tasks":
         items = task_items(s.data, s.num_requests, rng, tokenizer)
     else:
@@ -114,12 +118,13 @@ def workload(s: Settings, seed: int, tokenizer) -> tuple[list[WorkloadRequest], 
         if it.client is None:
             it.client = rng.choices(clients, SHARES)[0]
         it.predicted_len, it.ttft_target, it.tpot_target = it.output_len, s.ttft_target, s.tpot_target
-    heaviest = max(set(it.client for it in items), key=lambda c: sum(it.client == c for it in items))
+    heaviest = max(sorted({it.client for it in items}), key=lambda c: sum(it.client == c for it in items))
     for it in items:  # under `priority` the client that sends most is served after the others
         it.priority = int(it.client == heaviest)
     shape = {"capacity": None, "rate": s.rate}
     if s.rate is None:
-        shape["capacity"] = lab.run(lab.Spec(engine(s, "fcfs"), items, [0.0] * len(items))).metrics["request_throughput"]
+        at_once = lab.run(lab.Spec(engine(s, "fcfs"), items, [0.0] * len(items)))
+        shape["capacity"] = at_once.metrics["request_throughput"]
         shape["rate"] = s.load * shape["capacity"]
     shape["arrivals"] = arrivals(shape["rate"], s, items, rng)
     return items, shape
