@@ -10,6 +10,8 @@ from servewise.policies.batching import S3, SLOODBS, Batch, Magnus, Vanilla, wma
 from servewise.policies.kv_fetch import AlwaysFetch, Fetch, FetchOrRecompute
 from servewise.sampling_params import SamplingParams
 
+from test_admission_mutants import Recorder
+
 
 def req(i, n, t=0.0, out=100, predicted=None, deadline=None):
     r = Request(str(i), [7] * n, SamplingParams(max_tokens=out, ignore_eos=True), arrival_time=t, seq_no=i,
@@ -20,17 +22,6 @@ def req(i, n, t=0.0, out=100, predicted=None, deadline=None):
 
 def ids(batches):
     return [[r.request_id for r in getattr(b, "requests", b)] for b in batches]
-
-
-class Recorder:
-    def __init__(self):
-        self.seen = []
-
-    def estimate(self, batch):
-        return 1.0
-
-    def observe(self, x, seconds, now):
-        self.seen.append((x, seconds, now))
 
 
 def test_an_assembler_checks_its_order_and_keeps_an_estimator_only_for_hrrn():
