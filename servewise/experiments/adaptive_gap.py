@@ -125,25 +125,24 @@ def table(g: GapSettings, say) -> list[dict]:
                         for x in (*SYSTEMS, *g.variants)), say)
 
 
-def links(g: GapSettings, say) -> list[dict]:
-    """The first model on links k times slower, where Algorithm 1 swaps some requests and recomputes others."""
+def _slowed(g: GapSettings, section: str, slowdowns, systems, say) -> list[dict]:
+    """The first model's `systems` with swaps k times slower than the swap model, for each k of `slowdowns`."""
     from servewise.predictors.gpu_swap import get_swap_model
 
     base = get_swap_model(g.swap_model)
-    return measure_all((spec("links", "sim", model, items, wl, g.max_output_len, x, 256, s,
+    return measure_all((spec(section, "sim", model, items, wl, g.max_output_len, x, 256, s,
                              swap=base.scaled(bandwidth=1 / k, call=k), tags={"seed": seed, "slowdown": k})
                         for model, wl, seed, s, items in _workloads(g, g.sim_models[:1])
-                        for k in g.link_slowdowns for x in LINK_SYSTEMS), say)
+                        for k in slowdowns for x in systems), say)
+
+
+def links(g: GapSettings, say) -> list[dict]:
+    """The first model on links k times slower, where Algorithm 1 swaps some requests and recomputes others."""
+    return _slowed(g, "links", g.link_slowdowns, LINK_SYSTEMS, say)
 
 
 def swapcost(g: GapSettings, say) -> list[dict]:
-    from servewise.predictors.gpu_swap import get_swap_model
-
-    base = get_swap_model(g.swap_model)
-    return measure_all((spec("swapcost", "sim", model, items, wl, g.max_output_len, x, 256, s,
-                             swap=base.scaled(bandwidth=1 / k, call=k), tags={"seed": seed, "slowdown": k})
-                        for model, wl, seed, s, items in _workloads(g, g.sim_models[:1])
-                        for k in g.slowdowns for x in ("vllm", "vllm_s", ADAPTIVE)), say)
+    return _slowed(g, "swapcost", g.slowdowns, ("vllm", "vllm_s", ADAPTIVE), say)
 
 
 def coalesce(g: GapSettings, say) -> list[dict]:
@@ -286,15 +285,22 @@ def table_lines(res: dict) -> list[str]:
     return lines
 
 
-def links_lines(res: dict) -> list[str]:
-    runs = res.get("links")
+def _swept(res: dict, section: str):
+    """A swap-slowdown section's settings, base swap model, model and runs by (workload, slowdown, system);
+    None when the section did not run."""
+    runs = res.get(section)
     if not runs:
-        return []
+        return None
     from servewise.predictors.gpu_swap import get_swap_model
 
-    g, base = res["settings"], get_swap_model(res["settings"]["swap_model"])
-    model = g["sim_models"][0]
-    by = _group(runs, "workload", "slowdown", "system")
+    g = res["settings"]
+    return g, get_swap_model(g["swap_model"]), g["sim_models"][0], _group(runs, "workload", "slowdown", "system")
+
+
+def links_lines(res: dict) -> list[str]:
+    if (swept := _swept(res, "links")) is None:
+        return []
+    g, base, model, by = swept
     lines = [f"{model}, max output {g['max_output_len']}, swaps k times slower than {base.name}: output tok/s "
              f"(mean+-95% CI), Algorithm 1 alone (adaptive+fcfs) over the better of always-recompute (vllm) and "
              f"always-swap (vllm_s), and each cost-aware system's preemptions: swap / recompute by choice / "
@@ -328,14 +334,9 @@ def slowdown_needed(res: dict, wl: str, target: float) -> float | None:
 
 
 def swapcost_lines(res: dict) -> list[str]:
-    runs = res.get("swapcost")
-    if not runs:
+    if (swept := _swept(res, "swapcost")) is None:
         return []
-    from servewise.predictors.gpu_swap import get_swap_model
-
-    g, base = res["settings"], get_swap_model(res["settings"]["swap_model"])
-    model = g["sim_models"][0]
-    by = _group(runs, "workload", "slowdown", "system")
+    g, base, model, by = swept
     lines = [f"{model}, max output {g['max_output_len']}: swaps k times slower than {base.name} ({base.gbps:g} GB/s, "
              f"{base.call_s * 1e6:g} us per copy): vllm/vllm_s and {ADAPTIVE}/vllm (mean+-95% CI), and the k at which "
              f"vllm_s falls as far behind vllm as in the paper (its Table 3: vllm/vllm_s = (vllm_s speed-up) / (vllm "
