@@ -240,15 +240,13 @@ def figures(rec: lab.Record, items: list[WorkloadRequest]) -> dict:
     for r, it in zip(rec.requests, kept):
         by_client.setdefault(it.client, []).append(r)
     good = sum(r.ttft <= it.ttft_target and (r.tpot is None or r.tpot <= it.tpot_target) for r, it in done)
-    needed = sum(r.prompt_tokens + r.output_tokens - 1 for r, _ in done)
-    computed = rec.steps.get("computed_tokens", 0)
     return {"completed": m["completed"], "goodput": good / m["duration_s"] if m["duration_s"] > 0 else 0.0,
             "slo_attainment": good / max(1, len(items)),
             "mean_ttft_s": m["mean_ttft_ms"] / 1e3, "p99_ttft_s": m["p99_ttft_ms"] / 1e3,
             "mean_tpot_ms": m["mean_tpot_ms"], "p99_tpot_ms": m["p99_tpot_ms"],
             "mean_e2e_s": m["mean_e2el_ms"] / 1e3, "p99_e2e_s": m["p99_e2el_ms"] / 1e3,
             "jain": jain(by_client), "max_gap": max_service_gap(by_client),
-            "recompute_tax": (computed - needed) / computed if computed else 0.0,
+            "recompute_tax": 1.0 - rec.utilisation()["useful_share"] if rec.steps.get("computed_tokens") else 0.0,
             "preemptions": sum(m["preemptions"].values()), "duration_s": m["duration_s"]}
 
 

@@ -45,7 +45,7 @@ class Record:
         `useful_share`, the tokens the finished requests needed (prompt + output, the first output token
         coming with the prompt) over the tokens the steps computed: UELLM's effective utilisation of a
         static batch (its formula 2-3), which padding, ended rows computing on and recomputation lower."""
-        done = [r for r in self.requests if r.finish is not None and r.output_tokens > 0]
+        done = [r for r in self.requests if r.completed]
         useful = sum(r.prompt_tokens + r.output_tokens - 1 for r in done)
         duration, computed = self.metrics["duration_s"], self.steps.get("computed_tokens", 0)
         return {"busy_share": self.steps["busy_s"] / duration if duration > 0 else 0.0,
