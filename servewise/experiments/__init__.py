@@ -6,6 +6,14 @@ import os
 from servewise.metrics import save_json
 
 
+def under_regime(options: dict, regime: str) -> dict:
+    """Engine options with request-level batching (Magnus's and UELLM's) run as static batches under the
+    papers' regime ("static"); continuous batching and the "paged" regime unchanged."""
+    if regime == "static" and options.get("batching", "continuous") != "continuous":
+        return {**options, "static_batches": True}
+    return options
+
+
 def publish(res: dict, text: str, out_dir: str, name: str, plot) -> None:
     """Print an experiment's report and keep it under out_dir: name.txt (the report), name.json (res) and
     the figures plot(res, out_dir) draws (it returns their paths)."""

@@ -23,7 +23,7 @@ from dataclasses import KW_ONLY, dataclass, replace
 import numpy as np
 
 from servewise import lab
-from servewise.experiments import publish
+from servewise.experiments import publish, under_regime
 from servewise.metrics import save_json
 from servewise.metrics.plots import save_figure, series_style
 from servewise.policies.admission import RequestBatches
@@ -389,9 +389,7 @@ def engine(backend: str, system: str, real_blocks: int, calibration: str | None 
     per operation with `calibration_gpu`'s constants; or the real tiny-llama with `real_blocks` device
     blocks and no swap space; no warm-up request (it would run through the batcher and teach Magnus's
     batch-time estimator a batch that is not the workload's)."""
-    options = dict(SYSTEMS[system][0])
-    if regime == "static" and options.get("batching", "continuous") != "continuous":
-        options["static_batches"] = True
+    options = under_regime(dict(SYSTEMS[system][0]), regime)
     if not supported(backend, system, calibration is not None):
         raise ValueError(f"{system} runs on the simulated backend only (quantized weights), priced by the roofline")
     if backend == "sim":

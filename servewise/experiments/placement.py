@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from servewise import lab
 from servewise.cluster.placement import MODES, Device, PipelinePerf, Planner, Topology, Workload
-from servewise.experiments import publish
+from servewise.experiments import publish, under_regime
 from servewise.metrics.plots import save_figure
 
 PIX, NODE = (20.0, 5e-6), (10.0, 15e-6)
@@ -104,10 +104,7 @@ def with_predictions(items, slo_range: tuple[float, float], seed: int):
 
 def options(system: str, regime: str = "static", **extra) -> dict:
     """Engine options of a system: request-level batching as static batches under the static regime."""
-    o = {"dtype": "float16", "max_num_seqs": 256, **SYSTEMS[system], **extra}
-    if regime == "static" and o.get("batching", "continuous") != "continuous":
-        o["static_batches"] = True
-    return o
+    return under_regime({"dtype": "float16", "max_num_seqs": 256, **SYSTEMS[system], **extra}, regime)
 
 
 def measure(model: str, perf: PipelinePerf, opts: dict, items, arrivals) -> dict:
