@@ -168,7 +168,8 @@ class ClusterSim:
 
     router: for a design without prompt/token pools, a routers.make_router name (round_robin, jsq,
     jsq_tokens); split designs use SplitwisePools. perf_table: Splitwise's measured GPU table (a path)
-    for every GPU machine's times (token_axis: see predictors.measured), else the analytical roofline;
+    for every GPU machine's times (token_axis: see predictors.measured), or a calibration, or ROOFLINE; none:
+    each GPU's default (predictors.perf: servewise's calibration on A100s and H100s, else the roofline);
     `this-cpu` machines take `predictors` (profiled on this machine). transfer: serialized, layerwise or
     auto (by prompt size, see cluster.links), over links of the machines' bandwidth unless `link_gbps` is
     given; layerwise_fixed_s: what every layer-wise transfer shows after its prompt. calibration: per

@@ -10,7 +10,7 @@ REFERENCE = "dgx-a100"  # Splitwise's: an uncontended DGX-A100
 
 def reference_perf(model: str, table: str | None = None, token_axis: str = "batch", machine: str = REFERENCE):
     """The SLOs' reference: the cost model of an unloaded `machine`, from the same performance model as
-    the cluster's (`table`: Splitwise's measured table, else the analytical roofline; `token_axis`: see
+    the cluster's (`table`: as predictors.perf.make_perf takes it, None the GPU's default; `token_axis`: see
     predictors.measured)."""
     from servewise.models.loader import load_model_config
     from servewise.predictors.perf import make_perf

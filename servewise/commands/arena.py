@@ -1,7 +1,7 @@
 """`servewise arena`: scheduling policies side by side on one workload, ranked."""
 from __future__ import annotations
 
-from servewise.commands.options import at_least
+from servewise.commands.options import at_least, perf_model_arg
 
 HELP = "rank scheduling policies on one workload (simulated or real): goodput, latency, fairness, recompute"
 
@@ -16,6 +16,7 @@ def arguments(p) -> None:
     p.add_argument("--backend", default="sim", choices=("sim", "real"))
     p.add_argument("--model", default=None, help="default: llama-2-7b simulated, tiny-llama real")
     p.add_argument("--hardware", default="rtx3090", help="the simulated GPU (default: 24 GB, so KV is scarce)")
+    perf_model_arg(p)
     p.add_argument("--num-requests", type=at_least(1), default=1000)
     p.add_argument("--rate", type=float, default=None, help="poisson requests/s (default: --load x the capacity)")
     p.add_argument("--load", type=float, default=1.1,
@@ -35,7 +36,8 @@ def run(a) -> None:
     from servewise.experiments.arena import Settings, main
 
     main(Settings(policies=tuple(x for x in a.policies.split(",") if x), workload=a.workload, data=a.data,
-                  backend=a.backend, model=a.model, hardware=a.hardware, num_requests=a.num_requests, rate=a.rate,
+                  backend=a.backend, model=a.model, hardware=a.hardware, perf_model=a.perf_model,
+                  num_requests=a.num_requests, rate=a.rate,
                   load=a.load, seeds=a.seeds, preemption=a.preemption, ttft_target=a.ttft_target,
                   tpot_target=a.tpot_target,
                   num_device_blocks=a.num_device_blocks, max_output_len=a.max_output_len, out_dir=a.out_dir))

@@ -1,8 +1,8 @@
 """`servewise cluster`: simulate a cluster of instances (Splitwise's prompt/token split, or not)."""
 from __future__ import annotations
 
-from servewise.commands.options import (bar, changes, engine_args, engine_kwargs, machines, say_changes, workload,
-                                        workload_args)
+from servewise.commands.options import (bar, changes, engine_args, engine_kwargs, machines, perf_model_arg,
+                                        say_changes, workload, workload_args)
 
 HELP = "simulate a cluster of instances (Splitwise's prompt/token split, or not)"
 
@@ -26,7 +26,9 @@ def arguments(p) -> None:
                         "the fewest committed KV blocks (servewise's earlier rule)")
     p.add_argument("--perf-table", default=None,
                    help="Splitwise's measured GPU table (perf_model.csv.gz), or a calibration (.json, from "
-                        "`servewise calibrate`) pricing each operation; default: the analytical roofline")
+                        "`servewise calibrate`) pricing each operation; default: the calibration servewise ships "
+                        "for A100 and H100 machines (--perf-model roofline: the analytical roofline)")
+    perf_model_arg(p)
     p.add_argument("--token-axis", default="batch", choices=["batch", "tokens"],
                    help="measured token times by batch size, or as SplitwiseSim looks them up")
     p.add_argument("--transfer", default="layerwise", choices=list(MODES),
@@ -48,7 +50,9 @@ def run(a) -> None:
     from servewise.lab.run import build
     from servewise.metrics import save_json
     from servewise.metrics.slowdown import summarize
+    from servewise.predictors.perf import perf_table
 
+    a.perf_table = perf_table(a.perf_model, a.perf_table)
     design = Design(a.prompt or {}, a.token or {}, a.mixed or {})
     kw = {k: v for k, v in engine_kwargs(a).items() if k not in ("predictors", "model") and v is not None}
     preds = None

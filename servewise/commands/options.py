@@ -59,6 +59,15 @@ def engine_kwargs(a) -> dict:
     return {name: getattr(a, name) for name in a.engine_options}
 
 
+def perf_model_arg(p: argparse.ArgumentParser) -> None:
+    """--perf-model: how a simulated GPU's steps are priced (predictors.perf.perf_table reads it)."""
+    p.add_argument("--perf-model", default=None, choices=("calibrated", "roofline"),
+                   help="a simulated GPU's steps: 'calibrated', per operation with the constants servewise ships "
+                        "(fitted on Splitwise's measured table; the default on a100-80g, h100-80g, h100-80g-pcap), "
+                        "or 'roofline', the analytical roofline with assumed efficiencies (the only model of the "
+                        "other GPUs: a800-80g-pcie, v100-32g, rtx3090)")
+
+
 def threads_arg(p: argparse.ArgumentParser, help: str = "torch threads (0: torch's default)", **kw) -> None:
     p.add_argument("--threads", type=int, default=0, help=help, **kw)
 

@@ -1,8 +1,8 @@
 """`servewise simulate`: run a workload through the engine on a virtual clock."""
 from __future__ import annotations
 
-from servewise.commands.options import (at_least, bar, changes, engine_args, engine_kwargs, say_changes, slo,
-                                        slo_args, workload, workload_args)
+from servewise.commands.options import (at_least, bar, changes, engine_args, engine_kwargs, perf_model_arg,
+                                        say_changes, slo, slo_args, workload, workload_args)
 
 HELP = "run a workload through the engine on a virtual clock"
 
@@ -10,8 +10,9 @@ HELP = "run a workload through the engine on a virtual clock"
 def arguments(p) -> None:
     engine_args(p, skip=("load_format", "dtype", "device", "seed", "predictors", "length_predictor"))
     p.add_argument("--hardware", default="profile",
-                   help="'profile' (this machine, from --predictors) or an analytical GPU: a100-80g, "
-                        "a800-80g-pcie, h100-80g, v100-32g, rtx3090")
+                   help="'profile' (this machine, from --predictors) or a simulated GPU: a100-80g, h100-80g, "
+                        "h100-80g-pcap (calibrated per operation by default), a800-80g-pcie, v100-32g, rtx3090 "
+                        "(analytical rooflines)")
     p.add_argument("--predictors", default="results/predictors.pkl", help="fitted predictors for --hardware profile")
     p.add_argument("--tp", type=at_least(1), default=1, help="GPUs per instance, tensor parallel (analytical GPUs only)")
     p.add_argument("--perf-table", default=None,
@@ -19,6 +20,7 @@ def arguments(p) -> None:
                         "operation, or Splitwise's measured table (perf_model.csv.gz; its two models only); for "
                         "--hardware profile: this machine's per-operation model (.json, from `servewise bench "
                         "operations`), in place of the profile's step-time predictors")
+    perf_model_arg(p)
     workload_args(p)
     slo_args(p)
     p.add_argument("--out", default="results/simulate.json")
@@ -30,9 +32,11 @@ def run(a) -> None:
     from servewise.lab import Engine, Spec, run as run_spec
     from servewise.lab.run import build
     from servewise.metrics import format_table, save_json
+    from servewise.predictors.perf import perf_kind, perf_table
 
     kw = {k: v for k, v in engine_kwargs(a).items() if k != "predictors"}
-    spec_engine = Engine("sim", a.model, a.hardware, a.predictors, options=dict(kw, tp=a.tp, perf_table=a.perf_table))
+    table = perf_table(a.perf_model, a.perf_table)
+    spec_engine = Engine("sim", a.model, a.hardware, a.predictors, options=dict(kw, tp=a.tp, perf_table=table))
     eng = build(spec_engine)
     notes: dict = {}
     items, arrivals = workload(a, eng.tokenizer, eng.model_config.vocab_size, notes, eng.model_config.max_model_len)
@@ -50,7 +54,7 @@ def run(a) -> None:
     if rec.swap is not None:
         m["swap"] = rec.swap
     perf = eng.runner.perf
-    print(format_table(m, f"Simulated: {a.model} on {perf.label}"))
+    print(format_table(m, f"Simulated: {a.model} on {perf.label} [{perf_kind(perf)}]"))
     if rec.prefix_cache is not None:
         print(f"prefix cache: {pc['hit_rate']:.1%} of {pc['admitted_tokens']} admitted prompt tokens from cached "
               f"blocks ({pc['cached_tokens']} on the device, {pc['store_tokens']} from the KV store), "
@@ -62,7 +66,8 @@ def run(a) -> None:
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     steps = rec.steps["steps"]
     print(f"simulation wall time {rec.wall_s:.2f} s, {steps} steps, peak memory {peak_mb:.0f} MB")
-    save_json(m, a.out, model=a.model, hardware=a.hardware, perf=perf.label, analytical=perf.analytical,
+    save_json(m, a.out, model=a.model, hardware=a.hardware, perf=perf.label, perf_model=perf_kind(perf),
+              analytical=perf.analytical,
               wall_s=rec.wall_s, steps=steps, peak_rss_mb=peak_mb, num_device_blocks=eng.block_manager.num_device_blocks,
               num_host_blocks=eng.block_manager.num_host_blocks, policy=a.policy, preemption=a.preemption,
               workload=a.workload, arrival=a.arrival, rate=a.rate)

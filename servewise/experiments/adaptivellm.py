@@ -28,7 +28,7 @@ from servewise.metrics.summary import RequestRecord, compute
 from servewise.models.loader import load_model_config
 from servewise.policies import SYSTEMS
 from servewise.policies.preemption import VLLM_S_VARIANTS, HostPoolFull
-from servewise.predictors.perf import make_perf
+from servewise.predictors.perf import ROOFLINE, make_perf
 from servewise.workloads.presets import preset_workload
 
 ADAPTIVE, BASELINES = "adaptive+fair", ("vllm", "vllm_s")
@@ -263,10 +263,11 @@ def measure_all(specs: Iterable[Spec], say=None, s: Settings | None = None,
 
 
 def sim_perf(model: str, s: Settings, efficiency: dict | None = None):
-    """The simulated GPU's performance model: the roofline, or the per-operation model with s.calibration;
-    `efficiency` overrides the roofline's assumed efficiencies (the per-operation model's host link only)."""
+    """The simulated GPU's performance model: the roofline (by name, on any GPU: the paper's setting), or the
+    per-operation model with s.calibration; `efficiency` overrides the roofline's assumed efficiencies (the
+    per-operation model's host link only)."""
     return make_perf(s.hardware, load_model_config(model, "float16")[0], s.block_size, efficiency=efficiency,
-                     table=s.calibration, calibrated_as=s.calibration_gpu if s.calibration else None)
+                     table=s.calibration or ROOFLINE, calibrated_as=s.calibration_gpu if s.calibration else None)
 
 
 def crossover(model: str, s: Settings, link_efficiency: float | None = None,

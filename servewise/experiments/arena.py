@@ -54,6 +54,7 @@ class Settings:
     backend: str = "sim"
     model: str | None = None  # default: llama-2-7b simulated on an RTX 3090 (24 GB), tiny-llama on the real engine
     hardware: str = "rtx3090"
+    perf_model: str | None = None  # calibrated or roofline (None: the GPU's default, predictors.perf)
     num_requests: int = 1000
     rate: float | None = None  # requests/s; default: `load` x the capacity measured on each seed's requests
     load: float = 1.1  # just past saturation, where the order of service matters
@@ -256,11 +257,16 @@ def engine(s: Settings, policy: str) -> lab.Engine:
         options["num_device_blocks"] = s.num_device_blocks
     if s.backend == "real":
         return lab.Engine("real", s.model, options={**options, "num_host_blocks": 512}, warmup=True)
+    from servewise.predictors.perf import perf_table
+
+    if (table := perf_table(s.perf_model, None)) is not None:
+        options["perf_table"] = table
     return lab.Engine("sim", s.model, hardware=s.hardware, options={"dtype": "float16", **options})
 
 
 def run_arena(s: Settings) -> dict:
     from servewise.models.loader import load_model_config
+    from servewise.predictors.perf import perf_kind
 
     _, tok = load_model_config(s.model, "float16")
     runs, rates = [], []
@@ -273,12 +279,14 @@ def run_arena(s: Settings) -> dict:
                   f"rate {shape['rate']:.2f} req/s", file=sys.stderr, flush=True)
         for policy in s.policies:
             rec = lab.run(lab.Spec(engine(s, policy), items, shape["arrivals"], tags={"policy": policy, "seed": seed}))
+            perf = perf_kind(rec.engine.runner.perf) if s.backend == "sim" else None
             runs.append(f := {"policy": policy, "seed": seed, "rate": shape["rate"], **figures(rec, items)})
             print(f"[{len(runs)}/{total}, {time.perf_counter() - t0:.0f} s] seed {seed} {policy:<10} goodput "
                   f"{f['goodput']:.2f} req/s  mean E2E {f['mean_e2e_s']:.2f} s  max gap {f['max_gap']:.0f}  "
                   f"preemptions {f['preemptions']}", file=sys.stderr, flush=True)
     return {"experiment": "arena", "workload": s.workload, "data": s.data, "backend": s.backend, "model": s.model,
-            "hardware": s.hardware if s.backend == "sim" else None, "rate": s.rate, "load": s.load, "rates": rates,
+            "hardware": s.hardware if s.backend == "sim" else None, "perf_model": perf if s.backend == "sim" else None,
+            "rate": s.rate, "load": s.load, "rates": rates,
             "num_requests": s.num_requests,
             "seeds": s.seeds, "preemption": s.preemption, "ttft_target": s.ttft_target, "tpot_target": s.tpot_target,
             "runs": runs, "board": board(runs, s.policies), "wall_s": time.perf_counter() - t0}
@@ -307,7 +315,8 @@ def _cell(v, key) -> str:
 
 
 def report(res: dict) -> str:
-    where = (f"{res['model']} simulated on {res['hardware']}" if res["backend"] == "sim"
+    where = (f"{res['model']} simulated on {res['hardware']} ({res.get('perf_model') or 'roofline'})"
+             if res["backend"] == "sim"
              else f"{res['model']} on the real engine")
     at = (f"{res['rate']:g} req/s" if res["rate"] else f"{res['load']:g} x each seed's capacity (" +
           ", ".join(f"{r['rate']:.2f}" for r in res["rates"]) + " req/s)")

@@ -139,12 +139,15 @@ class Settings:
 def cluster(model: str, system: str, instances: int, store_gb: float, calibration: str | None = None) -> lab.Cluster:
     """The system's cluster: `instances` one-GPU A100s with prefix caching, mixed or half prompt, half
     token instances; loads sampled every MONITOR_S seconds (banaserve: and rebalanced). `calibration`:
-    the A100's steps priced per operation by that calibration (else the roofline)."""
+    the A100's steps priced per operation by that calibration (else the roofline, by name: the committed figures'
+    model, where servewise's calibration would otherwise price the A100)."""
+    from servewise.predictors.perf import ROOFLINE
+
     from servewise.cluster.rebalance import Rebalancing
     from servewise.cluster.sim import Design
 
     roles, router, store, migrate = spec(system)
-    kw = dict(enable_prefix_caching=True, **({"perf_table": calibration} if calibration else {}))
+    kw = dict(enable_prefix_caching=True, perf_table=calibration or ROOFLINE)
     if migrate:
         kw.update(rebalance=Rebalancing(period_s=MONITOR_S, loop=migrate))
     else:  # the same load samples, without acting on them

@@ -480,3 +480,45 @@ def worst(result: dict) -> float:
     """The largest leave-one-out MAPE over GPUs, folds and phases."""
     return max((e["mape_pct"] for r in result.values() for f in r["folds"] for e in f["error"].values()),
                default=math.nan)
+
+
+# ---- the check at a few billion parameters on one GPU -------------------------------------------------
+
+BENCH_GPUS = {"NVIDIA H100 80GB HBM3": "h100-80g", "NVIDIA A100-SXM4-80GB": "a100-80g"}  # device name -> GPU
+
+
+def check_bench(path: str, calibration: str) -> list[dict]:
+    """servewise's own steps on a GPU (`servewise bench gpu`'s roofline section, bf16 dummy weights: the mean
+    decode step with CUDA graphs at each batch size, and one call that prefills the batch's prompts) against
+    the per-operation model with `calibration`'s constants and the uncalibrated roofline. One row per model,
+    batch and phase; a GPU the calibration has no constants for gives no rows."""
+    from servewise.models.loader import load_model_config
+    from servewise.predictors.measured import HARDWARE_NAMES
+
+    try:
+        with open(path) as f:
+            bench = json.load(f)
+        device, section = bench["device"]["name"], bench["roofline"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a `servewise bench gpu` JSON with a roofline section ({e!r})") from None
+    hw = BENCH_GPUS.get(device)
+    with open(calibration) as f:
+        known = json.load(f)["gpus"]
+    if hw is None or HARDWARE_NAMES[hw] not in known:
+        return []
+    cal, ops = load_calibration(calibration, hw)
+    rows = []
+    for m in section["models"]:
+        mc = load_model_config(m["model"], "bfloat16")[0]
+        ours, roof = OperationPerf(mc, hw, 16, cal, table=ops), RooflinePerf(mc, hw, 16)
+        n_in, ctx = section["input_len"], section["input_len"] + section["output_len"] / 2
+        for r in m["rows"]:
+            run = r.get("graphs") or r["eager"]
+            b = r["batch"]
+            for phase, measured, lens in (("decode", run["decode_step_ms"] / 1e3, [round(ctx)] * b),
+                                          ("prefill", run["prefill_s"], [n_in] * b)):
+                price = (lambda p: p.decode(lens)) if phase == "decode" else (lambda p: p.prefill(lens))
+                rows.append({"file": os.path.basename(path), "gpu": hw, "model": m["model"], "batch": b,
+                             "phase": phase, "measured_s": measured, "calibrated_s": price(ours),
+                             "roofline_s": price(roof)})
+    return rows

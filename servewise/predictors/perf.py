@@ -1,7 +1,27 @@
-"""Performance models (interfaces.CostModel): this machine's fitted predictors, or a roofline GPU."""
+"""Performance models (interfaces.CostModel): this machine's fitted predictors, or a simulated GPU: calibrated
+per operation on measured steps (the default where servewise ships a calibration), or the analytical roofline."""
 from __future__ import annotations
 
+import os
+
 PROFILE = "profile"  # the hardware name that means "this machine, from fitted predictors"
+ROOFLINE = "roofline"  # a table that asks for the analytical roofline where a calibration is the default
+# The calibration shipped with servewise: `servewise calibrate` on Splitwise's measured table (the file names its
+# command and the table's SHA-256); it prices these GPUs unless the roofline is asked for.
+DEFAULT_CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_calibration.json")
+CALIBRATED_GPUS = ("a100-80g", "h100-80g", "h100-80g-pcap")
+
+
+def perf_table(perf_model: str | None, table: str | None) -> str | None:
+    """--perf-model and --perf-table as one table for make_perf: 'roofline' -> ROOFLINE, 'calibrated' -> the
+    shipped calibration, None -> `table` (None: each GPU's default)."""
+    if perf_model is None:
+        return table
+    if table is not None:
+        raise ValueError(f"--perf-model {perf_model} and --perf-table both say how steps are priced; give one")
+    if perf_model not in ("calibrated", ROOFLINE):
+        raise ValueError(f"--perf-model is calibrated or roofline, not {perf_model!r}")
+    return ROOFLINE if perf_model == ROOFLINE else DEFAULT_CALIBRATION
 
 
 class ProfiledPerf:
@@ -82,8 +102,18 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
     GPUs (predictors.measured, with its `token_axis`); with `table` a calibration (.json, written by
     `servewise calibrate`), any model on `hardware` priced per operation (predictors.operations), with the
     constants of the calibrated GPU `calibrated_as` (default: `hardware` itself);
-    otherwise a roofline GPU by name, with `efficiency` overriding its assumed efficiencies
+    with no table, the shipped calibration (DEFAULT_CALIBRATION) for CALIBRATED_GPUS; otherwise, or with `table`
+    ROOFLINE, a roofline GPU by name, with `efficiency` overriding its assumed efficiencies
     (roofline.Efficiency), over `tp` GPUs."""
+    if table == ROOFLINE:
+        if hardware == PROFILE:
+            raise ValueError("hardware 'profile' is this machine; the roofline prices a GPU (give --hardware GPU)")
+        table = None
+    elif table is None and hardware in CALIBRATED_GPUS:
+        table = DEFAULT_CALIBRATION
+    elif table == DEFAULT_CALIBRATION and (calibrated_as or hardware) not in CALIBRATED_GPUS:
+        raise ValueError(f"servewise's calibration prices {', '.join(CALIBRATED_GPUS)}; {hardware} is an analytical "
+                         "roofline (--perf-model roofline)")
     if hardware == PROFILE:
         if predictors is None:
             raise ValueError("hardware 'profile' needs fitted predictors (run `servewise profile` first)")
@@ -105,9 +135,10 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
         cal, ops = load_calibration(table, calibrated_as or hardware)
         measured = f", operations measured in {ops.source}" if ops else ""
         as_ = f" with {calibrated_as}'s constants" if calibrated_as and calibrated_as != hardware else ""
+        source = "servewise's calibration on Splitwise's measured table" if table == DEFAULT_CALIBRATION else table
         perf = OperationPerf(mc, hardware, block_size, cal, tp, table=ops,
                              label=f"per-operation model calibrated on measured steps ({hardware}{as_}, TP {tp}; "
-                                   f"{table}{measured})")
+                                   f"{source}{measured})")
         return perf.with_efficiency(**efficiency) if efficiency else perf
     if table is not None:
         from servewise.predictors.measured import MeasuredPerf
@@ -115,5 +146,21 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
         return MeasuredPerf(mc, model, hardware, tp, block_size, table, token_axis)
     from servewise.predictors.roofline import RooflinePerf
 
+    if hardware in CALIBRATED_GPUS and hardware.endswith("-pcap"):
+        raise ValueError(f"{hardware} has no roofline of its own (its peaks are {hardware.removesuffix('-pcap')}'s; "
+                         "only its calibration tells them apart)")
     perf = RooflinePerf(mc, hardware, block_size, tp=tp)
     return perf.with_efficiency(**efficiency) if efficiency else perf
+
+
+def perf_kind(perf) -> str:
+    """What prices a model's steps, in a few words for headers and JSON."""
+    from servewise.predictors.operations import OperationPerf
+    from servewise.predictors.roofline import RooflinePerf
+
+    perf = getattr(perf, "base", perf)  # (a Calibrated correction keeps its base's kind)
+    if isinstance(perf, OperationPerf):
+        return "calibrated (shipped)" if "servewise's calibration" in perf.label else "calibrated"
+    if isinstance(perf, RooflinePerf):
+        return "roofline (assumed efficiencies)"
+    return {"ProfiledPerf": "profile", "MeasuredPerf": "measured table"}.get(type(perf).__name__, type(perf).__name__)
