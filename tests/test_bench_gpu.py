@@ -30,6 +30,11 @@ def test_the_fidelity_section_runs_its_whole_path(tmp_path, monkeypatch):
     f = gpu.fidelity_section(s, progress=lambda m: None)
     assert os.path.isfile(tmp_path / "bench_gpu_predictors.pkl")  # what the adaptive runs priced with
     assert set(f["runs"]) == {"32/recompute", "32/swap", "32/adaptive"}
+    from servewise.bench.recording import load
+
+    for key, x in f["runs"].items():  # every real run recorded beside the JSON
+        assert x["recorded"] == f"bench_gpu_run_{key.replace('/', '_')}.jsonl.gz"
+        assert len(load(str(tmp_path / x["recorded"]))[1]) == 24
     pre = {k: x["real"]["preemptions"] for k, x in f["runs"].items()}
     assert pre["32/recompute"]["recompute"] > 0 and pre["32/recompute"]["swap"] == 0  # 24 blocks: pressure
     assert pre["32/swap"]["swap"] > 0

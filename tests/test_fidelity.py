@@ -131,10 +131,17 @@ def test_bench_fidelity_repeats_and_summarises_every_simulation(predictors, tmp_
     predictors.save(path)
     main(["bench", "fidelity", "--predictors", path, "--workload", "chatbot", "--num-requests", "12",
           "--max-output-len", "8", "--rate", "20", "--preemption", "swap", "--num-device-blocks", "24",
-          "--repeat", "2", "--replay", "3", "--out", str(out)])
+          "--repeat", "2", "--replay", "3", "--record", str(tmp_path / "rec.jsonl.gz"), "--out", str(out)])
     res = json.loads(out.read_text())
     runs = res["results"]["20/swap"]
     assert res["repeat"] == 2 and len(runs) == 2
+    from servewise.bench.recording import load
+
+    for i, r in enumerate(runs):  # each run recorded apart, with the requests it ran and the steps it timed
+        assert r["recorded"] == str(tmp_path / f"rec_20_swap_{i + 1}.jsonl.gz")
+        header, requests, steps = load(r["recorded"])
+        assert header["workload"]["rate"] == 20 and len(requests) == 12
+        assert sum(s["kind"] == "decode" for s in steps) == r["profiled"]["steps"]["decode"]["steps"]
     for r in runs:
         assert r["real"]["completed"] == 12 and r["drift_before"]["decode_scale"] > 0
         for name in MODELS:

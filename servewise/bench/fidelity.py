@@ -57,6 +57,7 @@ class Settings:
     interval: float = 0.0
     replay: int = 0
     operations: str | None = None  # a per-operation model of this machine (`bench operations`): simulated too
+    record: str | None = None  # each real run written there (bench.recording; several runs: one file each)
     out: str = "results/bench_fidelity.json"
 
 
@@ -66,7 +67,8 @@ def simulated(run: dict) -> list[str]:
 
 
 def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=None, replay: int = 0,
-             predictors_path: str | None = None, operations: tuple | None = None) -> dict:
+             predictors_path: str | None = None, operations: tuple | None = None, record: str | None = None,
+             workload: dict | None = None) -> dict:
     """The workload through the real engine, then through the simulator four times (MODELS): on the
     profiled predictors as they are, corrected by the machine's drift (predictors.drift) measured right
     before the run, corrected by the run's own first fifth of steps, and following the run's own steps as
@@ -75,7 +77,8 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     `predictors_path`: the file `predictors` came from, for the real engine's cost-aware preemption (both
     sides then price a preemption alike).
     `operations`: a per-operation model of this machine (OperationSteps.load's step file and table, and the
-    file's path), simulated a fifth time (PER_OPERATION) on the profile's copies and loop with its steps priced per operation."""
+    file's path), simulated a fifth time (PER_OPERATION) on the profile's copies and loop with its steps priced per operation.
+    `record`: the real run is written there (bench.recording's format; `workload` describes its requests)."""
     spec = Spec(Engine("real", model, predictors=predictors_path, options=engine_kw), items, arrivals)
     real = build(spec.engine)  # warmed up
     mc = real.model_config
@@ -87,8 +90,11 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
     decode_tables = []  # (contexts, block tables, measured seconds) of the decode steps, for the replay
     loop = []  # (is_prefill, rows, seconds outside the runner since the last step's end) of steps that followed one
     last = [None]  # the last step's end, None after an idle wait
+    recorder = None
 
     def logged(st):
+        if recorder is not None:
+            recorder.step(st)
         now = time.perf_counter()
         if st.scheduled:
             if last[0] is not None:
@@ -102,7 +108,13 @@ def run_pair(model: str, items, arrivals, predictors, engine_kw: dict, progress=
         last[0] = time.perf_counter() if real.has_unfinished() else None  # else the driver waits for an arrival
 
     start = real.clock.now()
+    if record:
+        from servewise.bench.recording import Recorder
+
+        recorder = Recorder(real, start)
     rec = run(spec, on_step=logged, progress=progress, engine=real)
+    if recorder is not None:
+        recorder.save(record, model, engine_kw, items, arrivals, rec, workload or {})
     wall, m_real = rec.wall_s, rec.metrics
     after = drift.measure(real, perf)
     out = {"real": m_real, "rejected": len(rec.rejected), "drift_before": before.as_dict(), "drift_after": after.as_dict(),
@@ -399,6 +411,14 @@ def format_summary(title: str, summary: dict, runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def record_path(path: str | None, rate: float, mode: str, rep: int) -> str | None:
+    """One run's recording among several: FILE.jsonl.gz -> FILE_<rate>_<mode>_<run>.jsonl.gz."""
+    if path is None:
+        return None
+    stem, ext = (path[: -len(".jsonl.gz")], ".jsonl.gz") if path.endswith(".jsonl.gz") else os.path.splitext(path)
+    return f"{stem}_{rate:g}_{mode}_{rep + 1}{ext}"
+
+
 def main(s: Settings) -> None:
     from servewise.models.loader import load_model_config
     from servewise.predictors.fit import Predictors
@@ -433,8 +453,15 @@ def main(s: Settings) -> None:
             for mode in s.preemption:
                 kw = dict(num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks, preemption=mode,
                           max_num_seqs=s.max_num_seqs)
+                many = s.repeat * len(s.rate) * len(s.preemption) > 1
                 r = run_pair(s.model, items, arrivals, preds, kw, replay=s.replay, predictors_path=s.predictors,
-                             operations=operations)
+                             operations=operations, record=record_path(s.record, rate, mode, rep) if many else s.record,
+                             workload={"source": s.workload, "data": os.path.basename(s.data) if s.data else None,
+                                       "num_requests": s.num_requests, "arrival": "poisson", "rate": rate,
+                                       "seed": s.seed, "max_prompt_len": s.max_prompt_len,
+                                       "max_output_len": s.max_output_len})
+                if s.record:
+                    r["recorded"] = record_path(s.record, rate, mode, rep) if many else s.record
                 r["ended"] = time.strftime("%H:%M:%S")
                 results.setdefault(f"{rate:g}/{mode}", []).append(r)
                 head = f"\n[run {rep + 1}/{s.repeat}, {rate:g} req/s, {mode}] {s.num_device_blocks} device / " \

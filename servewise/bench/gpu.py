@@ -380,7 +380,8 @@ def _fit_swap(points: list[dict]) -> dict:
 
 def fidelity_section(s: Settings, progress=print) -> dict:
     """Profile `fidelity_model` (bf16, random weights) on this GPU, fit its predictors, and run the
-    workload through the real engine and the simulator on them (servewise.bench.fidelity.run_pair). On a
+    workload through the real engine and the simulator on them (servewise.bench.fidelity.run_pair); each real
+    run is recorded beside `out` (OUT_run_<rate>_<mode>.jsonl.gz, servewise.bench.recording). On a
     CPU (where the section is only checked) in float32: bf16 there is emulated on CPUs without bf16 units."""
     from servewise.bench.fidelity import MODELS, format_replay, run_pair
     from servewise.kernels import triton_compiled
@@ -412,12 +413,16 @@ def fidelity_section(s: Settings, progress=print) -> dict:
             kw = dict(num_device_blocks=s.fidelity_blocks, num_host_blocks=4 * s.fidelity_blocks, preemption=mode,
                       load_format="dummy", dtype=dtype)
             compiled = triton_compiled()
-            r = run_pair(s.fidelity_model, items, arrivals, preds, kw, predictors_path=saved, replay=s.fidelity_replay)
+            recorded = os.path.splitext(s.out)[0] + f"_run_{rate:g}_{mode}.jsonl.gz"  # (bench fidelity --recorded)
+            r = run_pair(s.fidelity_model, items, arrivals, preds, kw, predictors_path=saved, replay=s.fidelity_replay,
+                         record=recorded, workload={"source": s.fidelity_workload, "num_requests": s.fidelity_requests,
+                                                    "arrival": "poisson", "rate": rate, "seed": 0})
             compiled = triton_compiled() - compiled
             kept = {name: {"rows": r[name]["rows"], "steps": r[name]["steps"]} for name in MODELS}
             runs[f"{rate:g}/{mode}"] = {"real": {k: r["real"][k] for k in ("duration_s", "mean_ttft_ms", "mean_tpot_ms",
                                                                              "mean_e2el_ms", "preemptions")},
                                         "loop": r["loop"], "replay": r.get("replay"),
+                                        "recorded": os.path.basename(recorded),
                                         "kernels_compiled_during_run": compiled, **kept}
             if r.get("replay"):
                 progress("  " + format_replay(r["replay"]))

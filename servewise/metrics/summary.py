@@ -31,13 +31,14 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None (never finished)
     preemptions: dict[str, int] = field(default_factory=dict)
+    request_id: str | None = None  # the engine's id (what a recorded run's steps name it by)
 
     @classmethod
     def from_request(cls, r) -> RequestRecord:
         """From an engine Request (real or simulated)."""
         return cls(r.arrival_time, r.num_prompt_tokens, len(r.output_token_ids), first_token=r.first_token_time,
                    finish=r.finish_time, first_scheduled=r.first_scheduled_time, token_times=list(r.token_times),
-                   finish_reason=r.finish_reason, preemptions=dict(r.preemptions))
+                   finish_reason=r.finish_reason, preemptions=dict(r.preemptions), request_id=r.request_id)
 
     @property
     def completed(self) -> bool:

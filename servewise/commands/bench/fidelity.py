@@ -1,7 +1,7 @@
 """`servewise bench fidelity`."""
 from __future__ import annotations
 
-from servewise.commands.options import at_least, float_at_least
+from servewise.commands.options import at_least, float_at_least, perf_model_arg
 
 HELP = "the same workload on the real engine and in the simulator"
 
@@ -32,6 +32,19 @@ def arguments(p) -> None:
                    help="a per-operation model of this machine (the .json `servewise bench operations` writes for "
                         "the same model): the workload is simulated on it too, steps priced as measured GEMMs plus a "
                         "fitted rest")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="write each real run there (gzipped JSON lines: the engine's settings, the requests, every "
+                        "step's batch; several runs: FILE_<rate>_<mode>_<run>.jsonl.gz), for --recorded")
+    p.add_argument("--recorded", default=None, metavar="FILE",
+                   help="run nothing real: replay a recorded run's arrivals in the simulator (--predictors, or "
+                        "--hardware GPU with --perf-table / --perf-model) and report per-request and per-step errors")
+    p.add_argument("--hardware", default=None,
+                   help="with --recorded: the simulated machine (default: 'profile' for a run recorded on a CPU; a GPU "
+                        "name for a run recorded on a GPU)")
+    p.add_argument("--perf-table", default=None,
+                   help="with --recorded: a calibration or measured table for a GPU, or this machine's per-operation "
+                        "step file (.json of `bench operations`) for 'profile'")
+    perf_model_arg(p)
     p.add_argument("--out", default="results/bench_fidelity.json")
 
 
@@ -39,4 +52,27 @@ def run(a) -> None:
     from servewise.bench.fidelity import Settings, main
     from servewise.commands.bench import settings
 
+    if a.recorded:
+        return replayed(a)
+    if a.hardware or a.perf_table or a.perf_model:
+        raise ValueError("--hardware, --perf-table and --perf-model choose the model a recording is replayed on: "
+                         "they go with --recorded")
     main(settings(Settings, a))
+
+
+def replayed(a) -> None:
+    import json
+    import os
+
+    from servewise.bench.recording import format_replay, replay
+    from servewise.predictors.perf import perf_table
+
+    if a.record:
+        raise ValueError("--record writes a real run; --recorded replays one: give one of them")
+    table = perf_table(a.perf_model, a.perf_table)
+    r = replay(a.recorded, a.hardware, a.predictors, table)
+    print(format_replay(r))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(r, f, indent=1)
+    print(f"saved {a.out}")
