@@ -65,7 +65,8 @@ def build_engine(config: EngineConfig | None = None, clock=None, connector=None,
     cc = config.cache
     n_dev, n_host = cc.resolve(mc.kv_bytes_per_token * cc.block_size)
     store = kv_store_for(cc, mc, next(model.parameters()).dtype) if cc.kv_store is not None else None
-    graphs = None if config.enforce_eager else (config.scheduler.max_num_seqs, mc.max_model_len)
+    # (a mixture of experts' step depends on its routing, read back on the host: no graph can hold it)
+    graphs = None if config.enforce_eager or mc.num_experts else (config.scheduler.max_num_seqs, mc.max_model_len)
     runner = TorchRunner(model, mc, n_dev, n_host, cc.block_size, device, store, connector, graphs)
     cost_model = None
     if needs_cost_model(config):

@@ -214,7 +214,13 @@ class UnsupportedModelError(ValueError):
 
 
 # model_type -> what the family changes on the Llama-style decoder (models/decoder.py runs them all)
-DECODER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+DECODER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
+                    "smollm3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# model_type -> what a mixture of experts servewise does not run needs
+_REFUSED = {"gpt_oss": "gpt-oss (attention sinks and its router are not built)",
+            "deepseek_v2": "DeepSeek-V2 (multi-head latent attention, MLA, is not built)",
+            "deepseek_v3": "DeepSeek-V3 (multi-head latent attention, MLA, is not built)"}
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -263,6 +269,18 @@ class ModelConfig:
     attn_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
     final_softcap: float | None = None  # the same on the output logits (Gemma 2)
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
+    qk_norm_per_head: bool = True  # False: the q/k norms span all heads at once (OLMo 2)
+    post_norm: bool = False  # norms after attention and the MLP only, none before them (OLMo 2)
+    residual_scale: float | None = None  # each sublayer's output times this before the residual add (Granite)
+    logits_divisor: float | None = None  # output logits divided by this (Granite's logits_scaling)
+    rope_layers: tuple[bool, ...] = ()  # per layer: does it rotate q and k; (): all do (SmolLM3's no_rope_layers)
+    # Mixtures of experts (num_experts 0: every layer has its dense MLP of intermediate_size)
+    num_experts: int = 0
+    experts_per_token: int = 0  # k of top-k routing
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # the k chosen probabilities divided by their sum (Mixtral always)
+    shared_expert_size: int = 0  # a dense MLP every token takes too, gated by sigmoid (Qwen2-MoE)
+    moe_layers: tuple[bool, ...] = ()  # per layer: routed (True) or the dense MLP (mlp_only_layers, sparse step)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of a layer, or None where it attends to every earlier token."""
@@ -306,6 +324,8 @@ class ModelConfig:
                 norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_word_embeddings=True,
                 bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, dtype=dtype or _dtype(hf),
             )
+        if mt in _REFUSED:
+            raise UnsupportedModelError(f"model_type {mt!r} is not supported: {_REFUSED[mt]}")
         if mt == "gemma3":
             raise UnsupportedModelError("model_type 'gemma3' (Gemma 3 with its image encoder) is not supported; "
                                         "text-only Gemma 3 checkpoints (model_type 'gemma3_text') are")
@@ -333,28 +353,69 @@ def _decoder_fields(hf: dict, mt: str) -> dict:
         raise UnsupportedModelError("use_bidirectional_attention true is not supported (causal decoders only)")
     rope = _rope_fields(hf, mt, head_dim)
     window, layer_types = _windows(hf, mt, layers)
-    attn_bias = bool(hf.get("attention_bias")) and mt not in ("mistral", "qwen2", "phi3")  # (these ignore the key)
+    # (these families ignore attention_bias: their q/k/v biases are fixed, or read from qkv_bias)
+    attn_bias = bool(hf.get("attention_bias")) and mt not in ("mistral", "qwen2", "phi3", "mixtral", "qwen2_moe")
+    granite = mt == "granite"
     return dict(
         arch="llama", family=mt, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
         intermediate_size=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=hf.get("tie_word_embeddings", gemma), **rope,
+        tie_word_embeddings=hf.get("tie_word_embeddings", gemma or mt == "smollm3"), **rope,
         sliding_window=window, layer_types=layer_types,
-        qkv_bias=attn_bias or mt == "qwen2", o_bias=attn_bias, mlp_bias=mt == "llama" and bool(hf.get("mlp_bias")),
-        qk_norm=mt in ("qwen3", "gemma3_text"), norm_offset=1.0 if gemma else 0.0, sandwich_norm=gemma,
-        embed_scale=hf["hidden_size"] ** 0.5 if gemma else None, hidden_act=_ACTIVATIONS[act],
-        attn_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5 if gemma else None,
+        qkv_bias=attn_bias or mt == "qwen2" or (mt == "qwen2_moe" and hf.get("qkv_bias", True)), o_bias=attn_bias,
+        mlp_bias=mt in ("llama", "granite", "smollm3") and bool(hf.get("mlp_bias")),
+        qk_norm=mt in ("qwen3", "gemma3_text", "qwen3_moe", "olmo2"), qk_norm_per_head=mt != "olmo2",
+        norm_offset=1.0 if gemma else 0.0, sandwich_norm=gemma, post_norm=mt == "olmo2",
+        embed_scale=hf["hidden_size"] ** 0.5 if gemma else float(hf.get("embedding_multiplier", 1.0)) if granite
+        else None, hidden_act=_ACTIVATIONS[act],
+        attn_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5 if gemma else
+        float(hf.get("attention_multiplier", 1.0)) if granite else None,
         attn_softcap=hf.get("attn_logit_softcapping") if mt == "gemma2" else None,  # (Gemma 3 ignores it)
         final_softcap=hf.get("final_logit_softcapping") if gemma else None, fused_checkpoint=mt == "phi3",
+        residual_scale=float(hf.get("residual_multiplier", 1.0)) if granite else None,
+        logits_divisor=float(hf.get("logits_scaling", 1.0)) if granite else None,
+        rope_layers=_rope_layers(hf, layers) if mt == "smollm3" else (), **_experts(hf, mt, layers),
     )
+
+
+def _rope_layers(hf: dict, layers: int) -> tuple[bool, ...]:
+    """SmolLM3's no_rope_layers (1: the layer rotates), or every no_rope_layer_interval-th layer without."""
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        every = hf.get("no_rope_layer_interval", 4)
+        flags = [(i + 1) % every != 0 for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError(f"no_rope_layers lists {len(flags)} layers, num_hidden_layers is {layers}")
+    return tuple(bool(f) for f in flags)
+
+
+def _experts(hf: dict, mt: str, layers: int) -> dict:
+    """The mixture-of-experts fields: Mixtral routes every layer, renormalising the top k; Qwen2-MoE and
+    Qwen3-MoE route the layers that decoder_sparse_step picks and mlp_only_layers leaves, renormalising
+    when norm_topk_prob says, Qwen2-MoE with a shared expert beside."""
+    if mt not in MOE_FAMILIES:
+        return {}
+    if mt == "mixtral":
+        n, size, norm, routed = hf["num_local_experts"], hf["intermediate_size"], True, [True] * layers
+    else:
+        n = hf.get("num_experts") or hf.get("num_local_experts") or 0
+        step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+        routed = [n > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)]
+        size, norm = hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob", False))
+    k = hf["num_experts_per_tok"]
+    if any(routed) and not 0 < k <= n:
+        raise ValueError(f"num_experts_per_tok {k} must be between 1 and the number of experts ({n})")
+    shared = hf.get("shared_expert_intermediate_size") or 0 if mt == "qwen2_moe" else 0
+    return dict(num_experts=n if any(routed) else 0, experts_per_token=k, moe_intermediate_size=size,
+                norm_topk_prob=norm, shared_expert_size=shared, moe_layers=tuple(routed))
 
 
 def _windows(hf: dict, mt: str, layers: int) -> tuple[int | None, tuple[str, ...]]:
     """(sliding window, per-layer attention kinds) as each family's Hugging Face model reads them."""
-    window = None if mt == "llama" else hf.get("sliding_window")
-    if mt in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    window = None if mt in ("llama", "olmo2", "granite") else hf.get("sliding_window")
+    if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and not hf.get("use_sliding_window", False):
         window = None
-    if window is None or mt in ("mistral", "phi3"):  # (these two slide on every layer)
+    if window is None or mt in ("mistral", "phi3", "mixtral", "qwen3_moe"):  # (these slide on every layer)
         return window, ()
     if hf.get("layer_types"):
         kinds = tuple(hf["layer_types"])
@@ -366,6 +427,10 @@ def _windows(hf: dict, mt: str, layers: int) -> tuple[int | None, tuple[str, ...
         return window, kinds
     if mt in ("qwen2", "qwen3"):
         slides = [i >= hf.get("max_window_layers", 28) for i in range(layers)]
+    elif mt == "qwen2_moe":  # every other layer below max_window_layers
+        slides = [(i + 1) % 2 == 1 and i < hf.get("max_window_layers", 28) for i in range(layers)]
+    elif mt == "smollm3":  # the layers without rotary
+        slides = [not r for r in _rope_layers(hf, layers)]
     else:  # Gemma: every n-th layer global, the others local (n = 2 for Gemma 2, 6 for Gemma 3)
         every = 2 if mt == "gemma2" else hf.get("sliding_window_pattern", 6)
         slides = [(i + 1) % every != 0 for i in range(layers)]

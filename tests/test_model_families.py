@@ -292,7 +292,7 @@ def test_dynamic_ntk_frequencies_equal_the_reference():
 LLAMA_BASE = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=96, vocab_size=384, max_position_embeddings=256)
 UNSUPPORTED = [
-    (dict(LLAMA_BASE, model_type="qwen2_moe"), "model_type 'qwen2_moe' is not supported"),
+    (dict(LLAMA_BASE, model_type="llama4_text"), "model_type 'llama4_text' is not supported"),
     (dict(LLAMA_BASE, model_type="gemma3", text_config={}), "model_type 'gemma3' (Gemma 3 with its image encoder)"),
     (dict(LLAMA_BASE, model_type="phi3", rope_scaling={"type": "su", "long_factor": [1.0] * 8,
                                                        "short_factor": [1.0] * 8}),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from servewise.config import ModelConfig
+from servewise.config import ModelConfig, UnsupportedModelError
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -85,6 +85,9 @@ class RooflinePerf:
         model's dtype. A step reads them at that size (a fused kernel; its dequantization assumed hidden),
         or with `dequant_pass` also writes each layer's weights at the model's dtype and the matmul reads
         them (a dequantize-then-matmul kernel, as ChatGLM-6B's int4 layers run)."""
+        if c.num_experts:  # its step would be priced as a dense MLP of intermediate_size on every layer
+            raise UnsupportedModelError(f"model_type {c.family!r} is a mixture of experts: the simulator does not "
+                                        f"price one yet (only the real engine runs it)")
         self.c, self.hw = c, get_hardware(hw) if isinstance(hw, str) else hw
         self.eff = eff or Efficiency()
         if tp < 1 or (tp > 1 and not self.hw.nvlink_gbps):

@@ -1,0 +1,219 @@
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) and the newer dense families (OLMo 2, Granite,
+SmolLM3) on tiny random checkpoints written by transformers: greedy tokens equal to transformers' in fp32,
+alone and with preemption, prefix caching and chunked prefill on; bf16 log-probabilities close; the
+experts' work grouped per expert; what is not built refused in one line."""
+import copy
+import json
+import random
+import re
+
+import pytest
+import torch
+
+from servewise import LLM, SamplingParams
+from servewise.config import ModelConfig, UnsupportedModelError
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=384, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+             initializer_range=0.1)
+MOE = dict(num_experts_per_tok=2)
+# name -> (transformers config class, its settings on top of SMALL)
+FAMILIES = {
+    # Mixtral: softmax, top 2 of 4, the two renormalised; every layer routed
+    "mixtral": ("MixtralConfig", dict(MOE, num_local_experts=4)),
+    # Qwen2-MoE: top 2 not renormalised, a shared expert behind a sigmoid gate, layer 1 dense (mlp_only_layers)
+    "qwen2_moe": ("Qwen2MoeConfig", dict(MOE, num_experts=4, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    # Qwen3-MoE: per-head q/k norms, top 2 renormalised (norm_topk_prob)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(MOE, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True)),
+    # OLMo 2: norms after attention and the MLP (none before), q/k norms over all heads
+    "olmo2": ("Olmo2Config", {}),
+    # Granite: embedding, residual, attention and logit multipliers, none of them 1
+    "granite": ("GraniteConfig", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                                      logits_scaling=0.25)),
+    # SmolLM3: layer 1 without rotary
+    "smollm3": ("SmolLM3Config", dict(no_rope_layers=[1, 0])),
+}
+MAX_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    """Five prompts behind one 40-token prefix (to share in the cache) and a short one, 12-95 tokens."""
+    rng = random.Random(5)
+    tok = lambda n: [rng.randrange(3, 380) for _ in range(n)]  # noqa: E731
+    shared = tok(40)
+    return [shared + tok(n) for n in (55, 8, 30, 47, 20)] + [tok(12)]
+
+
+def write_checkpoint(name: str, path) -> str:
+    cls, extra = FAMILIES[name]
+    cfg = getattr(transformers, cls)(**{**SMALL, **copy.deepcopy(extra)})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # norms random too, so that a missing or misplaced one shows
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def hf_model(path: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, checkpoint directory, transformers' greedy tokens for prompts()). The end token is not
+    special to transformers here (servewise runs with ignore_eos), so both may choose it."""
+    name = request.param
+    path = write_checkpoint(name, tmp_path_factory.mktemp(name))
+    hf = hf_model(path)
+    hf.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts():
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        outs.append(ref[0, len(p):].tolist())
+    return name, path, outs
+
+
+def test_config_reads_the_family(family):
+    name, path, _ = family
+    with open(f"{path}/config.json") as f:
+        c = ModelConfig.from_hf(json.load(f))
+    expect = {"mixtral": dict(num_experts=4, experts_per_token=2, moe_intermediate_size=96, norm_topk_prob=True,
+                              shared_expert_size=0, moe_layers=(True, True)),
+              "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, norm_topk_prob=False, shared_expert_size=48,
+                                moe_layers=(True, False), qkv_bias=True, o_bias=False),
+              "qwen3_moe": dict(num_experts=4, norm_topk_prob=True, qk_norm=True, qk_norm_per_head=True,
+                                moe_layers=(True, True)),
+              "olmo2": dict(post_norm=True, qk_norm=True, qk_norm_per_head=False, num_experts=0),
+              "granite": dict(embed_scale=3.0, residual_scale=0.5, attn_scale=0.1, logits_divisor=0.25),
+              "smollm3": dict(rope_layers=(True, False), tie_word_embeddings=True)}[name]
+    assert {k: getattr(c, k) for k in expect} == expect
+
+
+@pytest.mark.parametrize("paths", ["compiled", "torch"])
+def test_greedy_tokens_equal_transformers(family, paths):
+    name, path, ref = family
+    llm = LLM(path, num_device_blocks=64, num_host_blocks=0)
+    if paths == "torch":
+        llm.engine.runner.attn_kernel = None
+        for layer in llm.engine.runner.model.layers:
+            layer.ops = None
+    assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == ref
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preemption_prefix_caching_and_chunked_prefill_keep_the_tokens(family, preemption):
+    """The first prompt alone, then all six in 24-token steps with 20 blocks of 8 tokens: requests are
+    preempted, the shared 40-token prefix is found in the cache, chunks continue earlier ones."""
+    name, path, ref = family
+    llm = LLM(path, enable_prefix_caching=True, chunked_prefill=True, max_num_batched_tokens=24, block_size=8,
+              num_device_blocks=20, preemption=preemption, num_host_blocks=64 if preemption == "swap" else 0)
+    first = llm.generate(prompts()[:1], GREEDY)
+    outs = llm.generate(prompts(), GREEDY)
+    stats = llm.engine.stats()
+    assert stats.preemptions[preemption] > 0 and stats.prefix_hit_tokens >= 5 * 32
+    assert [first[0].token_ids] + [o.token_ids for o in outs] == ref[:1] + ref
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_bf16_log_probs_are_close(name, tmp_path):
+    """bf16 against transformers in fp32 on servewise's greedy tokens: every top-5 log-probability of 8
+    steps within 0.1 of the reference's (as for the dense families, tests/test_model_families.py)."""
+    path = write_checkpoint(name, tmp_path)
+    ps = prompts()[:3]
+    outs = LLM(path, dtype="bfloat16", num_device_blocks=64, num_host_blocks=0).generate(
+        ps, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5))
+    hf, worst = hf_model(path), 0.0
+    for p, o in zip(ps, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([p + o.token_ids])).logits[0].float(), dim=-1)[len(p) - 1:-1]
+        for step, lp in enumerate(o.request.output_logprobs):
+            worst = max(worst, *(abs(value - ref[step, token].item()) for token, value in lp.top))
+    assert worst < 0.1
+
+
+def test_experts_run_once_per_step_not_per_token(tmp_path, monkeypatch):
+    """A prefill of 95 tokens through a routed layer calls each expert's MLP at most once, on all the
+    tokens routed to it: k x tokens rows in all, in at most num_experts calls."""
+    from servewise.models import decoder
+
+    path = write_checkpoint("qwen3_moe", tmp_path)
+    llm = LLM(path, num_device_blocks=64, num_host_blocks=0)
+    calls = []
+    mlp = decoder.MLP.__call__
+    monkeypatch.setattr(decoder.MLP, "__call__", lambda self, h: calls.append(len(h)) or mlp(self, h))
+    llm.generate([prompts()[0]], SamplingParams(max_tokens=1, temperature=0))
+    layers = 2
+    assert len(calls) <= 4 * layers and sum(calls) == 2 * 95 * layers
+
+
+def test_all_experts_in_one_tensor_load_the_same(tmp_path):
+    """transformers 5 holds a layer's experts as experts.gate_up_proj [E, 2I, H] and experts.down_proj
+    [E, H, I]; a checkpoint in those names builds the same model as one with a name per expert."""
+    from servewise.models.loader import build_model, hf_config, safetensors_weights
+
+    path = write_checkpoint("qwen3_moe", tmp_path)
+    c = ModelConfig.from_hf(hf_config(path))
+    per_expert = dict(safetensors_weights(path))
+    fused = {}
+    for name, w in per_expert.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if m is None:
+            fused[name] = w
+    for n in range(c.num_layers):
+        e = f"model.layers.{n}.mlp.experts"
+        fused[e + ".gate_up_proj"] = torch.stack([torch.cat((per_expert[f"{e}.{x}.gate_proj.weight"],
+                                                             per_expert[f"{e}.{x}.up_proj.weight"]))
+                                                  for x in range(c.num_experts)])
+        fused[e + ".down_proj"] = torch.stack([per_expert[f"{e}.{x}.down_proj.weight"] for x in range(c.num_experts)])
+    a, b = build_model(c, iter(per_expert.items())), build_model(c, iter(fused.items()))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    del fused["model.layers.0.mlp.experts.down_proj"]
+    with pytest.raises(ValueError, match="checkpoint lacks 4 weights"):
+        build_model(c, iter(fused.items()))
+
+
+# --- what is not built: one line naming what is missing, exit status 2 -----------------------------------
+BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=384,
+            max_position_embeddings=256)
+REFUSED = [
+    (dict(BASE, model_type="gpt_oss"), "model_type 'gpt_oss' is not supported: gpt-oss (attention sinks"),
+    (dict(BASE, model_type="deepseek_v3"), "model_type 'deepseek_v3' is not supported: DeepSeek-V3 (multi-head "
+                                           "latent attention, MLA, is not built)"),
+    (dict(BASE, model_type="phi3", rope_scaling={"rope_type": "longrope", "long_factor": [1.0] * 8,
+                                                 "short_factor": [1.0] * 8}),
+     "rope_scaling.rope_type 'longrope' is not supported"),
+]
+
+
+@pytest.mark.parametrize("config, message", REFUSED, ids=["gpt-oss", "deepseek", "longrope"])
+def test_what_is_not_built_is_one_line_and_status_2(config, message, tmp_path, capsys):
+    from servewise.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        ModelConfig.from_hf(config)
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tmp_path), "--load-format", "dummy"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and message in err
+
+
+def test_the_simulator_refuses_a_mixture_of_experts(tmp_path, capsys):
+    """It would price each expert layer as one dense MLP: it says so instead, in one line."""
+    from servewise.cli import main
+
+    cfg = dict(BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--model", str(tmp_path), "--hardware", "h100-80g", "--num-requests", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "mixture of experts: the simulator does not price" in err
