@@ -59,6 +59,7 @@ def test_a_recorded_run_holds_every_request_and_every_token_its_steps_computed(t
     assert {rid for s in steps for rid, _, _ in s["rows"]} == ids and len(ids) == 12
     assert all(s["dur"] > 0 for s in steps) and [s["step"] for s in steps] == list(range(len(steps)))
     assert sorted(s["start"] for s in steps) == [s["start"] for s in steps]
+    assert steps[0]["gap"] is None and all(s["gap"] is None or s["gap"] >= 0 for s in steps[1:])
 
 
 def test_the_replay_sets_the_simulated_run_against_the_recorded_one(tmp_path):

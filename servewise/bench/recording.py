@@ -9,8 +9,8 @@ A recording is gzipped JSON lines:
   the run's start, "prompt", "output": target output tokens, "tokens": tokens produced, "ttft", "e2e": seconds
   (None: not finished), "preemptions": {kind: count}};
 - one line per step: {"step": its index, "start": seconds from the run's start, "dur": the batch's runner time,
-  "copy": its block copies' time, "gap": the engine's time outside the runner since the previous step ended
-  (None after an idle wait), "kind": prefill or decode, "rows": [[request, tokens computed, context], ...],
+  "copy": its block copies' time, "gap": the engine's time outside the runner from the previous step's end to
+  this one's (bookkeeping, scheduling; None after an idle wait), "kind": prefill or decode, "rows": [[request, tokens computed, context], ...],
   "out", "in": blocks swapped out and in, "preempted": [[request, how], ...]}.
 
 `replay` runs the recorded arrivals and lengths through the simulator (the recorded engine options) on a given
@@ -63,7 +63,7 @@ class Recorder:
     def step(self, st) -> None:
         if not (st.scheduled or st.swapped_out_blocks or st.swapped_in_blocks):
             return
-        gap = None if self.last_end is None else st.start - self.last_end
+        gap = None if self.last_end is None else st.end - st.elapsed - self.last_end
         self.steps.append({"step": len(self.steps), "start": st.start - self.start, "dur": st.execute_s,
                            "copy": st.elapsed - st.execute_s, "gap": gap,
                            "kind": "prefill" if st.is_prefill else "decode",
