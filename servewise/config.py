@@ -1,6 +1,7 @@
 """Engine settings in one place."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 
@@ -221,7 +222,7 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _REFUSED = {"gpt_oss": "gpt-oss (attention sinks and its router are not built)",
             "deepseek_v2": "DeepSeek-V2 (multi-head latent attention, MLA, is not built)",
             "deepseek_v3": "DeepSeek-V3 (multi-head latent attention, MLA, is not built)"}
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -490,6 +491,18 @@ def _rope_fields(hf: dict, mt: str, head_dim: int) -> dict:
     elif kind == "llama3":
         scaling = {"rope_type": kind, "factor": float(need("factor")), "low_freq_factor": need("low_freq_factor"),
                    "high_freq_factor": need("high_freq_factor"), "original_max_position_embeddings": original}
+    elif kind == "longrope":  # short_factor up to original_max_position_embeddings tokens, long_factor beyond
+        pairs = int(head_dim * partial) // 2
+        for key in ("short_factor", "long_factor"):
+            if len(need(key)) != pairs:
+                raise ValueError(f"{field}.{key} has {len(params[key])} entries; the rotary dims make {pairs} pairs")
+        factor = params.get("factor") or max_pos / original
+        att = params.get("attention_factor")
+        if att is None:
+            att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        scaling = {"rope_type": kind, "short_factor": [float(x) for x in params["short_factor"]],
+                   "long_factor": [float(x) for x in params["long_factor"]],
+                   "original_max_position_embeddings": original, "attention_factor": float(att)}
     return {"rope_theta": float(theta), "rope_scaling": scaling, "partial_rotary_factor": float(partial),
             "local_rope_theta": float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0)
             if mt == "gemma3_text" else None,

@@ -294,11 +294,10 @@ LLAMA_BASE = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_a
 UNSUPPORTED = [
     (dict(LLAMA_BASE, model_type="llama4_text"), "model_type 'llama4_text' is not supported"),
     (dict(LLAMA_BASE, model_type="gemma3", text_config={}), "model_type 'gemma3' (Gemma 3 with its image encoder)"),
-    (dict(LLAMA_BASE, model_type="phi3", rope_scaling={"type": "su", "long_factor": [1.0] * 8,
-                                                       "short_factor": [1.0] * 8}),
-     "rope_scaling.type 'su' is not supported"),
-    (dict(LLAMA_BASE, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
-     "rope_parameters.rope_type 'longrope' is not supported"),
+    (dict(LLAMA_BASE, model_type="phi3", rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+     "rope_scaling.type 'mrope' is not supported"),
+    (dict(LLAMA_BASE, rope_parameters={"rope_type": "mrope", "rope_theta": 1e4}),
+     "rope_parameters.rope_type 'mrope' is not supported"),
     (dict(LLAMA_BASE, hidden_act="gelu_new"), "hidden_act 'gelu_new' is not supported"),
     (dict(LLAMA_BASE, partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported for model_type 'llama'"),
     (dict(LLAMA_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=8,
@@ -307,8 +306,9 @@ UNSUPPORTED = [
 ]
 
 
-@pytest.mark.parametrize("config, message", UNSUPPORTED, ids=["moe", "gemma3-vision", "phi3-longrope", "longrope",
-                                                             "gelu", "partial-rotary", "chunked-attention"])
+@pytest.mark.parametrize("config, message", UNSUPPORTED, ids=["model-type", "gemma3-vision", "mrope",
+                                                             "mrope-parameters", "gelu", "partial-rotary",
+                                                             "chunked-attention"])
 def test_an_unsupported_config_is_one_line_and_status_2(config, message, tmp_path, capsys):
     from servewise.cli import main
 
@@ -335,7 +335,7 @@ def test_the_command_line_itself_says_it_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "servewise.cli", "generate", "--model", str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and done.stderr.splitlines() == [f"error: {UNSUPPORTED[2][1]} (supported: default, "
-                                                                 f"linear, dynamic, yarn, llama3)"]
+                                                                 f"linear, dynamic, yarn, llama3, longrope)"]
 
 
 # --- published sizes, for the simulator --------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) and the newer dense families (OLMo 2, Granite,
-SmolLM3) on tiny random checkpoints written by transformers: greedy tokens equal to transformers' in fp32,
-alone and with preemption, prefix caching and chunked prefill on; bf16 log-probabilities close; the
-experts' work grouped per expert; what is not built refused in one line."""
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE), the newer dense families (OLMo 2, Granite,
+SmolLM3) and longrope on tiny random checkpoints written by transformers: greedy tokens equal to
+transformers' in fp32, alone and with preemption, prefix caching and chunked prefill on; bf16
+log-probabilities close; the experts' work grouped per expert; what is not built refused in one line."""
 import copy
 import json
 import random
@@ -35,7 +35,20 @@ FAMILIES = {
                                       logits_scaling=0.25)),
     # SmolLM3: layer 1 without rotary
     "smollm3": ("SmolLM3Config", dict(no_rope_layers=[1, 0])),
+    # longrope over a 64-token original length, on every rotary dim (the compiled rotary kernel): transformers'
+    # Llama switches to the long factors in the step whose sequence passes it, as servewise does (rope.py)
+    "llama-longrope": ("LlamaConfig", dict(rope_scaling=dict(
+        rope_type="longrope", original_max_position_embeddings=64,
+        short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 4.0],
+        long_factor=[1.5, 2.0, 3.0, 4.0, 6.0, 9.0, 14.0, 20.0]))),
+    # Phi-3.5 / Phi-4-mini style: longrope on half the dims. transformers' Phi-3 recomputes a sequence that grows
+    # past the original length, which servewise does not (rope.py): no request crosses 86 tokens while it decodes
+    # (prompts of 87 and 95 tokens run long from their prefill, the others short, in the same steps)
+    "phi3-longrope": ("Phi3Config", dict(
+        partial_rotary_factor=0.5, original_max_position_embeddings=86,
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.3, 2.0, 3.1], long_factor=[1.5, 4.0, 9.0, 20.0]))),
 }
+LONGROPE = ("llama-longrope", "phi3-longrope")
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
@@ -94,8 +107,14 @@ def test_config_reads_the_family(family):
                                 moe_layers=(True, True)),
               "olmo2": dict(post_norm=True, qk_norm=True, qk_norm_per_head=False, num_experts=0),
               "granite": dict(embed_scale=3.0, residual_scale=0.5, attn_scale=0.1, logits_divisor=0.25),
-              "smollm3": dict(rope_layers=(True, False), tie_word_embeddings=True)}[name]
-    assert {k: getattr(c, k) for k in expect} == expect
+              "smollm3": dict(rope_layers=(True, False), tie_word_embeddings=True),
+              "llama-longrope": dict(max_model_len=256, rope_type="longrope", original=64),
+              "phi3-longrope": dict(max_model_len=256, rope_type="longrope", original=86)}[name]
+    got = {k: getattr(c, k) for k in expect if hasattr(c, k)}
+    if c.rope_scaling:
+        got |= {"rope_type": c.rope_scaling["rope_type"],
+                "original": c.rope_scaling["original_max_position_embeddings"]}
+    assert got == expect
 
 
 @pytest.mark.parametrize("paths", ["compiled", "torch"])
@@ -114,6 +133,8 @@ def test_preemption_prefix_caching_and_chunked_prefill_keep_the_tokens(family, p
     """The first prompt alone, then all six in 24-token steps with 20 blocks of 8 tokens: requests are
     preempted, the shared 40-token prefix is found in the cache, chunks continue earlier ones."""
     name, path, ref = family
+    if name in LONGROPE:
+        pytest.skip("longrope: a chunk or a recomputed prompt is rotated for its own step's length (rope.py)")
     llm = LLM(path, enable_prefix_caching=True, chunked_prefill=True, max_num_batched_tokens=24, block_size=8,
               num_device_blocks=20, preemption=preemption, num_host_blocks=64 if preemption == "swap" else 0)
     first = llm.generate(prompts()[:1], GREEDY)
@@ -181,6 +202,24 @@ def test_all_experts_in_one_tensor_load_the_same(tmp_path):
         build_model(c, iter(fused.items()))
 
 
+@pytest.mark.parametrize("seq_len", [None, 65])
+def test_longrope_frequencies_equal_the_reference(seq_len):
+    """The short factors' frequencies up to the original length, the long ones' past it, and the
+    attention factor, as transformers computes them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from servewise.models.rope import inv_freq, longrope_inv_freq
+
+    cls, extra = FAMILIES["llama-longrope"]
+    hf = getattr(transformers, cls)(**SMALL, **copy.deepcopy(extra))
+    want, want_scale = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=seq_len)
+    c = ModelConfig.from_hf(hf.to_dict())
+    short, scale = inv_freq(c.rope_theta, c.head_dim, c.rope_scaling)
+    got = short if seq_len is None else longrope_inv_freq(c.rope_theta, c.head_dim, c.rope_scaling, long=True)
+    assert torch.allclose(got, want, rtol=1e-6, atol=0) and scale == pytest.approx(want_scale, rel=1e-12)
+    assert scale > 1  # (256 / 64: sqrt(1 + ln 4 / ln 64))
+
+
 # --- what is not built: one line naming what is missing, exit status 2 -----------------------------------
 BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=384,
             max_position_embeddings=256)
@@ -189,17 +228,17 @@ REFUSED = [
     (dict(BASE, model_type="deepseek_v3"), "model_type 'deepseek_v3' is not supported: DeepSeek-V3 (multi-head "
                                            "latent attention, MLA, is not built)"),
     (dict(BASE, model_type="phi3", rope_scaling={"rope_type": "longrope", "long_factor": [1.0] * 8,
-                                                 "short_factor": [1.0] * 8}),
-     "rope_scaling.rope_type 'longrope' is not supported"),
+                                                 "short_factor": [1.0] * 4}),
+     "rope_scaling.short_factor has 4 entries; the rotary dims make 8 pairs"),
 ]
 
 
-@pytest.mark.parametrize("config, message", REFUSED, ids=["gpt-oss", "deepseek", "longrope"])
+@pytest.mark.parametrize("config, message", REFUSED, ids=["gpt-oss", "deepseek", "longrope-factors"])
 def test_what_is_not_built_is_one_line_and_status_2(config, message, tmp_path, capsys):
     from servewise.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+    with pytest.raises(UnsupportedModelError if "not supported" in message else ValueError, match=re.escape(message)):
         ModelConfig.from_hf(config)
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", str(tmp_path), "--load-format", "dummy"])

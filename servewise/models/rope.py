@@ -19,6 +19,14 @@ inv_i (theta is the base, L0 the length the model was trained at):
   Splitting a prompt (chunked prefill), recomputing it after a preemption, or reusing a cached
   prefix computed for a shorter request therefore rotates some keys differently than one whole
   prefill would.
+- longrope (Phi-3 128k, Phi-3.5, Phi-4-mini): inv_i = theta ** (-2i / d) / f_i, with f the config's
+  short_factor, or its long_factor for a sequence of L > L0 tokens (L as for dynamic NTK); cos and sin
+  times the attention factor (sqrt(1 + ln(factor) / ln L0), factor = max_position_embeddings / L0,
+  unless the config sets it). transformers' Phi-3 recomputes a sequence's whole KV when it grows past
+  L0 in generate, so that every key turns by the long factors: a request that crosses L0 while it
+  decodes, or a prompt over L0 split into chunks, keeps here the keys its earlier steps rotated by the
+  short ones (not transformers' tokens); prompts over L0 in one step, and requests that stay under L0,
+  are rotated as transformers rotates them.
 """
 from __future__ import annotations
 
@@ -41,6 +49,8 @@ def inv_freq(theta: float, dim: int, scaling: dict | None) -> tuple[torch.Tensor
     kind = scaling["rope_type"] if scaling else "default"
     if kind in ("default", "dynamic"):
         return plain, 1.0
+    if kind == "longrope":  # the short factors' (the long ones': longrope_inv_freq)
+        return longrope_inv_freq(theta, dim, scaling, long=False), scaling["attention_factor"]
     factor = scaling["factor"]
     if kind == "linear":
         return plain / factor, 1.0
@@ -86,6 +96,12 @@ def _yarn(plain: torch.Tensor, theta: float, dim: int, s: dict) -> tuple[torch.T
         att = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"]) if s["mscale"] and s["mscale_all_dim"] \
             else mscale(factor)
     return freqs, float(att)
+
+
+def longrope_inv_freq(theta: float, dim: int, s: dict, long: bool) -> torch.Tensor:
+    """longrope's frequencies: the short factors' (sequences up to L0) or the long factors'."""
+    factors = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
+    return 1.0 / (factors * theta ** _exponents(dim))
 
 
 def dynamic_inv_freq(theta: float, dim: int, s: dict, lengths: torch.Tensor) -> torch.Tensor:
@@ -135,8 +151,12 @@ class Rotary(nn.Module):
         tables = {"global": RopeTable(inv, c.max_model_len, scale)}
         if c.local_rope_theta is not None:
             tables["local"] = RopeTable(inv_freq(c.local_rope_theta, self.dim, None)[0], c.max_model_len)
+        kind = c.rope_scaling["rope_type"] if c.rope_scaling else "default"
+        if kind == "longrope":  # the long factors' table beside the short one
+            tables["long"] = RopeTable(longrope_inv_freq(c.rope_theta, self.dim, c.rope_scaling, long=True),
+                                       c.max_model_len, scale)
         self.tables = nn.ModuleDict(tables)
-        self.dynamic = c.rope_scaling is not None and c.rope_scaling["rope_type"] == "dynamic"
+        self.dynamic, self.longrope = kind == "dynamic", kind == "longrope"
 
     def apply(self, qk: torch.Tensor, positions: torch.Tensor, meta, kind: str = "global", ops=None) -> torch.Tensor:
         """Queries and keys [tokens, heads, head_dim] rotated: in place by the compiled kernel when
@@ -145,6 +165,8 @@ class Rotary(nn.Module):
         cos, sin, index = table.cos, table.sin, positions
         if self.dynamic and kind == "global":
             cos, sin, index = self._dynamic(table, positions, meta)
+        elif self.longrope and kind == "global":
+            cos, sin, index = self._longrope(table, positions, meta)
         if ops is not None and self.dim == qk.shape[-1]:
             ops.rotary_(qk, index, cos, sin)
             return qk
@@ -162,6 +184,21 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = table.cos[positions], table.sin[positions]
         cos[long], sin[long] = emb.cos().to(cos.dtype), emb.sin().to(sin.dtype)
+        return cos, sin, torch.arange(len(positions), device=positions.device)
+
+
+    def _longrope(self, short: RopeTable, positions: torch.Tensor, meta):
+        """(cos, sin, index) for longrope: the long table's rows where a request's sequence in this step
+        reaches beyond L0, the short table's elsewhere."""
+        long = _row_ends(positions, meta) > self.scaling["original_max_position_embeddings"]
+        table = self.tables["long"]
+        if bool(long.all()):
+            return table.cos, table.sin, positions
+        if not bool(long.any()):
+            return short.cos, short.sin, positions
+        rows = long.unsqueeze(1)
+        cos = torch.where(rows, table.cos[positions], short.cos[positions])
+        sin = torch.where(rows, table.sin[positions], short.sin[positions])
         return cos, sin, torch.arange(len(positions), device=positions.device)
 
 
