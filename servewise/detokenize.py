@@ -26,11 +26,14 @@ class TextStream:
 
     Stop strings are searched for only where one can newly appear: no stop string lay in the text of
     the previous push, so a new one ends past the settled text and starts at most `hold` characters
-    before its end.
+    before its end. include_stop: the stop string found stays in the text (vLLM's
+    include_stop_str_in_output); min_tokens: no stop string is looked for in the text of the first
+    min_tokens tokens.
     """
 
-    def __init__(self, tokenizer, stops: list[str]):
+    def __init__(self, tokenizer, stops: list[str], include_stop: bool = False, min_tokens: int = 0):
         self.tok, self.stops, self.ids, self.sent = tokenizer, stops, [], 0
+        self.include_stop, self.min_tokens, self.floor = include_stop, min_tokens, 0
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.joining = _joining_ids(tokenizer)
         self.context_ids: list[int] = []  # the last settled chunk: decoded again for context
@@ -49,11 +52,14 @@ class TextStream:
         self.pending.extend(ids)
         fresh = self.tok.decode(self.context_ids + self.pending)[len(self.context):]
         text = self.text + fresh  # the whole text from `base` on
-        start = max(self.settled - self.hold, 0) - self.base
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         length = self.base + len(text)
+        if len(self.ids) <= self.min_tokens:  # (the text so far cannot hold a stop string)
+            self.floor = length
+        start = max(self.settled - self.hold, self.floor, 0) - self.base
+        hits = [(i, len(s)) for i, s in ((text.find(s, start), s) for s in self.stops) if i >= 0]
         if hits:
-            end, self.stopped = self.base + min(hits), True
+            at, size = min(hits)
+            end, self.stopped = self.base + at + (size if self.include_stop else 0), True
         else:
             end = length
             if not final:

@@ -74,7 +74,8 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(reqs), desc="generate", unit="req")
-        streams = {r.request_id: (r, TextStream(eng.tokenizer, r.params.stop), []) for r in reqs if r.params.stop}
+        streams = {r.request_id: (r, TextStream(eng.tokenizer, r.params.stop, r.params.include_stop_str_in_output,
+                                                r.params.min_tokens), []) for r in reqs if r.params.stop}
         while eng.has_unfinished():
             stats = eng.step()
             for rid in stats.scheduled:

@@ -18,7 +18,12 @@ class SamplingParams:
     log-probability and the N most likely tokens' (0-20; None: none). stop: strings that end the
     output where they first appear in the decoded text (the text stops before them). priority: the
     request's rank under the `priority` scheduling policy, lower first (vLLM's `priority` argument;
-    any other policy takes only the default, 0).
+    any other policy takes only the default, 0). stop_token_ids: tokens that end the output (kept in
+    its token ids; their text is left out unless include_stop_str_in_output, which also keeps a stop
+    string in the text). min_tokens: end-of-sequence and stop tokens are masked, and stop strings not
+    searched for, until the output has this many tokens. logit_bias: token id -> a value in [-100, 100]
+    added to its logit before sampling. json_schema: a JSON schema (its text) the output must follow,
+    enforced token by token by masking the logits (servewise/structured.py; needs xgrammar).
     """
 
     max_tokens: int = 16
@@ -34,6 +39,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    json_schema: str | None = None
     priority: int = 0
     client: str | None = None  # who sent it (the OpenAI API's `user`): per-client fairness (--policy vtc)
 
@@ -63,6 +72,16 @@ class SamplingParams:
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+        if not _integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], got "
+                             f"{self.min_tokens!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _integer(t) and t >= 0 and _number(v) and -100 <= v <= 100 for t, v in self.logit_bias.items()):
+                raise ValueError(f"logit_bias must map token ids to values in [-100, 100], got {self.logit_bias!r}")
+            self.logit_bias = dict(self.logit_bias) or None
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise ValueError(f"json_schema must be a JSON schema's text, got {type(self.json_schema).__name__}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if not all(isinstance(t, str) and t for t in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")

@@ -40,6 +40,9 @@ class RequestLimits:
                              f"(--policy priority); this engine orders requests otherwise")
         if not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            if any(t >= self.vocab_size for t in tokens):
+                raise ValueError(f"{name}: token ids must be below the vocabulary size {self.vocab_size}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's maximum length is {self.max_model_len} "
                              f"(prompt plus at least one output token)")
@@ -59,6 +62,8 @@ class LLMEngine:
                  scheduler: Scheduler, runner: Runner, clock, owns_clock: bool = True):
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.block_manager, self.scheduler, self.runner, self.clock = block_manager, scheduler, runner, clock
+        if hasattr(runner, "tokenizer"):  # (a model runner: structured output builds its token masks with it)
+            runner.tokenizer = tokenizer
         self.owns_clock = owns_clock
         bm = block_manager
         self.limits = RequestLimits(model_config.vocab_size, model_config.max_model_len, model_config.eos_token_id,

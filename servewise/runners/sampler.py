@@ -2,7 +2,9 @@
 
 One batch of logits [B, V] goes through, in vLLM's order:
   1. log-probabilities of the raw logits, for the rows that asked for `logprobs`;
-  2. repetition (prompt and output tokens), frequency and presence (output tokens) penalties, for
+  2. logit_bias added, end-of-sequence and stop tokens masked below min_tokens, and the tokens a
+     request's grammar (structured output) does not allow masked, for the rows that ask;
+     repetition (prompt and output tokens), frequency and presence (output tokens) penalties, for
      the rows that set them;
   3. greedy rows take the argmax;
   4. the other rows are divided by their temperature; min-p, top-k and top-p cut their
@@ -19,9 +21,12 @@ One batch of logits [B, V] goes through, in vLLM's order:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from servewise import structured
 
 
 CANDIDATES = 256  # top-p: tokens sorted before falling back to the whole vocabulary
@@ -41,16 +46,18 @@ class SampleResult:
     logprobs: list[Logprobs | None]  # per row; None where the request did not ask
 
 
-def sample(logits: torch.Tensor, reqs: list) -> SampleResult:
+def sample(logits: torch.Tensor, reqs: list, stop_ids: tuple[int, ...] = ()) -> SampleResult:
     """logits: [B, V], one row per request; modified in place. A request here is the runner's copy
-    (torch_runner.SeqState): params, prompt_token_ids and output_token_ids (for penalties) and a
-    generator slot, filled on a seeded request's first draw and kept for its whole life."""
+    (torch_runner.SeqState): params, prompt_token_ids and output_token_ids (for penalties), a
+    generator slot, filled on a seeded request's first draw and kept for its whole life, and its
+    grammar (structured.Constraint or None). stop_ids: the model's end-of-sequence ids (min_tokens)."""
     B, V = logits.shape
     ps = [r.params for r in reqs]
     if logits.dtype != torch.float32:
         logits = logits.float()
     lp_rows = [i for i, p in enumerate(ps) if p.logprobs is not None]
     raw_lp = logits[lp_rows].log_softmax(dim=-1) if lp_rows else None
+    _bias_and_mask(logits, reqs, stop_ids)
     pen_rows = [i for i, p in enumerate(ps) if p.has_penalties]
     if pen_rows:
         logits[pen_rows] = _penalize(logits[pen_rows], [reqs[i] for i in pen_rows])
@@ -72,6 +79,20 @@ def sample(logits: torch.Tensor, reqs: list) -> SampleResult:
             n = ps[i].logprobs
             logprobs[i] = Logprobs(chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
     return SampleResult(out, logprobs)
+
+
+def _bias_and_mask(logits: torch.Tensor, reqs: list, stop_ids: tuple[int, ...]) -> None:
+    """logit_bias, min_tokens (the end-of-sequence and stop tokens masked; not on rows with a grammar, whose
+    mask may leave only those) and grammars, in place, on the rows that ask."""
+    for i, r in enumerate(reqs):
+        p = r.params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+        if p.min_tokens > len(r.output_token_ids) and p.json_schema is None:
+            logits[i, list(stop_ids) + p.stop_token_ids] = -math.inf
+    if any(getattr(r, "grammar", None) is not None for r in reqs):
+        structured.apply(logits, reqs)
 
 
 def argmax(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:

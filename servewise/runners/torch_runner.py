@@ -51,6 +51,9 @@ class TorchRunner:
         self.model, self.mc, self.bs, self.device = model, mc, block_size, torch.device(device)
         self.capacity = (num_device_blocks, num_host_blocks)
         self.seqs: dict[str, SeqState] = {}  # the requests this runner holds, by id
+        self.tokenizer = None  # the engine's (set by it): structured output's token masks are built from it
+        self._grammars = None  # (structured.Grammars, built on the first request that asks for one)
+        self.stop_ids = tuple(t for t in (mc.eos_token_id, *mc.more_eos_token_ids) if t is not None)
         dtype = next(model.parameters()).dtype
         per_block = (block_size, mc.num_kv_heads, mc.head_dim)
         self.attn_kernel, attn_path = kernels.attention_kernel(self.device.type)
@@ -284,13 +287,23 @@ class TorchRunner:
         for rid in out.finished_ids:
             self.seqs.pop(rid, None)
         for n in out.new_requests:
-            self.seqs[n.request_id] = SeqState(n.prompt_token_ids, list(n.output_token_ids), n.params, list(n.block_ids))
+            seq = self.seqs[n.request_id] = SeqState(n.prompt_token_ids, list(n.output_token_ids), n.params,
+                                                     list(n.block_ids))
+            if n.params.json_schema is not None:
+                seq.grammar = self.grammars().constraint(n.params.json_schema)
         for c in out.cached_requests:
             seq = self.seqs[c.request_id]
             if c.resumed_block_ids is not None:
                 seq.block_ids = list(c.resumed_block_ids)
             else:
                 seq.block_ids.extend(c.new_block_ids)
+
+    def grammars(self):
+        if self._grammars is None:
+            from servewise.structured import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.mc.vocab_size, list(self.stop_ids))
+        return self._grammars
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -305,7 +318,7 @@ class TorchRunner:
             if self._swap_events is not None:  # a graph cannot wait layer by layer: the whole swap first
                 torch.cuda.current_stream(self.device).wait_event(self._swap_events[-1])
                 self._swap_events = None
-            sampled = sample(self.graphs.run(rows, out.context_lens), rows)
+            sampled = sample(self.graphs.run(rows, out.context_lens), rows, self.stop_ids)
             for seq, tok in zip(rows, sampled.tokens):
                 seq.output_token_ids.append(tok)
             self.finish_writes()
@@ -330,7 +343,7 @@ class TorchRunner:
         tokens: list[int | None] = [None] * len(rows)
         logprobs = None
         if sampling:
-            sampled = sample(self.model.compute_logits(hidden), [rows[i] for i in sampling])
+            sampled = sample(self.model.compute_logits(hidden), [rows[i] for i in sampling], self.stop_ids)
             if sampled.logprobs is not None:
                 logprobs = [None] * len(rows)
             for j, i in enumerate(sampling):
@@ -457,14 +470,15 @@ class _Fetch:
 
 class SeqState:
     """The runner's copy of a request: its tokens (the sampler reads prompt and output ids for
-    penalties), sampling parameters, block table and seeded generator."""
+    penalties), sampling parameters, block table, seeded generator and grammar (structured output)."""
 
-    __slots__ = ("prompt_token_ids", "output_token_ids", "params", "block_ids", "generator")
+    __slots__ = ("prompt_token_ids", "output_token_ids", "params", "block_ids", "generator", "grammar")
 
     def __init__(self, prompt: list[int], output: list[int], params, block_ids: list[int] | None = None):
         self.prompt_token_ids, self.output_token_ids, self.params = prompt, output, params
         self.block_ids = block_ids or []
         self.generator = None
+        self.grammar = None
 
     def token_ids(self, start: int, end: int) -> list[int]:
         p = self.prompt_token_ids
