@@ -23,16 +23,20 @@ def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = No
              max_waiting: int = DEFAULT_MAX_WAITING, default_max_tokens: int = 16, log=None,
              engine_process: bool = True, max_restarts: int = 3, cluster: dict | None = None,
              max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S,
-             restart_wait_s: float = RESTART_WAIT_S):
+             restart_wait_s: float = RESTART_WAIT_S, chat_template: str | None = None,
+             allowed_origins: list[str] | None = None):
     """(FastAPI app, engine client), the client started: the engine in its own process, or in a thread of
     this one (engine_process=False), or several instances (cluster: ClusterClient's keyword arguments,
-    with `roles`)."""
+    with `roles`). chat_template: a Jinja file or template (default: the model's, else a plain one);
+    allowed_origins: CORS origins (None: no CORS headers)."""
     from servewise.builder import build_engine
     from servewise.server.app import build_app
-    from servewise.server.chat import ChatTemplate, find_template
+    from servewise.server.chat import ChatTemplate, find_template, load_template
     from servewise.server.client import ThreadEngineClient
     from servewise.server.engine_process import ProcessEngineClient
 
+    source, where = load_template(chat_template) if chat_template else find_template(model)
+    template = ChatTemplate(source, *_special_tokens(model))  # (a bad template stops here, before any engine)
     if cluster is not None:
         from servewise.cluster.serving import ClusterClient
 
@@ -42,10 +46,9 @@ def make_app(model: str, engine_kwargs: dict, served_model_name: str | None = No
         client = ProcessEngineClient(dict(engine_kwargs, model=model), max_waiting, max_restarts=max_restarts, log=log)
     else:
         client = ThreadEngineClient(build_engine(model=model, **engine_kwargs), max_waiting)
-    source, where = find_template(model)
     if log:
         log(f"chat template: {where}")
-    app = build_app(client, served_model_name or model, ChatTemplate(source, *_special_tokens(model)), api_key,
-                    default_max_tokens, max_body_bytes, body_timeout_s, restart_wait_s)
+    app = build_app(client, served_model_name or model, template, api_key, default_max_tokens, max_body_bytes,
+                    body_timeout_s, restart_wait_s, allowed_origins)
     client.start()
     return app, client

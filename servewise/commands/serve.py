@@ -36,6 +36,12 @@ def arguments(p) -> None:
                         "down) before it gets 503 (0: at once)")
     p.add_argument("--max-waiting", type=at_least(1), default=DEFAULT_MAX_WAITING,
                    help="queued requests at most; beyond it requests get 429 with Retry-After")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja file (or the template itself) for chat prompts (default: the model's, else a plain "
+                        "<|role|> one)")
+    p.add_argument("--allowed-origins", type=_origins, default=None,
+                   help="origins browsers may call the API from (CORS), as a JSON list or comma-separated, '*' for "
+                        "any (default: no CORS headers)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--engine-in-thread", action="store_true",
                    help="run the engine in a thread of the server process (default: its own process, so that "
@@ -64,6 +70,24 @@ def arguments(p) -> None:
                          "its blocks and the token instance computes the request itself")
 
 
+def _origins(text: str) -> list[str]:
+    """'["http://a", "http://b"]' (vLLM's form) or 'http://a,http://b'."""
+    import json
+
+    if text.strip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(o, str) and o for o in value):
+            raise argparse.ArgumentTypeError("a JSON list of origins (strings) is expected")
+        return value
+    origins = [o.strip() for o in text.split(",") if o.strip()]
+    if not origins:
+        raise argparse.ArgumentTypeError("no origin given")
+    return origins
+
+
 def run(a: argparse.Namespace) -> None:
     import uvicorn
 
@@ -87,7 +111,8 @@ def run(a: argparse.Namespace) -> None:
     app, engine = make_app(a.model, options.engine_kwargs(a), a.served_model_name, a.api_key, a.max_waiting, log=say,
                            engine_process=not a.engine_in_thread, max_restarts=a.max_restarts, cluster=cluster,
                            max_body_bytes=a.max_request_bytes, body_timeout_s=a.body_timeout,
-                           restart_wait_s=a.restart_wait)
+                           restart_wait_s=a.restart_wait, chat_template=a.chat_template,
+                           allowed_origins=a.allowed_origins)
     st = engine.stats()
     if cluster is not None:
         members = ", ".join(f"{m['role']} pid {m['pid']}" for m in engine.instance_info())

@@ -4,27 +4,36 @@ health and Prometheus metrics, on FastAPI.
 Every failure a client can cause is a 4xx with an OpenAI-style error body
 ({"error": {"message", "type", "param", "code"}}); overload is a 429 with Retry-After; a client
 that disconnects (streaming or not) has its request aborted and its KV blocks freed; a body too large
-or too slow is refused before any route sees it (RequestGuard).
+or too slow is refused before any route sees it (RequestGuard). Every answer carries an `X-Request-Id`
+header: the client's own (which also names the completion: `cmpl-ID`, `chatcmpl-ID`) or a fresh one.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import secrets
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from servewise import __version__, structured
 from servewise.detokenize import TextStream
 from servewise.server.client import EngineClient, EngineDead, Overloaded
 from servewise.server.chat import ChatTemplate
 from servewise.server.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES, RESTART_WAIT_S
 from servewise.server.metrics import ServerMetrics
-from servewise.server.protocol import ChatRequest, CompletionRequest
+from servewise.server.protocol import (NOT_SERVED, ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest)
+
+log = logging.getLogger("servewise")
 
 
 class APIError(Exception):
@@ -40,10 +49,33 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+class _Error(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body."""
+    error: _Error
+
+
+def _answers(*codes: int) -> dict:
+    """The error answers a route gives, for the OpenAPI document."""
+    what = {400: "Bad request (the message names the field)", 401: "Missing or wrong API key (--api-key)",
+            404: "Unknown model", 408: "The body did not arrive within --body-timeout",
+            413: "The body is larger than --max-request-bytes", 429: "Overloaded (past --max-waiting); see Retry-After",
+            500: "Internal error", 503: "The engine is down"}
+    return {c: {"model": ErrorResponse, "description": what[c]} for c in codes}
+
+
+POST_ERRORS = _answers(400, 401, 404, 408, 413, 429, 500, 503)
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "seed", "n", "stop", "prompt", "logprobs", "top_logprobs", "echo", "messages",
-          "priority"}
+          "priority", "stop_token_ids", "min_tokens", "logit_bias", "response_format", "tokens"} | set(NOT_SERVED)
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # a client's X-Request-Id used as given: visible ASCII, not too long
 
 
 def _bad_value(e: ValueError) -> APIError:
@@ -74,6 +106,16 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        rid = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        inner = send
+
+        async def send(message):  # every answer names its request
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await inner(message)
+
         if self.expected and scope["path"] not in OPEN_PATHS:
             if not secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
                 return await error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
@@ -143,13 +185,83 @@ class LogprobFormat:
                 "top_logprobs": [{self.text(a): v for a, v in lp.top} for lp in logprobs], "text_offset": offsets}
 
 
+class Choice:
+    """One of a request's n choices: its engine request, output stream, text and log-probabilities so far."""
+
+    def __init__(self, index: int, req, queue: asyncio.Queue, params, tokenizer, chat: bool):
+        self.index, self.req, self.queue, self.params = index, req, queue, params
+        self.text = TextStream(tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
+        self.lp_format = LogprobFormat(tokenizer, chat)
+        self.pieces: list[str] = []
+        self.tokens: list[int] = []
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.finish: str | None = None
+
+    def take(self, d) -> tuple[str, bool]:
+        """A delta's new text and whether a stop string ended the output here. A stop token's text is left
+        out (kept with include_stop_str_in_output), as vLLM leaves it."""
+        shown = d.token_ids
+        p = self.params
+        if (d.finished and d.finish_reason == "stop" and shown and shown[-1] in p.stop_token_ids
+                and not p.include_stop_str_in_output):
+            shown = shown[:-1]
+        piece, stopped = self.text.push(shown, d.finished)
+        self.pieces.append(piece)
+        self.tokens += d.token_ids
+        if self.logprobs is not None:
+            self.logprobs += d.logprobs or []
+        self.finish = "stop" if stopped else (d.finish_reason if d.finished else None)
+        return piece, stopped
+
+
+class Fanin:
+    """The deltas of a request's choices, as (choice, delta) in the order they come."""
+
+    def __init__(self, choices: list[Choice]):
+        self.choices, self.tasks = choices, []
+        if len(choices) == 1:  # (no hop through a task for the common case)
+            self.queue = choices[0].queue
+            return
+        self.queue = asyncio.Queue()
+
+        async def forward(c: Choice):
+            while True:
+                d = await c.queue.get()
+                self.queue.put_nowait((c, d))
+                if d.finished or d.error:
+                    return
+
+        self.tasks = [asyncio.create_task(forward(c)) for c in choices]
+
+    async def get(self):
+        item = await self.queue.get()
+        return item if self.tasks else (self.choices[0], item)
+
+    def open(self) -> bool:
+        return any(c.finish is None for c in self.choices)
+
+    def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+
+def _child_seed(seed: int | None, index: int) -> int | None:
+    """Choice i's seed: seed + i, as vLLM derives it (a seeded request with n choices is reproducible)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index) % 2**64 if seed >= 0 else seed + index
+
+
 def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate, api_key: str | None = None,
               default_max_tokens: int = 16, max_body_bytes: int = MAX_BODY_BYTES,
-              body_timeout_s: float = BODY_TIMEOUT_S, restart_wait_s: float = RESTART_WAIT_S) -> FastAPI:
+              body_timeout_s: float = BODY_TIMEOUT_S, restart_wait_s: float = RESTART_WAIT_S,
+              allowed_origins: list[str] | None = None) -> FastAPI:
     """restart_wait_s: how long a new request waits for an engine (every instance of a cluster) that is being
-    restarted, rather than being answered 503 at once."""
-    app = FastAPI(title="servewise", description="OpenAI-compatible LLM serving")
-    metrics = ServerMetrics(engine)
+    restarted, rather than being answered 503 at once. default_max_tokens: a completion's when it names none
+    (a chat completion's is the rest of the context, as vLLM's). allowed_origins: the origins that browsers
+    may call from (CORS; ["*"]: any)."""
+    app = FastAPI(title="servewise", description="OpenAI-compatible LLM serving", version=__version__)
+    metrics = ServerMetrics(engine, model_name)
     engine.on_finish = metrics.observe
     tokenizer = engine.tokenizer
 
@@ -170,15 +282,20 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(e.status_code, str(e.detail), kind)
+        return error_response(e.status_code, str(e.detail), kind, headers=e.headers)  # (a 405's Allow)
 
     @app.exception_handler(Exception)
     async def _internal(_, e: Exception):
         return error_response(500, f"internal error: {type(e).__name__}", "server_error")
 
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    if allowed_origins:  # outside the guard: a browser's preflight carries no API key
+        from starlette.middleware.cors import CORSMiddleware
 
-    @app.get("/health")
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["X-Request-Id"])
+
+    @app.get("/health", responses=_answers(503))
     async def health():
         if not engine.alive:
             return error_response(503, engine.error or "the engine is not running", "server_error")
@@ -189,16 +306,43 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
         body, content_type = metrics.render()
         return PlainTextResponse(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get("/version", responses=_answers(401))
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models", responses=_answers(401))
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "servewise",
                                             "max_model_len": engine.limits.max_model_len}]}
 
-    def check_model(name: str) -> None:
-        if name != model_name:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            "not_found_error", "model", "model_not_found")
+
+    def render_chat(messages: list[ChatMessage]) -> str:
+        try:
+            return chat_template.render([m.for_template() for m in messages])
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+
+    @app.post("/tokenize", responses=POST_ERRORS)
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: a prompt's (or chat messages', through the chat template) token ids."""
+        check_model(body.model)
+        text = render_chat(body.messages) if body.messages is not None else body.prompt
+        if text is None:
+            raise APIError(400, "prompt or messages is required", param="prompt")
+        ids = tokenizer.encode(text, add_special=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.limits.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", responses=POST_ERRORS)
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        if any(not 0 <= t < engine.limits.vocab_size for t in body.tokens):
+            raise APIError(400, f"tokens must be ids in [0, {engine.limits.vocab_size})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     async def submit(prompt, params):
         deadline, held = time.monotonic() + restart_wait_s, False
@@ -218,101 +362,117 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
         except EngineDead as e:
             raise APIError(503, str(e), "server_error") from e
 
+    def rest_of_context(ids: list[int]) -> int:
+        """A chat completion's max_tokens when it names none: what the model's length and the KV pool leave."""
+        lim = engine.limits
+        return max(1, min(lim.max_model_len, lim.usable_blocks * lim.block_size) - len(ids))
+
     async def run(body, prompt, max_tokens: int | None, chat: bool, http: Request):
         check_model(body.model)
         try:
-            params = body.sampling_params(max_tokens, default_max_tokens)
+            unknown = body.extra_fields()
+            n = body.num_choices
+            schema = structured.schema_for(body.response_format.model_dump() if body.response_format else None)
+            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            default = rest_of_context(ids) if chat else default_max_tokens
+            params = body.sampling_params(max_tokens, default, schema)
         except ValueError as e:
             raise _bad_value(e) from e
-        req, queue = await submit(prompt, params)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        text = TextStream(tokenizer, params.stop)
-        lp_format = LogprobFormat(tokenizer, chat)
-        if body.stream:
-            return StreamingResponse(stream(req, queue, text, lp_format, rid, created, chat, body.include_usage),
-                                     media_type="text/event-stream")
-        out, finish, checked = [], None, time.monotonic()
-        tokens, logprobs = [], [] if params.logprobs is not None else None
+        if unknown:  # (vLLM's way: named in the log, the request served)
+            log.warning("servewise: fields no API defines were ignored: %s", ", ".join(sorted(unknown)))
+        choices = []
         try:
-            while finish is None:
+            for i in range(n):
+                p = replace(params, seed=_child_seed(params.seed, i)) if i else params
+                choices.append(Choice(i, *await submit(ids, p), p, tokenizer, chat))
+        except BaseException:
+            for c in choices:
+                engine.abort(c.req.request_id)
+            raise
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{http.state.request_id}"
+        created = int(time.time())
+        if body.stream:
+            return StreamingResponse(stream(choices, rid, created, chat, body.include_usage),
+                                     media_type="text/event-stream")
+        fanin, checked = Fanin(choices), time.monotonic()
+        try:
+            while fanin.open():
                 try:
-                    d = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                    c, d = await asyncio.wait_for(fanin.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    d = None
+                    c = d = None
                 if time.monotonic() - checked >= DISCONNECT_POLL_S:
                     checked = time.monotonic()
                     if await http.is_disconnected():  # the client gave up: stop the work (finally aborts)
                         return error_response(499, "client closed the request")
-                if d is None:
+                if d is None or c.finish is not None:
                     continue
                 if d.error:
                     raise APIError(500, d.error, "server_error")
-                piece, stopped = text.push(d.token_ids, d.finished)
-                out.append(piece)
-                tokens += d.token_ids
-                if logprobs is not None:
-                    logprobs += d.logprobs
-                if stopped:
-                    finish = "stop"
-                    engine.abort(req.request_id, "stop")
-                elif d.finished:
-                    finish = d.finish_reason
+                if c.take(d)[1]:
+                    engine.abort(c.req.request_id, "stop")
         finally:
-            if finish is None:  # cancelled: the client is gone
-                engine.abort(req.request_id)
-        content = "".join(out)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if chat
-                  else {"index": 0, "text": content})
-        choice |= {"logprobs": lp_format(tokens, logprobs), "finish_reason": finish}
+            fanin.close()
+            for c in choices:
+                if c.finish is None:  # cancelled, failed or the client is gone
+                    engine.abort(c.req.request_id)
+        out = []
+        for c in choices:
+            content = "".join(c.pieces)
+            choice = ({"index": c.index, "message": {"role": "assistant", "content": content}} if chat
+                      else {"index": c.index, "text": content})
+            out.append(choice | {"logprobs": c.lp_format(c.tokens, c.logprobs), "finish_reason": c.finish})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model_name, "choices": [choice], "usage": usage(req)}
+                "model": model_name, "choices": out, "usage": usage(choices)}
 
-    def usage(req) -> dict:
-        p, c = req.num_prompt_tokens, req.num_output_tokens
+    def usage(choices: list[Choice]) -> dict:
+        p, c = choices[0].req.num_prompt_tokens, sum(ch.req.num_output_tokens for ch in choices)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    async def stream(req, queue, text: TextStream, lp_format: LogprobFormat, rid, created, chat, include_usage):
+    async def stream(choices: list[Choice], rid, created, chat, include_usage):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def event(choices: list, **extra) -> str:
-            body = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices, **extra}
+        def event(items: list, **extra) -> str:
+            body = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": items, **extra}
             return f"data: {json.dumps(body)}\n\n"
 
-        def chunk(piece: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None) -> str:
+        def chunk(index: int, piece: str | None, finish: str | None, first: bool = False,
+                  logprobs: dict | None = None) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
-                choice = {"index": 0, "delta": delta}
+                item = {"index": index, "delta": delta}
             else:
-                choice = {"index": 0, "text": piece or ""}
-            return event([choice | {"logprobs": logprobs, "finish_reason": finish}])
+                item = {"index": index, "text": piece or ""}
+            return event([item | {"logprobs": logprobs, "finish_reason": finish}])
 
-        done = False
+        fanin = Fanin(choices)
         try:
             if chat:
-                yield chunk(None, None, first=True)
-            while not done:
-                d = await queue.get()
+                for c in choices:
+                    yield chunk(c.index, None, None, first=True)
+            while fanin.open():
+                c, d = await fanin.get()
+                if c.finish is not None:
+                    continue
                 if d.error:
-                    done = True
                     yield f"data: {json.dumps({'error': {'message': d.error, 'type': 'server_error'}})}\n\n"
                     break
-                piece, stopped = text.push(d.token_ids, d.finished)
-                finish = "stop" if stopped else (d.finish_reason if d.finished else None)
+                piece, stopped = c.take(d)
                 if stopped:
-                    engine.abort(req.request_id, "stop")
-                done = finish is not None
-                logprobs = lp_format(d.token_ids, d.logprobs) if d.token_ids else None
-                if piece or done or logprobs:
-                    yield chunk(piece, finish, logprobs=logprobs)
+                    engine.abort(c.req.request_id, "stop")
+                logprobs = c.lp_format(d.token_ids, d.logprobs) if d.token_ids else None
+                if piece or c.finish or logprobs:
+                    yield chunk(c.index, piece, c.finish, logprobs=logprobs)
             if include_usage:
-                yield event([], usage=usage(req))
+                yield event([], usage=usage(choices))
             yield "data: [DONE]\n\n"
         finally:
-            if not done:  # the client disconnected mid-stream
-                engine.abort(req.request_id)
+            fanin.close()
+            for c in choices:
+                if c.finish is None:  # the client disconnected mid-stream (or another choice failed)
+                    engine.abort(c.req.request_id)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=POST_ERRORS)
     async def completions(body: CompletionRequest, http: Request):
         try:
             prompt = body.single_prompt()
@@ -320,13 +480,20 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
             raise _bad_value(e) from e
         return await run(body, prompt, body.max_tokens, False, http)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=POST_ERRORS)
     async def chat_completions(body: ChatRequest, http: Request):
-        try:
-            prompt = chat_template.render([{"role": m.role, "content": m.text()} for m in body.messages])
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
+        prompt = render_chat(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await run(body, prompt, max_tokens, True, http)
 
+    plain_openapi = app.openapi
+
+    def openapi() -> dict:  # bad bodies are answered 400 (above), never FastAPI's 422
+        doc = plain_openapi()
+        for route in doc.get("paths", {}).values():
+            for op in route.values():
+                op.get("responses", {}).pop("422", None)
+        return doc
+
+    app.openapi = openapi
     return app

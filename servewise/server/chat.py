@@ -38,13 +38,28 @@ def find_template(model: str) -> tuple[str, str]:
     return DEFAULT_TEMPLATE, "default"
 
 
+def load_template(arg: str) -> tuple[str, str]:
+    """--chat-template: a Jinja file, or the template itself (a string with Jinja tags), as vLLM takes it."""
+    if os.path.isfile(arg):
+        with open(arg) as f:
+            return f.read(), arg
+    if "{{" in arg or "{%" in arg:
+        return arg, "--chat-template"
+    raise ValueError(f"--chat-template: {arg!r} is neither a file nor a Jinja template")
+
+
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
-        self.template = env.from_string(source)
+        from jinja2 import TemplateSyntaxError
+
+        try:
+            self.template = env.from_string(source)
+        except TemplateSyntaxError as e:
+            raise ValueError(f"the chat template is not valid Jinja: {e}") from e
         self.bos_token, self.eos_token = bos_token, eos_token
 
     def render(self, messages: list[dict]) -> str:

@@ -58,6 +58,7 @@ class Finished:
     first_token_time: float | None
     finish_time: float
     num_output_tokens: int
+    num_prompt_tokens: int = 0
 
 
 class EngineClient(Protocol):
@@ -200,7 +201,8 @@ class StreamingClient:
                 st.first_token = now
             st.handle.num_output_tokens += len(tokens)
             if finished and self.on_finish:
-                self.on_finish(Finished(reason or "error", st.arrival, st.first_token, now, st.handle.num_output_tokens))
+                self.on_finish(Finished(reason or "error", st.arrival, st.first_token, now, st.handle.num_output_tokens,
+                                        st.handle.num_prompt_tokens))
             st.loop.call_soon_threadsafe(st.queue.put_nowait, Delta(tokens, finished, reason, error, lps))
         if stats is not None:
             self._stats = stats

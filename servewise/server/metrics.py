@@ -1,5 +1,9 @@
 """Prometheus metrics of a serving engine: queue and KV-pool gauges and preemption counters read at
-scrape time, latency histograms and outcome counters updated as requests finish."""
+scrape time, latency histograms and outcome counters updated as requests finish.
+
+Beside servewise's own names, the core ones are given under vLLM's names too (`vllm:` prefix, a
+`model_name` label; `_VllmNames`), so that vLLM's Grafana dashboard and other tools built for vLLM's
+/metrics read a servewise server as they read vLLM."""
 from __future__ import annotations
 
 import gc
@@ -96,6 +100,37 @@ class _EngineState:
             yield busy
 
 
+class _VllmNames:
+    """The engine's gauges and counters as vLLM's metrics name them (read at scrape time)."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model = engine, model_name
+
+    def collect(self):
+        st = self.engine.stats()
+        labels, value = ["model_name"], [self.model]
+
+        def one(kind, name: str, doc: str, v: float):
+            m = kind(name, doc, labels=labels)
+            m.add_metric(value, v)
+            return m
+
+        yield one(GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch", st.running)
+        yield one(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be served", st.waiting)
+        yield one(GaugeMetricFamily, "vllm:num_requests_swapped", "Requests swapped out to the host pool", st.swapped)
+        dev = st.device_blocks
+        share = dev.used / dev.total if dev.total else 0.0
+        yield one(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Share of the device KV blocks in use (1: all)", share)
+        yield one(GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "Share of the device KV blocks in use (vLLM V0's "
+                  "name, which its dashboard reads)", share)
+        yield one(CounterMetricFamily, "vllm:num_preemptions", "Preemptions of any kind",
+                  sum(st.preemptions.values()))
+        yield one(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens admitted (looked up in the prefix "
+                  "cache)", st.admitted_tokens)
+        yield one(CounterMetricFamily, "vllm:prefix_cache_hits", "Admitted prompt tokens a cached prefix supplied",
+                  st.prefix_hit_tokens)
+
+
 class _GcPauses:
     """The server process's garbage collections: how many, their total and longest pause by generation
     (a full collection stalls every stream the server is sending). One per process, whatever the apps."""
@@ -138,13 +173,19 @@ def serving_starts() -> None:
         _gc_pauses.longest = [0.0] * 3
 
 
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
 class ServerMetrics:
-    def __init__(self, engine):
+    def __init__(self, engine, model_name: str = "servewise"):
         global _gc_pauses
         _gc_pauses = _gc_pauses or _GcPauses()
         self.registry = CollectorRegistry()
         self.registry.register(_EngineState(engine))
+        self.registry.register(_VllmNames(engine, model_name))
         self.registry.register(_gc_pauses)
+        self.model = model_name
+        self._vllm_histograms()
         self.requests = Counter("servewise_requests_finished", "Requests by outcome (stop, length, abort, "
                                 "rejected: refused for overload, error)", ["outcome"], registry=self.registry)
         self.ttft = Histogram("servewise_time_to_first_token_seconds", "Time to first token",
@@ -157,17 +198,49 @@ class ServerMetrics:
         self.held = Counter("servewise_requests_held_for_restart", "Requests that arrived while the engine was "
                             "being restarted and waited for it (--restart-wait)", registry=self.registry)
 
+    def _vllm_histograms(self) -> None:
+        """vLLM's per-request metrics (the names its dashboard reads), labelled by model name."""
+        r, m = self.registry, ["model_name"]
+
+        def hist(name, doc, buckets, extra=()):
+            return Histogram(name, doc, [*m, *extra], buckets=buckets, registry=r)
+
+        self.v_ttft = hist("vllm:time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
+        self.v_tpot = hist("vllm:time_per_output_token_seconds", "Mean time per output token after the first",
+                           (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+        self.v_e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency", LATENCY_BUCKETS)
+        self.v_decode = hist("vllm:request_decode_time_seconds", "Time from the first token to the last",
+                             LATENCY_BUCKETS)
+        self.v_prompt_len = hist("vllm:request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
+        self.v_output_len = hist("vllm:request_generation_tokens", "Output tokens per request", TOKEN_BUCKETS)
+        self.v_prompt = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
+        self.v_output = Counter("vllm:generation_tokens", "Output tokens of finished requests", m, registry=r)
+        self.v_success = Counter("vllm:request_success", "Requests finished, by reason (stop, length, abort)",
+                                 [*m, "finished_reason"], registry=r)
+
     def observe(self, req) -> None:
         """A request finished (client.Finished; called from the engine client's thread, and the client
         library is thread-safe)."""
         self.requests.labels(req.finish_reason or "error").inc()
+        model = self.model
+        self.v_prompt.labels(model).inc(req.num_prompt_tokens)
+        self.v_output.labels(model).inc(req.num_output_tokens)
+        if req.finish_reason in ("stop", "length", "abort"):
+            self.v_success.labels(model, req.finish_reason).inc()
         if req.finish_reason == "abort" or req.first_token_time is None:
             return
-        self.ttft.observe(req.first_token_time - req.arrival_time)
-        self.e2e.observe(req.finish_time - req.arrival_time)
+        self.v_prompt_len.labels(model).observe(req.num_prompt_tokens)
+        self.v_output_len.labels(model).observe(req.num_output_tokens)
+        for ours, vllm, v in ((self.ttft, self.v_ttft, req.first_token_time - req.arrival_time),
+                              (self.e2e, self.v_e2e, req.finish_time - req.arrival_time)):
+            ours.observe(v)
+            vllm.labels(model).observe(v)
+        self.v_decode.labels(model).observe(req.finish_time - req.first_token_time)
         n = req.num_output_tokens
         if n > 1:
-            self.tpot.observe((req.finish_time - req.first_token_time) / (n - 1))
+            v = (req.finish_time - req.first_token_time) / (n - 1)
+            self.tpot.observe(v)
+            self.v_tpot.labels(model).observe(v)
 
     def rejected(self) -> None:
         self.requests.labels("rejected").inc()

@@ -1,5 +1,8 @@
 """OpenAI request bodies (the subset servewise serves), validated strictly: a wrong type is an
-error, not a coercion. Unknown fields are ignored, as OpenAI clients send many optional ones."""
+error, not a coercion. A field outside the subset is never dropped in silence: a field of OpenAI's
+API (or vLLM's) that the server does not serve is refused with a 400 naming it, unless its value
+changes nothing (NOT_SERVED); a field no API defines is named in a logged warning, as vLLM does
+(`_Sampling.extra_fields`)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -8,9 +11,35 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from servewise.sampling_params import MAX_LOGPROBS, SamplingParams
 
+MAX_N = 128  # choices per request at most (OpenAI's bound)
+_OFF = (None, False, "", [], {})
+# Fields of OpenAI's API and vLLM's that the server does not serve -> the values that change nothing (accepted).
+NOT_SERVED: dict[str, tuple] = {
+    "suffix": _OFF, "best_of": (None, 1), "tools": _OFF, "functions": _OFF, "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"), "audio": _OFF, "modalities": (None, ["text"]), "prediction": _OFF,
+    "web_search_options": _OFF, "reasoning_effort": (None,), "store": _OFF,
+    # vLLM's extensions
+    "use_beam_search": _OFF, "length_penalty": (None, 1, 1.0), "prompt_logprobs": (None,), "allowed_token_ids": _OFF,
+    "bad_words": _OFF, "truncate_prompt_tokens": (None,), "guided_json": _OFF, "guided_regex": _OFF,
+    "guided_choice": _OFF, "guided_grammar": _OFF, "structural_tag": _OFF, "structured_outputs": _OFF,
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "add_generation_prompt": (None, True), "continue_final_message": _OFF, "chat_template": _OFF,
+    "chat_template_kwargs": _OFF, "documents": _OFF, "return_tokens_as_token_ids": _OFF, "return_token_ids": _OFF,
+    "mm_processor_kwargs": _OFF, "prompt_embeds": _OFF, "kv_transfer_params": _OFF, "vllm_xargs": _OFF,
+}
+# Fields of OpenAI's API that change no output: accepted and not used (documented in docs/serving.md).
+NO_EFFECT = {"metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier", "verbosity",
+             "cache_salt", "request_id"}
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: str
     temperature: float | None = None
@@ -28,6 +57,31 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False  # vLLM's extension, used by benchmark clients
     priority: int = 0  # vLLM's extension: the request's rank under --policy priority (lower first)
     user: str | None = None  # the OpenAI API's end-user id: the request's client (--policy vtc is fair across them)
+    stop_token_ids: list[int] | None = None  # vLLM's extensions, as in its SamplingParams
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None
+
+    def extra_fields(self) -> list[str]:
+        """The fields no API defines (to be named in a warning); raises ValueError naming the first field that
+        the server does not serve, given a value that would change the output."""
+        unknown = []
+        for name, value in (self.model_extra or {}).items():
+            if name in NOT_SERVED:
+                if not any(type(value) is type(ok) and value == ok for ok in NOT_SERVED[name]):
+                    raise ValueError(f"{name} is not supported by this server")
+            elif name not in NO_EFFECT:
+                unknown.append(name)
+        return unknown
+
+    def token_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias: keys must be token ids") from None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -37,10 +91,15 @@ class _Sampling(BaseModel):
             raise ValueError("stop accepts at most 4 strings")
         return stops
 
-    def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+    @property
+    def num_choices(self) -> int:
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        return self.n or 1
+
+    def sampling_params(self, max_tokens: int | None, default_max_tokens: int, json_schema: str | None = None
+                        ) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range or unsupported."""
-        if self.n not in (None, 1):
-            raise ValueError("n must be 1 (several choices per request are not supported)")
 
         def given(value, default):
             return default if value is None else value
@@ -52,7 +111,9 @@ class _Sampling(BaseModel):
             presence_penalty=given(self.presence_penalty, 0.0), frequency_penalty=given(self.frequency_penalty, 0.0),
             repetition_penalty=given(self.repetition_penalty, 1.0), logprobs=self.num_logprobs(),
             seed=self.seed, ignore_eos=self.ignore_eos, stop=self.stop_strings(), priority=self.priority,
-            client=self.user)
+            client=self.user, stop_token_ids=self.stop_token_ids or [], min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.token_bias(),
+            json_schema=json_schema)
 
     def num_logprobs(self) -> int | None:
         """How many top log-probabilities each token carries; None: no log-probabilities."""
@@ -91,7 +152,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")  # (name, tool_calls, ...: passed on to the template)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
@@ -99,6 +160,9 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        return {**(self.model_extra or {}), "role": self.role, "content": self.text()}
 
 
 class ChatRequest(_Sampling):
@@ -115,3 +179,18 @@ class ChatRequest(_Sampling):
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # (as the server encodes prompts: chat prompts too)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    tokens: list[int]
