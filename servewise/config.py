@@ -221,7 +221,8 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # model_type -> what a mixture of experts servewise does not run needs
 _REFUSED = {"gpt_oss": "gpt-oss (attention sinks and its router are not built)",
             "deepseek_v2": "DeepSeek-V2 (multi-head latent attention, MLA, is not built)",
-            "deepseek_v3": "DeepSeek-V3 (multi-head latent attention, MLA, is not built)"}
+            "deepseek_v3": "DeepSeek-V3 (multi-head latent attention, MLA, is not built)",
+            "kimi_k2": "Kimi K2, DeepSeek-V3's architecture (multi-head latent attention, MLA, is not built)"}
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _LAYER_TYPES = ("sliding_attention", "full_attention")
