@@ -14,16 +14,16 @@ import json
 
 import torch
 
-MISSING = ("response_format needs the structured-output extra, which is not installed: "
+MISSING = ("{} needs the structured-output extra, which is not installed: "
            "pip install \"servewise[structured]\" (xgrammar)")
 ANY_OBJECT = json.dumps({"type": "object"})  # json_object: any JSON object, as OpenAI's JSON mode
 
 
-def _xgrammar():
+def _xgrammar(field: str = "response_format"):
     try:
         import xgrammar
     except ImportError:
-        raise ValueError(MISSING) from None
+        raise ValueError(MISSING.format(field)) from None
     return xgrammar
 
 
@@ -43,12 +43,17 @@ def schema_for(response_format: dict | None) -> str | None:
         schema = json.dumps(inner)
     else:
         raise ValueError(f"response_format: type must be text, json_object or json_schema, got {kind!r}")
-    xgr = _xgrammar()
+    return checked(schema, "response_format")
+
+
+def checked(schema: str, field: str) -> str:
+    """The schema's text, once xgrammar has compiled it; a ValueError naming the field if it cannot."""
+    xgr = _xgrammar(field)
     try:
         xgr.Grammar.from_json_schema(schema, any_whitespace=False)
     except (RuntimeError, ValueError) as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise ValueError(f"response_format: the schema cannot be enforced: {reason}") from None
+        raise ValueError(f"{field}: the schema cannot be enforced: {reason}") from None
     return schema
 
 

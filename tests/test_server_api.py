@@ -56,11 +56,11 @@ def test_an_openai_or_vllm_field_the_server_does_not_serve_is_a_400_naming_it(cl
     assert r.usage.completion_tokens >= 1
 
 
-def test_tools_are_refused_and_unknown_fields_are_named_in_a_warning(client, caplog):
+def test_tools_without_a_forced_choice_are_refused_and_unknown_fields_named_in_a_warning(client, caplog):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=tools)
-    assert e.value.body["param"] == "tools"
+    assert e.value.body["param"] == "tool_choice" and "auto" in e.value.body["message"]  # (the default)
     with caplog.at_level(logging.WARNING, logger="servewise"):
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            extra_body={"frobnicate": 1, "zz_top": "x"}, metadata={"k": "v"})
@@ -275,3 +275,38 @@ def test_the_sampler_masks_stop_tokens_below_min_tokens_and_adds_logit_bias():
             SeqState([1], [7, 7], SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[10])),  # reached
             SeqState([1], [], SamplingParams(temperature=0, logit_bias={30: 6.0}))]
     assert sample(logits, rows, stop_ids=(2,)).tokens == [20, 2, 30]
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "metric": {"type": "boolean"}},
+    "required": ["city", "metric"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+def test_forced_tool_calls_follow_the_functions_schemas(client):
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    messages = [{"role": "user", "content": "Weather?"}]
+    named = {"type": "function", "function": {"name": "weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=named,
+                                       seed=0)
+    call, = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "weather"
+    jsonschema.validate(json.loads(call.function.arguments), params["weather"])
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice="required",
+                                       seed=1)
+    calls = r.choices[0].message.tool_calls
+    assert calls and r.choices[0].message.content is None
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), params[c.function.name])
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice=named,
+                                                 seed=0, stream=True))
+    streamed = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
+    assert len(streamed) == 1 and streamed[0].function.name == "weather"
+    jsonschema.validate(json.loads(streamed[0].function.arguments), params["weather"])
+    for choice, param in (("auto", "tool_choice"), ({"type": "function", "function": {"name": "nope"}}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice=choice)
+        assert e.value.body["param"] == param

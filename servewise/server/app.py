@@ -188,8 +188,8 @@ class LogprobFormat:
 class Choice:
     """One of a request's n choices: its engine request, output stream, text and log-probabilities so far."""
 
-    def __init__(self, index: int, req, queue: asyncio.Queue, params, tokenizer, chat: bool):
-        self.index, self.req, self.queue, self.params = index, req, queue, params
+    def __init__(self, index: int, req, queue: asyncio.Queue, params, tokenizer, chat: bool, tool: str | None = None):
+        self.index, self.req, self.queue, self.params, self.tool = index, req, queue, params, tool
         self.text = TextStream(tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
         self.lp_format = LogprobFormat(tokenizer, chat)
         self.pieces: list[str] = []
@@ -212,6 +212,27 @@ class Choice:
             self.logprobs += d.logprobs or []
         self.finish = "stop" if stopped else (d.finish_reason if d.finished else None)
         return piece, stopped
+
+    def message(self) -> tuple[dict, str | None]:
+        """A chat choice's message and finish reason: the text, or the tool calls that the text makes (a forced
+        tool call's output, whole; one cut by max_tokens stays text)."""
+        content = "".join(self.pieces)
+        calls = tool_calls(self.tool, content) if self.tool is not None and self.finish == "stop" else None
+        if calls is None:
+            return {"role": "assistant", "content": content}, self.finish
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+
+
+def tool_calls(tool: str, text: str) -> list[dict] | None:
+    """The calls a forced tool call's output makes: the named function's arguments (tool: its name), or a list
+    of {name, parameters} (tool ""; tool_choice "required"). None if the text does not parse."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    made = [(tool, text)] if tool else [(c["name"], json.dumps(c["parameters"])) for c in value]
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": n, "arguments": a}}
+            for n, a in made]
 
 
 class Fanin:
@@ -321,9 +342,9 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            "not_found_error", "model", "model_not_found")
 
-    def render_chat(messages: list[ChatMessage]) -> str:
+    def render_chat(messages: list[ChatMessage], tools: list[dict] | None = None) -> str:
         try:
-            return chat_template.render([m.for_template() for m in messages])
+            return chat_template.render([m.for_template() for m in messages], tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
 
@@ -367,12 +388,18 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
         lim = engine.limits
         return max(1, min(lim.max_model_len, lim.usable_blocks * lim.block_size) - len(ids))
 
-    async def run(body, prompt, max_tokens: int | None, chat: bool, http: Request):
+    async def run(body, prompt, max_tokens: int | None, chat: bool, http: Request, tool: tuple | None = None):
+        """tool: a forced tool call (ChatRequest.forced_tool): the output follows its schema, and is answered
+        as tool calls."""
         check_model(body.model)
         try:
             unknown = body.extra_fields()
             n = body.num_choices
             schema = structured.schema_for(body.response_format.model_dump() if body.response_format else None)
+            if tool is not None:
+                if schema is not None:
+                    raise ValueError("response_format cannot go with a forced tool call (tool_choice)")
+                schema = structured.checked(json.dumps(tool[1]), "tools")
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             default = rest_of_context(ids) if chat else default_max_tokens
             params = body.sampling_params(max_tokens, default, schema)
@@ -384,7 +411,7 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
         try:
             for i in range(n):
                 p = replace(params, seed=_child_seed(params.seed, i)) if i else params
-                choices.append(Choice(i, *await submit(ids, p), p, tokenizer, chat))
+                choices.append(Choice(i, *await submit(ids, p), p, tokenizer, chat, tool and tool[0]))
         except BaseException:
             for c in choices:
                 engine.abort(c.req.request_id)
@@ -418,10 +445,9 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
                     engine.abort(c.req.request_id)
         out = []
         for c in choices:
-            content = "".join(c.pieces)
-            choice = ({"index": c.index, "message": {"role": "assistant", "content": content}} if chat
-                      else {"index": c.index, "text": content})
-            out.append(choice | {"logprobs": c.lp_format(c.tokens, c.logprobs), "finish_reason": c.finish})
+            message, finish = c.message() if chat else (None, c.finish)
+            choice = {"index": c.index, "message": message} if chat else {"index": c.index, "text": "".join(c.pieces)}
+            out.append(choice | {"logprobs": c.lp_format(c.tokens, c.logprobs), "finish_reason": finish})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": model_name, "choices": out, "usage": usage(choices)}
 
@@ -437,9 +463,10 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
             return f"data: {json.dumps(body)}\n\n"
 
         def chunk(index: int, piece: str | None, finish: str | None, first: bool = False,
-                  logprobs: dict | None = None) -> str:
+                  logprobs: dict | None = None, delta: dict | None = None) -> str:
             if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
+                if delta is None:
+                    delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
                 item = {"index": index, "delta": delta}
             else:
                 item = {"index": index, "text": piece or ""}
@@ -461,7 +488,16 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
                 if stopped:
                     engine.abort(c.req.request_id, "stop")
                 logprobs = c.lp_format(d.token_ids, d.logprobs) if d.token_ids else None
-                if piece or c.finish or logprobs:
+                if c.tool is not None:  # a forced tool call: sent whole when it ends, as tool calls
+                    if c.finish:
+                        message, finish = c.message()
+                        calls = message.get("tool_calls")
+                        delta = ({"tool_calls": [call | {"index": k} for k, call in enumerate(calls)]} if calls
+                                 else {"content": message["content"]})
+                        yield chunk(c.index, None, finish, logprobs=logprobs, delta=delta)
+                    elif logprobs:
+                        yield chunk(c.index, None, None, logprobs=logprobs, delta={})
+                elif piece or c.finish or logprobs:
                     yield chunk(c.index, piece, c.finish, logprobs=logprobs)
             if include_usage:
                 yield event([], usage=usage(choices))
@@ -482,9 +518,13 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
 
     @app.post("/v1/chat/completions", responses=POST_ERRORS)
     async def chat_completions(body: ChatRequest, http: Request):
-        prompt = render_chat(body.messages)
+        try:
+            tool = body.forced_tool()
+        except ValueError as e:
+            raise _bad_value(e) from e
+        prompt = render_chat(body.messages, body.tools if tool is not None else None)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await run(body, prompt, max_tokens, True, http)
+        return await run(body, prompt, max_tokens, True, http, tool)
 
     plain_openapi = app.openapi
 

@@ -62,12 +62,12 @@ class ChatTemplate:
             raise ValueError(f"the chat template is not valid Jinja: {e}") from e
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         from jinja2 import TemplateError
 
         try:
             return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                        eos_token=self.eos_token)
+                                        eos_token=self.eos_token, tools=tools)
         except TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
 

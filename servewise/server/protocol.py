@@ -167,10 +167,46 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+
+    def forced_tool(self) -> tuple[str, dict] | None:
+        """With `tools` and tool_choice "required" or a named function: (the function's name, or "" for any of
+        the tools, the JSON schema the output must follow); None when no tool is to be called. tool_choice
+        "auto" (the default with tools) needs a model-specific parser of free text: a ValueError."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise ValueError("tool_choice needs tools")
+            return None
+        funcs = {}
+        for t in self.tools:
+            f = t.get("function") if t.get("type") == "function" else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                raise ValueError("tools: each tool must be {type: function, function: {name, parameters}}")
+            funcs[f["name"]] = f.get("parameters") or {"type": "object", "properties": {}}
+            if not isinstance(funcs[f["name"]], dict):
+                raise ValueError("tools: a function's parameters must be a JSON schema (an object)")
+        if choice == "none":
+            return None
+        if choice in (None, "auto"):
+            raise ValueError("tool_choice: auto (the default with tools) is not supported: it needs a model-specific "
+                             "tool-call parser; use \"required\" or a named function")
+        if choice == "required":
+            calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False}
+                     for name, params in funcs.items()]
+            return "", {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+            raise ValueError("tool_choice must be none, auto, required or {type: function, function: {name}}")
+        if name not in funcs:
+            raise ValueError(f"tool_choice: no tool is named {name!r}")
+        return name, funcs[name]
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None:
