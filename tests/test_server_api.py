@@ -36,6 +36,12 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
+def http():
+    with httpx.Client() as c:  # (one client: httpx.post builds a new one, SSL context and all, every call)
+        yield c
+
+
+@pytest.fixture(scope="module")
 def offline():
     return LLM(MODEL, **ENGINE)
 
@@ -178,49 +184,49 @@ def test_response_format_without_the_extra_is_a_clear_400(server, client, monkey
     assert e.value.body["param"] == "response_format" and "servewise[structured]" in e.value.body["message"]
 
 
-def test_chat_default_max_tokens_is_the_rest_of_the_context_and_the_template_is_the_given_file(server, client):
+def test_chat_default_max_tokens_is_the_rest_of_the_context_and_the_template_is_the_given_file(http, server, client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        extra_body={"ignore_eos": True})
     prompt = "[user] hi\n>>"  # the --chat-template file's rendering
     assert r.usage.prompt_tokens == len(prompt.encode()) + 1
     assert r.usage.completion_tokens == ENGINE["max_model_len"] - r.usage.prompt_tokens
-    t = httpx.post(server[0] + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    t = http.post(server[0] + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert t["count"] == r.usage.prompt_tokens and t["tokens"][1:] == [b + 4 for b in prompt.encode()]
 
 
-def test_tokenize_detokenize_version_and_request_ids(server):
+def test_tokenize_detokenize_version_and_request_ids(http, server):
     url = server[0]
-    t = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "héllo"}).json()
+    t = http.post(url + "/tokenize", json={"model": MODEL, "prompt": "héllo"}).json()
     assert t["tokens"] == [1] + [b + 4 for b in "héllo".encode()] and t["count"] == 7
     assert t["max_model_len"] == ENGINE["max_model_len"]
-    assert httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "héllo"}
-    bad = httpx.post(url + "/detokenize", json={"tokens": [10**9]})
+    assert http.post(url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "héllo"}
+    bad = http.post(url + "/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
-    assert httpx.post(url + "/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+    assert http.post(url + "/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
     import servewise
-    assert httpx.get(url + "/version").json() == {"version": servewise.__version__}
-    r = httpx.post(url + "/v1/completions", headers={"X-Request-Id": "trace-42"},
+    assert http.get(url + "/version").json() == {"version": servewise.__version__}
+    r = http.post(url + "/v1/completions", headers={"X-Request-Id": "trace-42"},
                    json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert r.headers["x-request-id"] == "trace-42" and r.json()["id"] == "cmpl-trace-42"
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    r = http.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert r.json()["id"] == "cmpl-" + r.headers["x-request-id"] and len(r.headers["x-request-id"]) == 32
-    assert httpx.get(url + "/nowhere", headers={"X-Request-Id": "e1"}).headers["x-request-id"] == "e1"
+    assert http.get(url + "/nowhere", headers={"X-Request-Id": "e1"}).headers["x-request-id"] == "e1"
 
 
-def test_cors_preflight_and_allow_header_on_405(server):
+def test_cors_preflight_and_allow_header_on_405(http, server):
     url = server[0]
-    pre = httpx.options(url + "/v1/completions", headers={"Origin": "http://ui.example",
+    pre = http.options(url + "/v1/completions", headers={"Origin": "http://ui.example",
                                                           "Access-Control-Request-Method": "POST"})
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://ui.example"
-    other = httpx.options(url + "/v1/completions", headers={"Origin": "http://evil.example",
+    other = http.options(url + "/v1/completions", headers={"Origin": "http://evil.example",
                                                             "Access-Control-Request-Method": "POST"})
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
-    r = httpx.get(url + "/v1/completions")
+    r = http.get(url + "/v1/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
 
 
-def test_openapi_lists_the_error_answers(server):
-    doc = httpx.get(server[0] + "/openapi.json").json()
+def test_openapi_lists_the_error_answers(http, server):
+    doc = http.get(server[0] + "/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         answers = doc["paths"][path]["post"]["responses"]
         assert {"400", "404", "429", "503"} <= set(answers) and "422" not in answers
@@ -228,9 +234,9 @@ def test_openapi_lists_the_error_answers(server):
     assert "/version" in doc["paths"]
 
 
-def test_vllm_metric_names_for_its_dashboard(server, client):
+def test_vllm_metric_names_for_its_dashboard(http, server, client):
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, extra_body={"ignore_eos": True})
-    text = httpx.get(server[0] + "/metrics").text
+    text = http.get(server[0] + "/metrics").text
     label = f'model_name="{MODEL}"'
     # every series vLLM's Grafana dashboard queries, under its name and label
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc",
@@ -306,7 +312,32 @@ def test_forced_tool_calls_follow_the_functions_schemas(client):
     streamed = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
     assert len(streamed) == 1 and streamed[0].function.name == "weather"
     jsonschema.validate(json.loads(streamed[0].function.arguments), params["weather"])
-    for choice, param in (("auto", "tool_choice"), ({"type": "function", "function": {"name": "nope"}}, "tool_choice")):
+    for tools, choice, param in (([WEATHER], "auto", "tool_choice"), ([WEATHER], {"type": "function"}, "tool_choice"),
+                                 ([WEATHER], {"type": "function", "function": "weather"}, "tool_choice"),
+                                 ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+                                 ([{"type": "function"}], "required", "tools")):
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice=choice)
+            client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=choice)
         assert e.value.body["param"] == param
+
+
+def test_new_fields_at_odd_values_get_a_200_or_a_400_and_never_fail_the_engine(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, engine = server
+    fields = ["n", "stop_token_ids", "min_tokens", "logit_bias", "include_stop_str_in_output", "response_format",
+              "tools", "tool_choice"]
+    odd = [-1, 2**64, "x", [10**9], {"7": 1e9}, {"type": "json_schema"}, [{"type": "function", "function": None}]]
+
+    def send(field, value):
+        r = http.post(url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, field: value,
+                                                          "messages": [{"role": "user", "content": "x"}]})
+        return field, value, r.status_code, r.json()
+
+    with httpx.Client() as http, ThreadPoolExecutor(8) as pool:  # eight at a time: the engine batches them
+        answers = list(pool.map(lambda fv: send(*fv), [(f, v) for f in fields for v in odd]))
+    for field, value, status, body in answers:
+        assert status == 200 or (status == 400 and body["error"]["message"]), (field, value, body)
+    refused = sum(status == 400 for *_, status, _ in answers)
+    assert refused >= len(answers) * 3 // 4, refused  # (most are refused; some are valid or mean "off")
+    assert engine.alive and engine.error is None

@@ -201,8 +201,9 @@ class ChatRequest(_Sampling):
                       "required": ["name", "parameters"], "additionalProperties": False}
                      for name, params in funcs.items()]
             return "", {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        named = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+        name = named.get("name") if isinstance(named, dict) else None
+        if not isinstance(name, str):
             raise ValueError("tool_choice must be none, auto, required or {type: function, function: {name}}")
         if name not in funcs:
             raise ValueError(f"tool_choice: no tool is named {name!r}")
