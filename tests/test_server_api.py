@@ -73,6 +73,12 @@ def test_tools_without_a_forced_choice_are_refused_and_unknown_fields_named_in_a
     assert r.choices[0].message.content is not None
     warned = [m.getMessage() for m in caplog.records if "no API defines" in m.getMessage()]
     assert len(warned) == 1 and "frobnicate, zz_top" in warned[0] and "metadata" not in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="servewise"):  # a flood of them: one short line
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1,
+                                  extra_body={f"f{i:03d}" + "x" * 500: i for i in range(300)})
+    warned = [m.getMessage() for m in caplog.records if "no API defines" in m.getMessage()]
+    assert len(warned) == 1 and warned[0].endswith("and 280 more") and len(warned[0]) < 2000
 
 
 def test_n_choices_are_sampled_independently_and_a_seed_reproduces_them(client):

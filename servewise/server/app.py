@@ -405,8 +405,10 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
             params = body.sampling_params(max_tokens, default, schema)
         except ValueError as e:
             raise _bad_value(e) from e
-        if unknown:  # (vLLM's way: named in the log, the request served)
-            log.warning("servewise: fields no API defines were ignored: %s", ", ".join(sorted(unknown)))
+        if unknown:  # (vLLM's way: named in the log, the request served; a flood of them in one line, cut)
+            names = ", ".join(name[:64] for name in sorted(unknown)[:20])
+            more = f" and {len(unknown) - 20} more" if len(unknown) > 20 else ""
+            log.warning("servewise: fields no API defines were ignored: %s%s", names, more)
         choices = []
         try:
             for i in range(n):
