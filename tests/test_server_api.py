@@ -249,7 +249,8 @@ def test_vllm_metric_names_for_its_dashboard(http, server, client):
                  "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:time_per_output_token_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_bucket", "vllm:request_prompt_tokens_bucket",
-                 "vllm:request_generation_tokens_bucket", "vllm:request_decode_time_seconds_sum"):
+                 "vllm:request_generation_tokens_bucket", "vllm:request_decode_time_seconds_sum",
+                 "vllm:request_max_num_generation_tokens_sum"):
         assert any(line.startswith(name + "{") and label in line for line in text.splitlines()), name
     def value(name: str, *labels: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -258,6 +259,11 @@ def test_vllm_metric_names_for_its_dashboard(http, server, client):
     assert value("vllm:request_success_total", label, 'finished_reason="length"') >= 1
     assert value("vllm:generation_tokens_total", label) >= 3
     assert value("vllm:generation_tokens_total") == value("vllm:request_generation_tokens_sum")
+    before = value("vllm:request_max_num_generation_tokens_count"), value("vllm:request_max_num_generation_tokens_sum")
+    client.completions.create(model=MODEL, prompt="metrics", n=2, max_tokens=4, extra_body={"ignore_eos": True})
+    text = http.get(server[0] + "/metrics").text
+    assert value("vllm:request_max_num_generation_tokens_count") == before[0] + 1  # one request of two choices
+    assert value("vllm:request_max_num_generation_tokens_sum") == before[1] + 4
 
 
 @pytest.mark.parametrize("flags, message", [

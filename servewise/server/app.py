@@ -445,6 +445,7 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
             for c in choices:
                 if c.finish is None:  # cancelled, failed or the client is gone
                     engine.abort(c.req.request_id)
+        metrics.completed([c.req.num_output_tokens for c in choices])
         out = []
         for c in choices:
             message, finish = c.message() if chat else (None, c.finish)
@@ -501,6 +502,8 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
                         yield chunk(c.index, None, None, logprobs=logprobs, delta={})
                 elif piece or c.finish or logprobs:
                     yield chunk(c.index, piece, c.finish, logprobs=logprobs)
+            if not fanin.open():
+                metrics.completed([c.req.num_output_tokens for c in choices])
             if include_usage:
                 yield event([], usage=usage(choices))
             yield "data: [DONE]\n\n"

@@ -213,6 +213,8 @@ class ServerMetrics:
                              LATENCY_BUCKETS)
         self.v_prompt_len = hist("vllm:request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
         self.v_output_len = hist("vllm:request_generation_tokens", "Output tokens per request", TOKEN_BUCKETS)
+        self.v_max_output = hist("vllm:request_max_num_generation_tokens", "Output tokens of a request's longest "
+                                 "choice (n > 1: several)", TOKEN_BUCKETS)
         self.v_prompt = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
         self.v_output = Counter("vllm:generation_tokens", "Output tokens of finished requests", m, registry=r)
         self.v_success = Counter("vllm:request_success", "Requests finished, by reason (stop, length, abort)",
@@ -241,6 +243,10 @@ class ServerMetrics:
             v = (req.finish_time - req.first_token_time) / (n - 1)
             self.tpot.observe(v)
             self.v_tpot.labels(model).observe(v)
+
+    def completed(self, output_tokens: list[int]) -> None:
+        """A request's choices all finished (n of them: each an engine request): the longest one's output."""
+        self.v_max_output.labels(self.model).observe(max(output_tokens))
 
     def rejected(self) -> None:
         self.requests.labels("rejected").inc()
