@@ -13,7 +13,7 @@ from servewise import LLM, SamplingParams
 
 from test_server import ENGINE, running_server
 
-pytestmark = [pytest.mark.server, pytest.mark.process]
+pytestmark = pytest.mark.server  # (the engine runs in a thread of the test: no other process)
 
 MODEL = "tiny-llama"
 
