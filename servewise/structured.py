@@ -106,14 +106,16 @@ class Grammars:
         return Constraint(_xgrammar().GrammarMatcher(self._compiled(schema)))
 
 
-def apply(logits: torch.Tensor, reqs: list) -> None:
+def apply(logits: torch.Tensor, reqs: list) -> list[int]:
     """Mask in place the logits [B, V] of the requests (one a row) whose grammar still constrains their next
-    token; a request here has output_token_ids and a `grammar` (a Constraint, or None: free text)."""
+    token; a request here has output_token_ids and a `grammar` (a Constraint, or None: free text). Returns
+    the rows masked."""
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.grammar.catch_up(r.output_token_ids)]
     if not rows:
-        return
+        return rows
     xgr = _xgrammar()
     bitmask = xgr.allocate_token_bitmask(*logits.shape)
     for i in rows:
         reqs[i].grammar.matcher.fill_next_token_bitmask(bitmask, i)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    return rows

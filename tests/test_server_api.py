@@ -293,6 +293,11 @@ def test_the_sampler_masks_stop_tokens_below_min_tokens_and_adds_logit_bias():
             SeqState([1], [7, 7], SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[10])),  # reached
             SeqState([1], [], SamplingParams(temperature=0, logit_bias={30: 6.0}))]
     assert sample(logits, rows, stop_ids=(2,)).tokens == [20, 2, 30]
+    # stop tokens that cover the vocabulary leave nothing to sample below min_tokens: the request ends on one
+    # (sampling from nothing read past the vocabulary and failed the engine's step)
+    for t in (0.0, 1.0):
+        every = SeqState([1], [], SamplingParams(temperature=t, min_tokens=3, stop_token_ids=list(range(300))))
+        assert sample(torch.randn(1, 300), [every], stop_ids=(2,)).tokens[0] < 300
 
 
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {

@@ -83,7 +83,10 @@ def sample(logits: torch.Tensor, reqs: list, stop_ids: tuple[int, ...] = ()) -> 
 
 def _bias_and_mask(logits: torch.Tensor, reqs: list, stop_ids: tuple[int, ...]) -> None:
     """logit_bias, min_tokens (the end-of-sequence and stop tokens masked; not on rows with a grammar, whose
-    mask may leave only those) and grammars, in place, on the rows that ask."""
+    mask may leave only those) and grammars, in place, on the rows that ask. A row left with no token (its
+    stop_token_ids cover the vocabulary, or its grammar has no token this vocabulary can spell) gets its stop
+    tokens back, so the request ends there: sampling from nothing would read past the vocabulary."""
+    masked = []
     for i, r in enumerate(reqs):
         p = r.params
         if p.logit_bias:
@@ -91,8 +94,14 @@ def _bias_and_mask(logits: torch.Tensor, reqs: list, stop_ids: tuple[int, ...]) 
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
         if p.min_tokens > len(r.output_token_ids) and p.json_schema is None:
             logits[i, list(stop_ids) + p.stop_token_ids] = -math.inf
+            masked.append(i)
     if any(getattr(r, "grammar", None) is not None for r in reqs):
-        structured.apply(logits, reqs)
+        masked += structured.apply(logits, reqs)
+    if masked:
+        for i, empty in zip(masked, torch.isneginf(logits[masked]).all(dim=-1).tolist()):
+            if empty:
+                ends = list(stop_ids) + reqs[i].params.stop_token_ids
+                logits[i, ends if ends else slice(None)] = 0.0
 
 
 def argmax(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
