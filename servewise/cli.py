@@ -44,6 +44,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
         "banaserve": "experiment.banaserve",
     }),
     "predict-lengths": "predict_lengths",
+    "fit-ranker": "fit_ranker",
     "arena": "arena",
 }
 

@@ -1,6 +1,8 @@
 """`servewise arena`: scheduling policies side by side on one workload, ranked."""
 from __future__ import annotations
 
+import os
+
 from servewise.commands.options import at_least, perf_model_arg
 
 HELP = "rank scheduling policies on one workload (simulated or real): goodput, latency, fairness, recompute"
@@ -28,6 +30,11 @@ def arguments(p) -> None:
     p.add_argument("--tpot-target", type=float, default=None, help="seconds (default 0.1 simulated, 0.2 real)")
     p.add_argument("--num-device-blocks", type=at_least(1), default=None)
     p.add_argument("--max-output-len", type=at_least(1), default=1024)
+    p.add_argument("--ranker", default=None, metavar="PATH",
+                   help="predicted lengths (spf, hrrn, ltr) from a saved ranker (servewise fit-ranker --save); "
+                        "default: the true lengths")
+    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "servewise", "embeddings"),
+                   help="where the ranker's prompt embeddings are kept between runs ('' for nowhere)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out-dir", default="results/arena")
 
@@ -40,4 +47,5 @@ def run(a) -> None:
                   num_requests=a.num_requests, rate=a.rate,
                   load=a.load, seeds=a.seeds, preemption=a.preemption, ttft_target=a.ttft_target,
                   tpot_target=a.tpot_target,
-                  num_device_blocks=a.num_device_blocks, max_output_len=a.max_output_len, out_dir=a.out_dir))
+                  num_device_blocks=a.num_device_blocks, max_output_len=a.max_output_len, ranker=a.ranker,
+                  cache_dir=a.cache_dir or None, out_dir=a.out_dir))

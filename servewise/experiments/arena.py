@@ -11,8 +11,12 @@ Workloads (`workload`): `tenants` (built in: four clients, one sending at four t
 lengths drawn from heavy-tailed distributions), `bursts` (the same tenants, the heavy one sending in
 bursts), `sharegpt` (`data`: the pairs file), `azure-conv` / `azure-code` (`data`: Azure's trace; its
 lengths, poisson arrivals), `magnus-tasks` (`data`: magnus_tasks.jsonl.gz; the client is the task).
-Outside `tenants` and `bursts` clients are drawn with the tenants' shares (4 : 1 : 1 : 1). For `spf`
-and `hrrn` each request's predicted output is its true length (an upper bound on what a predictor gives).
+Outside `tenants` and `bursts` clients are drawn with the tenants' shares (4 : 1 : 1 : 1). ShareGPT
+requests are drawn from the pairs the learned ranker holds out (predictors.ranker.held_out).
+
+Predicted output lengths (read by `spf`, `hrrn` and `ltr`): each request's true length (an upper bound on
+what a predictor gives, a ranker with Kendall's tau 1), or with `ranker` a ranker's (`servewise fit-ranker
+--save`), from the prompt's text (sharegpt and magnus-tasks).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from servewise.experiments import publish
 from servewise.metrics.plots import save_figure
 from servewise.workloads.datasets import WorkloadRequest
 
-POLICIES = ("fcfs", "priority", "fair", "spf", "hrrn", "las", "vtc", "mlfq", "edf")
+POLICIES = ("fcfs", "priority", "fair", "spf", "hrrn", "las", "vtc", "mlfq", "edf", "ltr")
 WORKLOADS = ("tenants", "bursts", "sharegpt", "azure-conv", "azure-code", "magnus-tasks")
 SHARES = (4, 1, 1, 1)  # the tenants' request rates, relative
 W_IN, W_OUT = 1.0, 2.0  # service weights of a prompt and an output token (VTC's)
@@ -64,6 +68,8 @@ class Settings:
     tpot_target: float | None = None
     num_device_blocks: int | None = None  # default: the model's pool on the GPU; 256 on the real engine
     max_output_len: int = 1024
+    ranker: str | None = None  # a saved ranker (fit-ranker --save): predicted lengths from it, not the true ones
+    cache_dir: str | None = None  # where the ranker's prompt embeddings are kept between runs
     out_dir: str = "results/arena"
 
     def __post_init__(self):
@@ -76,6 +82,9 @@ class Settings:
             raise ValueError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
         if self.workload not in ("tenants", "bursts") and self.data is None:
             raise ValueError(f"workload {self.workload!r} needs --data")
+        if self.ranker is not None and self.workload not in ("sharegpt", "magnus-tasks"):
+            raise ValueError(f"--ranker ranks prompts by their text: workload sharegpt or magnus-tasks, not "
+                             f"{self.workload!r}")
         for p in self.policies:
             resolve(p)
         if self.seeds < 1 or self.num_requests < 1:
@@ -106,11 +115,12 @@ def workload(s: Settings, seed: int, tokenizer) -> tuple[list[WorkloadRequest], 
                                          [rng.randrange(100, 30000) for _ in range(n)]))
     elif s.workload == "magnus-tasks":
         items = task_items(s.data, s.num_requests, rng, tokenizer)
+    elif s.workload == "sharegpt":
+        items = sharegpt_items(s.data, s.num_requests, seed, tokenizer)
     else:
         from servewise.workloads.build import build_workload
 
-        source = "sharegpt" if s.workload == "sharegpt" else "azure"
-        items, _ = build_workload(source, tokenizer, 32000, data=s.data, num_requests=s.num_requests,
+        items, _ = build_workload("azure", tokenizer, 32000, data=s.data, num_requests=s.num_requests,
                                   max_output_len=s.max_output_len, max_prompt_len=2048, seed=seed)
         items = [WorkloadRequest(it.prompt_len, it.output_len, it.prompt if isinstance(it.prompt, list) else None)
                  for it in items]
@@ -119,6 +129,9 @@ def workload(s: Settings, seed: int, tokenizer) -> tuple[list[WorkloadRequest], 
         if it.client is None:
             it.client = rng.choices(clients, SHARES)[0]
         it.predicted_len, it.ttft_target, it.tpot_target = it.output_len, s.ttft_target, s.tpot_target
+    if s.ranker:
+        for it, guess in zip(items, ranked_lengths(s, items)):
+            it.predicted_len = guess
     heaviest = max(sorted({it.client for it in items}), key=lambda c: sum(it.client == c for it in items))
     for it in items:  # under `priority` the client that sends most is served after the others
         it.priority = int(it.client == heaviest)
@@ -144,6 +157,39 @@ def arrivals(rate: float, s: Settings, items: list[WorkloadRequest], rng: random
     return out
 
 
+def sharegpt_items(path: str, n: int, seed: int, tokenizer) -> list[WorkloadRequest]:
+    """n ShareGPT pairs drawn with `seed` from those the ranker holds out, prompts cut at 2,048 tokens."""
+    from servewise.predictors.ranker import held_out
+    from servewise.workloads.datasets import load_sharegpt
+
+    pool = [it for it in load_sharegpt(path, tokenizer) if held_out(it.prompt)]
+    if len(pool) < n:
+        raise ValueError(f"{path} holds {len(pool)} held-out pairs, {n} asked for")
+    out = []
+    for it in random.Random(seed).sample(pool, n):
+        ids = tokenizer.encode(it.prompt)[:2048]
+        out.append(WorkloadRequest(len(ids), it.output_len, ids, text=it.prompt))
+    return out
+
+
+def ranked_lengths(s: Settings, items: list[WorkloadRequest]) -> list[int]:
+    """Each request's output length as the saved ranker predicts it from the prompt's text, in the model's
+    tokens (the ranker counts WordPiece tokens: scaled by the prompt's ratio of the two counts)."""
+    from servewise.predictors import length_service
+    from servewise.predictors.output_length import Embedder, length_tokenizer
+
+    saved = length_service.load(s.ranker)
+    if saved["kind"] != "ranker":
+        raise ValueError(f"{s.ranker} holds a {saved['kind']!r} length predictor, not a ranker (servewise "
+                         f"fit-ranker --save)")
+    emb = Embedder(s.cache_dir)
+    count = length_tokenizer(emb.tokenizer_path)
+    texts = [it.text for it in items]
+    wordpieces = [max(1, len(count(t))) for t in texts]
+    guesses = saved["model"].predict(np.hstack([emb.encode(texts), np.asarray(wordpieces, float)[:, None]]))
+    return [max(1, round(float(g) * it.prompt_len / n)) for g, it, n in zip(guesses, items, wordpieces)]
+
+
 def task_items(path: str, n: int, rng: random.Random, tokenizer) -> list[WorkloadRequest]:
     rows = [r for r in map(json.loads, gzip.open(path, "rt") if path.endswith(".gz") else open(path))
             if r.get("split") == "workload"]
@@ -152,9 +198,10 @@ def task_items(path: str, n: int, rng: random.Random, tokenizer) -> list[Workloa
     rng.shuffle(rows)
     out = []
     for r in rows[:n]:
-        ids = tokenizer.encode(f"{r['instruction']}\n{r['input']}")[:2048]
+        text = f"{r['instruction']}\n{r['input']}"
+        ids = tokenizer.encode(text)[:2048]
         out.append(WorkloadRequest(len(ids), max(1, len(tokenizer.encode(r["reference_output"]))), ids,
-                                   client=r["task"]))
+                                   client=r["task"], text=text))
     return out
 
 
@@ -287,7 +334,7 @@ def run_arena(s: Settings) -> dict:
     return {"experiment": "arena", "workload": s.workload, "data": s.data, "backend": s.backend, "model": s.model,
             "hardware": s.hardware if s.backend == "sim" else None, "perf_model": perf if s.backend == "sim" else None,
             "rate": s.rate, "load": s.load, "rates": rates,
-            "num_requests": s.num_requests,
+            "num_requests": s.num_requests, "predictions": f"ranker {s.ranker}" if s.ranker else "true lengths",
             "seeds": s.seeds, "preemption": s.preemption, "ttft_target": s.ttft_target, "tpot_target": s.tpot_target,
             "runs": runs, "board": board(runs, s.policies), "wall_s": time.perf_counter() - t0}
 
@@ -322,7 +369,8 @@ def report(res: dict) -> str:
           ", ".join(f"{r['rate']:.2f}" for r in res["rates"]) + " req/s)")
     lines = [f"Policy arena: {res['workload']} workload, {res['num_requests']} requests at {at}, "
              f"{where}, preemption {res['preemption']}, targets TTFT {res['ttft_target']:g} s / TPOT "
-             f"{res['tpot_target'] * 1e3:g} ms; mean ± 95% interval over {res['seeds']} seed(s)", "",
+             f"{res['tpot_target'] * 1e3:g} ms; predicted lengths: {res.get('predictions', 'true lengths')}; "
+             f"mean ± 95% interval over {res['seeds']} seed(s)", "",
              "| rank | policy | " + " | ".join(label for label, _ in METRICS.values()) + " |",
              "|---:|---|" + "---|" * len(METRICS)]
     for k, row in enumerate(res["board"], 1):

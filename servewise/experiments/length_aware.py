@@ -41,6 +41,8 @@ class LengthData:
     y: np.ndarray  # true output lengths
     embed_ms: float  # per request, both embeddings
     tasks: list[str] | None = None  # each request's application (magnus_tasks), or None (ShareGPT)
+    embedding: np.ndarray | None = None  # the prompts' sentence embeddings (ShareGPT; the ranker's input)
+    texts: list[str] | None = None  # the prompts as text (ShareGPT)
 
 
 def load_length_data(path: str, n: int, cache_dir: str | None = None, progress: bool = True) -> LengthData:
@@ -64,7 +66,8 @@ def load_length_data(path: str, n: int, cache_dir: str | None = None, progress: 
     user = emb.encode(texts, progress=progress)
     instr = emb.encode([instruction_of(t) for t in texts], progress=progress)
     embed_ms = (time.perf_counter() - t0) / n * 1e3
-    return LengthData(prompts, features(user, instr, [len(p) for p in prompts]), np.asarray(outs, float), embed_ms)
+    return LengthData(prompts, features(user, instr, [len(p) for p in prompts]), np.asarray(outs, float), embed_ms,
+                      embedding=user, texts=texts)
 
 
 def is_task_data(path: str) -> bool:

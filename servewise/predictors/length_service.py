@@ -140,8 +140,11 @@ class LengthService:
         t0 = time.perf_counter()
         texts = [text if text is not None else self.tokenizer.decode(ids) for _, text, ids in items]
         counts = [max(1, len(self.count(t))) for t in texts]
-        emb = self.embedder.encode(texts + [instruction_of(t) for t in texts])
-        X = features(emb[:len(texts)], emb[len(texts):], counts)
+        if self.kind == "ranker":  # predictors.ranker: the prompt's embedding and its length
+            X = np.hstack([self.embedder.encode(texts), np.asarray(counts, float)[:, None]])
+        else:  # Magnus's features
+            emb = self.embedder.encode(texts + [instruction_of(t) for t in texts])
+            X = features(emb[:len(texts)], emb[len(texts):], counts)
         guesses = self.model.predict(X)
         out = []
         for (rid, _, ids), x, g, n_wp in zip(items, X, guesses, counts):

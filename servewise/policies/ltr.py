@@ -1,0 +1,43 @@
+"""Learned ranking (`--policy ltr`), after Fu et al., "Efficient LLM Scheduling by Learning to Rank"
+(NeurIPS 2024): requests are served in the order of their predicted output length, fixed when they arrive
+(the paper's scheduler sorts by the ranker's score and does not lower it as tokens come; `spf` does),
+preemptively (the `ranked` admission rule: a waiting request that outranks running ones preempts them).
+The predicted length is `predicted_len`: a ranker's score mapped onto lengths (predictors.ranker) or
+any other prediction; without one, `max_tokens`.
+
+Starvation prevention, as the paper's: a request not being served (waiting or swapped out) for
+`starve_s` seconds since its arrival or its last token is promoted ahead of every unpromoted request for
+its next `quantum` output tokens, then falls back to its rank (`quantum` None: promoted for good). The
+paper counts scheduler iterations where this counts seconds, so that the same setting means the same on
+a fast and a slow engine.
+"""
+from __future__ import annotations
+
+import math
+
+from servewise.engine.request import Request, Status
+from servewise.policies.ordering import Ordering, register
+
+
+@register("ltr", "ranked")
+class LearnedRank(Ordering):
+    static = False  # promotions come and go
+
+    def __init__(self, starve_s: float | None = 10.0, quantum: int | None = 32):
+        if starve_s is not None and starve_s <= 0 or quantum is not None and quantum < 1:
+            raise ValueError("ltr: starve_s must be > 0 and quantum >= 1 (or None)")
+        self.starve_s, self.quantum = starve_s, quantum
+        self.until: dict[str, float] = {}  # promoted request -> output tokens at which its promotion ends
+
+    def key(self, req: Request, now: float) -> tuple:
+        done = len(req.output_token_ids)
+        end = self.until.get(req.request_id)
+        if end is not None and done >= end:
+            del self.until[req.request_id]
+            end = None
+        if end is None and self.starve_s is not None and req.status in (Status.WAITING, Status.SWAPPED):
+            last = req.token_times[-1] if req.token_times else req.arrival_time
+            if now - last >= self.starve_s:
+                end = self.until[req.request_id] = done + self.quantum if self.quantum else math.inf
+        guess = req.predicted_len if req.predicted_len is not None else req.max_tokens
+        return (end is None, guess, req.arrival_time, req.seq_no)
