@@ -358,3 +358,54 @@ def test_new_fields_at_odd_values_get_a_200_or_a_400_and_never_fail_the_engine(s
     refused = sum(status == 400 for *_, status, _ in answers)
     assert refused >= len(answers) * 3 // 4, refused  # (most are refused; some are valid or mean "off")
     assert engine.alive and engine.error is None
+
+
+@pytest.mark.parametrize("family", ["byte_level", "sentencepiece"])
+def test_grammars_over_a_tokenizer_json_vocabulary(tmp_path, family):
+    """A model directory's tokenizer.json (byte-level BPE as GPT-2's, SentencePiece pieces with byte fallback as
+    Llama 2's) reaches xgrammar through transformers: sampled under the mask, the output parses and validates."""
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from servewise.models.tokenizer import HFTokenizer
+    from servewise.runners.sampler import sample
+    from servewise.runners.torch_runner import SeqState
+    from servewise.structured import Grammars
+
+    corpus = ['{"city": "Oslo", "ok": true}', "The weather in Lima is warm.", "café ☕ naïve"] * 20
+    if family == "byte_level":
+        t = Tokenizer(models.BPE())
+        t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      special_tokens=["<eos>"], show_progress=False)
+    else:
+        t = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+        t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<unk>"], show_progress=False)
+    t.train_from_iterator(corpus, trainer)
+    t.save(str(tmp_path / "tokenizer.json"))
+    if family == "sentencepiece":  # the 256 byte pieces, as ordinary tokens of the vocabulary
+        spec = json.loads((tmp_path / "tokenizer.json").read_text())
+        for b in range(256):
+            spec["model"]["vocab"].setdefault(f"<0x{b:02X}>", len(spec["model"]["vocab"]))
+        (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = HFTokenizer(str(tmp_path / "tokenizer.json"), 0)
+    V = tok.tok.get_vocab_size()
+    grammars = Grammars(tok, V, [0])
+    schema = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "ok": {"type": "boolean"}},
+              "required": ["city", "ok"], "additionalProperties": False}
+    for seed in range(2):
+        row = SeqState([1], [], SamplingParams(temperature=1.0, seed=seed, json_schema=json.dumps(schema)))
+        row.grammar = grammars.constraint(json.dumps(schema))
+        logits = torch.randn(64, V, generator=torch.Generator().manual_seed(seed))
+        for step in range(64):
+            token = sample(logits[step:step + 1].clone(), [row], (0,)).tokens[0]
+            if token == 0:
+                break
+            row.output_token_ids.append(token)
+        assert token == 0, "the grammar ended and only the end of sequence was left"
+        jsonschema.validate(json.loads(tok.decode(row.output_token_ids)), schema)
