@@ -322,7 +322,7 @@ def build_app(engine: EngineClient, model_name: str, chat_template: ChatTemplate
             return error_response(503, engine.error or "the engine is not running", "server_error")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # (the OpenAPI document says text/plain)
     async def prometheus():
         body, content_type = metrics.render()
         return PlainTextResponse(body, media_type=content_type)
