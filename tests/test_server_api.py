@@ -67,6 +67,10 @@ def test_tools_without_a_forced_choice_are_refused_and_unknown_fields_named_in_a
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=tools)
     assert e.value.body["param"] == "tool_choice" and "auto" in e.value.body["message"]  # (the default)
+    with pytest.raises(openai.BadRequestError) as e:  # vLLM's chat echo
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"echo": True})
+    assert e.value.body["param"] == "echo"
     with caplog.at_level(logging.WARNING, logger="servewise"):
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            extra_body={"frobnicate": 1, "zz_top": "x"}, metadata={"k": "v"})

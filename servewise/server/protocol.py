@@ -26,8 +26,9 @@ NOT_SERVED: dict[str, tuple] = {
     "add_generation_prompt": (None, True), "continue_final_message": _OFF, "chat_template": _OFF,
     "chat_template_kwargs": _OFF, "documents": _OFF, "return_tokens_as_token_ids": _OFF, "return_token_ids": _OFF,
     "mm_processor_kwargs": _OFF, "prompt_embeds": _OFF, "kv_transfer_params": _OFF, "vllm_xargs": _OFF,
+    "echo": _OFF,  # (chat's, vLLM's; a completion's echo is a declared field, refused in single_prompt)
 }
-# Fields of OpenAI's API that change no output: accepted and not used (documented in docs/serving.md).
+# Fields of OpenAI's API (and vLLM's) that change no output: accepted and not used (docs/serving.md).
 NO_EFFECT = {"metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier", "verbosity",
              "cache_salt", "request_id"}
 
