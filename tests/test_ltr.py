@@ -70,8 +70,8 @@ def test_ltr_keeps_its_rank_as_tokens_come_and_promotes_a_starving_request_for_a
         LearnedRank(quantum=0)
 
 
-def test_ltr_preempts_a_running_request_for_a_shorter_one():
-    for policy, expect in (("ltr", True), ("fcfs", False)):
+def test_the_preemptive_form_preempts_a_running_request_for_a_shorter_one():
+    for policy, expect in (("ltr-preemptive", True), ("ltr", False), ("fcfs", False)):
         s = make_scheduler(SchedulerConfig(policy=policy, max_num_seqs=1), BlockManager(64, 0, 4, 0.0))
         old = req(0, 4, 0.0)
         old.predicted_len = 50

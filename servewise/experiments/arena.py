@@ -35,7 +35,7 @@ from servewise.experiments import publish
 from servewise.metrics.plots import save_figure
 from servewise.workloads.datasets import WorkloadRequest
 
-POLICIES = ("fcfs", "priority", "fair", "spf", "hrrn", "las", "vtc", "mlfq", "edf", "ltr")
+POLICIES = ("fcfs", "priority", "fair", "spf", "hrrn", "las", "vtc", "mlfq", "edf", "ltr", "ltr-preemptive")
 WORKLOADS = ("tenants", "bursts", "sharegpt", "azure-conv", "azure-code", "magnus-tasks")
 SHARES = (4, 1, 1, 1)  # the tenants' request rates, relative
 W_IN, W_OUT = 1.0, 2.0  # service weights of a prompt and an output token (VTC's)

@@ -1,9 +1,15 @@
 """Learned ranking (`--policy ltr`), after Fu et al., "Efficient LLM Scheduling by Learning to Rank"
 (NeurIPS 2024): requests are served in the order of their predicted output length, fixed when they arrive
-(the paper's scheduler sorts by the ranker's score and does not lower it as tokens come; `spf` does),
-preemptively (the `ranked` admission rule: a waiting request that outranks running ones preempts them).
+(the paper's scheduler sorts by the ranker's score and does not lower it as tokens come; `spf` does).
 The predicted length is `predicted_len`: a ranker's score mapped onto lengths (predictors.ranker) or
 any other prediction; without one, `max_tokens`.
+
+The paper's scheduler sorts running and waiting requests together each step; a running request that
+falls out of the batch pauses and keeps its KV, which is swapped out only when memory runs short. Here a
+request out of the batch has lost its KV (recomputed or swapped back), so two forms: `ltr` admits
+waiting requests by rank and preempts the lowest-ranked running ones only when memory runs short (the
+paper's KV behaviour), `ltr-preemptive` also lets a waiting request preempt running ones it outranks
+(the `ranked` admission rule: the paper's batch order, paid for with the victims' KV).
 
 Starvation prevention, as the paper's: a request not being served (waiting or swapped out) for
 `starve_s` seconds since its arrival or its last token is promoted ahead of every unpromoted request for
@@ -19,7 +25,7 @@ from servewise.engine.request import Request, Status
 from servewise.policies.ordering import Ordering, register
 
 
-@register("ltr", "ranked")
+@register("ltr")
 class LearnedRank(Ordering):
     static = False  # promotions come and go
 
@@ -41,3 +47,8 @@ class LearnedRank(Ordering):
                 end = self.until[req.request_id] = done + self.quantum if self.quantum else math.inf
         guess = req.predicted_len if req.predicted_len is not None else req.max_tokens
         return (end is None, guess, req.arrival_time, req.seq_no)
+
+
+@register("ltr-preemptive", "ranked")
+class PreemptiveLearnedRank(LearnedRank):
+    pass
