@@ -43,8 +43,9 @@ def machine(device: str) -> dict:
 
 
 def commit() -> str | None:
-    """servewise's git commit where it runs from a checkout (a '+' marks changes not committed), else None."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    """servewise's git commit where it runs from a checkout (a '+' marks changes to the package not committed),
+    else None."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "."], cwd=here,
