@@ -17,20 +17,24 @@ from conftest import refused
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MC = load_model_config("llama-3-8b", "float16")[0]
+BIG = load_model_config("llama-2-70b", "float16")[0]
 
 
 def test_the_calibrated_gpus_take_the_shipped_constants_unless_the_roofline_is_asked_for():
     shipped = json.load(open(DEFAULT_CALIBRATION))["gpus"]
     for gpu, name in zip(CALIBRATED_GPUS, ("a100-80gb", "h100-80gb", "h100-80gb-pcap")):
-        perf = make_perf(gpu, MC, 16)
+        perf = make_perf(gpu, BIG, 16)
         assert isinstance(perf, OperationPerf) and perf.cal == Calibration(**shipped[name]["calibration"])
         assert perf_kind(perf) == "calibrated (shipped)" and "Splitwise's measured table" in perf.label
     for gpu in ("a100-80g", "h100-80g"):
-        roof = make_perf(gpu, MC, 16, table=ROOFLINE)
+        roof = make_perf(gpu, BIG, 16, table=ROOFLINE)
         assert type(roof) is RooflinePerf and perf_kind(roof) == "roofline (assumed efficiencies)"
-        assert roof.decode([512] * 8) != make_perf(gpu, MC, 16).decode([512] * 8)
+        assert roof.decode([512] * 8) != make_perf(gpu, BIG, 16).decode([512] * 8)
+        # below the sizes the calibration was fitted on (it misses 7-8B steps by 2-5x), the roofline by default
+        assert type(make_perf(gpu, MC, 16)) is RooflinePerf
+        assert isinstance(make_perf(gpu, MC, 16, table=perf_table("calibrated", None)), OperationPerf)
     # the power-capped H100 differs from the H100 only by its constants (prompt steps 1.3x in the table)
-    assert make_perf("h100-80g-pcap", MC, 16).prefill([512]) > make_perf("h100-80g", MC, 16).prefill([512])
+    assert make_perf("h100-80g-pcap", BIG, 16).prefill([512]) > make_perf("h100-80g", BIG, 16).prefill([512])
     for gpu in ("v100-32g", "rtx3090", "a800-80g-pcie"):
         assert type(make_perf(gpu, MC, 16)) is RooflinePerf
         with pytest.raises(ValueError, match="is an analytical roofline"):
@@ -56,8 +60,9 @@ def test_simulate_says_which_model_priced_its_steps(tmp_path, capsys):
     base = ["simulate", "--model", "llama-3-8b", "--num-requests", "4", "--input-len", "64", "--output-len", "4",
             "--out", str(out)]
     figures = {}
-    for hw, extra, kind in (("h100-80g", [], "calibrated (shipped)"), ("h100-80g", ["--perf-model", "roofline"],
-                            "roofline (assumed efficiencies)"), ("v100-32g", [], "roofline (assumed efficiencies)")):
+    for hw, extra, kind in (("h100-80g", ["--perf-model", "calibrated"], "calibrated (shipped)"),
+                            ("h100-80g", [], "roofline (assumed efficiencies)"),  # an 8B model: the roofline
+                            ("v100-32g", [], "roofline (assumed efficiencies)")):
         main([*base, "--hardware", hw, *extra])
         m = json.loads(out.read_text())
         assert m["perf_model"] == kind and f"[{kind}]" in capsys.readouterr().out
@@ -84,7 +89,7 @@ def test_the_check_prices_bench_gpus_steps_with_the_calibration_and_the_roofline
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench))
     rows = check_bench(str(path), DEFAULT_CALIBRATION)
-    ours, roof = make_perf("h100-80g", MC, 16), RooflinePerf(MC, "h100-80g", 16)
+    ours, roof = make_perf("h100-80g", MC, 16, table=DEFAULT_CALIBRATION), RooflinePerf(MC, "h100-80g", 16)
     assert [(r["phase"], r["measured_s"]) for r in rows] == [("decode", 0.009), ("prefill", 0.03)]
     assert rows[0]["calibrated_s"] == pytest.approx(ours.decode([160, 160]))
     assert rows[1]["roofline_s"] == pytest.approx(roof.prefill([128, 128]))

@@ -10,6 +10,16 @@ ROOFLINE = "roofline"  # a table that asks for the analytical roofline where a c
 # command and the table's SHA-256); it prices these GPUs unless the roofline is asked for.
 DEFAULT_CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_calibration.json")
 CALIBRATED_GPUS = ("a100-80g", "h100-80g", "h100-80g-pcap")
+# ...for models of the sizes it was fitted on (Llama-2-70B, BLOOM-176B): at 7-8B on one H100 it prices steps 2-5x
+# too slow where the roofline is within 10-30% (docs/simulator.md), so smaller models keep the roofline by default
+CALIBRATED_FROM_PARAMS = 30e9
+
+
+def model_params(mc) -> float:
+    """A model's transformer weights (embeddings left out), for choosing its default GPU model."""
+    from servewise.predictors.roofline import layer_params
+
+    return float(layer_params(mc) * mc.num_layers)
 
 
 def perf_table(perf_model: str | None, table: str | None) -> str | None:
@@ -102,14 +112,15 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
     GPUs (predictors.measured, with its `token_axis`); with `table` a calibration (.json, written by
     `servewise calibrate`), any model on `hardware` priced per operation (predictors.operations), with the
     constants of the calibrated GPU `calibrated_as` (default: `hardware` itself);
-    with no table, the shipped calibration (DEFAULT_CALIBRATION) for CALIBRATED_GPUS; otherwise, or with `table`
-    ROOFLINE, a roofline GPU by name, with `efficiency` overriding its assumed efficiencies
+    with no table, the shipped calibration (DEFAULT_CALIBRATION) for CALIBRATED_GPUS and models of at least
+    CALIBRATED_FROM_PARAMS (the power-capped H100 always: it has no roofline); otherwise, or with `table` ROOFLINE, a roofline GPU by name, with `efficiency` overriding its assumed efficiencies
     (roofline.Efficiency), over `tp` GPUs."""
     if table == ROOFLINE:
         if hardware == PROFILE:
             raise ValueError("hardware 'profile' is this machine; the roofline prices a GPU (give --hardware GPU)")
         table = None
-    elif table is None and hardware in CALIBRATED_GPUS:
+    elif table is None and hardware in CALIBRATED_GPUS and (model_params(mc) >= CALIBRATED_FROM_PARAMS
+                                                             or hardware.endswith("-pcap")):
         table = DEFAULT_CALIBRATION
     elif table == DEFAULT_CALIBRATION and (calibrated_as or hardware) not in CALIBRATED_GPUS:
         raise ValueError(f"servewise's calibration prices {', '.join(CALIBRATED_GPUS)}; {hardware} is an analytical "
