@@ -37,6 +37,7 @@ def arguments(p) -> None:
                    help="where the ranker's prompt embeddings are kept between runs ('' for nowhere)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out-dir", default="results/arena")
+    p.add_argument("--name", default=None, help="the files' name (default: arena_WORKLOAD_BACKEND)")
 
 
 def run(a) -> None:
@@ -48,4 +49,4 @@ def run(a) -> None:
                   load=a.load, seeds=a.seeds, preemption=a.preemption, ttft_target=a.ttft_target,
                   tpot_target=a.tpot_target,
                   num_device_blocks=a.num_device_blocks, max_output_len=a.max_output_len, ranker=a.ranker,
-                  cache_dir=a.cache_dir or None, out_dir=a.out_dir))
+                  cache_dir=a.cache_dir or None, out_dir=a.out_dir, name=a.name))

@@ -71,6 +71,7 @@ class Settings:
     ranker: str | None = None  # a saved ranker (fit-ranker --save): predicted lengths from it, not the true ones
     cache_dir: str | None = None  # where the ranker's prompt embeddings are kept between runs
     out_dir: str = "results/arena"
+    name: str | None = None  # the files' name under out_dir (default arena_WORKLOAD_BACKEND)
 
     def __post_init__(self):
         from servewise.policies import resolve
@@ -378,7 +379,7 @@ def report(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict, out_dir: str) -> list[str]:
+def plot(res: dict, out_dir: str, name: str | None = None) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -397,9 +398,9 @@ def plot(res: dict, out_dir: str) -> list[str]:
     fig.suptitle(f"policy arena: {res['workload']}, {res['backend']} ({res['model']}), {at}, "
                  f"{res['seeds']} seed(s)", fontsize=9)
     fig.tight_layout()
-    return [save_figure(fig, out_dir, f"arena_{res['workload']}_{res['backend']}.png")]
+    return [save_figure(fig, out_dir, f"{name or 'arena_' + res['workload'] + '_' + res['backend']}.png")]
 
 
 def main(s: Settings) -> None:
     res = run_arena(s)
-    publish(res, report(res), s.out_dir, f"arena_{s.workload}_{s.backend}", plot)
+    publish(res, report(res), s.out_dir, s.name or f"arena_{s.workload}_{s.backend}", lambda r, d: plot(r, d, s.name))
