@@ -32,17 +32,17 @@ def test_the_ranker_learns_an_order_from_features():
     r = LengthRanker(hidden=32, steps=150, list_size=32, lists_per_step=8).fit(X[:400], y[:400])
     assert kendall_tau(r.score(X[400:]), y[400:]) > 0.6
     assert list_tau(r.score(X[400:]), y[400:], size=32, lists=20) > 0.6
-    guess = r.predict(X[400:])  # lengths in the training range, ordered as the scores
-    assert guess.min() >= y[:400].min() and guess.max() <= y[:400].max()
-    order = np.argsort(r.score(X[400:]))
-    assert np.all(np.diff(guess[order]) >= 0)
+    # predicted lengths keep the ranker's order on unseen rows (and so rank them as well as the scores)
+    assert kendall_tau(r.predict(X[400:]), y[400:]) > 0.6
 
 
 def test_one_prompt_in_five_is_held_out_by_its_text():
     texts = [f"prompt {i}" for i in range(5000)]
     share = np.mean([held_out(t) for t in texts])
     assert 0.18 < share < 0.22
-    assert [held_out(t) for t in texts[:50]] == [held_out(t) for t in texts[:50]]  # by text, not by draw
+    # by the text alone: the same pairs are held out whatever the order or the company they come in
+    kept = {t for t in texts if held_out(t)}
+    assert {t for t in reversed(texts[::2]) if held_out(t)} == {t for t in texts[::2] if t in kept}
 
 
 def test_ltr_keeps_its_rank_as_tokens_come_and_promotes_a_starving_request_for_a_quantum():
@@ -61,6 +61,7 @@ def test_ltr_keeps_its_rank_as_tokens_come_and_promotes_a_starving_request_for_a
     assert ltr.key(long_, 5.7)[0] is False  # 2 of its 3 tokens: still promoted
     long_.output_token_ids.append(1)
     assert ltr.key(long_, 5.8)[0] is True  # quantum served: back to its rank
+    assert long_.promoted_until is None  # kept on the request: nothing left behind in the policy
     sticky = LearnedRank(starve_s=5.0, quantum=None)
     long_.status = Status.WAITING
     assert sticky.key(long_, 6.0)[0] is False

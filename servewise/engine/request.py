@@ -57,6 +57,7 @@ class Request:
     client: str | None = None  # who sent it (the OpenAI API's `user`): fairness across clients (policies/vtc.py)
     ttft_target: float | None = None  # its SLO: seconds from arrival to the first token (policies/edf.py)
     tpot_target: float | None = None  # and seconds per output token after it
+    promoted_until: float | None = None  # starvation prevention (mlfq, ltr): served first until this many output tokens
 
     @property
     def times_preempted(self) -> int:

@@ -33,18 +33,16 @@ class LearnedRank(Ordering):
         if starve_s is not None and starve_s <= 0 or quantum is not None and quantum < 1:
             raise ValueError("ltr: starve_s must be > 0 and quantum >= 1 (or None)")
         self.starve_s, self.quantum = starve_s, quantum
-        self.until: dict[str, float] = {}  # promoted request -> output tokens at which its promotion ends
 
     def key(self, req: Request, now: float) -> tuple:
         done = len(req.output_token_ids)
-        end = self.until.get(req.request_id)
+        end = req.promoted_until  # kept on the request, so it goes with it
         if end is not None and done >= end:
-            del self.until[req.request_id]
-            end = None
+            end = req.promoted_until = None
         if end is None and self.starve_s is not None and req.status in (Status.WAITING, Status.SWAPPED):
             last = req.token_times[-1] if req.token_times else req.arrival_time
             if now - last >= self.starve_s:
-                end = self.until[req.request_id] = done + self.quantum if self.quantum else math.inf
+                end = req.promoted_until = done + self.quantum if self.quantum else math.inf
         guess = req.predicted_len if req.predicted_len is not None else req.max_tokens
         return (end is None, guess, req.arrival_time, req.seq_no)
 

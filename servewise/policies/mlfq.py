@@ -13,6 +13,8 @@ only, it would be preempted again at once under load, its KV copied or recompute
 """
 from __future__ import annotations
 
+import math
+
 from servewise.engine.request import Request, Status
 from servewise.policies.ordering import Ordering, register
 
@@ -26,7 +28,6 @@ class SkipJoinMLFQ(Ordering):
         if quantum < 1 or levels < 1 or prompt_tokens_per_token < 1:
             raise ValueError("mlfq: quantum, levels and prompt_tokens_per_token must be >= 1")
         self.quantum, self.levels, self.ratio, self.starve_s = quantum, levels, prompt_tokens_per_token, starve_s
-        self.promoted: set[str] = set()  # requests promoted to queue 0 for good
 
     def entry(self, prompt_len: int) -> int:
         """The first queue whose quantum covers the prompt's cost in decode iterations (skip-join)."""
@@ -37,7 +38,7 @@ class SkipJoinMLFQ(Ordering):
 
     def level(self, req: Request) -> int:
         """Its queue: from its entry queue, one down per quantum used; 0 once promoted."""
-        if req.request_id in self.promoted:
+        if req.promoted_until is not None:  # promoted for good (kept on the request)
             return 0
         k, left = self.entry(req.num_prompt_tokens), len(req.output_token_ids)
         while k < self.levels - 1 and left >= self.quantum << k:
@@ -49,5 +50,5 @@ class SkipJoinMLFQ(Ordering):
         if self.starve_s is not None and req.status in (Status.WAITING, Status.SWAPPED):
             last = req.token_times[-1] if req.token_times else req.arrival_time
             if now - last >= self.starve_s:
-                self.promoted.add(req.request_id)
+                req.promoted_until = math.inf
         return (self.level(req), req.arrival_time, req.seq_no)
