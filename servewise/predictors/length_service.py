@@ -69,6 +69,8 @@ class LengthService:
         self.tokenizer = tokenizer
         self.embedder = embedder or Embedder()
         self.count = length_tokenizer(self.embedder.tokenizer_path)
+        if self.kind == "ranker":  # a ranker's refit is minutes of training beside the engine: it is not refitted
+            period_s = float("inf")
         self.model = Refitting(saved["model"], saved["X"], saved["y"], period_s, abs_tol, rel_tol, background=True,
                                fit=False)
         self._todo: queue.Queue = queue.Queue()

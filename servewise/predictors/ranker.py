@@ -80,6 +80,14 @@ class LengthRanker:
         logged = X.copy()
         logged[:, -1] = np.log1p(logged[:, -1])
         self.mu, self.sd = logged.mean(0), logged.std(0) + 1e-6
+        with torch.random.fork_rng(devices=[]):  # seeded here, the caller's random stream left as it was
+            self._train(X, y, torch)
+        self.net.eval()
+        self.lengths = np.sort(y)  # scores -> lengths by rank
+        self.train_scores = np.sort(self.score(X))
+        return self
+
+    def _train(self, X, y, torch) -> None:
         g = torch.Generator().manual_seed(self.seed)
         torch.manual_seed(self.seed)
         self.net = torch.nn.Sequential(torch.nn.Linear(X.shape[1], self.hidden), torch.nn.GELU(),
@@ -94,10 +102,6 @@ class LengthRanker:
             opt.zero_grad()
             loss.backward()
             opt.step()
-        self.net.eval()
-        self.lengths = np.sort(y)  # scores -> lengths by rank
-        self.train_scores = np.sort(self.score(X))
-        return self
 
     def score(self, X) -> np.ndarray:
         import torch
