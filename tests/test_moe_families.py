@@ -201,25 +201,29 @@ def test_experts_run_once_per_step_not_per_token(tmp_path, monkeypatch):
     assert len(calls) <= 4 * layers and sum(calls) == 2 * 95 * layers
 
 
-def test_all_experts_in_one_tensor_load_the_same(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_all_experts_in_one_tensor_load_the_same(family, tmp_path):
     """transformers 5 holds a layer's experts as experts.gate_up_proj [E, 2I, H] and experts.down_proj
-    [E, H, I]; a checkpoint in those names builds the same model as one with a name per expert."""
+    [E, H, I] (Mixtral's, and its router, under mlp. where its per-expert names are block_sparse_moe.'s
+    w1 / w3 / w2); a checkpoint in those names builds the same model as one with a name per expert."""
     from servewise.models.loader import build_model, hf_config, safetensors_weights
 
-    path = write_checkpoint("qwen3_moe", tmp_path)
+    path = write_checkpoint(family, tmp_path)
     c = ModelConfig.from_hf(hf_config(path))
     per_expert = dict(safetensors_weights(path))
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
     fused = {}
     for name, w in per_expert.items():
-        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
-        if m is None:
-            fused[name] = w
+        if re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name) is None:
+            fused[name.replace(f".{moe}.gate.", ".mlp.gate.")] = w
     for n in range(c.num_layers):
-        e = f"model.layers.{n}.mlp.experts"
-        fused[e + ".gate_up_proj"] = torch.stack([torch.cat((per_expert[f"{e}.{x}.gate_proj.weight"],
-                                                             per_expert[f"{e}.{x}.up_proj.weight"]))
-                                                  for x in range(c.num_experts)])
-        fused[e + ".down_proj"] = torch.stack([per_expert[f"{e}.{x}.down_proj.weight"] for x in range(c.num_experts)])
+        e = f"model.layers.{n}.{moe}.experts"
+        fused[f"model.layers.{n}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
+            (per_expert[f"{e}.{x}.{names[0]}.weight"], per_expert[f"{e}.{x}.{names[1]}.weight"]))
+            for x in range(c.num_experts)])
+        fused[f"model.layers.{n}.mlp.experts.down_proj"] = torch.stack(
+            [per_expert[f"{e}.{x}.{names[2]}.weight"] for x in range(c.num_experts)])
     a, b = build_model(c, iter(per_expert.items())), build_model(c, iter(fused.items()))
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     del fused["model.layers.0.mlp.experts.down_proj"]

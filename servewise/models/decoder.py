@@ -286,6 +286,8 @@ class DecoderForCausalLM(nn.Module):
             parts = name.removeprefix("model.").split(".")
             if parts[-1] == "inv_freq":
                 continue
+            if c.family == "mixtral" and parts[0] == "layers" and parts[2:3] == ["mlp"]:
+                parts[2] = "block_sparse_moe"  # transformers 5 holds Mixtral's router and experts under mlp.
             target = None
             if parts[0] == "layers":
                 layer, leaf, kind = self.layers[int(parts[1])], parts[-2], parts[-1]
