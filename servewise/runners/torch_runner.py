@@ -132,9 +132,11 @@ class TorchRunner:
 
     def _graphs_apply(self, model, connector, store) -> bool:
         """CUDA graphs need the Triton kernels, no per-layer hooks, and a model with no host-side
-        decisions in its forward (dynamic NTK rotary looks at the positions on the host)."""
+        decisions in its forward (dynamic NTK and longrope rotary look at the positions on the host)."""
+        rotary = getattr(model, "rotary", None)
         return (self.device.type == "cuda" and self.attn_kernel is not None and connector is None and store is None
-                and not getattr(getattr(model, "rotary", None), "dynamic", False) and hasattr(model, "compute_logits"))
+                and not getattr(rotary, "dynamic", False) and not getattr(rotary, "longrope", False)
+                and hasattr(model, "compute_logits"))
 
     def _before_layer(self, layer: int) -> None:
         """Layer `layer` computes once its KV is in: swapped, fetched from the store, or loaded by the connector."""
