@@ -96,3 +96,15 @@ def test_the_check_prices_bench_gpus_steps_with_the_calibration_and_the_roofline
     bench["device"]["name"] = "NVIDIA H200"  # no constants for it: nothing to check
     path.write_text(json.dumps(bench))
     assert check_bench(str(path), DEFAULT_CALIBRATION) == []
+
+
+def test_calibrate_check_writes_its_own_file_not_the_calibrations(tmp_path, monkeypatch):
+    row = {"batch": 2, "graphs": {"decode_step_ms": 9.0, "prefill_s": 0.03}}
+    bench = {"device": {"name": "NVIDIA H100 80GB HBM3"},
+             "roofline": {"input_len": 128, "output_len": 64, "models": [{"model": "llama-3-8b", "rows": [row]}]}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    monkeypatch.chdir(tmp_path)  # the default out, results/..., under a fresh folder
+    main(["calibrate", "--check", "bench.json"])
+    res = json.loads((tmp_path / "results" / "calibration_check.json").read_text())
+    assert len(res["rows"]) == 2 and "provenance" in res
+    assert not (tmp_path / "results" / "calibration.json").exists()

@@ -20,8 +20,10 @@ def arguments(p) -> None:
     p.add_argument("--operations", action="append", default=[], metavar="GPU=FILE",
                    help="measured operations of one of the table's GPUs (a CSV with op,k,n,tp,x,seconds, or a "
                         "profile in Vidur's mlp.csv layout) priced in place of their curves; repeatable")
-    p.add_argument("--out", default="results/calibration.json",
-                   help="the calibrations and their errors (give it to simulate or cluster as --perf-table)")
+    p.add_argument("--out", default=None,
+                   help="the calibrations and their errors (give it to simulate or cluster as --perf-table; default "
+                        "results/calibration.json); with --check, the steps' errors (default "
+                        "results/calibration_check.json)")
     threads_arg(p)
 
 
@@ -38,9 +40,9 @@ def provenance(table: str) -> dict:
 
 def check(a) -> None:
     """--check: each bench file's steps, measured against calibrated and roofline, and the mean errors."""
-    import json
     import statistics
 
+    from servewise.metrics import save_json
     from servewise.predictors.operations import check_bench
     from servewise.predictors.perf import DEFAULT_CALIBRATION
 
@@ -63,10 +65,10 @@ def check(a) -> None:
             print(f"{model} {phase}, {len(mine)} steps: mean absolute error calibrated {s['calibrated']['mean_abs_pct']:.0f}%"
                   f" (signed {s['calibrated']['bias_pct']:+.0f}%), roofline {s['roofline']['mean_abs_pct']:.0f}% "
                   f"(signed {s['roofline']['bias_pct']:+.0f}%)")
-    with open(a.out, "w") as f:
-        json.dump({"calibration": os.path.basename(cal), "files": [os.path.basename(p) for p in a.check],
-                   "summary": summary, "rows": rows}, f, indent=1)
-    print(f"saved {a.out}")
+    out = a.out or "results/calibration_check.json"  # never over the fitted calibration's default file
+    save_json({"calibration": os.path.basename(cal), "files": [os.path.basename(p) for p in a.check],
+               "summary": summary, "rows": rows}, out)
+    print(f"saved {out}")
 
 
 def run(a) -> None:
@@ -78,6 +80,7 @@ def run(a) -> None:
         return check(a)
     from servewise.predictors.operations import calibrate_table, format_report, load_operations, worst
 
+    a.out = a.out or "results/calibration.json"
     tables = {}
     for spec in a.operations:
         gpu, sep, path = spec.partition("=")
