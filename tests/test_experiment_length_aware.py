@@ -35,6 +35,27 @@ def test_predict_lengths_scores_every_predictor(pairs, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_fit_ranker_judges_every_predictor_by_kendalls_tau_and_saves_a_ranker(pairs, tmp_path, capsys):
+    from servewise.predictors import length_service
+    from servewise.predictors.ranker import LengthRanker
+
+    out, saved = tmp_path / "r.json", tmp_path / "ranker.pkl"
+    main(["fit-ranker", "--data", pairs, "--num", "100", "--steps", "20", "--cache-dir", str(tmp_path),
+          "--out", str(out), "--save", str(saved)])
+    res = json.loads(out.read_text())
+    assert set(res["predictors"]) == {"ranker", "magnus", "buckets", "prompt-length"}
+    assert res["train"] + res["held_out"] == 100 and 5 <= res["held_out"] <= 40  # one in five, by digest
+    for r in res["predictors"].values():
+        assert -1 <= r["kendall_tau"] <= 1 and -1 <= r["list_tau_64"] <= 1
+    got = length_service.load(str(saved))
+    assert got["kind"] == "ranker" and isinstance(got["model"], LengthRanker) and len(got["y"]) == res["train"]
+    assert "Kendall's tau" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["fit-ranker", "--data", pairs, "--num", "10"])
+    assert e.value.code == 2
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["magnus", "uellm"])
 def test_experiment_runs_every_system_on_both_backends(kind, pairs, tmp_path, capsys):
     from servewise.experiments.length_aware import report, supported
