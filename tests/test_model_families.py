@@ -183,10 +183,14 @@ def test_prefix_caching_and_chunked_prefill_keep_the_tokens(family):
 def test_migrated_layers_and_heads_keep_their_window_rotary_and_caps(name, tmp_path):
     """A migrated layer is rebuilt as the same layer of its model (its window, its rotary table), and a
     head split attends with the layer's options: the greedy tokens stay those without migration."""
+    keeps_tokens_when_migrated(write_checkpoint(name, tmp_path))
+
+
+def keeps_tokens_when_migrated(path: str) -> None:
+    """Greedy tokens of a checkpoint's model with layer 1 migrated after three steps, then its heads,
+    equal to those without migration (cluster.migration)."""
     from servewise.builder import build_engine
     from servewise.cluster.migration import migrate_heads, migrate_layers
-
-    path = write_checkpoint(name, tmp_path)
 
     def generate(migrate=None):
         eng = build_engine(model=path, num_device_blocks=64, num_host_blocks=0)

@@ -165,25 +165,9 @@ def test_bf16_log_probs_are_close(name, tmp_path):
 def test_migrated_layers_and_heads_keep_the_tokens(name, tmp_path):
     """A routed layer (its router and experts) rebuilt on a peer, and OLMo 2's heads split after its
     all-heads q/k norms: the greedy tokens stay those without migration (cluster.migration)."""
-    from servewise.builder import build_engine
-    from servewise.cluster.migration import migrate_heads, migrate_layers
+    from test_model_families import keeps_tokens_when_migrated
 
-    path = write_checkpoint(name, tmp_path)
-
-    def generate(migrate=None):
-        eng = build_engine(model=path, num_device_blocks=64, num_host_blocks=0)
-        reqs = [eng.add_request(p, GREEDY) for p in prompts()]
-        for _ in range(3):
-            eng.step()
-        if migrate:
-            migrate(eng.runner)
-        while eng.has_unfinished():
-            eng.step()
-        return [r.output_token_ids for r in reqs]
-
-    ref = generate()
-    assert generate(lambda r: migrate_layers(r, 1)) == ref
-    assert generate(lambda r: migrate_heads(r, 1)) == ref
+    keeps_tokens_when_migrated(write_checkpoint(name, tmp_path))
 
 
 def test_experts_run_once_per_step_not_per_token(tmp_path, monkeypatch):
