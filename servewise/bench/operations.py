@@ -61,9 +61,7 @@ def _median_time(fn, repeat: int, flush: torch.Tensor) -> float:
 
 def layer_gemms(model) -> list:
     """The linear layers one decoder layer runs (on CPU gate and up apart, elsewhere fused)."""
-    from servewise.models.linear import Linear
-
-    return [v for v in vars(model.layers[0]).values() if isinstance(v, Linear)]
+    return model.layers[0].linears()
 
 
 def _shape(lin) -> tuple[int, int]:

@@ -40,6 +40,7 @@ class LengthData:
     X: np.ndarray  # Magnus's features
     y: np.ndarray  # true output lengths
     embed_ms: float  # per request, both embeddings
+    _: KW_ONLY  # the fields below are passed by keyword
     tasks: list[str] | None = None  # each request's application (magnus_tasks), or None (ShareGPT)
     embedding: np.ndarray | None = None  # the prompts' sentence embeddings (ShareGPT; the ranker's input)
     texts: list[str] | None = None  # the prompts as text (ShareGPT)
@@ -104,7 +105,7 @@ def load_task_data(path: str, n_train: int, n: int, seed: int = 0, cache_dir: st
     instr = emb.encode([r["instruction"] for r in chosen], progress=progress)
     embed_ms = (time.perf_counter() - t0) / len(chosen) * 1e3
     return LengthData(prompts, features(user, instr, [len(p) for p in prompts]), np.asarray(outs, float), embed_ms,
-                      [r["task"] for r in chosen])
+                      tasks=[r["task"] for r in chosen])
 
 
 def task_figures(data: LengthData, start: int, predicted: dict) -> dict:
