@@ -1,7 +1,8 @@
 """Request ordering: who is served first and who is preempted first.
 
 A policy maps a request to a sort key; smaller keys are served first, the largest key is the
-first preemption victim. Policies are pure: they read requests and `now`, they change nothing.
+first preemption victim. Policies read requests and `now` and change no request but its `promoted_until` (the
+starvation prevention of `mlfq` and `ltr`).
 A policy whose key never changes (`static`) lets the scheduler keep its queues sorted by
 insertion instead of re-sorting them every step. Each is registered by name (`register`) with the
 admission rule it is meant for (policies.admission): "swapped-first" (vLLM's: swapped requests come
