@@ -4,7 +4,6 @@ transformers' in fp32, alone and with preemption, prefix caching and chunked pre
 log-probabilities close; the experts' work grouped per expert; what is not built refused in one line."""
 import copy
 import json
-import random
 import re
 
 import pytest
@@ -12,6 +11,8 @@ import torch
 
 from servewise import LLM, SamplingParams
 from servewise.config import ModelConfig, UnsupportedModelError
+
+from test_model_families import GREEDY, MAX_TOKENS, keeps_tokens_when_migrated, prompts  # the same prompts
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,16 +50,6 @@ FAMILIES = {
         rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.3, 2.0, 3.1], long_factor=[1.5, 4.0, 9.0, 20.0]))),
 }
 LONGROPE = ("llama-longrope", "phi3-longrope")
-MAX_TOKENS = 16
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-
-
-def prompts() -> list[list[int]]:
-    """Five prompts behind one 40-token prefix (to share in the cache) and a short one, 12-95 tokens."""
-    rng = random.Random(5)
-    tok = lambda n: [rng.randrange(3, 380) for _ in range(n)]  # noqa: E731
-    shared = tok(40)
-    return [shared + tok(n) for n in (55, 8, 30, 47, 20)] + [tok(12)]
 
 
 def write_checkpoint(name: str, path) -> str:
@@ -165,8 +156,6 @@ def test_bf16_log_probs_are_close(name, tmp_path):
 def test_migrated_layers_and_heads_keep_the_tokens(name, tmp_path):
     """A routed layer (its router and experts) rebuilt on a peer, and OLMo 2's heads split after its
     all-heads q/k norms: the greedy tokens stay those without migration (cluster.migration)."""
-    from test_model_families import keeps_tokens_when_migrated
-
     keeps_tokens_when_migrated(write_checkpoint(name, tmp_path))
 
 
