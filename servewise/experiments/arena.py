@@ -178,6 +178,7 @@ def ranked_lengths(s: Settings, items: list[WorkloadRequest]) -> list[int]:
     tokens (the ranker counts WordPiece tokens: scaled by the prompt's ratio of the two counts)."""
     from servewise.predictors import length_service
     from servewise.predictors.output_length import Embedder, length_tokenizer
+    from servewise.predictors.ranker import rows
 
     saved = length_service.load(s.ranker)
     if saved["kind"] != "ranker":
@@ -187,7 +188,7 @@ def ranked_lengths(s: Settings, items: list[WorkloadRequest]) -> list[int]:
     count = length_tokenizer(emb.tokenizer_path)
     texts = [it.text for it in items]
     wordpieces = [max(1, len(count(t))) for t in texts]
-    guesses = saved["model"].predict(np.hstack([emb.encode(texts), np.asarray(wordpieces, float)[:, None]]))
+    guesses = saved["model"].predict(rows(emb.encode(texts), wordpieces))
     return [max(1, round(float(g) * it.prompt_len / n)) for g, it, n in zip(guesses, items, wordpieces)]
 
 

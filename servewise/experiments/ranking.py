@@ -31,12 +31,12 @@ def fit_ranker(s: RankerSettings) -> dict:
     from servewise.experiments.length_aware import load_length_data
     from servewise.predictors import length_service
     from servewise.predictors.output_length import make_predictor
-    from servewise.predictors.ranker import LengthRanker, held_out, kendall_tau, list_tau
+    from servewise.predictors.ranker import LengthRanker, held_out, kendall_tau, list_tau, rows as ranker_rows
 
     data = load_length_data(s.data, s.num, s.cache_dir)
     test = np.array([held_out(t) for t in data.texts])
     lens = np.array([len(p) for p in data.prompts], float)
-    R = np.hstack([data.embedding, lens[:, None]])  # the ranker's rows: the embedding and the prompt length
+    R = ranker_rows(data.embedding, lens)
     y, rows = data.y, {}
 
     def judge(name, scores, fit_s, extra=None):

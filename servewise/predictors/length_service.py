@@ -135,6 +135,7 @@ class LengthService:
                 self.error = f"{type(e).__name__}: {e}"
 
     def _predict(self, items: list[tuple[str, str | None, list[int]]]) -> None:
+        from servewise.predictors import ranker
         from servewise.predictors.output_length import features, instruction_of
 
         if not items:
@@ -143,7 +144,7 @@ class LengthService:
         texts = [text if text is not None else self.tokenizer.decode(ids) for _, text, ids in items]
         counts = [max(1, len(self.count(t))) for t in texts]
         if self.kind == "ranker":  # predictors.ranker: the prompt's embedding and its length
-            X = np.hstack([self.embedder.encode(texts), np.asarray(counts, float)[:, None]])
+            X = ranker.rows(self.embedder.encode(texts), counts)
         else:  # Magnus's features
             emb = self.embedder.encode(texts + [instruction_of(t) for t in texts])
             X = features(emb[:len(texts)], emb[len(texts):], counts)

@@ -43,6 +43,11 @@ def list_tau(scores, lengths, size: int = 64, lists: int = 200, seed: int = 0) -
                                                                for _ in range(lists))]))
 
 
+def rows(embeddings, prompt_lengths) -> np.ndarray:
+    """The ranker's input rows: each prompt's sentence embedding, then its length (WordPiece tokens)."""
+    return np.hstack([np.asarray(embeddings, float), np.asarray(prompt_lengths, float)[:, None]])
+
+
 def list_mle(scores, lengths):
     """ListMLE (Xia et al., 2008): the negative log-likelihood of the true order (longest first) under the
     Plackett-Luce model of the scores; rows are lists. Ties are broken at random."""
@@ -54,7 +59,7 @@ def list_mle(scores, lengths):
 
 
 class LengthRanker:
-    """fit(X, y) on rows of [embedding..., prompt length] and output lengths; score(X): higher = longer;
+    """fit(X, y) on `rows` (embedding, prompt length) and output lengths; score(X): higher = longer;
     predict(X): the score as a length (the training lengths' quantile at the score's rank)."""
 
     name = "ranker"
@@ -64,12 +69,16 @@ class LengthRanker:
         self.hidden, self.list_size, self.lists_per_step, self.steps = hidden, list_size, lists_per_step, steps
         self.lr, self.weight_decay, self.seed = lr, weight_decay, seed
 
+    @staticmethod
+    def _logged(X) -> np.ndarray:
+        X = np.asarray(X, np.float32).copy()
+        X[:, -1] = np.log1p(X[:, -1])  # the prompt length, logged
+        return X
+
     def _inputs(self, X):
         import torch
 
-        X = np.asarray(X, np.float32).copy()
-        X[:, -1] = np.log1p(X[:, -1])  # the prompt length, logged
-        return torch.from_numpy((X - self.mu) / self.sd)
+        return torch.from_numpy((self._logged(X) - self.mu) / self.sd)
 
     def fit(self, X, y):
         import torch
@@ -77,8 +86,7 @@ class LengthRanker:
         X, y = np.asarray(X, np.float32), np.asarray(y, float)
         if len(y) < 2:
             raise ValueError("the ranker needs at least two training pairs")
-        logged = X.copy()
-        logged[:, -1] = np.log1p(logged[:, -1])
+        logged = self._logged(X)
         self.mu, self.sd = logged.mean(0), logged.std(0) + 1e-6
         with torch.random.fork_rng(devices=[]):  # seeded here, the caller's random stream left as it was
             self._train(X, y, torch)
