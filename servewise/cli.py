@@ -26,6 +26,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
         "soak": "bench.soak",
         "chaos": "bench.chaos",
         "detokenize": "bench.detokenize",
+        "splitwisesim": "bench.splitwisesim",
     }),
     "profile": "profile",
     "fit-predictors": "fit_predictors",
