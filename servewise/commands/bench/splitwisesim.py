@@ -19,6 +19,7 @@ def arguments(p) -> None:
     p.add_argument("--assumptions", nargs="+", default=["splitwisesim", "servewise"],
                    help="servewise runs under SplitwiseSim's assumptions, its own, or both (default: both)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=at_least(1), default=1, help="torch threads (the simulator uses one)")
     p.add_argument("--out", default="results/bench_splitwisesim.json")
 
 
