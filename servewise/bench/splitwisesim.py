@@ -110,7 +110,7 @@ def main(s: Settings) -> dict:
                "--token", f"dgx-a100:{s.token_machines}", "--workload", "splitwise", "--data", trace,
                "--perf-table", s.perf_table, "--seed", str(s.seed), "--out", dest, *ASSUMPTIONS[name]]
         print(f"servewise cluster, {name}'s assumptions ...", flush=True)
-        run = timed(cmd)
+        run = timed(cmd, log=os.path.splitext(s.out)[0] + f"_{name}.log")
         m = json.load(open(dest))
         os.remove(dest)
         row = {**run, "requests": m["requests"] - m["rejected"], "rejected": m["rejected"], "slo_met": m["slo_met"],
