@@ -12,7 +12,6 @@ counts it within the instance's time per step outside the runner.)
 """
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import random
@@ -26,6 +25,7 @@ import torch
 from servewise.bench.fidelity import format_steps, step_check
 from servewise.cluster.protocol import First
 from servewise.kernels import cpu_flags
+from servewise.metrics import save_json
 from servewise.lab import Cluster, Spec, run
 from servewise.lab.run import build
 from servewise.metrics import RequestRecord
@@ -308,11 +308,9 @@ def main(s: Settings) -> None:
         results["one_instance"] = one
         print(f"\none instance, {2 * s.threads} torch threads (same cores): " + ", ".join(
             f"{label} {one['metrics'][key]:.1f}" for key, label in COMPARED))
-    os.makedirs(os.path.dirname(os.path.abspath(s.out)), exist_ok=True)
-    with open(s.out, "w") as f:
-        json.dump({"model": s.model, "workload": s.workload, "num_requests": len(items), "rate": s.rate,
-                   "threads_per_instance": s.threads, "cpu_flags": flags, "link": link, "predictors": preds.meta,
-                   "results": results}, f, indent=1, default=str)
+    save_json({"model": s.model, "workload": s.workload, "num_requests": len(items), "rate": s.rate,
+               "threads_per_instance": s.threads, "cpu_flags": flags, "link": link, "predictors": preds.meta,
+               "results": results}, s.out)
     print(f"saved {s.out}")
 
 

@@ -7,7 +7,6 @@ copy times and from what the real engine spends outside them (scheduling, Python
 from __future__ import annotations
 
 import bisect
-import json
 import os
 import statistics
 import sys
@@ -19,6 +18,7 @@ import torch
 from servewise.engine.clock import VirtualClock
 from servewise.lab import Engine, Spec, run
 from servewise.lab.run import build
+from servewise.metrics import save_json
 from servewise.predictors import drift
 from servewise.predictors.cpu_operations import OperationSteps, StepOperationsPerf
 from servewise.predictors.fit import LOOP_INTERRUPTION_S
@@ -486,9 +486,7 @@ def main(s: Settings) -> None:
     if s.repeat > 1:
         for key, runs in results.items():
             print("\n" + format_summary(f"[{key}] over {len(runs)} runs", summaries[key], runs))
-    os.makedirs(os.path.dirname(os.path.abspath(s.out)), exist_ok=True)
-    with open(s.out, "w") as f:
-        json.dump({"model": s.model, "workload": s.workload, "num_requests": s.num_requests, "rates": s.rate,
-                   "repeat": s.repeat, "interval_s": s.interval, "threads": torch.get_num_threads(),
-                   "predictors": preds.meta, "results": results, "summary": summaries}, f, indent=1)
+    save_json({"model": s.model, "workload": s.workload, "num_requests": s.num_requests, "rates": s.rate,
+               "repeat": s.repeat, "interval_s": s.interval, "threads": torch.get_num_threads(),
+               "predictors": preds.meta, "results": results, "summary": summaries}, s.out)
     print(f"saved {s.out}")

@@ -21,7 +21,6 @@ Sections (each recorded on its own; one that fails is reported and the rest stil
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import random
@@ -700,9 +699,9 @@ def main(s: Settings) -> dict:
     t_start = time.perf_counter()
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(s.out)) or ".", exist_ok=True)
-        with open(s.out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        from servewise.metrics import save_json
+
+        save_json(result, s.out)
         with open(os.path.splitext(s.out)[0] + ".md", "w") as f:
             f.write(report(result))
 

@@ -11,8 +11,6 @@ and waiting for the peer's part beyond what the source computes meanwhile). Both
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ import torch
 
 from servewise.builder import build_engine
 from servewise.kernels import cpu_flags
+from servewise.metrics import save_json
 from servewise.sampling_params import SamplingParams
 
 
@@ -96,9 +95,7 @@ def main(s: Settings) -> None:
           f"ms after the move (the peer's side: {m['peer_ms_per_step']:.2f} ms a step); without the move "
           f"{ref['step_ms']['before']:.2f} / {ref['step_ms']['after']:.2f} ms")
     print(f"greedy outputs identical to the run without the move: {res['outputs_identical']}")
-    os.makedirs(os.path.dirname(s.out) or ".", exist_ok=True)
-    with open(s.out, "w") as f:
-        json.dump(res, f, indent=1)
+    save_json(res, s.out)
     print(f"saved {s.out}")
     if not res["outputs_identical"]:
         raise SystemExit("the outputs changed after the move")

@@ -242,8 +242,9 @@ def main(s: Settings) -> list[dict]:
     rows = []
     for name in s.servers:
         rows += run_server(s, name, logdir, say=lambda m: print(m, flush=True))
-        with open(s.out, "w") as f:
-            json.dump({"settings": vars(s), "logs": logdir, "rows": rows}, f, indent=1, default=str)
+        from servewise.metrics import save_json
+
+        save_json({"settings": vars(s), "logs": logdir, "rows": rows}, s.out)  # after each server: nothing lost
     print(report(rows))
     print(f"saved {s.out}")
     return rows

@@ -8,7 +8,6 @@ hits follow the same rules; its error against the real runs is printed beside th
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -20,6 +19,7 @@ import torch
 
 from servewise.lab import Cluster, Engine, Record, Spec, run
 from servewise.lab.run import build
+from servewise.metrics import save_json
 
 ROWS = (("mean_ttft_ms", "mean TTFT (ms)"), ("p99_ttft_ms", "p99 TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"),
         ("mean_e2el_ms", "mean E2E (ms)"), ("duration_s", "makespan (s)"),
@@ -204,9 +204,7 @@ def main(s: Settings) -> None:
     else:
         runs = compare(s.model, items, arrivals, kw, preds, say)
         print(format_compare(runs))
-    os.makedirs(os.path.dirname(os.path.abspath(s.out)), exist_ok=True)
-    with open(s.out, "w") as f:
-        json.dump({"model": s.model, "workload": s.workload_name, "num_requests": len(items),
-                   "threads": torch.get_num_threads(), "instances": s.instances, "router": s.router, "cpu": cpu_flags(),
-                   "engine": kw, "runs": runs}, f, indent=1)
+    save_json({"model": s.model, "workload": s.workload_name, "num_requests": len(items),
+               "threads": torch.get_num_threads(), "instances": s.instances, "router": s.router, "cpu": cpu_flags(),
+               "engine": kw, "runs": runs}, s.out)
     print(f"saved {s.out}")
