@@ -18,6 +18,7 @@ import torch
 
 from servewise.kernels import cpu_flags
 from servewise.metrics import save_json
+from servewise.metrics.plots import can_plot
 from servewise.predictors.drift import laid_out_batch
 from servewise.predictors.profiler import DECODE_WARM_RUNS
 
@@ -165,5 +166,5 @@ def main(s: Settings) -> None:
     print(format_report(res, s.window))
     save_json(res, s.out)
     print(f"saved {s.out}")
-    if s.plot:
+    if s.plot and can_plot():
         print(f"figure: {plot(res, os.path.splitext(s.out)[0] + '.png')}")

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from servewise.bench.peer import _stop, metrics, port_free, wait_healthy
 from servewise.bench.serve import run_bench
+from servewise.metrics.plots import can_plot
 from servewise.metrics.summary import percentile, save_json
 
 CONFIGS = {  # name -> extra `servewise serve` flags ({store}: a fresh store directory)
@@ -383,8 +384,9 @@ def main(s: Settings, say=print) -> list[dict]:
     results = [run_config(s, name, logdir, say) for name in s.configs]
     table = report(results)
     say(table)
-    png = os.path.splitext(s.out)[0] + ".png"
-    plot(results, png)
+    png = os.path.splitext(s.out)[0] + ".png" if can_plot() else None
+    if png:
+        plot(results, png)
     save_json({"results": results}, s.out, settings={k: v for k, v in vars(s).items() if k != "out"})
-    say(f"saved {s.out} and {png}")
+    say(f"saved {s.out}" + (f" and {png}" if png else ""))
     return results

@@ -1,7 +1,17 @@
 """Figures: one way to write them."""
 from __future__ import annotations
 
+import importlib.util
 import os
+
+
+def can_plot() -> bool:
+    """Whether matplotlib (the `plot` extra) is installed; if it is not, print one line saying the figures
+    are skipped, so that a run without it still writes its report and JSON."""
+    if importlib.util.find_spec("matplotlib") is not None:
+        return True
+    print('figures skipped: matplotlib is not installed (pip install "servewise[plot]")')
+    return False
 
 
 def series_style(i: int) -> dict:
