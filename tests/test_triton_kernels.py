@@ -23,7 +23,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a GPU")
 
 def reference(q, kc, vc, tables, lens, prior, bs, scale, window=None, softcap=None):
     """Rows of lens[r] queries after prior[r] cached tokens, attention computed naively in float32."""
-    H, D, KVH = q.shape[1], q.shape[2], kc.shape[1]
+    H, KVH = q.shape[1], kc.shape[1]
     outs, start = [], 0
     for r, (n, p) in enumerate(zip(lens, prior)):
         L = p + n

@@ -91,11 +91,11 @@ def device_section() -> dict:
     n = 1 << 30  # 1 GiB each way
     src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
     copy_s = _timed(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # (released before the next allocation)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     mm_s = _timed(lambda: a @ b)
-    del a, b
+    a = b = None
     torch.cuda.empty_cache()
     import triton
 
@@ -182,7 +182,7 @@ def attention_section() -> dict:
                     t_a = _graph_timed(lambda: _decode(q, cache, meta_a, opts))
                     rows[-1].setdefault("variants", []).append({"block_n": bn, "warps": warps, "min_split": split,
                                                                 "us": t_a * 1e6})
-            del cache
+            cache = None
     torch.cuda.empty_cache()
     return {"rows": rows}
 
@@ -228,8 +228,11 @@ def roofline_section(s: Settings, dev: dict, progress=print) -> dict:
                 if mode == "eager" and graphs is not None and B not in (1, 64, B_max):
                     continue  # (eager at a few sizes: the graphs' gain)
                 runner.graphs = graphs if mode == "graphs" else None
-                gen = lambda k: llm.generate(prompts, SamplingParams(max_tokens=k, temperature=0, ignore_eos=True),
-                                             use_tqdm=False)
+
+                def gen(k):
+                    return llm.generate(prompts, SamplingParams(max_tokens=k, temperature=0, ignore_eos=True),
+                                        use_tqdm=False)
+
                 gen(2)  # warm-up at this batch size
                 t1 = time.perf_counter()
                 gen(1)
@@ -260,7 +263,7 @@ def roofline_section(s: Settings, dev: dict, progress=print) -> dict:
                      f"({row['prefill_x_roofline']:.2f}x)" + (f", eager step {row['eager']['decode_step_ms']:.2f} ms"
                                                               if "eager" in row and "graphs" in row else ""))
         out.append(entry)
-        del llm, runner, graphs
+        llm = runner = graphs = None
         torch.cuda.empty_cache()
     return {"models": out, "input_len": s.input_len, "output_len": s.output_len}
 
@@ -568,7 +571,7 @@ def kv_section(s: Settings, dev: dict | None, progress=print, device: str = "cud
                  f"layer ({by_way} GB/s), {whole_s * 1e3:.2f} ms at once; the prompt step "
                  f"{prompt_s * 1e3:.1f} ms" + (f"; link model {row['sim_error_pct']:+.0f}%" if copy_gbs else "")
                  + f"; outputs identical: {row['outputs_identical']}")
-    del a, b
+    a = b = None
     if gpu:
         torch.cuda.empty_cache()
     return {"model": s.kv_model, "device": device, "build_s": build_s, "block_bytes": block_bytes,

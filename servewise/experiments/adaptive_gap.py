@@ -34,9 +34,9 @@ from servewise.experiments.adaptivellm import (ADAPTIVE, BASELINES, Settings, cr
 from servewise.lab import ci95
 from servewise.policies import SYSTEMS
 from servewise.policies.preemption import VLLM_S_VARIANTS
+from servewise.workloads.arrivals import arrival_times
 
 SYSTEM_MODES = {x: mode for x, (_, mode) in (*SYSTEMS.items(), *VLLM_S_VARIANTS.items())}  # system -> preemption
-from servewise.workloads.arrivals import arrival_times
 
 SECTIONS = ("table", "swapcost", "crossover", "links", "coalesce", "arrivals")
 LINK_SYSTEMS = ("vllm", "vllm_s", "adaptive+fcfs", ADAPTIVE)
