@@ -1,6 +1,8 @@
 """Profiler and predictors: fit and predict on a small generated profile."""
 import itertools
 import math
+import os
+import time
 
 import numpy as np
 import pytest
@@ -137,8 +139,8 @@ def test_swap_model_fits_swaps_whose_time_does_not_grow_with_their_bytes():
     those sizes cost, with and without counted calls, instead of refusing."""
     flat = lambda b: 900e-6 * (1 + 0.03 * ((b * 7) % 5 - 2))  # noqa: E731  (falls with the bytes, a little)
     rising = lambda b: 900e-6 + 1e-15 * b * 32768  # noqa: E731  (rises, at a bandwidth past the fit's bounds)
-    for copies, time in itertools.product((0, 12), (flat, rising)):
-        rows = [{"direction": d, "bytes": b * 32768, "copies": copies, "copy_path": "layer", "time": time(b)}
+    for copies, law in itertools.product((0, 12), (flat, rising)):
+        rows = [{"direction": d, "bytes": b * 32768, "copies": copies, "copy_path": "layer", "time": law(b)}
                 for d in DIRECTIONS for b in (1, 2, 4, 8, 16)]
         m = SwapCostModel.fit(rows)
         assert m.mape(rows)["out"] < 5 and m.mape(rows)["in"] < 5
@@ -188,3 +190,33 @@ def test_profile_interleaves_the_rounds_of_every_size_and_kind(monkeypatch):
         [(r["layers"], r["batch"], r["length"]) for r in prof["decode"]]
     assert [(r["layers"], r["batch"], r["length"]) for r in prof["decode"]][:4] == \
         [(1, b, n) for b, n in sweep_points(4, 4, 64, 256, 1, min_len=2)]
+    # each profile keeps when it was taken and the machine's load around it (what makes a cached profile suspect)
+    assert prof["load"]["cores"] == os.cpu_count() and {"before", "after"} <= set(prof["load"])
+    assert abs(prof["taken_at"] - time.time()) < 600
+
+
+def test_a_profile_taken_under_load_is_named_when_it_is_used(tmp_path, monkeypatch):
+    """A cached (or given) profile whose load average beyond its own threads passed half the cores warns when
+    it is loaded; a quiet one, and an old profile that recorded no load, load in silence."""
+    from types import SimpleNamespace
+
+    from servewise.config import ModelConfig
+    from servewise.predictors import auto
+
+    quiet = {"threads": 2, "load": {"cores": 2, "before": 2.4, "after": 2.9}, "taken_at": time.time() - 7200}
+    busy = {"threads": 2, "load": {"cores": 2, "before": 2.1, "after": 4.5}, "taken_at": time.time() - 7200}
+    assert auto.busy_profile(quiet) is None and auto.busy_profile({"threads": 1}) is None
+    assert "load 4.5 on 2 cores" in auto.busy_profile(busy) and "2.0 h ago" in auto.busy_profile(busy)
+    meta = {}
+    monkeypatch.setattr(auto.Predictors, "load", staticmethod(lambda path: SimpleNamespace(meta=meta)))
+    monkeypatch.setenv(auto.CACHE_ENV, str(tmp_path))
+    mc = ModelConfig.from_hf(hf_config("tiny-llama"))
+    cached = auto.cache_path("tiny-llama", mc, "cpu", 16)
+    os.makedirs(os.path.dirname(cached))
+    open(cached, "w").close()
+    for m, warned in ((quiet, False), (busy, True)):
+        meta.clear(), meta.update(m)
+        said = []
+        auto.ensure_predictors("tiny-llama", mc, "cpu", 16, log=said.append)
+        auto.ensure_predictors("tiny-llama", mc, "cpu", 16, path=cached, log=said.append)
+        assert len(said) == (2 if warned else 0) and all("other work ran" in x for x in said)

@@ -9,7 +9,8 @@ from servewise.engine.block_manager import blocks_for
 from servewise.predictors.step_time import KINDS, BoundStepTime, StepTimePredictor, best_of, compare
 from servewise.predictors.swap_cost import SwapCostModel, kv_bytes
 
-META_KEYS = ("arch", "dtype", "device", "threads", "hardware", "block_size", "models", "decode_attention")
+META_KEYS = ("arch", "dtype", "device", "threads", "hardware", "block_size", "models", "decode_attention", "taken_at",
+             "load")
 
 
 @dataclass

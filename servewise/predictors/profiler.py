@@ -225,6 +225,7 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
     n_host = max_copy_blocks
     result = {"version": PROFILE_VERSION, "arch": None, "dtype": dtype, "device": device,
               "threads": torch.get_num_threads(), "hardware": hardware_tag(), "block_size": block_size,
+              "taken_at": time.time(), "load": machine_load(),
               "models": [], "prefill": [], "decode": [], "context": [], "copy": [], "copy_validation": [], "loop": []}
     context_pts = context_points_for(context_points, max_prefill_tokens, max_decode_ctx, seed + 2)
     copy_sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if n <= max_copy_blocks]
@@ -283,7 +284,15 @@ def profile(base_config: dict, sizes=DEFAULT_SIZES, *, dtype: str = "float32", d
             time_rounds([entry])
             collect(entry)
             del entry  # before the next size is built
+    result["load"]["after"] = machine_load()["before"]
     return result
+
+
+def machine_load() -> dict:
+    """The machine's 1-minute load average and cores: a profile taken while other work ran times it slow, and
+    every simulation priced on it inherits that (see predictors.auto.busy_profile)."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cores": os.cpu_count(), "before": load}
 
 
 class _Within:
