@@ -56,10 +56,16 @@ def ensure_predictors(model: str, mc: ModelConfig, device: str, block_size: int,
     if path is not None:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"predictors file {path} does not exist (write one with `servewise profile`)")
-        return Predictors.load(path)
+        preds = Predictors.load(path)
+        if warning := busy_profile(preds.meta):
+            say(f"{warning.replace('the cached profile', path)}; profile again on a quiet machine")
+        return preds
     cached = cache_path(model, mc, device, block_size)
     if os.path.isfile(cached):
-        return Predictors.load(cached)
+        preds = Predictors.load(cached)
+        if warning := busy_profile(preds.meta):
+            say(f"{warning}; delete {cached} to profile again on a quiet machine")
+        return preds
     say(f"no cost predictors for {model} on this machine ({hardware_tag()}, {torch.get_num_threads()} threads); "
         f"profiling it now (seconds for a small model, minutes for a large one), once: the result is cached in {cached}")
     t0 = time.perf_counter()
@@ -70,6 +76,21 @@ def ensure_predictors(model: str, mc: ModelConfig, device: str, block_size: int,
     os.replace(tmp, cached)  # atomic: a concurrent engine never reads half a file
     say(f"profiled in {time.perf_counter() - t0:.0f} s; predictors saved to {cached}")
     return preds
+
+
+def busy_profile(meta: dict) -> str | None:
+    """Why a profile's step times are suspect, or None: other work ran while it was taken (the 1-minute load
+    average beyond the profile's own threads passed half the cores, at its start or end). Such a profile
+    times this machine slow, and every figure priced on it is off by as much (cached profiles are kept for good)."""
+    load = meta.get("load") or {}
+    cores, own = load.get("cores") or 0, meta.get("threads") or 0
+    worst = max((x for x in (load.get("before"), load.get("after")) if x is not None), default=None)
+    if not cores or worst is None or worst - own <= cores / 2:
+        return None
+    when = meta.get("taken_at")
+    age = f", {(time.time() - when) / 3600:.1f} h ago" if when else ""
+    return (f"the cached profile was taken while other work ran (load {worst:.1f} on {cores} cores, "
+            f"{own} of them its own{age}): its step times are likely slow")
 
 
 def profiled_perf(model: str, mc: ModelConfig, device: str, block_size: int, path: str | None = None, log=None):
