@@ -29,6 +29,8 @@ class SimRunner:
         self._fetch_s = 0.0  # the step's reads from the store, overlapped with its layers
         self._overlap_s = 0.0  # host <-> device transfers overlapped with the next step's layers
         self._last = 0.0  # the last batch's time
+        self.bulk = True  # the simulator may advance decode steps in bulk between events (servewise.fastpath)
+        self.bulk_steps = 0  # steps run that way (run_decode), counted in `steps` too
 
     def move_blocks(self, move: KVMove) -> float:
         if not move.pairs:
@@ -54,6 +56,19 @@ class SimRunner:
     def finish_moves(self) -> None:
         """The engine is idle: copies that would have overlapped its next step have ended meanwhile."""
         self._overlap_s = 0.0
+
+    def run_decode(self, ctx: list[int]) -> float:
+        """The time of a decode step of rows with these context lengths, nothing fetched or copied beside it:
+        what execute returns for it, for a step the fast path runs without the scheduler."""
+        if self._fetch_s or self._overlap_s:
+            raise RuntimeError("a decode step run in bulk has copies to overlap")
+        self.steps += 1
+        self.bulk_steps += 1
+        elapsed = self.perf.decode(ctx)
+        if self._overhead is not None:
+            elapsed += self._overhead(False, len(ctx))
+        self._last = elapsed
+        return elapsed
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         if not out.scheduled:

@@ -3,6 +3,7 @@ clock: it sleeps until the next arrival when idle) or a simulated one (virtual c
 there). Several engines run as a cluster (cluster.sim, cluster.serving), through its coordinator."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from servewise.engine.interfaces import StepStats
@@ -25,11 +26,14 @@ def placeholder_prompt(i: int, n: int) -> list[int]:
 
 def run_workload(engine, items: list[WorkloadRequest], arrivals: list[float],
                  progress: Callable[[int], None] | None = None,
-                 on_step: Callable[[StepStats], None] | None = None) -> tuple[list[Request], list[tuple[int, str]]]:
+                 on_step: Callable[[StepStats], None] | None = None,
+                 step: Callable[[float], StepStats] | None = None) -> tuple[list[Request], list[tuple[int, str]]]:
     """Run every item; returns (requests in item order, [(item index, reason)] for items the engine rejected).
 
     Arrival times are relative to the start of the run. Items carry their prompt as token ids, or only a
     length (then a placeholder prompt of that many tokens is used). `on_step` sees every step's stats.
+    `step(next_arrival)`, in place of engine.step (the simulator's fast path, servewise.fastpath), may run
+    several steps before the next arrival's time; it returns the last one's stats.
     """
     if len(arrivals) != len(items):
         raise ValueError(f"{len(arrivals)} arrival times for {len(items)} requests")
@@ -58,7 +62,7 @@ def run_workload(engine, items: list[WorkloadRequest], arrivals: list[float],
             if k < len(order):
                 clock.wait_until(t0 + arrivals[order[k]])
             continue
-        stats = engine.step()
+        stats = engine.step() if step is None else step(t0 + arrivals[order[k]] if k < len(order) else math.inf)
         if on_step:
             on_step(stats)
         if progress and stats.finished:
