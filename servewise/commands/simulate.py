@@ -24,6 +24,9 @@ def arguments(p) -> None:
     workload_args(p)
     slo_args(p)
     p.add_argument("--out", default="results/simulate.json")
+    p.add_argument("--verify", action="store_true",
+                   help="run the workload again step by step (no decode steps in bulk) and check that every "
+                        "request's record and the step counts agree; exits 1 if not")
 
 
 def run(a) -> None:
@@ -41,7 +44,8 @@ def run(a) -> None:
     notes: dict = {}
     items, arrivals = workload(a, eng.tokenizer, eng.model_config.vocab_size, notes, eng.model_config.max_model_len)
     b = bar(len(items), "simulated requests")
-    rec = run_spec(Spec(spec_engine, items, arrivals, slo=slo(a)), progress=b.update if b else None, engine=eng)
+    spec = Spec(spec_engine, items, arrivals, slo=slo(a))
+    rec = run_spec(spec, progress=b.update if b else None, engine=eng)
     if b:
         b.close()
     m = dict(rec.metrics)
@@ -66,9 +70,18 @@ def run(a) -> None:
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     steps = rec.steps["steps"]
     print(f"simulation wall time {rec.wall_s:.2f} s, {steps} steps, peak memory {peak_mb:.0f} MB")
+    if a.verify:
+        from servewise.fastpath import verify
+
+        m["verify"] = v = verify(spec, rec)
+        print(f"verify: {'identical to' if v['identical'] else 'DIFFERS from'} the step-by-step run ({v['steps']} "
+              f"steps, {v['bulk_steps']} in bulk; {v['fast_wall_s']:.2f} s against {v['step_by_step_wall_s']:.2f} s, "
+              f"{v['speedup']:.1f}x)" + "".join(f"\n  {d}" for d in v["differences"]))
     save_json(m, a.out, model=a.model, hardware=a.hardware, perf=perf.label, perf_model=perf_kind(perf),
               analytical=perf.analytical,
               wall_s=rec.wall_s, steps=steps, peak_rss_mb=peak_mb, num_device_blocks=eng.block_manager.num_device_blocks,
               num_host_blocks=eng.block_manager.num_host_blocks, policy=a.policy, preemption=a.preemption,
               workload=a.workload, arrival=a.arrival, rate=a.rate)
     print(f"saved {a.out}")
+    if a.verify and not v["identical"]:
+        raise SystemExit(1)
