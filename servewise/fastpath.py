@@ -29,6 +29,8 @@ simulated token could stop (an end-of-sequence id of 0 without ignore_eos, or a 
 """
 from __future__ import annotations
 
+import math
+
 from servewise.engine.clock import VirtualClock
 from servewise.engine.interfaces import StepStats
 from servewise.engine.request import Request, Status
@@ -111,7 +113,8 @@ class BulkSteps:
 
     def _event(self, new_blocks: int, now: float, next_arrival: float) -> bool:
         """Whether the step starting at `now` could be anything but a decode of the running queue that takes
-        `new_blocks` blocks."""
+        `new_blocks` blocks. Until a request finishes, the steps after it need only the first and last checks:
+        the free blocks only fall, so a request that does not fit does not fit later, and the queues stay."""
         s, bm = self.engine.scheduler, self.engine.block_manager
         free = bm.num_free_device
         if free - new_blocks < s.rules.decode_floor:
@@ -123,7 +126,14 @@ class BulkSteps:
             head = s.swapped[0]
             if bm.swap_in_need(head.request_id, head.num_tokens) + s.rules.swap_spare <= free - new_blocks:
                 return True  # a swap-in
-        return now >= next_arrival and not (not s.ranked and (s.swapped or full or (self.fcfs and s.waiting)))
+        return now >= self._due(next_arrival)
+
+    def _due(self, next_arrival: float) -> float:
+        """When an arrival could change the next step's decision: the next one's time, or never while it
+        would queue behind a waiting request that does not fit (FCFS) or nothing can be admitted."""
+        s = self.engine.scheduler
+        quiet = not s.ranked and (s.swapped or len(s.running) >= s.config.max_num_seqs or (self.fcfs and s.waiting))
+        return math.inf if quiet else next_arrival
 
     def _join(self, req: Request, g: int) -> bool:
         """Take a running request into the run of steps from step g; False if it cannot run in bulk."""
@@ -154,8 +164,16 @@ class BulkSteps:
         at = None  # the requests' places in the queue (its order holds while steps run in bulk)
         base = [lazy[id(r)][2] for r in s.running]  # tokens at step 0: a request has base + g at step g
         ids = [r.request_id for r in s.running]
-        bs, shown = bm.block_size, None
-        while s.running and not self._event(len(self.cross.get(g, ())), now, next_arrival):
+        bs, shown, floor, checked, due = bm.block_size, None, s.rules.decode_floor, False, math.inf
+        while s.running:
+            new_blocks = len(self.cross.get(g, ()))
+            if checked:  # (see _event)
+                if bm.num_free_device - new_blocks < floor or now >= due:
+                    break
+            elif self._event(new_blocks, now, next_arrival):
+                break
+            else:
+                checked, due = True, self._due(next_arrival)
             if shown is not None:
                 self._show(shown)
             s._forget = []  # (the step's schedule hands them to the runner)
@@ -181,6 +199,7 @@ class BulkSteps:
             if (done := self.ends.pop(g, None)) is not None:
                 at = at or {id(r): i for i, r in enumerate(s.running)}
                 shown.finished = self._finish(sorted(done, key=lambda r: at[id(r)]), g)
+                checked = False
                 base = [lazy[id(r)][2] for r in s.running]
                 ids = [r.request_id for r in s.running]
             clock.wait_until(end)
