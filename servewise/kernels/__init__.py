@@ -3,6 +3,7 @@ cached per CPU-flag set. Every kernel has a pure-PyTorch twin that serves when a
 possible or `SERVEWISE_KERNELS=torch` is set; `status()` says which path is active."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -86,15 +87,54 @@ def cpu_ext():
             from torch.utils.cpp_extension import load
 
             _clear_stale_lock()
-            if not _built_before():
-                print("servewise: building the CPU kernels (first use on this machine; "
-                      "about a minute)", file=sys.stderr, flush=True)
-            _state["ext"] = load(name=_module_name(), sources=sources,
-                                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                                 verbose=False)
+            with _build_progress():
+                _state["ext"] = load(name=_module_name(), sources=sources,
+                                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                     verbose=False)
         except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path serves
             _state["why"] = f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         return _state["ext"]
+
+
+BUILD_NOTE_EVERY_S = 30.0  # a build in progress says so this often
+UP_TO_DATE_S = 10.0  # a "build" shorter than this found the module up to date
+
+
+@contextlib.contextmanager
+def _build_progress():
+    """A build says so on stderr (a server's log) instead of being silent for minutes: before it starts where
+    one is due (no module built yet, or sources other than the last build's: changed, or at another path),
+    every BUILD_NOTE_EVERY_S while it runs, and how long it took."""
+    where = _build_dir()
+    stamp = os.path.join(where, "servewise-sources") if where else None  # what the last build was made from
+    mine = f"{source_digest()} {os.path.dirname(os.path.abspath(__file__))}"
+    try:
+        with open(stamp) as f:
+            due = f.read() != mine or not _built_before()
+    except (OSError, TypeError):
+        due = True
+    say = lambda m: print(f"servewise: {m}", file=sys.stderr, flush=True)  # noqa: E731
+    t0, done = time.perf_counter(), threading.Event()
+    if due:
+        say("building the CPU kernels (first use on this machine, or their sources changed or moved; 2-4 minutes "
+            "on 2 cores, less on more)...")
+
+        def note():
+            while not done.wait(BUILD_NOTE_EVERY_S):
+                say(f"still building the CPU kernels ({time.perf_counter() - t0:.0f} s)...")
+        threading.Thread(target=note, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+    if due:
+        took = time.perf_counter() - t0
+        say(f"built the CPU kernels in {took:.0f} s" if took > UP_TO_DATE_S else "the CPU kernels were up to date")
+        try:
+            with open(stamp, "w") as f:
+                f.write(mine)
+        except (OSError, TypeError):
+            pass
 
 
 def _build_dir() -> str | None:
