@@ -51,14 +51,38 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
 
 
 def _add(sub, name: str, module: str) -> None:
+    from servewise.commands.options import finish
+
     mod = importlib.import_module("servewise.commands." + module)
-    p = sub.add_parser(name, help=mod.HELP)
+    p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
     mod.arguments(p)
+    finish(p)
     p.set_defaults(func=mod.run)
+
+
+def version() -> str:
+    """The package's version, and the commit it runs from where it runs from a git checkout."""
+    from servewise import __version__
+    from servewise.metrics.summary import code_state
+
+    commit, dirty = code_state()
+    where = f" (commit {commit[:12]}{', with changes' if dirty else ''})" if commit else ""
+    return f"servewise {__version__}{where}"
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version (and commit) and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version())
+        parser.exit()
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="servewise", description="An LLM-serving engine and scheduling laboratory.")
+    ap.add_argument("--version", action=_Version)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, entry in COMMANDS.items():
         if isinstance(entry, str):

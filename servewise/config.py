@@ -5,9 +5,16 @@ import math
 from dataclasses import dataclass, field, fields
 
 
-def option(default, help: str, choices: tuple | None = None):
-    """A config field that is also a command-line flag (servewise.cli builds the flags from these)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+PAPER = "paper policies"  # --help group of the knobs of the source papers' schedulers
+
+
+def option(default, help: str, choices: tuple | None = None, group: str | None = None, flag: str | None = None,
+           aliases: tuple[str, ...] = (), cuda: bool = False):
+    """A config field that is also a command-line flag (servewise.cli builds the flags from these): its --help
+    `group` (model, engine, scheduling, paper policies), `flag` where the name is not --FIELD-NAME (vLLM's),
+    the old names that still work (deprecated), and whether only CUDA runs it."""
+    return field(default=default, metadata={"help": help, "choices": choices, "group": group, "flag": flag,
+                                            "aliases": aliases, "cuda": cuda})
 
 
 # Requests a server queues at most before it answers 429. Large enough that a burst vLLM would queue and
@@ -88,57 +95,61 @@ class SchedulerConfig:
                                  "targets), or a policy of your own: PATH.py[:NAME] or an installed entry point of "
                                  "the group servewise.policies")
     token_age_s: float = option(2.0, "--policy prompt-first: a token-phase request this many seconds after its "
-                                     "arrival outranks new prompts (its priority grows with its age)")
+                                     "arrival outranks new prompts (its priority grows with its age)", group=PAPER)
     preemption_cap: int = option(2, "--policy prompt-first: a request preempted this many times is not preempted "
-                                    "for a prompt again")
+                                    "for a prompt again", group=PAPER)
     preemption: str = option("recompute", "what happens to a preempted request's KV (policies.PREEMPTION_POLICIES)")
     chunked_prefill: bool = option(False, "mix decodes and prompt chunks in one step under the token budget, "
-                                          "decodes first, instead of alternating prefill and decode steps")
+                                          "decodes first, instead of alternating prefill and decode steps",
+                                   flag="--enable-chunked-prefill", aliases=("--chunked-prefill",))  # vLLM's name
 
     v0_rules: bool = option(False, "vLLM 0.2.5's block checks (the version AdaptiveLLM was built on): every running "
                                    "request needs a free block to decode, a swap-in keeps a spare block and the "
-                                   "watermark, and a prompt batch counts padded tokens (at most 256 of padding)")
+                                   "watermark, and a prompt batch counts padded tokens (at most 256 of padding)",
+                            group=PAPER)
     admit_min_batch: int = option(1, "with group admission (--policy fair): a prefill group smaller than this waits "
                                      "(the running batch decodes meanwhile) until more blocks free up or "
-                                     "--admit-max-wait passes; 1: admit whatever fits at once (the paper's Algorithm 2)")
-    admit_max_wait: float = option(0.5, "seconds a prefill group smaller than --admit-min-batch may be held back")
+                                     "--admit-max-wait passes; 1: admit whatever fits at once (the paper's Algorithm 2)",
+                                  group=PAPER)
+    admit_max_wait: float = option(0.5, "seconds a prefill group smaller than --admit-min-batch may be held back",
+                                   group=PAPER)
     group_priority: str = option("groups", "with group admission (--policy fair), what the paper's Algorithm 2 compares: "
                                            "the mean priority of the group of waiting requests that fits against that "
                                            "of the swapped requests that fit (groups; its line 8), or of the whole "
                                            "waiting queue against the whole swapped queue (queues; its definition of "
-                                           "a queue's priority)", ("groups", "queues"))
+                                           "a queue's priority)", ("groups", "queues"), group=PAPER)
     reserve: str = option("none", "blocks a request must find free at admission besides its prompt's: none (vLLM), "
                                   "its max_tokens' (conservative continuous batching) or its predicted output's",
-                          ("none", "max", "predicted"))
+                          ("none", "max", "predicted"), group=PAPER)
     correct_lengths: bool = option(False, "UELLM's online correction: a request that reaches its predicted output "
                                           "length and goes on is predicted again, to the next power of two above "
                                           "what it has produced (the next of its buckets), so that what reserves and "
                                           "batches by predictions (--reserve predicted, spf, hrrn, --batching) "
-                                          "counts what it will still grow")
+                                          "counts what it will still grow", group=PAPER)
     batching: str = option("continuous", "continuous (iteration-level), or request-level batches that run until their "
                                          "last request ends, assembled by vanilla (FCFS, --batch-size), magnus (WMA "
                                          "under a KV memory cap), slo-odbs (UELLM) or s3 (similar predicted outputs "
                                          "together, as UELLM's thesis describes S3)",
-                           ("continuous", "vanilla", "magnus", "slo-odbs", "s3"))
+                           ("continuous", "vanilla", "magnus", "slo-odbs", "s3"), group=PAPER)
     static_batches: bool = option(False, "run request-level batches (--batching) as static batching does (Hugging Face "
                                          "generate, the regime of Magnus and UELLM): prompts padded to the batch's "
                                          "longest, the padding computed and its KV held, and a request that ends "
-                                         "computing on in its row until the batch's last request ends")
-    batch_size: int = option(8, "requests per batch of --batching vanilla")
+                                         "computing on in its row until the batch's last request ends", group=PAPER)
+    batch_size: int = option(8, "requests per batch of --batching vanilla", group=PAPER)
     batch_order: str = option("fcfs", "which queued batch runs next with --batching vanilla or magnus: the oldest "
                                       "(fcfs) or the highest response ratio (hrrn, with a KNN batch-time estimator)",
-                              ("fcfs", "hrrn"))
+                              ("fcfs", "hrrn"), group=PAPER)
     wma_threshold: float = option(1_000_000.0, "--batching magnus: a request joins a batch only if the batch's wasted "
-                                            "memory access (token reads) stays below this")
+                                            "memory access (token reads) stays below this", group=PAPER)
     slo_weights: str = option("0.5,0.5", "--batching slo-odbs: w1,w2, the weights of the SLO and output-length terms "
-                                         "(0,w2: SLO-DBS; w1,0: ODBS)")
+                                         "(0,w2: SLO-DBS; w1,0: ODBS)", group=PAPER)
     slo_threshold: float = option(2_000.0, "--batching slo-odbs: a request joins a batch while the weighted objective "
-                                           "stays at or below this")
+                                           "stays at or below this", group=PAPER)
     slo_odbs: str = option("printed", "--batching slo-odbs as UELLM's Algorithm 3-1 is printed (printed: output term "
                                       "(O(q) - O_CM), line 6; formula: (O(q) + O_CM), formula 3-4; each forms every "
                                       "batch of the queue in one pass and runs them in order) or servewise's earlier "
                                       "variant (capped: memory and batch-size caps, re-run whenever the engine is "
-                                      "free, its first batch runs)", ("printed", "formula", "capped"))
+                                      "free, its first batch runs)", ("printed", "formula", "capped"), group=PAPER)
 
     def __post_init__(self) -> None:
         if self.batching != "continuous" and self.policy == "priority":
@@ -180,16 +191,17 @@ class EngineConfig:
     dtype: str = option("auto", "auto: float32 on CPU, the checkpoint's dtype elsewhere (bfloat16 or float16 "
                         "for published checkpoints)",
                         ("auto", "float32", "bfloat16", "float16"))
-    device: str = option("auto", "auto: cuda when present, else cpu")
+    device: str = option("auto", "auto: cuda when present, else cpu", group="engine")
     seed: int = option(0, "seed of random (dummy) weights")
-    enforce_eager: bool = option(False, "CUDA: run every decode step eagerly (no CUDA graphs)")
+    enforce_eager: bool = option(False, "CUDA: run every decode step eagerly (no CUDA graphs)", group="engine",
+                                 cuda=True)
     max_model_len: int | None = option(None, "cap on prompt + output tokens (default: the model's)")
     predictors: str | None = option(None, "fitted cost predictors for --preemption adaptive (default: this "
-                                          "machine's cached profile of the model, made on first use)")
+                                          "machine's cached profile of the model, made on first use)", group=PAPER)
     length_predictor: str | None = option(None, "a saved output-length predictor (servewise predict-lengths --save): "
                                                 "each request's output length is guessed in a worker thread, for "
                                                 "--policy spf or hrrn and --reserve predicted, and learnt from when "
-                                                "it finishes (real engine only)")
+                                                "it finishes (real engine only)", group=PAPER)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

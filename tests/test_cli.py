@@ -2,11 +2,11 @@
 import pytest
 
 from servewise.cli import main
-from servewise.commands.options import config_fields as _config_fields
+from servewise.commands.options import config_fields as _config_fields, flag_name
 
 
 def test_generate_runs_with_flags_built_from_the_configs(monkeypatch, capsys):
-    """The flags reach the engine and do what they say: --chunked-prefill with --max-num-batched-tokens 8
+    """The flags reach the engine and do what they say: --enable-chunked-prefill with --max-num-batched-tokens 8
     computes a 19-token prompt in chunks of at most 8 tokens a step; 8 device blocks of 16 tokens cannot hold
     three prompts of 19-25 tokens growing by 24 tokens each (10 blocks), so one is preempted, and --preemption
     swap swaps its blocks out to the host pool of 8 and back. The tokens are those of a run with room for all."""
@@ -20,7 +20,7 @@ def test_generate_runs_with_flags_built_from_the_configs(monkeypatch, capsys):
                         or runs[-1][1])
     prompts = ["--prompt", "Paged attention is", "--prompt", "The capital of France is",
                "--prompt", "Continuous batching"]
-    main(["generate", *prompts, "--max-tokens", "24", "--num-device-blocks", "8", "--chunked-prefill",
+    main(["generate", *prompts, "--max-tokens", "24", "--num-device-blocks", "8", "--enable-chunked-prefill",
           "--max-num-batched-tokens", "8", "--preemption", "swap", "--num-host-blocks", "8"])
     tight = capsys.readouterr().out
     (llm, outs), = runs
@@ -57,7 +57,7 @@ def test_every_engine_option_is_a_flag_with_its_choices(capsys):
         main(["serve", "--help"])
     text = capsys.readouterr().out
     for f in _config_fields():
-        assert "--" + f.name.replace("_", "-") in text
+        assert flag_name(f) in text
     assert "{recompute,swap,swap-stall,swap-abort,swap-drop,adaptive}" in text
     # --policy also takes a file or an entry point, so its help lists the registered names instead of choices
     assert "--policy POLICY, --scheduling-policy POLICY" in text  # vLLM's name works too

@@ -56,7 +56,8 @@ def write(tmp_path, name, text):
     (lambda d: ["--max-prompt-len", "0"], "max_prompt_len must be >= 1, got 0"),
     (lambda d: ["--max-output-len", "-1"], "max_output_len must be >= 1, got -1"),
     (lambda d: ["--num-requests", "0"], "num_requests must be >= 1, got 0"),
-    (lambda d: ["--rate", "5"], "rate 5 applies to poisson or gamma arrivals only"),
+    (lambda d: ["--request-rate", "5", "--arrival", "all"], "--request-rate 5 sets Poisson or gamma arrivals; "
+                                                            "--arrival all has none"),
     (lambda d: ["--num-device-blocks", "0"], "num_device_blocks must be >= 1, got 0"),
     (lambda d: ["--num-device-blocks", "-3"], "num_device_blocks must be >= 1, got -3"),
     (lambda d: ["--model", "llama-65b"], "not a configuration for simulation (opt-13b"),
@@ -150,10 +151,11 @@ def test_fuzzed_jsonl_files_load_or_fail_clearly(tmp_path, lines):
     _loads_or_says_why(lambda p: load_trace(p, hash_column=None), path)
 
 
-flags = st.lists(st.tuples(st.sampled_from(["--num-requests", "--input-len", "--output-len", "--max-output-len",
-                                            "--max-prompt-len", "--block-size", "--num-device-blocks",
-                                            "--max-num-seqs", "--max-num-batched-tokens", "--rate", "--arrival",
-                                            "--watermark", "--preemption"]),
+flags = st.lists(st.tuples(st.sampled_from(["--num-prompts", "--num-requests", "--input-len", "--output-len",
+                                            "--max-output-len", "--max-prompt-len", "--block-size",
+                                            "--num-device-blocks", "--max-num-seqs", "--max-num-batched-tokens",
+                                            "--request-rate", "--rate", "--burstiness", "--arrival", "--watermark",
+                                            "--preemption"]),
                            st.sampled_from(["0", "1", "3", "-2", "64", "0.5", "x", "poisson", "swap", "all"])),
                  max_size=4)
 
@@ -161,7 +163,7 @@ flags = st.lists(st.tuples(st.sampled_from(["--num-requests", "--input-len", "--
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pairs=flags)
 def test_fuzzed_command_lines_run_or_fail_clearly(tmp_path, capsys, pairs):
-    argv = simulate("--num-requests", "4", "--input-len", "16", "--output-len", "4",
+    argv = simulate("--num-prompts", "4", "--input-len", "16", "--output-len", "4",
                     *[x for pair in pairs for x in pair])
     code, out = run(argv, tmp_path)
     err = capsys.readouterr().err
@@ -169,7 +171,7 @@ def test_fuzzed_command_lines_run_or_fail_clearly(tmp_path, capsys, pairs):
     if code == 2:
         assert "error: " in err and not out.exists()
     else:  # every request of the workload is accounted for
-        n = int(([v for f, v in pairs if f == "--num-requests"] or ["4"])[-1])
+        n = int(([v for f, v in pairs if f in ("--num-prompts", "--num-requests")] or ["4"])[-1])
         m = json.loads(out.read_text())
         assert code == 0 and m["completed"] + m["failed"] + m["rejected"] == n
 
@@ -189,7 +191,9 @@ def test_fuzzed_command_lines_run_or_fail_clearly(tmp_path, capsys, pairs):
     (["experiment", "adaptivellm-gap", "--loads", "0.5,-1"], "must be > 0, got -1"),
     (["experiment", "adaptivellm-gap", "--swap-model", "nvme"], "invalid choice: 'nvme'"),
     (["experiment", "adaptivellm-gap", "--sim-models", ""], "needs at least one simulated model"),
-    (["bench", "fidelity", "--repeat", "0"], "must be >= 1, got 0"),
+    (["bench", "fidelity", "--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+    (["bench", "fidelity", "--repeat", "0"], "argument --repeat: must be >= 1, got 0"),  # (the old name)
+    (["bench", "fidelity", "--request-rate", "3", "-1"], "must be > 0, got -1"),
     (["bench", "fidelity", "--rate", "3", "-1"], "must be > 0, got -1"),
     (["bench", "fidelity", "--interval", "nan"], "must be >= 0, got nan"),
 ])
@@ -243,7 +247,7 @@ def test_fuzzed_serve_flags_start_or_fail_clearly(monkeypatch, capsys, pairs):
 
 
 bench_serve_flags = st.lists(st.tuples(
-    st.sampled_from(["--num-requests", "--input-len", "--output-len", "--request-rate", "--burstiness",
+    st.sampled_from(["--num-prompts", "--num-requests", "--input-len", "--output-len", "--request-rate", "--burstiness",
                      "--max-concurrency", "--arrival", "--workload", "--seed", "--max-output-len", "--tokenizer"]),
     st.sampled_from(["0", "1", "-3", "64", "0.5", "nan", "inf", "-inf", "x", "poisson", "all", "chatbot", ""])),
     max_size=4)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from servewise.commands.options import threads_arg
+from servewise.commands.options import alias, threads_arg
 
 HELP = "calibrate the per-operation GPU model on measured steps; leave-one-out errors beside the roofline's"
 
@@ -12,8 +12,8 @@ def arguments(p) -> None:
     p.add_argument("--table", default=None, help="Splitwise's measured table (perf_model.csv.gz)")
     p.add_argument("--check", nargs="+", default=None, metavar="BENCH_JSON",
                    help="instead of fitting: price the steps `servewise bench gpu` measured (its roofline section's "
-                        "decode steps and prefills) with --calibration's constants and with the roofline")
-    p.add_argument("--calibration", default=None,
+                        "decode steps and prefills) with --perf-table's constants and with the roofline")
+    p.add_argument("--perf-table", dest="calibration", default=None,
                    help="with --check: the calibration to check (default: the one servewise ships)")
     p.add_argument("--gpus", type=lambda t: t.split(","), default=None,
                    help="the table's GPUs to calibrate, comma-separated (default: all of them)")
@@ -25,6 +25,7 @@ def arguments(p) -> None:
                         "results/calibration.json); with --check, the steps' errors (default "
                         "results/calibration_check.json)")
     threads_arg(p)
+    alias(p, "--calibration", "--perf-table")
 
 
 def provenance(table: str) -> dict:

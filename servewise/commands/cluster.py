@@ -1,8 +1,8 @@
 """`servewise cluster`: simulate a cluster of instances (Splitwise's prompt/token split, or not)."""
 from __future__ import annotations
 
-from servewise.commands.options import (bar, changes, engine_args, engine_kwargs, machines, perf_model_arg,
-                                        say_changes, workload, workload_args)
+from servewise.commands.options import (alias, aliases, bar, changes, engine_args, engine_kwargs, machines,
+                                        perf_model_arg, say_changes, workload, workload_args)
 
 HELP = "simulate a cluster of instances (Splitwise's prompt/token split, or not)"
 
@@ -11,15 +11,24 @@ def arguments(p) -> None:
     from servewise.cluster.links import MODES
     from servewise.cluster.routers import ROUTERS, TOKEN_RULES
 
-    # Splitwise's machine-level batching: prompt batches of up to 2048 tokens, up to 512 requests
-    engine_args(p, skip=("load_format", "dtype", "device", "seed", "predictors", "length_predictor"),
-                defaults={"model": "bloom-176b", "max_num_batched_tokens": 2048, "max_num_seqs": 512})
-    p.add_argument("--prompt", type=machines, default=None, help="prompt machines, e.g. dgx-a100:27")
-    p.add_argument("--token", type=machines, default=None, help="token machines, e.g. dgx-a100:13")
-    p.add_argument("--mixed", type=machines, default=None,
+    parser = p
+    engine_args(p, simulated=True, defaults={"model": "bloom-176b", "max_num_batched_tokens": 2048,
+                                             "max_num_seqs": 512},
+                why={"model": "cluster's default is bloom-176b, Splitwise's model",
+                     "max_num_batched_tokens": "cluster's default is 2048, Splitwise's machine-level batching",
+                     "max_num_seqs": "cluster's default is 512, Splitwise's machine-level batching"})
+    c = parser.add_argument_group("cluster options")
+    c.add_argument("--prompt-machines", dest="prompt", type=machines, default=None,
+                   help="prompt machines, e.g. dgx-a100:27")
+    c.add_argument("--token-machines", dest="token", type=machines, default=None,
+                   help="token machines, e.g. dgx-a100:13")
+    c.add_argument("--mixed-machines", dest="mixed", type=machines, default=None,
                    help="machines running whole requests, e.g. dgx-h100:40 (a baseline without a split)")
+    aliases(parser, {"--prompt": "--prompt-machines", "--token": "--token-machines", "--mixed": "--mixed-machines"})
+    p = c
     p.add_argument("--router", default="jsq_tokens", choices=list(ROUTERS),
-                   help="for designs without a split (split designs use Splitwise's pools)")
+                   help="for designs without a split (split designs use Splitwise's pools); jsq-tokens: the fewest "
+                        "tokens pending, Splitwise's baseline (serve's default is jsq)")
     p.add_argument("--token-rule", default="pending_tokens", choices=list(TOKEN_RULES),
                    help="split designs: a request's token machine is the one with the fewest pending tokens "
                         "(Splitwise's JSQ: a token per request it decodes, plus prompt tokens queued there) or "
@@ -31,14 +40,15 @@ def arguments(p) -> None:
     perf_model_arg(p)
     p.add_argument("--token-axis", default="batch", choices=["batch", "tokens"],
                    help="measured token times by batch size, or as SplitwiseSim looks them up")
-    p.add_argument("--transfer", default="layerwise", choices=list(MODES),
+    p.add_argument("--kv-handoff", dest="transfer", default="layerwise", choices=list(MODES),
                    help="KV hand-off: after the prompt (serialized), layer by layer during it, or auto: serialized "
                         "where that shows less after the prompt than --layerwise-fixed-ms (Splitwise's choice by size)")
+    alias(parser, "--transfer", "--kv-handoff")
     p.add_argument("--layerwise-fixed-ms", type=float, default=0.0,
                    help="what every layer-wise transfer shows after its prompt, its per-layer synchronisation "
                         "(Splitwise measured about 8 ms on DGX-A100s, 5 ms on DGX-H100s; default 0)")
-    workload_args(p)
-    p.add_argument("--out", default="results/cluster.json")
+    workload_args(parser)
+    parser.add_argument_group("output options").add_argument("--out", default="results/cluster.json")
 
 
 def run(a) -> None:

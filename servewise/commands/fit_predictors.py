@@ -1,7 +1,7 @@
 """`servewise fit-predictors`: fit step-time and swap-cost predictors on a saved profile."""
 from __future__ import annotations
 
-from servewise.commands.options import fit_args
+from servewise.commands.options import fit_args, threads_arg
 
 HELP = "fit step-time and swap-cost predictors on a saved profile"
 
@@ -9,7 +9,7 @@ HELP = "fit step-time and swap-cost predictors on a saved profile"
 def arguments(p) -> None:
     p.add_argument("profile", help="a profile JSON written by `servewise profile`")
     p.add_argument("--predictors", default="results/predictors.pkl", help="where to save the fitted predictors")
-    p.add_argument("--threads", type=int, default=0)
+    threads_arg(p)
     fit_args(p)
 
 

@@ -1,7 +1,7 @@
 """`servewise fit-ranker`: train the learned ranker of output lengths and score it by Kendall's tau."""
 from __future__ import annotations
 
-from servewise.commands.options import at_least, length_data_args
+from servewise.commands.options import alias, at_least, length_data_args, threads_arg
 
 HELP = ("train a learned ranker of output lengths (for --policy ltr) on ShareGPT pairs; Kendall's tau on held-out "
         "pairs beside the length regressors")
@@ -9,10 +9,11 @@ HELP = ("train a learned ranker of output lengths (for --policy ltr) on ShareGPT
 
 def arguments(p) -> None:
     length_data_args(p)
-    p.add_argument("--num", type=at_least(20), default=12000, help="pairs in all; one in five is held out")
+    p.add_argument("--num-prompts", dest="num", type=at_least(20), default=12000, help="pairs in all; one in five is held out")
     p.add_argument("--steps", type=at_least(1), default=1500, help="training steps (16 lists of 64 pairs each)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    threads_arg(p)
     p.add_argument("--out", default="results/ranker.json")
+    alias(p, "--num", "--num-prompts")
     p.add_argument("--save", default=None, metavar="PATH",
                    help="also write the fitted ranker, for arena --ranker and serve --length-predictor")
 

@@ -8,12 +8,14 @@ HELP = "generate text for a few prompts"
 
 def arguments(p) -> None:
     engine_args(p, skip=("seed",))
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable); built-in examples if none")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g = p.add_argument_group("sampling options")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable); built-in examples if none")
+    g.add_argument("--max-tokens", type=int, default=32, help="output tokens per prompt at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens this "
+                                                            "probable")
+    g.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens (-1: all)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one each run)")
 
 
 def run(a) -> None:

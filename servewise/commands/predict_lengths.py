@@ -1,7 +1,7 @@
 """`servewise predict-lengths`: train and score output-length predictors on ShareGPT pairs."""
 from __future__ import annotations
 
-from servewise.commands.options import at_least, length_data_args
+from servewise.commands.options import alias, at_least, length_data_args, threads_arg
 
 HELP = ("train and score output-length predictors (Magnus, buckets, linear, mean) on ShareGPT pairs; continual "
         "learning on a stream")
@@ -9,10 +9,11 @@ HELP = ("train and score output-length predictors (Magnus, buckets, linear, mean
 
 def arguments(p) -> None:
     length_data_args(p)
-    p.add_argument("--num", type=at_least(20), default=3000, help="pairs in all (train + held out)")
+    p.add_argument("--num-prompts", dest="num", type=at_least(20), default=3000, help="pairs in all (train + held out)")
     p.add_argument("--test-share", type=float, default=0.3, help="share of the pairs held out")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    threads_arg(p)
     p.add_argument("--out", default="results/length_predictors.json")
+    alias(p, "--num", "--num-prompts")
     p.add_argument("--save", default=None, metavar="PATH",
                    help="also write a predictor fitted on the training pairs, for serve --length-predictor")
     from servewise.predictors.output_length import PREDICTORS

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from servewise.commands import fit_predictors
-from servewise.commands.options import at_least, fit_args, sizes
+from servewise.commands.options import alias, at_least, fit_args, sizes, threads_arg
 
 HELP = "measure the real runner's step and copy times; fit the predictors"
 
@@ -13,20 +13,22 @@ def arguments(p) -> None:
     p.add_argument("--model", default="tiny-llama", help="architecture to profile: built-in name or HF directory")
     p.add_argument("--sizes", type=sizes, default="2x128,4x256,6x384,8x512",
                    help="model sizes as layers x hidden size, comma-separated")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=at_least(1), default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="the weights' and activations' type")
+    p.add_argument("--device", default="auto", help="auto: cuda when present, else cpu")
+    p.add_argument("--block-size", type=at_least(1), default=16, help="tokens per KV block")
     p.add_argument("--prefill-points", type=int, default=64, help="prefill (batch, tokens) samples per size")
     p.add_argument("--decode-points", type=int, default=96, help="decode (batch, context) samples per size")
-    p.add_argument("--max-batch", type=at_least(1), default=128)
-    p.add_argument("--reps", type=at_least(1), default=7, help="rounds per sample; the median is kept")
+    p.add_argument("--max-batch", type=at_least(1), default=128, help="requests per sampled batch at most")
+    p.add_argument("--repeat", dest="reps", type=at_least(1), default=7, help="runs per sample; the median is kept")
     p.add_argument("--no-interleave", dest="interleave", action="store_false",
                    help="time one size at a time (less memory) instead of alternating the sizes' rounds")
-    p.add_argument("--out", default="results/profile.json")
+    p.add_argument("--out", default="results/profile.json", help="where the profile goes (JSON)")
     p.add_argument("--predictors", default="results/predictors.pkl",
                    help="fit and save the predictors here after profiling ('' to skip)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    threads_arg(p)
     fit_args(p)
+    alias(p, "--reps", "--repeat")
 
 
 def run(a) -> None:

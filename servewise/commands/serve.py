@@ -20,33 +20,37 @@ def arguments(p) -> None:
     # A server's running batch is capped at 128 requests, as vLLM's CPU server caps it (offline: 256). Under
     # overload (1,000 requests of 256 -> 128 at 64 req/s, tiny-llama, 2 threads) 256 rows gave 1.31x vLLM's
     # throughput but 1.47x its mean TPOT; 128 gave 1.12x and 0.84x, with a p99 TTFT 0.86x vLLM's.
-    engine_args(p, defaults={"max_num_seqs": SERVER_MAX_NUM_SEQS})
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=at_least(0, 65535), default=8000)
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    p.add_argument("--api-key", default=None,
+    engine_args(p, defaults={"max_num_seqs": SERVER_MAX_NUM_SEQS},
+                why={"max_num_seqs": "a server's default is 128, as vLLM's CPU server caps it (its offline default "
+                                     "is 256)"})
+    s = p.add_argument_group("server options")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=at_least(0, 65535), default=8000, help="port to listen on")
+    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health and /metrics")
-    p.add_argument("--max-request-bytes", type=at_least(1), default=MAX_BODY_BYTES,
-                   help="larger request bodies get 413 (default 8 MiB)")
-    p.add_argument("--body-timeout", type=float_at_least(0, strict=True), default=BODY_TIMEOUT_S,
+    s.add_argument("--max-request-bytes", type=at_least(1), default=MAX_BODY_BYTES,
+                   help="larger request bodies get 413")
+    s.add_argument("--body-timeout", type=float_at_least(0, strict=True), default=BODY_TIMEOUT_S,
                    help="seconds a client has to send its whole request body, else 408 (slow clients hold no "
                         "engine resources meanwhile)")
-    p.add_argument("--restart-wait", type=float_at_least(0), default=RESTART_WAIT_S,
+    s.add_argument("--restart-wait", type=float_at_least(0), default=RESTART_WAIT_S,
                    help="seconds a new request waits for an engine that is restarting (every instance of a cluster "
                         "down) before it gets 503 (0: at once)")
-    p.add_argument("--max-waiting", type=at_least(1), default=DEFAULT_MAX_WAITING,
+    s.add_argument("--max-waiting", type=at_least(1), default=DEFAULT_MAX_WAITING,
                    help="queued requests at most; beyond it requests get 429 with Retry-After")
-    p.add_argument("--chat-template", default=None,
+    s.add_argument("--chat-template", default=None,
                    help="a Jinja file (or the template itself) for chat prompts (default: the model's, else a plain "
                         "<|role|> one)")
-    p.add_argument("--allowed-origins", type=_origins, default=None,
+    s.add_argument("--allowed-origins", type=_origins, default=None,
                    help="origins browsers may call the API from (CORS), as a JSON list or comma-separated, '*' for "
                         "any (default: no CORS headers)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--engine-in-thread", action="store_true",
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the HTTP server's log level")
+    s.add_argument("--engine-in-thread", action="store_true",
                    help="run the engine in a thread of the server process (default: its own process, so that "
                         "the HTTP event loop and the engine do not share one interpreter)")
-    p.add_argument("--max-restarts", type=at_least(0), default=3,
+    s.add_argument("--max-restarts", type=at_least(0), default=3,
                    help="times a dead engine process is started again before the server answers 503 for good")
     cl = p.add_argument_group("cluster (several engine instances behind one server)")
     cl.add_argument("--instances", default=None,
@@ -58,7 +62,9 @@ def arguments(p) -> None:
                          "RAY_ADDRESS set, on the nodes of that Ray cluster, one instance per node)")
     cl.add_argument("--router", default="jsq", choices=["round_robin", "jsq", "jsq_tokens", "load_aware",
                                                         "load_aware_measured"],
-                    help="how mixed instances share requests (load_aware: BanaServe's Algorithm 4-2)")
+                    help="how mixed instances share requests: jsq, the fewest requests in flight (these instances "
+                         "are this machine's processes; `cluster` simulates Splitwise's jsq-tokens), load-aware: "
+                         "BanaServe's Algorithm 4-2")
     cl.add_argument("--kv-handoff", default="layerwise", choices=["layerwise", "serialized"],
                     help="send each layer's KV as soon as the prompt's forward pass has written it, or all layers "
                          "after the step")

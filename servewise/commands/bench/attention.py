@@ -54,13 +54,13 @@ def arguments(p) -> None:
                         "(their head shapes)")
     p.add_argument("--dtypes", type=_dtypes, default=("float32", "bfloat16"))
     p.add_argument("--batch", type=at_least(1), default=256, help="requests in the decode step")
-    p.add_argument("--context", type=_span, default=(257, 320), help="context tokens per request, LOW-HIGH")
+    p.add_argument("--context", type=_span, default=(257, 320), help="context tokens per request, LOW-HIGH (default 257-320)")
     p.add_argument("--block-size", type=counts("block sizes"), default=(16,),
                    help="tokens per KV block; several, comma-separated (16,64,128): each measured in the same rounds")
     p.add_argument("--layout", choices=("random", "engine"), default="random",
                    help="where each request's blocks lie: random (scattered over the pool, the worst case) or "
                         "engine (as the engine's block manager hands them out on an offline run)")
-    p.add_argument("--rounds", type=at_least(1), default=5)
+    p.add_argument("--rounds", type=at_least(1), default=5, help="rounds of everything (the summary is their median)")
     p.add_argument("--repeat", type=at_least(1), default=10, help="calls per figure (the best is kept)")
     p.add_argument("--stream-mib", type=at_least(64), default=1024, help="size of the stream measure's buffer")
     p.add_argument("--torch-path", action=argparse.BooleanOptionalAction, default=True,
@@ -71,7 +71,8 @@ def arguments(p) -> None:
                         "the cache from the call before)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts", type=_prompts, default=(32, 128),
-                   help="also time prefill attention on PROMPTSxTOKENS (the prompt kernel against SDPA); none: not")
+                   help="also time prefill attention on PROMPTSxTOKENS (the prompt kernel against SDPA); none: not "
+                        "(default 32x128)")
     threads_arg(p)
     p.add_argument("--out", default="results/bench_attention.json")
 

@@ -1,22 +1,26 @@
 """`servewise bench drift`."""
 from __future__ import annotations
 
-from servewise.commands.options import at_least, float_at_least
+from servewise.commands.options import alias, at_least, float_at_least, settings_args, threads_arg
 
 HELP = "how this machine's speed moves over time: fixed batches timed round after round"
 
 
 def arguments(p) -> None:
-    p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--seconds", type=float_at_least(0, strict=True), default=60.0, help="how long to keep timing")
-    p.add_argument("--window", type=float_at_least(0, strict=True), default=5.0,
-                   help="seconds per window in the report and the figure")
-    p.add_argument("--reps", type=at_least(1), default=3, help="runs per batch and round; the median is kept")
-    p.add_argument("--num-device-blocks", type=at_least(1), default=1024,
-                   help="must hold the largest batch: 64 requests of 64-192 tokens, about 550 blocks of 16")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the figure")
-    p.add_argument("--out", default="results/bench_drift.json", help="JSON; the figure goes beside it (.png)")
+    from servewise.bench.drift import Settings
+
+    settings_args(p, Settings, {  # (the defaults are the Settings')
+        "model": ("a built-in name or a Hugging Face checkpoint directory", None),
+        "seconds": ("how long to keep timing", float_at_least(0, strict=True)),
+        "window": ("seconds per window in the report and the figure", float_at_least(0, strict=True)),
+        "reps": {"flag": "--repeat", "type": at_least(1), "help": "runs per batch and round; the median is kept"},
+        "num_device_blocks": ("must hold the largest batch: 64 requests of 64-192 tokens, about 550 blocks of 16",
+                              at_least(1)),
+        "plot": {"help": "draw the figure beside the JSON (.png)"},
+        "out": ("where the results go (JSON)", None),
+    })
+    threads_arg(p)
+    alias(p, "--reps", "--repeat")
 
 
 def run(a) -> None:

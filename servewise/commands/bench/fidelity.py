@@ -1,30 +1,34 @@
 """`servewise bench fidelity`."""
 from __future__ import annotations
 
-from servewise.commands.options import at_least, float_at_least, perf_model_arg
+import argparse
+
+from servewise.commands.options import aliases, at_least, float_at_least, perf_model_arg
 
 HELP = "the same workload on the real engine and in the simulator"
 
 
 def arguments(p) -> None:
+    from servewise.workloads.build import SOURCES
+
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--predictors", default="results/predictors.pkl", help="predictors profiled on this machine")
-    p.add_argument("--workload", default="sharegpt", help="a workload source (see `simulate --help`)")
+    p.add_argument("--workload", default="sharegpt", choices=SOURCES, help="a workload source (see `simulate --help`)")
     p.add_argument("--data", default=None, help="the workload's file, e.g. the ShareGPT pairs JSONL")
-    p.add_argument("--num-requests", type=int, default=300)
-    p.add_argument("--max-prompt-len", type=int, default=256)
-    p.add_argument("--max-output-len", type=int, default=128)
-    p.add_argument("--rate", type=float_at_least(0, strict=True), nargs="+", default=[8.0],
-                   help="poisson arrival rates, requests/s: one below the engine's capacity shows the step-time "
+    p.add_argument("--num-prompts", dest="num_requests", type=at_least(1), default=300, help="requests in all")
+    p.add_argument("--max-prompt-len", type=at_least(1), default=256, help="truncate longer prompts")
+    p.add_argument("--max-output-len", type=at_least(1), default=128, help="cap every request's output length")
+    p.add_argument("--request-rate", dest="rate", type=float_at_least(0, strict=True), nargs="+", default=[8.0],
+                   help="requests/s (Poisson), one run each: one below the engine's capacity shows the step-time "
                         "error alone, one above it how queueing amplifies it")
-    p.add_argument("--num-device-blocks", type=int, default=96, help="small enough to force preemptions")
-    p.add_argument("--num-host-blocks", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--preemption", nargs="+", default=["recompute", "swap"])
+    p.add_argument("--num-device-blocks", type=at_least(1), default=96, help="small enough to force preemptions")
+    p.add_argument("--num-host-blocks", type=at_least(0), default=256, help="KV blocks in the host (swap) pool")
+    p.add_argument("--max-num-seqs", type=at_least(1), default=256, help="requests in the running batch at most")
+    p.add_argument("--preemption", nargs="+", default=["recompute", "swap"], help="preemption modes, a run each")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeat", type=at_least(1), default=1, help="runs of everything, spread over time")
-    p.add_argument("--interval", type=float_at_least(0), default=0.0, help="seconds to wait between repeats")
-    p.add_argument("--threads", type=int, default=0, help="ignored: the profile's thread count is used")
+    p.add_argument("--rounds", dest="repeat", type=at_least(1), default=1, help="runs of everything, spread over time")
+    p.add_argument("--interval", type=float_at_least(0), default=0.0, help="seconds to wait between rounds")
+    p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)  # (the profile's thread count is used)
     p.add_argument("--replay", type=at_least(0), default=0,
                    help="after each run, time this many of its decode batches again: as they ran, and as the "
                         "profile would have timed them (where the step-time error comes from)")
@@ -46,6 +50,7 @@ def arguments(p) -> None:
                         "step file (.json of `bench operations`) for 'profile'")
     perf_model_arg(p)
     p.add_argument("--out", default="results/bench_fidelity.json")
+    aliases(p, {"--num-requests": "--num-prompts", "--rate": "--request-rate", "--repeat": "--rounds"})
 
 
 def run(a) -> None:

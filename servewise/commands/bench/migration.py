@@ -1,22 +1,26 @@
 """`servewise bench migration`."""
 from __future__ import annotations
 
-from servewise.commands.options import at_least
+from servewise.commands.options import at_least, settings_args
 
 HELP = ("move layers or KV heads of a real engine to another process "
         "mid-generation: its cost, steps before and after, outputs checked")
 
 
 def arguments(p) -> None:
-    p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--batch", type=at_least(1), default=8, help="requests decoding together")
-    p.add_argument("--prompt-len", type=at_least(1), default=64)
-    p.add_argument("--steps", type=at_least(1), default=32, help="decode steps timed before and after the move")
-    p.add_argument("--kind", default="layers", choices=["layers", "heads"], help="what moves")
-    p.add_argument("--first", type=at_least(1), default=0, help="layers: the first layer moved (default: half)")
-    p.add_argument("--heads", type=at_least(1), default=0, help="heads: KV heads moved (default: half)")
-    p.add_argument("--threads", type=at_least(1), default=1, help="torch threads in each of the two processes")
-    p.add_argument("--out", default="results/bench_migration.json")
+    from servewise.bench.migration import Settings
+
+    settings_args(p, Settings, {  # (the defaults are the Settings')
+        "model": ("a built-in name or a Hugging Face checkpoint directory", None),
+        "batch": ("requests decoding together", at_least(1)),
+        "prompt_len": ("tokens per prompt", at_least(1)),
+        "steps": ("decode steps timed before and after the move", at_least(1)),
+        "kind": {"choices": ["layers", "heads"], "help": "what moves"},
+        "first": ("layers: the first layer moved (0: half)", at_least(0)),
+        "heads": ("heads: KV heads moved (0: half)", at_least(0)),
+        "threads": ("torch threads in each of the two processes", at_least(1)),
+        "out": ("where the results go (JSON)", None),
+    })
 
 
 def run(a) -> None:

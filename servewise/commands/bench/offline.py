@@ -1,41 +1,40 @@
 """`servewise bench offline`."""
 from __future__ import annotations
 
-import argparse
-
-from servewise.commands.options import at_least
+from servewise.commands.options import aliases, at_least, settings_args
 
 HELP = "offline throughput of servewise and vLLM side by side (same prompts, model, dtype and threads)"
 
 
 def arguments(p) -> None:
-    from servewise.bench.offline import WORKLOADS
+    from servewise.bench.offline import WORKLOADS, Settings
 
-    p.add_argument("--model", default="tiny-llama", help="a model directory both engines load (or a built-in "
-                   "name, servewise alone)")
-    p.add_argument("--vllm-python", default=None, help="the Python of an environment with vLLM (its CPU build); "
-                   "without it, servewise alone")
-    p.add_argument("--workload", default="random", choices=WORKLOADS)
-    p.add_argument("--num-prompts", type=at_least(1), default=200)
-    p.add_argument("--input-len", type=at_least(1), default=128, help="random ids per prompt (after the prefix)")
-    p.add_argument("--output-len", type=at_least(1), default=64)
-    p.add_argument("--prefixes", type=at_least(1), default=4, help="shared-prefix: distinct prefixes")
-    p.add_argument("--prefix-len", type=at_least(1), default=512, help="shared-prefix: tokens of each prefix")
-    p.add_argument("--turns", type=at_least(1), default=4, help="multi-turn: turns per conversation (--input-len: "
-                   "a message's mean length, --output-len a reply's in the history)")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="both engines with prefix caching (reset before every timed run)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights from config.json alone, in each engine (speed only: outputs differ)")
-    p.add_argument("--threads", type=at_least(1), default=2, help="compute threads of each engine")
-    p.add_argument("--rounds", type=at_least(1), default=3, help="rounds, the engines alternated")
-    p.add_argument("--runs", type=at_least(1), default=3, help="timed runs per engine and round (the best is kept)")
-    p.add_argument("--max-model-len", type=at_least(1), default=2048)
-    p.add_argument("--block-size", type=at_least(1), default=None, help="tokens per KV block in both engines "
-                   "(default: each engine's own: 16 in servewise, 128 in vLLM's CPU build)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="results/bench_offline.json")
+    settings_args(p, Settings, {  # (the defaults are the Settings')
+        "model": ("a model directory both engines load (or a built-in name, servewise alone)", None),
+        "vllm_python": ("the Python of an environment with vLLM (its CPU build); without it, servewise alone", None),
+        "workload": {"choices": WORKLOADS, "help": "the prompts"},
+        "num_prompts": ("requests in all", at_least(1)),
+        "input_len": ("random ids per prompt (after the prefix)", at_least(1)),
+        "output_len": ("output tokens per request", at_least(1)),
+        "prefixes": ("shared-prefix: distinct prefixes", at_least(1)),
+        "prefix_len": ("shared-prefix: tokens of each prefix", at_least(1)),
+        "turns": ("multi-turn: turns per conversation (--input-len: a message's mean length, --output-len a "
+                  "reply's in the history)", at_least(1)),
+        "prefix_caching": {"flag": "--enable-prefix-caching",
+                           "help": "both engines with prefix caching (reset before every timed run)"},
+        "dtype": {"choices": ["float32", "bfloat16"], "help": "both engines' weights and activations"},
+        "load_format": {"choices": ["auto", "dummy"], "help": "dummy: random weights from config.json alone, in each "
+                        "engine (speed only: outputs differ)"},
+        "threads": ("compute threads of each engine", at_least(1)),
+        "rounds": ("rounds, the engines alternated", at_least(1)),
+        "runs": {"flag": "--repeat", "type": at_least(1), "help": "timed runs per engine and round (the best is kept)"},
+        "max_model_len": ("both engines' cap on prompt + output tokens", at_least(1)),
+        "block_size": ("tokens per KV block in both engines (default: each engine's own: 16 in servewise, 128 in "
+                       "vLLM's CPU build)", at_least(1)),
+        "seed": ("seed of the prompts", int),
+        "out": ("where the results go (JSON)", None),
+    })
+    aliases(p, {"--prefix-caching": "--enable-prefix-caching", "--runs": "--repeat"})
 
 
 def run(a) -> None:

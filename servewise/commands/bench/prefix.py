@@ -17,7 +17,9 @@ def arguments(p) -> None:
     p.add_argument("--instances", type=at_least(0), default=0,
                    help="N > 0: N real whole-request instances (processes with --threads torch threads each) behind "
                         "--router, caching off, on, and on with one global KV store, against the cluster simulator")
-    p.add_argument("--router", default="round_robin", choices=["round_robin", "jsq", "jsq_tokens"])
+    p.add_argument("--router", default="round_robin", choices=["round_robin", "jsq", "jsq_tokens"],
+                   help="how --instances share requests; round-robin spreads each shared prefix over every "
+                        "instance, which caching (and the store) must win back")
     p.add_argument("--save-text", default=None, metavar="PATH",
                    help="only write the workload's prompts as text (its texts, or its token ids decoded by a model's "
                         "word-level tokenizer) in a JSONL for vLLM's bench client (--dataset-name custom "

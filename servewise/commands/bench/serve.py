@@ -1,6 +1,8 @@
 """`servewise bench serve`."""
 from __future__ import annotations
 
+import math
+
 from servewise.commands.options import slo, slo_args, workload_args
 
 HELP = "load an OpenAI-compatible server (servewise, vLLM, SGLang) and measure it"
@@ -12,11 +14,7 @@ def arguments(p) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--tokenizer", default="tiny-llama",
                    help="model (built-in or directory) whose tokenizer turns texts into prompt token ids")
-    workload_args(p, rate_args=False)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0,
-                   help="CV of the gaps between arrivals: 1 is Poisson, larger is burstier "
-                        "(vLLM's --burstiness factor is 1/CV^2)")
+    workload_args(p)
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     slo_args(p)
     p.add_argument("--out", default="results/bench_serve.json")
@@ -27,4 +25,6 @@ def run(a) -> None:
     from servewise.bench.serve import Settings, main
     from servewise.commands.bench import settings
 
-    main(settings(Settings, a, slo=slo(a)))
+    # (Settings takes the gaps' CV; --burstiness is vLLM's gamma shape, CV = 1/sqrt(shape))
+    main(settings(Settings, a, slo=slo(a), burstiness=a.burstiness ** -0.5,
+                  request_rate=math.inf if a.request_rate is None else a.request_rate))

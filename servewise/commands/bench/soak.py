@@ -1,7 +1,7 @@
 """`servewise bench soak`."""
 from __future__ import annotations
 
-from servewise.commands.options import at_least, float_at_least
+from servewise.commands.options import alias, at_least, float_at_least
 
 HELP = "a server under steady load for a long time: memory, file descriptors, shared memory, KV blocks, latency drift"
 
@@ -21,7 +21,8 @@ def arguments(p) -> None:
                    help="the first (after the warm-up) and last windows whose latencies are compared")
     p.add_argument("--interval", dest="interval_s", type=positive, default=10.0, help="seconds between samples")
     p.add_argument("--load", type=positive, default=0.8, help="share of the measured capacity to offer")
-    p.add_argument("--rate", type=positive, default=None, help="requests/s instead of load x measured capacity")
+    p.add_argument("--request-rate", dest="rate", type=positive, default=None,
+                   help="requests/s (Poisson) instead of --load x the measured capacity")
     p.add_argument("--probe-requests", type=at_least(1), default=96, help="the burst that measures capacity")
     p.add_argument("--prefix-len", type=at_least(1), default=128)
     p.add_argument("--num-prefixes", type=at_least(1), default=8)
@@ -39,6 +40,7 @@ def arguments(p) -> None:
                         "two windows' latencies compare under one arrival pattern)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_soak.json")
+    alias(p, "--rate", "--request-rate")
 
 
 def run(a) -> None:

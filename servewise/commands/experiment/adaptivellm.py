@@ -1,7 +1,7 @@
 """`servewise experiment adaptivellm`."""
 from __future__ import annotations
 
-from servewise.commands.options import at_least, lengths
+from servewise.commands.options import aliases, at_least, lengths, threads_arg
 
 HELP = ("AdaptiveLLM: cost-aware preemption and fair scheduling vs vLLM "
         "baselines, on the real engine and simulated A800 GPUs")
@@ -10,7 +10,8 @@ HELP = ("AdaptiveLLM: cost-aware preemption and fair scheduling vs vLLM "
 def arguments(p) -> None:
     p.add_argument("--full", action="store_true",
                    help="the paper's scale: 1,000 requests per run, both tiny models, batch sweep on the real engine too")
-    p.add_argument("--num-requests", type=int, default=None, help="requests per run (quick: 32 real, 200 simulated)")
+    p.add_argument("--num-prompts", dest="num_requests", type=at_least(1), default=None,
+                   help="requests per run (default quick: 32 real, 200 simulated)")
     p.add_argument("--real-models", default=None, help="comma-separated; '' for none (quick: tiny-llama)")
     p.add_argument("--sim-models", default=None, help="comma-separated; '' for none (opt-13b,opt-30b,llama-13b,llama-30b)")
     p.add_argument("--workloads", default=None, help="comma-separated presets (chatbot,alpaca,summary), or trace "
@@ -31,11 +32,12 @@ def arguments(p) -> None:
     p.add_argument("--group-priority", default=None, choices=["groups", "queues"],
                    help="what fair admission compares: the fitting groups' mean priorities (default) or the whole "
                         "waiting and swapped queues' (the paper's two readings)")
-    p.add_argument("--calibration", default=None,
+    p.add_argument("--perf-table", dest="calibration", default=None,
                    help="a per-operation calibration (.json from `servewise calibrate`) pricing the simulated GPU "
                         "instead of the roofline, with the A100's constants (the A800 is its chip)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    threads_arg(p)
+    aliases(p, {"--num-requests": "--num-prompts", "--calibration": "--perf-table"})
     p.add_argument("--out-dir", default="results/adaptivellm",
                    help="where the report, JSON and figures go; finished runs are kept in its points/ directory, "
                         "so that the same command, stopped, resumes from them")

@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import argparse
 
-from servewise.commands.options import at_least, float_at_least, rates
+from servewise.commands.options import aliases, at_least, float_at_least, rates
 
 HELP = ("BanaServe's load-aware dispatch over a global KV store, and its layer- and head-level "
         "migration, against cache-aware and round-robin dispatch (simulated A100 instances)")
 
 
 def arguments(p) -> None:
-    p.add_argument("--model", default="llama-13b")
-    p.add_argument("--instances", type=at_least(2), default=4)
+    p.add_argument("--model", default="llama-13b", help="the simulated model")
+    p.add_argument("--instances", type=at_least(2), default=4, help="simulated A100 instances")
     p.add_argument("--systems", default=None, help="comma-separated subset (default all; see the module)")
-    p.add_argument("--num-requests", type=at_least(1), default=1000)
+    p.add_argument("--num-prompts", dest="num_requests", type=at_least(1), default=1000, help="requests per run")
     p.add_argument("--prefixes", type=at_least(1), default=256, help="distinct system prompts (more than one "
                    "instance's KV pool holds, fewer than all of them together)")
     p.add_argument("--prefix-len", type=at_least(1), default=1536)
@@ -28,7 +28,7 @@ def arguments(p) -> None:
                    help="shared system prompts (dispatch by cache vs load), or the thesis's rate-sweep workloads: "
                         "short (alpaca), long (longbench) prompts, or the Azure conv trace (--trace)")
     p.add_argument("--trace", default=None, help="Azure conv trace CSV, for --workload azure-conv")
-    p.add_argument("--calibration", default=None,
+    p.add_argument("--perf-table", dest="calibration", default=None,
                    help="a per-operation calibration (.json from `servewise calibrate`) pricing the A100s' steps "
                         "instead of the roofline")
     p.add_argument("--seed", type=int, default=0)
@@ -42,6 +42,7 @@ def arguments(p) -> None:
                    help="instead of the simulations: Algorithm 4-1's loop (this form) moving layers between two real "
                         "tiny-llama instances on this machine, against the same run with the loop only watching")
     p.add_argument("--out-dir", default="results/banaserve")
+    aliases(p, {"--num-requests": "--num-prompts", "--calibration": "--perf-table"})
 
 
 def run(a) -> None:

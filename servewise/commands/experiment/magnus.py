@@ -1,7 +1,7 @@
 """`servewise experiment magnus` (and `uellm`, which takes the same flags)."""
 from __future__ import annotations
 
-from servewise.commands.options import at_least, length_data_args, rates
+from servewise.commands.options import aliases, at_least, length_data_args, rates, threads_arg
 
 HELP = ("Magnus: predicted output lengths, WMA batch assembly, HRRN, against static and continuous batching, "
         "simulated (llama-7b, V100) and on the real engine (tiny-llama)")
@@ -15,23 +15,25 @@ def arguments(p) -> None:
     p.add_argument("--full", action="store_true", help="more rates and requests")
     p.add_argument("--backends", default=None, help="comma-separated: sim, real (default both)")
     p.add_argument("--rates", type=rates, default=None, help="comma-separated request rates (default per backend)")
-    p.add_argument("--num-requests", type=at_least(1), default=None,
-                   help="requests per run (quick: 300 simulated, 60 real; full: 1,000 and 120)")
+    p.add_argument("--num-prompts", dest="num_requests", type=at_least(1), default=None,
+                   help="requests per run (default quick: 300 simulated, 60 real; full: 1,000 and 120)")
     p.add_argument("--systems", default=None, help="comma-separated subset of the experiment's systems")
-    p.add_argument("--real-blocks", type=at_least(16), default=512,
+    p.add_argument("--num-device-blocks", dest="real_blocks", type=at_least(16), default=512,
                    help="device KV blocks of the real engine (16 tokens each)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--calibration", default=None,
+    threads_arg(p)
+    p.add_argument("--perf-table", dest="calibration", default=None,
                    help="a per-operation calibration (.json from `servewise calibrate`) pricing the simulated V100 "
                         "instead of the roofline: the V100's peaks with --calibration-gpu's constants (quantized "
                         "systems are then not run)")
-    p.add_argument("--calibration-gpu", default="a100-80g", help="whose constants in --calibration (default a100-80g)")
+    p.add_argument("--calibration-gpu", default="a100-80g", help="whose constants in --perf-table")
     p.add_argument("--regime", choices=("static", "paged"), default="static",
                    help="request-level batches as the papers run them (static: padding computed and held, ended rows "
                         "computing until the batch ends) or on the paged engine (nothing computed for either)")
     p.add_argument("--wma-threshold", type=float, default=None,
                    help="Magnus's WMA threshold (default: searched on the train split's requests in the simulator)")
     p.add_argument("--out-dir", default="results/length_aware")
+    aliases(p, {"--num-requests": "--num-prompts", "--real-blocks": "--num-device-blocks",
+                "--calibration": "--perf-table"})
 
 
 def run(a) -> None:

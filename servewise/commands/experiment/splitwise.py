@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from servewise.commands.options import alias
+
 HELP = ("Splitwise: phase-split clusters, KV transfer and provisioning, "
         "simulated on BLOOM-176B DGX machines")
 
@@ -11,7 +13,7 @@ def arguments(p) -> None:
     p.add_argument("--data-dir", required=True,
                    help="directory with AzureLLMInferenceTrace_{code,conv}.csv.gz and splitwise/perf_model.csv.gz")
     p.add_argument("--roofline", action="store_true", help="the analytical roofline instead of the measured table")
-    p.add_argument("--calibration", default=None,
+    p.add_argument("--perf-table", dest="calibration", default=None,
                    help="a per-operation calibration (.json from `servewise calibrate`) pricing the GPUs' steps "
                         "instead of the measured table")
     p.add_argument("--splitwisesim", action="store_true",
@@ -39,6 +41,7 @@ def arguments(p) -> None:
     p.add_argument("--jobs", type=int, default=None, help="simulations run in parallel (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    alias(p, "--calibration", "--perf-table")
     p.add_argument("--out-dir", default="results/splitwise",
                    help="where the report, JSON and figures go; finished simulations are kept in its points/ "
                         "folder, and a stopped run started again with the same settings on the same code "

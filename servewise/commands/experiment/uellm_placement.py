@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from servewise.commands.options import at_least, rates
+from servewise.commands.options import alias, at_least, rates
 
 HELP = ("UELLM's HELR layer placement on mixed A100 / V100 / RTX 3090 sets "
         "against even and greedy placements (analytical roofline)")
@@ -12,10 +12,12 @@ HELP = ("UELLM's HELR layer placement on mixed A100 / V100 / RTX 3090 sets "
 def arguments(p) -> None:
     p.add_argument("--models", default=None, help="comma-separated (default llama-13b,llama-30b)")
     p.add_argument("--sets", default=None, help="comma-separated device sets (default all; see the module)")
-    p.add_argument("--workload", default="alpaca", help="a preset or loader (see `simulate --help`)")
+    from servewise.workloads.build import SOURCES
+
+    p.add_argument("--workload", default="alpaca", choices=SOURCES, help="a preset or loader (see `simulate --help`)")
     p.add_argument("--data", default=None, help="the workload's file or directory (default: synthetic texts)")
-    p.add_argument("--num-requests", type=at_least(1), default=300)
-    p.add_argument("--max-output-len", type=at_least(1), default=512)
+    p.add_argument("--num-prompts", dest="num_requests", type=at_least(1), default=300, help="requests per run")
+    p.add_argument("--max-output-len", type=at_least(1), default=512, help="cap every request's output length")
     p.add_argument("--rates", type=rates, default="1,4,16", help="comma-separated poisson request rates")
     p.add_argument("--systems", default="continuous", help="comma-separated batching systems, from continuous, "
                    "cb-predicted, vanilla, s3, slo-odbs, morphling (any of vanilla, s3, slo-odbs, morphling add the "
@@ -26,6 +28,7 @@ def arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default="results/placement")
+    alias(p, "--num-requests", "--num-prompts")
 
 
 def run(a) -> None:
