@@ -85,10 +85,12 @@ def build_engine(config: EngineConfig | None = None, clock=None, connector=None,
 
 def build_sim_engine(model: str = "tiny-llama", hardware: str = PROFILE, predictors=None,
                      efficiency: dict | None = None, perf: CostModel | None = None, clock=None,
-                     owns_clock: bool = True, tp: int = 1, perf_table=None, sim_store=None, **engine_kw) -> LLMEngine:
+                     owns_clock: bool = True, tp: int = 1, perf_table=None, sim_store=None, ep: int = 1,
+                     expert_skew=None, **engine_kw) -> LLMEngine:
     """An engine whose runner is simulated on a virtual clock: `perf` given, or made for `hardware`
     (PROFILE: this machine from fitted predictors; with `perf_table`, Splitwise's measured GPU runs;
-    else a roofline GPU by name), over `tp` GPUs with tensor parallelism. Without an explicit
+    else a roofline GPU by name), over `tp` GPUs with tensor parallelism (a mixture of experts: `ep` groups of
+    them, expert parallel, routed with `expert_skew`, predictors.moe). Without an explicit
     device pool, roofline GPUs get the blocks that fit beside the weights. Several engines may share
     one `clock` (owns_clock=False; their driver, cluster.sim, moves it)."""
     from servewise.models.loader import load_model_config
@@ -103,7 +105,8 @@ def build_sim_engine(model: str = "tiny-llama", hardware: str = PROFILE, predict
     limit_length(config, mc)
     cc = config.cache
     if perf is None:
-        perf = make_perf(hardware, mc, cc.block_size, predictors, efficiency, tp, perf_table, model)
+        perf = make_perf(hardware, mc, cc.block_size, predictors, efficiency, tp, perf_table, model, ep=ep,
+                         expert_skew=expert_skew)
     if cc.num_device_blocks is None and hasattr(perf, "device_blocks"):
         cc.num_device_blocks = perf.device_blocks()
     store = (sim_store or sim_store_for(cc, mc, perf, hardware == PROFILE)) if cc.kv_store is not None else None

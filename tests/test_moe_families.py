@@ -246,15 +246,3 @@ def test_what_is_not_built_is_one_line_and_status_2(config, message, tmp_path, c
         main(["generate", "--model", str(tmp_path), "--load-format", "dummy"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and message in err
-
-
-def test_the_simulator_refuses_a_mixture_of_experts(tmp_path, capsys):
-    """It would price each expert layer as one dense MLP: it says so instead, in one line."""
-    from servewise.cli import main
-
-    cfg = dict(BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(SystemExit) as e:
-        main(["simulate", "--model", str(tmp_path), "--hardware", "h100-80g", "--num-requests", "2"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "mixture of experts: the simulator does not price" in err

@@ -6,10 +6,14 @@ units; an H100 machine capped at 70% of its rated power (50% per GPU) costs the 
 Rated power (TDP) in watts is the simulator's machine definitions'. The network is one InfiniBand
 link per GPU: 200 Gb/s (25 GB/s) on A100 machines and 400 Gb/s (50 GB/s) on H100 machines, as the
 paper's test machines had; a machine's KV transfers use all eight.
+
+A machine's GPUs serve one instance, tensor parallel; the `-ep4` and `-ep8` kinds of the DGX machines run a
+mixture of experts with expert parallelism instead (EP 4 groups of TP 2, or EP 8 single GPUs: the
+roofline's model in predictors.roofline), at the same cost and power, so that a design can compare them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -21,6 +25,11 @@ class Machine:
     power: float  # relative
     tdp_w: float
     nic_gbps: float  # GB/s per direction, all GPUs together
+    ep: int = 1  # expert-parallel groups among the GPUs (each of gpus / ep GPUs, tensor parallel)
+
+    @property
+    def tp(self) -> int:
+        return self.gpus // self.ep
 
 
 MACHINES = {
@@ -37,6 +46,12 @@ MACHINES = {
     # `servewise bench cluster`); no cost or power model
     "this-cpu": Machine(name="this machine's CPU", gpu="profile", gpus=1, cost=0.0, power=0.0, tdp_w=0.0, nic_gbps=5.0),
 }
+
+for _base in ("dgx-a100", "dgx-h100"):
+    for _ep in (4, 8):
+        _m = MACHINES[_base]
+        _tp = f" x TP {_m.gpus // _ep}" if _ep < _m.gpus else ""
+        MACHINES[f"{_base}-ep{_ep}"] = replace(_m, name=f"{_m.name}, EP {_ep}{_tp}", ep=_ep)
 
 
 def get_machine(name: str) -> Machine:

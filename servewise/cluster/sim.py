@@ -213,7 +213,7 @@ class ClusterSim:
                 machine = get_machine(m)
                 cpu = machine.gpu == "profile"
                 perfs[m] = make_perf(machine.gpu, mc, block_size, predictors=predictors if cpu else None,
-                                     tp=machine.gpus, table=None if cpu else perf_table, model=model,
+                                     tp=machine.tp, ep=machine.ep, table=None if cpu else perf_table, model=model,
                                      token_axis=token_axis)
         cal = calibration or {}
         perf_of = lambda m, role: Calibrated(perfs[m], **cal[role]) if role in cal else perfs[m]  # noqa: E731

@@ -17,7 +17,7 @@ def reference_perf(model: str, table: str | None = None, token_axis: str = "batc
 
     m = get_machine(machine)
     mc, _ = load_model_config(model, "float16")
-    return make_perf(m.gpu, mc, 16, tp=m.gpus, table=table, model=model, token_axis=token_axis)
+    return make_perf(m.gpu, mc, 16, tp=m.tp, ep=m.ep, table=table, model=model, token_axis=token_axis)
 
 
 def reference_for(model: str, options: dict | None = None):

@@ -15,6 +15,10 @@ def arguments(p) -> None:
                         "(analytical rooflines)")
     p.add_argument("--predictors", default="results/predictors.pkl", help="fitted predictors for --hardware profile")
     p.add_argument("--tp", type=at_least(1), default=1, help="GPUs per instance, tensor parallel (analytical GPUs only)")
+    p.add_argument("--expert-parallel-size", type=at_least(1), default=1,
+                   help="a mixture of experts: expert-parallel groups of --tp GPUs each (roofline GPUs)")
+    p.add_argument("--expert-skew", default=None,
+                   help="a mixture of experts' routing: a Zipf exponent (0: uniform) or one weight per expert, w0,w1,...")
     p.add_argument("--perf-table", default=None,
                    help="for an analytical GPU: a calibration (.json, from `servewise calibrate`) pricing each "
                         "operation, or Splitwise's measured table (perf_model.csv.gz; its two models only); for "
@@ -39,7 +43,9 @@ def run(a) -> None:
 
     kw = {k: v for k, v in engine_kwargs(a).items() if k != "predictors"}
     table = perf_table(a.perf_model, a.perf_table)
-    spec_engine = Engine("sim", a.model, a.hardware, a.predictors, options=dict(kw, tp=a.tp, perf_table=table))
+    spec_engine = Engine("sim", a.model, a.hardware, a.predictors, options=dict(kw, tp=a.tp, perf_table=table,
+                                                                                ep=a.expert_parallel_size,
+                                                                                expert_skew=a.expert_skew))
     eng = build(spec_engine)
     notes: dict = {}
     items, arrivals = workload(a, eng.tokenizer, eng.model_config.vocab_size, notes, eng.model_config.max_model_len)

@@ -100,6 +100,28 @@ CONFIG_ONLY_MODELS: dict[str, dict] = {
                       sliding_window_pattern=6, rope_local_base_freq=10000.0),
     "phi-3-mini": _hf("phi3", 3072, 32, 32, 32, 8192, 32064, 4096, 1e-5, 10000.0, 1, 32000, False,
                       original_max_position_embeddings=4096, sliding_window=2047),  # the 4k-context one
+    # Mixtures of experts, from the model cards' config.json. Mixtral-8x7B-v0.1: 8 experts of 14336, top 2, 32
+    # layers of 4096, 32 heads (8 KV), 46.7B parameters, 12.9B active
+    "mixtral-8x7b": _hf("mixtral", 4096, 32, 32, 8, 14336, 32000, 32768, 1e-5, 1000000.0, 1, 2, False,
+                        num_local_experts=8, num_experts_per_tok=2),
+    # Qwen3-30B-A3B: 128 experts of 768, top 8 renormalised, 48 layers of 2048, 32 heads (4 KV) of 128; 30.5B, 3.3B
+    "qwen3-30b-a3b": _hf("qwen3_moe", 2048, 48, 32, 4, 6144, 151936, 40960, 1e-6, 1000000.0, 151643, 151645, False,
+                         head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False),
+    # Qwen2-57B-A14B: 64 experts of 2560, top 8, a shared expert of 20480, 28 layers of 3584, 28 heads (4 KV);
+    # 57.4B, 14.2B active
+    "qwen2-57b-a14b": _hf("qwen2_moe", 3584, 28, 28, 4, 18944, 151936, 131072, 1e-6, 1000000.0, 151643, 151643, False,
+                          num_experts=64, num_experts_per_tok=8, moe_intermediate_size=2560,
+                          shared_expert_intermediate_size=20480, norm_topk_prob=False, decoder_sparse_step=1,
+                          use_sliding_window=False, sliding_window=131072, max_window_layers=28),
+    # the newer dense families: OLMo-2-1124-7B, Granite-3.3-2B (its multipliers), SmolLM3-3B (every 4th layer
+    # without rotary)
+    "olmo-2-7b": _hf("olmo2", 4096, 32, 32, 32, 11008, 100352, 4096, 1e-6, 500000.0, None, 100257, False),
+    "granite-3.3-2b": _hf("granite", 2048, 40, 32, 8, 8192, 49159, 131072, 1e-5, 10000000.0, 0, 0, True,
+                          embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                          logits_scaling=8.0),
+    "smollm3-3b": _hf("smollm3", 2048, 36, 16, 4, 11008, 128256, 65536, 1e-6, 5000000.0, None, 128001, True,
+                      no_rope_layer_interval=4, use_sliding_window=False),
     # BLOOM positions are ALiBi biases, with no learned table: its config's seq_length (2048) is the
     # training length, not a limit. Splitwise measured it on prompts up to 8192 tokens; 16384 admits
     # every request of the Azure traces (longest prompt 14,050 tokens).

@@ -35,6 +35,9 @@ def cache_path(model: str, mc: ModelConfig, device: str, block_size: int) -> str
              "hidden": mc.hidden_size, "heads": mc.num_heads, "kv_heads": mc.num_kv_heads,
              "intermediate": mc.intermediate_size, "vocab": mc.vocab_size, "dtype": mc.dtype, "device": device,
              "block_size": block_size, "threads": torch.get_num_threads()}
+    if mc.num_experts:  # (only then, so that dense models keep their cached profiles)
+        facts.update(experts=mc.num_experts, k=mc.experts_per_token, expert_size=mc.moe_intermediate_size,
+                     shared=mc.shared_expert_size, routed=list(mc.moe_layers))
     digest = hashlib.sha1(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
     name = os.path.basename(os.path.normpath(model)) or "model"
     return os.path.join(cache_dir(), "predictors", f"{name}-{digest}.pkl")

@@ -190,6 +190,9 @@ class OperationPerf(RooflinePerf):
     def __init__(self, c: ModelConfig, hw: Hardware | str, block_size: int, calibration: Calibration | None = None,
                  tp: int = 1, label: str | None = None, table: OperationTable | None = None, eff=None):
         """eff: the roofline's Efficiency, of which this model uses the host link's (block copies)."""
+        if c.num_experts:  # its GEMMs would be one dense MLP of intermediate_size a layer
+            raise ValueError(f"the per-operation model prices dense layers only; {c.family!r} is a mixture of experts "
+                             "(--perf-model roofline prices its experts)")
         super().__init__(c, hw.removesuffix("-pcap") if isinstance(hw, str) else hw, block_size, eff, tp=tp)
         self.cal, self.table = calibration or Calibration(), table
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

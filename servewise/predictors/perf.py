@@ -16,10 +16,11 @@ CALIBRATED_FROM_PARAMS = 30e9
 
 
 def model_params(mc) -> float:
-    """A model's transformer weights (embeddings left out), for choosing its default GPU model."""
-    from servewise.predictors.roofline import layer_params
+    """A model's transformer weights (every expert included, embeddings left out), for choosing its default GPU
+    model."""
+    from servewise.predictors.moe import params
 
-    return float(layer_params(mc) * mc.num_layers)
+    return float(params(mc)[0])
 
 
 def perf_table(perf_model: str | None, table: str | None) -> str | None:
@@ -105,26 +106,30 @@ class Calibrated:
 
 def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: dict | None = None, tp: int = 1,
               table: str | dict | None = None, model: str | None = None, token_axis: str = "batch",
-              calibrated_as: str | None = None):
+              calibrated_as: str | None = None, ep: int = 1, expert_skew=None):
     """hardware 'profile': this machine, from fitted predictors (a Predictors or a path), its steps priced per
     operation when `table` is a step file of `servewise bench operations` (predictors.cpu_operations); with `table`
     (Splitwise's measured perf_model.csv, a path), that table's runs of `model` on `hardware` with `tp`
     GPUs (predictors.measured, with its `token_axis`); with `table` a calibration (.json, written by
     `servewise calibrate`), any model on `hardware` priced per operation (predictors.operations), with the
     constants of the calibrated GPU `calibrated_as` (default: `hardware` itself);
-    with no table, the shipped calibration (DEFAULT_CALIBRATION) for CALIBRATED_GPUS and models of at least
+    with no table, the shipped calibration (DEFAULT_CALIBRATION) for CALIBRATED_GPUS and dense models of at least
     CALIBRATED_FROM_PARAMS (the power-capped H100 always: it has no roofline); otherwise, or with `table` ROOFLINE, a roofline GPU by name, with `efficiency` overriding its assumed efficiencies
-    (roofline.Efficiency), over `tp` GPUs."""
+    (roofline.Efficiency), over `tp` GPUs, or for a mixture of experts `ep` expert-parallel groups of `tp` GPUs
+    with the routing's `expert_skew` (predictors.moe; the roofline alone prices them)."""
     if table == ROOFLINE:
         if hardware == PROFILE:
             raise ValueError("hardware 'profile' is this machine; the roofline prices a GPU (give --hardware GPU)")
         table = None
-    elif table is None and hardware in CALIBRATED_GPUS and (model_params(mc) >= CALIBRATED_FROM_PARAMS
-                                                             or hardware.endswith("-pcap")):
-        table = DEFAULT_CALIBRATION
+    elif table is None and hardware in CALIBRATED_GPUS and ((model_params(mc) >= CALIBRATED_FROM_PARAMS
+                                                              and not mc.num_experts) or hardware.endswith("-pcap")):
+        table = DEFAULT_CALIBRATION  # (fitted on dense layers: a mixture of experts keeps the roofline)
     elif table == DEFAULT_CALIBRATION and (calibrated_as or hardware) not in CALIBRATED_GPUS:
         raise ValueError(f"servewise's calibration prices {', '.join(CALIBRATED_GPUS)}; {hardware} is an analytical "
                          "roofline (--perf-model roofline)")
+    if (ep != 1 or expert_skew is not None) and (hardware == PROFILE or table is not None):
+        raise ValueError("expert parallelism and routing skew are priced by the analytical roofline only "
+                         "(--hardware GPU --perf-model roofline)")
     if hardware == PROFILE:
         if predictors is None:
             raise ValueError("hardware 'profile' needs fitted predictors (run `servewise profile` first)")
@@ -160,7 +165,7 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
     if hardware in CALIBRATED_GPUS and hardware.endswith("-pcap"):
         raise ValueError(f"{hardware} has no roofline of its own (its peaks are {hardware.removesuffix('-pcap')}'s; "
                          "only its calibration tells them apart)")
-    perf = RooflinePerf(mc, hardware, block_size, tp=tp)
+    perf = RooflinePerf(mc, hardware, block_size, tp=tp, ep=ep, expert_skew=expert_skew)
     return perf.with_efficiency(**efficiency) if efficiency else perf
 
 

@@ -8,6 +8,15 @@ ring over NVLink: 2 (tp - 1) / tp x bytes / NVLink bandwidth, plus a fixed laten
 between GPU and host takes bytes / (link bandwidth x efficiency) plus a latency per copy call
 (vLLM-style swapping issues one copy per block, per layer, for K and for V).
 
+A mixture of experts (predictors.moe) reads its dense part (attention, router, shared or dense MLPs) every
+step and, per routed layer, only the experts its tokens reach (their expected number, by the routing skew);
+its FLOPs are the active parameters' (k experts a token). With expert parallelism over `ep` groups of `tp`
+GPUs (tp x ep GPUs), each group runs attention and the dense part over its share of the batch (data
+parallel, tensor parallel within the group) and holds E / ep whole experts (each split over its tp GPUs);
+every routed layer sends each token's hidden state to its k experts' groups and back (an all-to-all to
+dispatch, one to combine, each a fixed latency plus the busiest group's bytes over its NVLinks), and the
+slowest group (the most routed tokens, the most experts read) sets the layer's time.
+
 Every figure here is an estimate from public spec sheets and assumed efficiencies, not a
 measurement: results from this model must be labelled analytical.
 """
@@ -15,7 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from servewise.config import ModelConfig, UnsupportedModelError
+import numpy as np
+
+from servewise.config import ModelConfig
+from servewise.predictors.moe import expert_shares, inclusion, layer_weights, max_touched, touched
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -59,14 +71,22 @@ class Efficiency:
     copy_fixed_s: float = 50e-6
     nvlink: float = 0.8
     allreduce_s: float = 10e-6  # fixed latency of one all-reduce (launch and ring set-up)
+    alltoall_s: float = 10e-6  # fixed latency of one expert-parallel all-to-all (dispatch or combine)
 
 
-def layer_params(c: ModelConfig) -> int:
-    """Weights of one transformer layer (norms and biases left out)."""
-    qo = 2 * c.hidden_size * c.num_heads * c.head_dim
-    kv = 2 * c.hidden_size * c.num_kv_heads * c.head_dim
-    mlp = (3 if c.arch == "llama" else 2) * c.hidden_size * c.intermediate_size  # gated (3) or plain (2)
-    return qo + kv + mlp
+def layer_params(c: ModelConfig) -> float:
+    """Weights of one transformer layer, every expert included (a mixture's layers averaged; norms and biases
+    left out)."""
+    return layer_weights(c).held
+
+
+def _skew_label(skew) -> str:
+    if skew is None:
+        return ""
+    try:
+        return f", routing Zipf {float(skew):g}"
+    except (TypeError, ValueError):
+        return ", routing by given expert shares"
 
 
 def get_hardware(name: str) -> Hardware:
@@ -79,39 +99,58 @@ class RooflinePerf:
     analytical = True
 
     def __init__(self, c: ModelConfig, hw: Hardware | str, block_size: int, eff: Efficiency | None = None,
-                 tp: int = 1, weight_bits: float | None = None, dequant_pass: bool = False):
+                 tp: int = 1, weight_bits: float | None = None, dequant_pass: bool = False, ep: int = 1,
+                 expert_skew=None):
         """weight_bits: the layers' weights quantized to this many bits a weight (scales included, e.g. 4.25
         for 4-bit groups of 128 with a 16-bit scale and zero point); the embedding and LM head stay at the
         model's dtype. A step reads them at that size (a fused kernel; its dequantization assumed hidden),
         or with `dequant_pass` also writes each layer's weights at the model's dtype and the matmul reads
-        them (a dequantize-then-matmul kernel, as ChatGLM-6B's int4 layers run)."""
-        if c.num_experts:  # its step would be priced as a dense MLP of intermediate_size on every layer
-            raise UnsupportedModelError(f"model_type {c.family!r} is a mixture of experts: the simulator does not "
-                                        f"price one yet (only the real engine runs it)")
+        them (a dequantize-then-matmul kernel, as ChatGLM-6B's int4 layers run). A mixture of experts: `ep`
+        expert-parallel groups of `tp` GPUs each, `expert_skew` the routing's (predictors.moe.expert_shares:
+        a Zipf exponent or per-expert shares; None uniform)."""
         self.c, self.hw = c, get_hardware(hw) if isinstance(hw, str) else hw
         self.eff = eff or Efficiency()
-        if tp < 1 or (tp > 1 and not self.hw.nvlink_gbps):
-            raise ValueError(f"tensor parallel {tp} needs tp >= 1 and GPUs with NVLink ({self.hw.name} has none)"
-                             if tp > 1 else f"tensor parallel must be >= 1, got {tp}")
-        self.tp = tp
+        gpus = tp * ep
+        if tp < 1 or ep < 1:
+            raise ValueError(f"tensor and expert parallel sizes must be >= 1, got {tp} and {ep}")
+        if gpus > 1 and not self.hw.nvlink_gbps:
+            raise ValueError(f"{gpus} GPUs an instance need GPUs with NVLink ({self.hw.name} has none)")
+        if (ep > 1 or expert_skew is not None) and not c.num_experts:
+            raise ValueError(f"expert parallelism and routing skew need a mixture of experts ({c.family or c.arch} "
+                             "has no experts)")
+        if c.num_experts % ep:
+            raise ValueError(f"expert parallel size {ep} must divide the {c.num_experts} experts")
+        self.tp, self.ep, self.gpus, self.expert_skew = tp, ep, gpus, expert_skew
         self.itemsize = c.kv_bytes_per_token // (2 * c.num_layers * c.num_kv_heads * c.head_dim)
         self.block_size = block_size
-        self.layer_params = layer_params(c)
+        self.w = w = layer_weights(c)
+        self.layer_params = w.held
         self.lm_head = c.vocab_size * c.hidden_size
         self.weight_bits, self.dequant_pass = weight_bits, dequant_pass
-        self.layer_bytes = self.layer_params * (weight_bits / 8 if weight_bits else self.itemsize)  # held
-        self.layer_read_bytes = self.layer_bytes + (2 * self.layer_params * self.itemsize if weight_bits and
-                                                    dequant_pass else 0)  # moved by a step
-        self.weight_bytes = c.num_layers * self.layer_bytes + self.lm_head * self.itemsize
-        self.flops_per_s = tp * self.hw.fp16_tflops * 1e12 * self.eff.compute
-        self.bytes_per_s = tp * self.hw.hbm_gbps * 1e9 * self.eff.memory
-        self.link_bytes_per_s = tp * self.hw.link_gbps * 1e9 * self.eff.link  # every GPU copies its share
+        held = lambda p: p * (weight_bits / 8 if weight_bits else self.itemsize)  # noqa: E731
+        moved = lambda p: held(p) + (2 * p * self.itemsize if weight_bits and dequant_pass else 0)  # noqa: E731
+        self.layer_bytes = held(self.layer_params)  # one layer held, every expert included
+        self.layer_read_bytes = moved(w.dense)  # moved by every step (experts: those its tokens reach)
+        self.expert_read_bytes = moved(w.expert)
+        # the dense part and LM head once per expert-parallel group, every expert once
+        self.weight_bytes = ep * (c.num_layers * held(w.dense) + self.lm_head * self.itemsize) \
+            + c.num_layers * w.moe_share * w.num_experts * held(w.expert)
+        if c.num_experts:
+            self.pi = inclusion(expert_shares(c.num_experts, expert_skew), w.k)  # per token, per expert
+            self.group_share = (self.pi / w.k).reshape(ep, -1).sum(1)  # each group's share of routed pairs
+        self._moe: dict[int, tuple[float, float, float]] = {}
+        # the instance's rates (a step's FLOPs and bytes are summed over its GPUs: the slowest group's, x GPUs)
+        self.flops_per_s = gpus * self.hw.fp16_tflops * 1e12 * self.eff.compute
+        self.bytes_per_s = gpus * self.hw.hbm_gbps * 1e9 * self.eff.memory
+        self.link_bytes_per_s = gpus * self.hw.link_gbps * 1e9 * self.eff.link  # every GPU copies its share
         # seconds per byte of activations all-reduced, and fixed seconds, per step (2 all-reduces a layer)
         self.ar_s_per_byte = 2 * c.num_layers * 2 * (tp - 1) / tp / (self.hw.nvlink_gbps * 1e9 * self.eff.nvlink or 1)
         self.ar_fixed_s = 2 * c.num_layers * self.eff.allreduce_s if tp > 1 else 0.0
-        self.label = (f"analytical roofline ({self.hw.name}{f' x{tp} TP' if tp > 1 else ''}"
+        par = (f" x{gpus}: EP {ep}{f' x TP {tp}' if tp > 1 else ''}" if ep > 1 else f" x{tp} TP" if tp > 1 else "")
+        self.label = (f"analytical roofline ({self.hw.name}{par}"
                       f"{f', {weight_bits:g}-bit weights' if weight_bits else ''}"
-                      f"{', dequantized each step' if weight_bits and dequant_pass else ''})")
+                      f"{', dequantized each step' if weight_bits and dequant_pass else ''}"
+                      f"{_skew_label(expert_skew)})")
         self._attn = 4 * c.num_layers * c.num_heads * c.head_dim  # QK^T and PV flops per (query, key) pair
         self.swap = None  # a gpu_swap.SwapModel for host <-> device copies (with_swap); None: the link model below
 
@@ -132,7 +171,8 @@ class RooflinePerf:
 
     def _copy(self, eff: Efficiency) -> RooflinePerf:
         """This model with other efficiencies (a subclass keeps its own pricing)."""
-        return RooflinePerf(self.c, self.hw, self.block_size, eff, self.tp, self.weight_bits, self.dequant_pass)
+        return RooflinePerf(self.c, self.hw, self.block_size, eff, self.tp, self.weight_bits, self.dequant_pass,
+                            self.ep, self.expert_skew)
 
     @property
     def copy_overlaps(self) -> bool:
@@ -155,15 +195,41 @@ class RooflinePerf:
     def span_parts(self, layers: int, tokens: int, pairs: int, kv_tokens: int, heads: int) -> tuple[float, float]:
         """span's (compute seconds, memory seconds): its FLOPs at the assumed peak, its bytes at the bandwidth."""
         c, frac = self.c, layers / self.c.num_layers
-        flops = 2 * layers * self.layer_params * tokens + self._attn * frac * pairs + 2 * self.lm_head * heads
-        nbytes = layers * self.layer_read_bytes + (self.lm_head * self.itemsize if heads else 0) \
+        flops = 2 * layers * self.w.dense * tokens + self._attn * frac * pairs + 2 * self.lm_head * heads
+        nbytes = self.ep * (layers * self.layer_read_bytes + (self.lm_head * self.itemsize if heads else 0)) \
             + kv_tokens * c.kv_bytes_per_token * frac
+        if self.w.moe_share and tokens:
+            e_flops, e_bytes, _ = self.experts(tokens)
+            flops += layers * self.w.moe_share * e_flops
+            nbytes += layers * self.w.moe_share * e_bytes
         return flops / self.flops_per_s, nbytes / self.bytes_per_s
+
+    def experts(self, tokens: int) -> tuple[float, float, float]:
+        """One routed layer's experts over `tokens` tokens, summed over the GPUs as the slowest group's work:
+        (FLOPs, weight bytes read, seconds of its two all-to-alls under expert parallelism)."""
+        got = self._moe.get(tokens)
+        if got is None:
+            w, ep, n = self.w, self.ep, tokens
+            if ep == 1:  # every GPU holds a 1/tp slice of every expert
+                got = (2 * n * w.k * w.expert, touched(self.pi, n) * self.expert_read_bytes, 0.0)
+            else:
+                s = self.group_share
+                # each group's tokens (n / ep) send a copy to every expert of another group, each group receives
+                # those of its experts from the others: the busiest group's copies, over its tp GPUs' NVLinks
+                copies = max(np.max(n * w.k * s * (ep - 1) / ep), np.max(n / ep * w.k * (1 - s)))
+                a2a = 2 * (self.eff.alltoall_s + copies * self.c.hidden_size * self.itemsize /
+                           (self.tp * self.hw.nvlink_gbps * 1e9 * self.eff.nvlink))
+                got = (2 * n * w.k * s.max() * w.expert * ep, max_touched(self.pi, ep, n) * self.expert_read_bytes
+                       * ep, a2a)
+            self._moe[tokens] = got
+        return got
 
     def _time(self, span_s: float, tokens: int) -> float:
         t = span_s + self.eff.step_overhead_s
-        if self.tp > 1:
-            t += self.ar_fixed_s + tokens * self.c.hidden_size * self.itemsize * self.ar_s_per_byte
+        if self.tp > 1:  # within each group, over its share of the tokens
+            t += self.ar_fixed_s + tokens / self.ep * self.c.hidden_size * self.itemsize * self.ar_s_per_byte
+        if self.ep > 1 and tokens:
+            t += self.c.num_layers * self.w.moe_share * self.experts(tokens)[2]
         return t
 
     # A step's shape: (new tokens, attention (query, key) pairs, KV tokens read or written, LM-head rows).
@@ -209,19 +275,19 @@ class RooflinePerf:
         nbytes = num_blocks * self.block_size * self.c.kv_bytes_per_token
         if self.swap is not None:
             host, transfer = self.swap.parts(num_blocks, self.c.num_layers, nbytes)
-            return host, transfer / self.tp
+            return host, transfer / self.gpus
         calls = 2 * self.c.num_layers * (num_blocks if runs is None else runs)
         return self.eff.copy_fixed_s + calls * self.eff.copy_call_s, nbytes / self.link_bytes_per_s
 
     def device_blocks(self, memory_utilization: float = 0.9, activation_reserve_gb: float = 2.0) -> int:
         """KV blocks that fit beside the weights in the GPU's memory (vLLM's gpu_memory_utilization)."""
-        free = self.tp * (self.hw.memory_gb * memory_utilization - activation_reserve_gb) * 1e9 - self.weight_bytes
+        free = self.gpus * (self.hw.memory_gb * memory_utilization - activation_reserve_gb) * 1e9 - self.weight_bytes
         if free <= 0:
-            gpus = f"{self.tp} x " if self.tp > 1 else ""
+            gpus = f"{self.gpus} x " if self.gpus > 1 else ""
             per_gpu = (self.hw.memory_gb * memory_utilization - activation_reserve_gb) * 1e9
             need = next((n for n in (2, 4, 8, 16) if n * per_gpu > self.weight_bytes * 1.05), None)
             fix = (f"tensor parallelism over {need} GPUs would leave room for KV (--tp {need})" if need and
                    self.hw.nvlink_gbps else "a GPU with more memory")
             raise ValueError(f"{self.c.num_layers}-layer model weights ({self.weight_bytes / 1e9:.1f} GB) do not fit "
-                             f"in {gpus}{self.hw.name} memory ({self.tp * self.hw.memory_gb:g} GB): {fix}")
+                             f"in {gpus}{self.hw.name} memory ({self.gpus * self.hw.memory_gb:g} GB): {fix}")
         return int(free // (self.block_size * self.c.kv_bytes_per_token))
