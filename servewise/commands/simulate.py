@@ -1,22 +1,24 @@
 """`servewise simulate`: run a workload through the engine on a virtual clock."""
 from __future__ import annotations
 
-from servewise.commands.options import (at_least, bar, changes, engine_args, engine_kwargs, perf_model_arg,
+from servewise.commands.options import (alias, at_least, bar, changes, engine_args, engine_kwargs, perf_model_arg,
                                         say_changes, slo, slo_args, workload, workload_args)
 
 HELP = "run a workload through the engine on a virtual clock"
 
 
 def arguments(p) -> None:
-    engine_args(p, skip=("load_format", "dtype", "device", "seed", "predictors", "length_predictor"))
+    parser, p = p, engine_args(p, simulated=True)["model"]  # (the simulated machine goes with the model)
     p.add_argument("--hardware", default="profile",
                    help="'profile' (this machine, from --predictors) or a simulated GPU: a100-80g, h100-80g, "
                         "h100-80g-pcap (calibrated per operation by default), a800-80g-pcie, v100-32g, rtx3090 "
                         "(analytical rooflines)")
     p.add_argument("--predictors", default="results/predictors.pkl", help="fitted predictors for --hardware profile")
-    p.add_argument("--tp", type=at_least(1), default=1, help="GPUs per instance, tensor parallel (analytical GPUs only)")
+    p.add_argument("--tensor-parallel-size", "-tp", dest="tp", type=at_least(1), default=1,
+                   help="GPUs per instance, tensor parallel (analytical GPUs only)")
     p.add_argument("--expert-parallel-size", type=at_least(1), default=1,
-                   help="a mixture of experts: expert-parallel groups of --tp GPUs each (roofline GPUs)")
+                   help="a mixture of experts: expert-parallel groups of --tensor-parallel-size GPUs each "
+                        "(roofline GPUs)")
     p.add_argument("--expert-skew", default=None,
                    help="a mixture of experts' routing: a Zipf exponent (0: uniform) or one weight per expert, w0,w1,...")
     p.add_argument("--perf-table", default=None,
@@ -25,12 +27,13 @@ def arguments(p) -> None:
                         "--hardware profile: this machine's per-operation model (.json, from `servewise bench "
                         "operations`), in place of the profile's step-time predictors")
     perf_model_arg(p)
-    workload_args(p)
-    slo_args(p)
-    p.add_argument("--out", default="results/simulate.json")
-    p.add_argument("--verify", action="store_true",
-                   help="run the workload again step by step (no decode steps in bulk) and check that every "
-                        "request's record and the step counts agree; exits 1 if not")
+    alias(parser, "--tp", "--tensor-parallel-size")
+    workload_args(parser)
+    slo_args(parser)
+    parser.add_argument_group("output options").add_argument("--out", default="results/simulate.json")
+    parser.add_argument("--verify", action="store_true",
+                        help="run the workload again step by step (no decode steps in bulk) and check that every "
+                             "request's record and the step counts agree; exits 1 if not")
 
 
 def run(a) -> None:
@@ -87,7 +90,7 @@ def run(a) -> None:
               analytical=perf.analytical,
               wall_s=rec.wall_s, steps=steps, peak_rss_mb=peak_mb, num_device_blocks=eng.block_manager.num_device_blocks,
               num_host_blocks=eng.block_manager.num_host_blocks, policy=a.policy, preemption=a.preemption,
-              workload=a.workload, arrival=a.arrival, rate=a.rate)
+              workload=a.workload, arrival=a.arrival, rate=a.request_rate)
     print(f"saved {a.out}")
     if a.verify and not v["identical"]:
         raise SystemExit(1)
