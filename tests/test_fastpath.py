@@ -105,3 +105,20 @@ def test_an_azure_slice_on_a_simulated_h100(data_dir):
     ref = run(spec, engine=eng)
     assert differences(fast, ref) == []
     assert sum(ref.metrics["preemptions"].values()) > 0 and fast.engine.runner.bulk_steps > ref.steps["steps"] / 2
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_every_step_leaves_the_same_block_tables(preemption):
+    """Blocks are taken eagerly in bulk, in queue order: after every step each request holds the same blocks."""
+    items, arrivals = workload(80, seed=5, output=(1, 90))
+    spec = Spec(Engine("sim", "tiny-llama", "a100-80g", options={"block_size": 4, "num_device_blocks": 64,
+                                                                "num_host_blocks": 32, "preemption": preemption}),
+                items, arrivals)
+    tables = {}
+    for bulk in (True, False):
+        eng = build(spec.engine)
+        eng.runner.bulk = bulk
+        seen = tables[bulk] = []
+        run(spec, engine=eng,
+            on_step=lambda st: seen.append(sorted((k, tuple(t)) for k, t in eng.block_manager.device_tables.items())))
+    assert len(tables[True]) == len(tables[False]) > 100 and tables[True] == tables[False]
