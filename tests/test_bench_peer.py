@@ -22,9 +22,9 @@ def test_both_servers_get_the_same_pool_model_and_threads():
     assert flag(sw, "--model") == "/m" and vl[3] == "/m"
     assert flag(sw, "--preemption") == "adaptive" and flag(sw, "--policy") == "fair"
     assert flag(sw, "--threads") == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
-    assert "--chunked-prefill" not in sw
+    assert "--enable-chunked-prefill" not in sw
     chunked, _ = server_command(s, "sw:recompute:fcfs:chunked512")
-    assert "--chunked-prefill" in chunked and flag(chunked, "--max-num-batched-tokens") == "512"
+    assert "--enable-chunked-prefill" in chunked and flag(chunked, "--max-num-batched-tokens") == "512"
     more, _ = server_command(Settings(sw_args="--max-num-seqs 128"), "sw:recompute:fcfs")
     assert flag(more, "--max-num-seqs") == "128"
     for bad in ("sw:swap", "sw:swap:fcfs:chunked", "sw:swap:fcfs:chunked0", "sw:swap:fcfs:512"):

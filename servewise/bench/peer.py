@@ -80,7 +80,7 @@ def server_command(s: Settings, name: str) -> tuple[list[str], dict]:
                                       str(s.max_model_len), "--block-size", str(s.block_size),
                                       "--num-gpu-blocks-override", str(s.kv_blocks)], env
     _, preemption, policy, chunk = sw
-    chunked = ["--chunked-prefill", "--max-num-batched-tokens", str(chunk)] if chunk else []
+    chunked = ["--enable-chunked-prefill", "--max-num-batched-tokens", str(chunk)] if chunk else []
     return [sys.executable, "-m", "servewise", "serve", "--model", s.model, "--port", str(s.port), "--threads",
             str(s.threads), "--dtype", s.dtype, "--block-size", str(s.block_size), "--num-device-blocks",
             str(s.kv_blocks), "--num-host-blocks", str(s.host_blocks), "--preemption", preemption, "--policy", policy,
@@ -100,7 +100,7 @@ def client_command(s: Settings, workload: str, seed: int, result: str) -> list[s
             "--metric-percentiles", "50,99", "--save-result", "--result-dir", os.path.dirname(result),
             "--result-filename", os.path.basename(result)]
     return [sys.executable, "-m", "servewise", "bench", "serve", "--base-url", base, "--tokenizer", s.model,
-            "--workload", "synthetic", "--input-len", str(inp), "--output-len", str(out), "--num-requests",
+            "--workload", "synthetic", "--input-len", str(inp), "--output-len", str(out), "--num-prompts",
             str(s.num_prompts), "--request-rate", str(rate), "--seed", str(seed), "--out", result]
 
 

@@ -106,8 +106,8 @@ def main(s: Settings) -> dict:
     out["servewise"] = {}
     for name in s.assumptions:
         dest = os.path.splitext(s.out)[0] + f"_{name}_cluster.json"
-        cmd = [sys.executable, "-m", "servewise", "cluster", "--prompt", f"dgx-a100:{s.prompt_machines}",
-               "--token", f"dgx-a100:{s.token_machines}", "--workload", "splitwise", "--data", trace,
+        cmd = [sys.executable, "-m", "servewise", "cluster", "--prompt-machines", f"dgx-a100:{s.prompt_machines}",
+               "--token-machines", f"dgx-a100:{s.token_machines}", "--workload", "splitwise", "--data", trace,
                "--perf-table", s.perf_table, "--seed", str(s.seed), "--out", dest, *ASSUMPTIONS[name]]
         print(f"servewise cluster, {name}'s assumptions ...", flush=True)
         run = timed(cmd, log=os.path.splitext(s.out)[0] + f"_{name}.log")
