@@ -64,7 +64,8 @@ def write(tmp_path, name, text):
     (lambda d: ["--batching", "magnus", "--chunked-prefill"], "request-level batching (--batching) does not combine"),
     (lambda d: ["--batching", "slo-odbs", "--slo-weights", "0,0"], "slo_weights must be two non-negative numbers"),
     (lambda d: ["--batch-size", "0"], "batch_size must be >= 1, got 0"),
-    (lambda d: ["--model", "llama-2-70b"], "tensor parallelism over 4 GPUs would leave room for KV (--tp 4)"),
+    (lambda d: ["--model", "llama-2-70b"],
+     "tensor parallelism over 4 GPUs would leave room for KV (--tensor-parallel-size 4)"),
 ])
 def test_each_bad_input_gets_one_clear_line_and_status_2(case, message, tmp_path, capsys):
     code, out = run(simulate(*case(tmp_path)), tmp_path)

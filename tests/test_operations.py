@@ -208,7 +208,7 @@ def test_the_splitwise_experiment_takes_a_calibration_in_place_of_the_measured_t
     assert s.table == "cal.json" and Settings(data_dir=str(tmp_path)).measured_table.endswith("perf_model.csv.gz")
     assert Settings(data_dir=str(tmp_path), measured=False).table == "roofline"  # by name: else A100s are calibrated
     for bad in (dict(measured=False), dict(splitwisesim=True)):
-        with pytest.raises(ValueError, match="--calibration replaces the measured table"):
+        with pytest.raises(ValueError, match="--perf-table replaces the measured table"):
             Settings(data_dir=str(tmp_path), calibration="cal.json", **bad)
 
 

@@ -235,7 +235,7 @@ def workload(s: Settings, mc) -> tuple[list, list[float] | None]:
             raise ValueError(f"--workload azure-conv takes the trace's seed-th window of requests: seed {s.seed} < 0")
         rows = load_azure_trace(s.trace, limit=n * (s.seed + 1))[n * s.seed:]  # seed k: requests kn .. kn + n - 1
         if len(rows) < n:
-            raise ValueError(f"{s.trace} holds fewer than {n * (s.seed + 1)} requests: --num-requests {n} at seed {s.seed}")
+            raise ValueError(f"{s.trace} holds fewer than {n * (s.seed + 1)} requests: --num-prompts {n} at seed {s.seed}")
         gaps = np.diff([r.arrival for r in rows], prepend=rows[0].arrival)
         gaps = (gaps / gaps[1:].mean()).tolist() if n > 1 and gaps[1:].mean() > 0 else [0.0] * n
         lens = [(min(r.prompt_len, cap), min(r.output_len, out)) for r in rows]

@@ -264,7 +264,7 @@ def workload(data: LengthData, start: int, n: int, be: Backend, predicted: dict[
     """Items `start`..`start + n` of the data, capped, per predictor name (None: no prediction); predicted
     lengths are capped alike."""
     if start + n > len(data.y):
-        raise ValueError(f"{n} requests asked for, {len(data.y) - start} held out (raise --num)")
+        raise ValueError(f"{n} requests asked for, {len(data.y) - start} held out (lower --num-prompts or --train)")
     rng = random.Random(f"slo:{seed}")
     items = {}
     for name, pred in predicted.items():

@@ -120,7 +120,7 @@ class Settings:
         if self.splitwisesim and not self.measured:
             raise ValueError("--splitwisesim takes SplitwiseSim's measured table; it does not combine with --roofline")
         if self.calibration and (self.splitwisesim or not self.measured):
-            raise ValueError("--calibration replaces the measured table; it does not combine with --roofline or "
+            raise ValueError("--perf-table replaces the measured table; it does not combine with --roofline or "
                              "--splitwisesim")
 
     def trace_path(self, name: str) -> str:

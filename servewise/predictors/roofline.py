@@ -286,8 +286,8 @@ class RooflinePerf:
             gpus = f"{self.gpus} x " if self.gpus > 1 else ""
             per_gpu = (self.hw.memory_gb * memory_utilization - activation_reserve_gb) * 1e9
             need = next((n for n in (2, 4, 8, 16) if n * per_gpu > self.weight_bytes * 1.05), None)
-            fix = (f"tensor parallelism over {need} GPUs would leave room for KV (--tp {need})" if need and
-                   self.hw.nvlink_gbps else "a GPU with more memory")
+            fix = (f"tensor parallelism over {need} GPUs would leave room for KV (--tensor-parallel-size {need})"
+                   if need and self.hw.nvlink_gbps else "a GPU with more memory")
             raise ValueError(f"{self.c.num_layers}-layer model weights ({self.weight_bytes / 1e9:.1f} GB) do not fit "
                              f"in {gpus}{self.hw.name} memory ({self.gpus * self.hw.memory_gb:g} GB): {fix}")
         return int(free // (self.block_size * self.c.kv_bytes_per_token))

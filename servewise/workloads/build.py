@@ -37,7 +37,8 @@ def build_workload(source: str, tokenizer, vocab_size: int, *, data: str | None 
     if trace_options and source != "trace":
         raise ValueError(f"trace column options apply to the 'trace' workload only, not {source!r}")
     if prefix_options and source not in ("shared_prefix", "multi_turn"):
-        raise ValueError(f"prefix-sharing options apply to shared_prefix and multi_turn only, not {source!r}")
+        raise ValueError("prefix-sharing options apply to shared-prefix and multi-turn only, not "
+                         f"{source.replace('_', '-')!r}")
     trace_options = dict(trace_options or {})
     hash_block = trace_options.pop("hash_block", 512)
     if hash_block < 1:
@@ -48,8 +49,8 @@ def build_workload(source: str, tokenizer, vocab_size: int, *, data: str | None 
                               input_len, output_len, seed)
     elif source == "multi_turn":
         if rate is not None:
-            raise ValueError("multi_turn conversations start at their own rate (conversation_rate); --rate is for "
-                             "poisson or gamma arrivals of independent requests")
+            raise ValueError("multi-turn conversations start at their own rate (--conversation-rate); --request-rate "
+                             "is for poisson or gamma arrivals of independent requests")
         items, own = multi_turn(po.get("conversations", 20), vocab_size, tokenizer=tokenizer, data=data,
                                 max_turns=po.get("turns", 6), user_len=input_len, reply_len=output_len,
                                 system_len=po.get("system_len", 0), rate=po.get("conversation_rate", 1.0),
