@@ -1,6 +1,7 @@
 """Every `servewise ...` command in the README and the guides parses with today's command line, by the current
 names (no deprecated alias). The commands are parsed, never run. Notes (docs/notes/) record what was run then,
 with the names of then, and are not checked."""
+import argparse
 import contextlib
 import io
 import re
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from servewise.cli import parser
+from servewise.commands.options import _Alias
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -44,6 +46,27 @@ def commands_in(text: str) -> list[str]:
 
 def all_commands() -> list[tuple[str, str]]:
     return [(f.relative_to(ROOT).as_posix(), c) for f in DOCS for c in commands_in(f.read_text())]
+
+
+def mentions_in(text: str) -> list[str]:
+    """Inline code spans outside code blocks that name a command without `servewise` and give some of its options
+    (`cluster --perf-table`, `predict-lengths --num-prompts 600 --save`): not whole commands, but their names count."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    spans = (" ".join(s.split()) for s in re.findall(r"`([^`]+)`", prose))
+    return [s for s in spans if re.match(r"[a-z][a-z-]*( [a-z][a-z-]*)? --[a-z]", s)]
+
+
+def unknown_or_old_options(p, mention: str) -> list[str]:
+    """The options of a mention its command does not have, or has only as a deprecated name; [] also where the
+    first words name no command (prose that merely looks like one)."""
+    words = mention.split()
+    while words and not words[0].startswith("-"):
+        sub = next((a for a in p._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or words[0] not in sub.choices:
+            return []
+        p = sub.choices[words.pop(0)]
+    known = p._option_string_actions
+    return [w for w in words if w.startswith("--") and (w not in known or isinstance(known[w], _Alias))]
 
 
 def parse_quietly(p, cmd: str) -> tuple[int, str]:
@@ -100,6 +123,17 @@ def test_docs_commands_parse_by_current_names():
             bad.append(f"{where}: {cmd}\n    -> {err.strip().splitlines()[-1] if err.strip() else code}")
     assert not bad, "\n".join(bad)
     assert len(incomplete) < len(cmds) / 4, f"{len(incomplete)} of {len(cmds)} commands are excerpts"
+
+
+def test_docs_option_mentions_use_current_names():
+    p = parser()
+    assert unknown_or_old_options(p, "cluster --prompt dgx-a100:2 --perf-table") == ["--prompt"]
+    assert unknown_or_old_options(p, "predict-lengths --no-such --num-prompts 600") == ["--no-such"]
+    assert unknown_or_old_options(p, "not-a-command --prompt") == []
+    mentions = [(f.relative_to(ROOT).as_posix(), m) for f in DOCS for m in mentions_in(f.read_text())]
+    assert len(mentions) > 10, "the extraction lost the docs' mentions"
+    bad = [f"{where}: {m}: {unknown_or_old_options(p, m)}" for where, m in mentions if unknown_or_old_options(p, m)]
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("old", ["--num-requests", "--rate", "--chunked-prefill"])
