@@ -52,5 +52,8 @@ def test_bad_input_is_one_line(tmp_path):
         main(Settings(sim_dir=str(d), trace="missing", assumptions=()))
     with pytest.raises(ValueError, match="no SplitwiseSim results"):
         main(Settings(sim_dir=str(d), trace="t", prompt_machines=27, token_machines=13, assumptions=()))
+    with pytest.raises(ValueError, match="no SplitwiseSim results"):  # 2 + 1 is not 2 + 11's folder
+        os.rename(d / "results" / "0" / "splitwise_2_1", d / "results" / "0" / "splitwise_2_11")
+        main(Settings(sim_dir=str(d), trace="t", prompt_machines=2, token_machines=1, assumptions=()))
     with pytest.raises(ValueError, match="unknown --assumptions"):
         main(Settings(sim_dir=str(d), trace="t", assumptions=("vidur",)))

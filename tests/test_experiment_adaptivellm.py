@@ -70,3 +70,22 @@ def test_finished_runs_are_kept_for_the_same_settings_code_and_machine(tmp_path,
     assert al.measure_all(al.grid(s), None, s, Checkpoint(None)) and len(ran) == before + n  # nothing kept
     with pytest.raises(ValueError, match="settings"):
         al.measure_all(al.grid(s), None, None, cp)
+
+
+def test_decision_cost_runs_time_every_step_through_the_scheduler(monkeypatch):
+    """The simulator's fast path runs decode steps without the scheduler (no scheduling time): the runs that
+    time one scheduling decision at >= 120 running requests turn it off, so no such step reads 0 s."""
+    import servewise.experiments.adaptivellm as al
+
+    built, seen = [], []
+    real_build = al.build
+    monkeypatch.setattr(al, "build", lambda e: built.append(real_build(e)) or built[-1])
+    real_run = al.lab.run
+    monkeypatch.setattr(al.lab, "run", lambda sp, on_step, engine: real_run(
+        sp, on_step=lambda st: (seen.append(st), on_step(st)), engine=engine))
+    s = replace(QUICK, num_device_blocks=None)
+    items = al.workload("chatbot", 160, 128, s)
+    run = al.measure(al.spec("decision_cost", "sim", "opt-13b", items, "chatbot", 128, "vllm", 128, s))
+    crowded = [st for st in seen if st.num_running >= 120]
+    assert run["schedule_calls_at_128"] == len(crowded) > 0 and built[0].runner.bulk_steps == 0
+    assert all(st.schedule_s > 0 for st in crowded)

@@ -51,17 +51,11 @@ def timed(cmd: list[str], cwd: str | None = None, log: str | None = None) -> dic
     return {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024}
 
 
-def percentile(values: list[float], q: float) -> float:
-    """numpy's default (linear) percentile, as SplitwiseSim's notebooks and servewise's summaries take it."""
-    import numpy as np
-
-    return float(np.percentile(np.asarray(values, dtype=float), q))
-
-
 def splitwisesim_results(s: Settings) -> str:
     """The per-request CSV SplitwiseSim wrote for this trace and design (its hydra output directory)."""
     pattern = os.path.join(s.sim_dir, "results", str(s.seed), "*", s.trace, "*", "*", "mixed_pool", "detailed", "0.csv")
-    found = [p for p in glob.glob(pattern) if f"_{s.prompt_machines}_{s.token_machines}" in p]
+    state = f"{os.sep}splitwise_{s.prompt_machines}_{s.token_machines}{os.sep}"  # its start state's folder, whole
+    found = [p for p in glob.glob(pattern) if state in p]
     if not found:
         raise ValueError(f"no SplitwiseSim results for {s.trace} with {s.prompt_machines} + {s.token_machines} "
                          f"machines under {s.sim_dir}/results (run it: --sim-python)")
@@ -69,12 +63,14 @@ def splitwisesim_results(s: Settings) -> str:
 
 
 def read_splitwisesim(path: str) -> dict:
+    import numpy as np
+
     rows = list(csv.DictReader(open(path)))
     cols = {"ttft": "ttft_times", "tbt": "tbt_times", "e2e": "response_times"}
     out = {"requests": len(rows)}
     for k, c in cols.items():
         vals = [float(r[c]) for r in rows]
-        out.update({f"{k}_p{q}_s": percentile(vals, q) for q in QUANTILES})
+        out.update({f"{k}_p{q}_s": float(np.percentile(vals, q)) for q in QUANTILES})  # linear, as SplitwiseSim's
     return out
 
 
