@@ -74,3 +74,15 @@ def test_a_saved_result_names_its_commit_date_and_machine(tmp_path):
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     assert p["commit"] == (head or None) and isinstance(p["uncommitted_changes"], bool) == bool(head)
+
+
+def test_save_json_keeps_numpy_values_as_numbers(tmp_path):
+    import json
+
+    import numpy as np
+
+    from servewise.metrics import save_json
+
+    save_json({"n": np.int64(3), "x": np.float32(1.5), "v": np.arange(3)}, str(tmp_path / "r.json"))
+    d = json.load(open(tmp_path / "r.json"))
+    assert d["n"] == 3 and d["x"] == 1.5 and d["v"] == [0, 1, 2] and d["provenance"]["cores"]

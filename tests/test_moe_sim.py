@@ -161,7 +161,7 @@ def test_simulate_runs_a_moe_with_expert_parallelism(tmp_path, capsys):
 
     out = tmp_path / "sim.json"
     main(["simulate", "--model", "mixtral-8x7b", "--hardware", "h100-80g", "--expert-parallel-size", "8",
-          "--expert-skew", "0.5", "--num-requests", "8", "--input-len", "64", "--output-len", "8", "--out", str(out)])
+          "--expert-skew", "0.5", "--num-prompts", "8", "--input-len", "64", "--output-len", "8", "--out", str(out)])
     m = json.loads(out.read_text())
     assert m["completed"] == 8 and "EP 8" in m["perf"] and "Zipf 0.5" in m["perf"]
     assert m["perf_model"] == "roofline (assumed efficiencies)"  # 46.7B, yet not the dense calibration

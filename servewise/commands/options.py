@@ -325,8 +325,8 @@ def perf_model_arg(p: argparse.ArgumentParser) -> None:
     """--perf-model: how a simulated GPU's steps are priced (predictors.perf.perf_table reads it)."""
     p.add_argument("--perf-model", default=None, choices=("calibrated", "roofline"),
                    help="a simulated GPU's steps: 'calibrated', per operation with the constants servewise ships "
-                        "(fitted on Splitwise's measured table; the default on a100-80g, h100-80g, h100-80g-pcap for models of "
-                        "30B parameters and more, since it misses 7-8B steps by 2-5x; h100-80g-pcap always), "
+                        "(fitted on Splitwise's measured table; the default on a100-80g, h100-80g, h100-80g-pcap for dense "
+                        "models of 30B parameters and more, since it misses 7-8B steps by 2-5x; h100-80g-pcap always), "
                         "or 'roofline', the analytical roofline with assumed efficiencies (the only model of the "
                         "other GPUs: a800-80g-pcie, v100-32g, rtx3090)")
 

@@ -198,4 +198,9 @@ def save_json(m: dict, path: str, **extra) -> None:
     """Write a result with its provenance (the code's commit, the date, the machine) under "provenance"."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({**extra, **m, "provenance": provenance()}, f, indent=1, default=str)
+        json.dump({**extra, **m, "provenance": provenance()}, f, indent=1, default=_plain)
+
+
+def _plain(x):
+    """A value JSON cannot hold: numpy's scalars and arrays as numbers and lists, anything else by its str."""
+    return x.tolist() if hasattr(x, "tolist") else str(x)
