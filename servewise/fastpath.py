@@ -25,6 +25,11 @@ while nobody waits), no prefix caching, no KV store, no length prediction or cor
 virtual clock. Every other engine steps through the scheduler, and so does a step with a request that the
 simulated token could stop (an end-of-sequence id of 0 without ignore_eos, or a stop token 0).
 
+What a bulk step's StepStats leave out: the scheduler's time (`schedule_s` 0: no scheduling was done; runs that
+time decisions turn the fast path off, as AdaptiveLLM's decision-cost runs do) and the arrivals queued after the
+run (an `on_step` callback reading the engine's waiting queue sees them late; nothing in a single engine's
+simulation reads it, and clusters do not take the fast path).
+
 `verify` runs a spec again step by step and lists what differs (`servewise simulate --verify`).
 """
 from __future__ import annotations
