@@ -49,6 +49,32 @@ def wait_until(cond, timeout: float = 60.0, what: str = "the condition") -> None
         time.sleep(0.01)
 
 
+def start_server(args: list[str], timeout: float = 180.0, tries: int = 3, **popen):
+    """`servewise serve ARGS --port P` on a port free a moment ago, up and healthy: (process, port). A port is
+    only known free until the server binds it, and other tests' processes (Ray's nodes) bind ports too; a
+    server that finds its port taken exits, and is started again on another."""
+    import socket
+    import subprocess
+    import sys
+
+    from servewise.bench.peer import wait_healthy
+
+    for attempt in range(tries):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "servewise", "serve", *args, "--port", str(port)], **popen)
+        try:
+            wait_healthy(port, proc, timeout=timeout)
+            return proc, port
+        except RuntimeError:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if attempt == tries - 1:
+                raise
+
+
 def refused(argv: list[str], capsys) -> str:
     """Run a command that must refuse its input: exit status 2, no traceback, exactly one `error:` line and
     that one last (argparse's usage lines, or what the command printed before it, aside); returns it."""

@@ -14,7 +14,6 @@ import time
 import httpx
 import pytest
 
-from servewise.bench.peer import wait_healthy
 from servewise.builder import build_engine
 from servewise.cluster.serving import ClusterClient
 from servewise.sampling_params import SamplingParams
@@ -361,18 +360,13 @@ def test_a_sigterm_stops_the_server_and_its_instances_and_removes_their_files():
     """uvicorn re-raises a SIGTERM once it has shut down; the instances must be stopped before that. Their
     shared directory is the one their KV caches are mapped from (not whatever else appeared in /dev/shm
     meanwhile: other processes on the machine make such directories too)."""
-    import socket
     import subprocess
-    import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "servewise.cli", "serve", "--model", "tiny-llama", "--port", str(port),
-                             "--instances", "prompt=1,token=1", "--threads", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from conftest import start_server
+
+    proc, _ = start_server(["--model", "tiny-llama", "--instances", "prompt=1,token=1", "--threads", "1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_healthy(port, proc, timeout=180)  # (fails if the server exits first)
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                    text=True).stdout.split()]
         mapped = set()
@@ -407,23 +401,18 @@ def test_a_signal_to_the_whole_process_group_stops_the_server_without_a_restart(
     """Ctrl-C in a terminal and many supervisors signal the server's whole process group, its engines too.
     The engines leave the signal to the server, which stops them in order: none is restarted mid-shutdown
     (a restarted engine once recreated its KV store's directory after the server had removed it)."""
-    import socket
     import subprocess
-    import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from conftest import start_server
+
     log = tmp_path / "server.log"
     store = tmp_path / "store"
     extra = ["--instances", instances] if instances else ["--enable-prefix-caching", "--kv-store", str(store),
                                                            "--kv-store-fetch", "always"]  # (no profile first)
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "servewise", "serve", "--model", "tiny-llama", "--port",
-                                 str(port), "--threads", "1", *extra], stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    with open(log, "w") as f:  # (the server's log is in tmp_path)
+        proc, port = start_server(["--model", "tiny-llama", "--threads", "1", *extra], timeout=300, stdout=f,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_healthy(port, proc, timeout=300)  # (fails if the server exits first; its log is in tmp_path)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "tiny-llama", "prompt": "before the signal", "max_tokens": 4})
         assert r.status_code == 200

@@ -13,6 +13,7 @@ them: None), and swapped bytes.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
@@ -152,7 +153,7 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 900.0) -> N
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
                 return
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not up, or another program answers on the port
             time.sleep(1)
     raise RuntimeError(f"the server was not up after {timeout:.0f} s")
 
