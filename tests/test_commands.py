@@ -141,6 +141,7 @@ def test_fit_predictors_refits_a_saved_profile_with_other_regressors(profiled, t
     assert f"predictors saved to {out}" in capsys.readouterr().out
     with open(out + ".json") as f:
         refit = json.load(f)
+    assert refit["provenance"]["cores"] and "date" in refit["provenance"]  # where and when it was fitted
     with open(profiled["predictors"] + ".json") as f:
         first = json.load(f)
     for kind, table in refit["mape_tables"].items():

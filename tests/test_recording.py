@@ -100,6 +100,7 @@ def test_bench_fidelity_replays_a_recording_on_a_named_gpu_and_refuses_what_is_n
           "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["perf"].startswith("analytical roofline") and r["per_request"]["ttft"]["requests"] == 12
+    assert r["provenance"]["cores"] and "date" in r["provenance"]  # where and when the replay was made
     assert "replay of run.jsonl.gz" in capsys.readouterr().out
     bad = tmp_path / "bad.jsonl.gz"
     with gzip.open(bad, "wt") as f:

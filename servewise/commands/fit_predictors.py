@@ -14,9 +14,9 @@ def arguments(p) -> None:
 
 
 def run(a) -> None:
-    import json
     import os
 
+    from servewise.metrics import save_json
     from servewise.predictors.fit import fit_predictors, format_report
     from servewise.predictors.profiler import load_profile
 
@@ -26,6 +26,5 @@ def run(a) -> None:
     preds = fit_predictors(prof, names=a.regressors, degrees=a.degrees, test_size=a.test_size, seed=a.seed)
     print(format_report(preds))
     preds.save(a.predictors)
-    with open(a.predictors + ".json", "w") as f:
-        json.dump({"meta": preds.meta, **preds.report}, f, indent=1)
+    save_json({"meta": preds.meta, **preds.report}, a.predictors + ".json")
     print(f"predictors saved to {a.predictors} (report: {a.predictors}.json)")

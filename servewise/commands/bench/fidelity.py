@@ -66,10 +66,8 @@ def run(a) -> None:
 
 
 def replayed(a) -> None:
-    import json
-    import os
-
     from servewise.bench.recording import format_replay, replay
+    from servewise.metrics import save_json
     from servewise.predictors.perf import perf_table
 
     if a.record:
@@ -77,7 +75,5 @@ def replayed(a) -> None:
     table = perf_table(a.perf_model, a.perf_table)
     r = replay(a.recorded, a.hardware, a.predictors, table)
     print(format_replay(r))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(r, f, indent=1)
+    save_json(r, a.out)
     print(f"saved {a.out}")
