@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from servewise.fastpath import differences, why_not
+from servewise.fastpath import why_not
+from servewise.lab.verify import differences
 from servewise.lab import Engine, Spec, run
 from servewise.lab.run import build
 from servewise.workloads.datasets import WorkloadRequest

@@ -80,7 +80,7 @@ def run(a) -> None:
     steps = rec.steps["steps"]
     print(f"simulation wall time {rec.wall_s:.2f} s, {steps} steps, peak memory {peak_mb:.0f} MB")
     if a.verify:
-        from servewise.fastpath import verify
+        from servewise.lab.verify import verify
 
         m["verify"] = v = verify(spec, rec)
         print(f"verify: {'identical to' if v['identical'] else 'DIFFERS from'} the step-by-step run ({v['steps']} "
