@@ -132,3 +132,16 @@ def test_an_experiment_without_matplotlib_says_so_and_keeps_its_report(tmp_path,
     assert "figures skipped: matplotlib is not installed" in out and "figure: " not in out
     assert (tmp_path / "run.txt").read_text() == "the report\n" and (tmp_path / "run.json").exists()
     assert not (tmp_path / "fig.png").exists()
+
+
+def test_every_data_file_the_package_reads_is_package_data():
+    """A wheel carries only the Python and the package-data globs: the kernels' C++ sources and headers (built on
+    first use) and the shipped calibration must be among them, or a non-editable install loses them silently."""
+    from fnmatch import fnmatch
+
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["servewise"]
+    pkg = ROOT / "servewise"
+    data = [p.relative_to(pkg).as_posix() for p in pkg.rglob("*")
+            if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
+    assert data, "no data files found"
+    assert [d for d in data if not any(fnmatch(d, g) for g in globs)] == []
