@@ -11,6 +11,16 @@ from servewise.engine.request import Request
 from servewise.sampling_params import SamplingParams
 
 
+def shown_ids(req: Request) -> list[int]:
+    """The output tokens whose text is shown: all but a stop token that ended the request (its text is kept
+    with include_stop_str_in_output), as vLLM and the server show them."""
+    out, p = req.output_token_ids, req.params
+    if (req.finish_reason == "stop" and out and p.stop_token_ids and out[-1] in p.stop_token_ids
+            and not p.include_stop_str_in_output):
+        return out[:-1]
+    return out
+
+
 @dataclass(kw_only=True)
 class RequestOutput:
     request_id: str
@@ -25,7 +35,7 @@ class RequestOutput:
     def of(cls, req: Request, tokenizer, text: str | None = None) -> RequestOutput:
         return cls(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                    token_ids=list(req.output_token_ids),
-                   text=tokenizer.decode(req.output_token_ids) if text is None else text,
+                   text=tokenizer.decode(shown_ids(req)) if text is None else text,
                    finish_reason=req.finish_reason, request=req)
 
 
@@ -81,7 +91,7 @@ class LLM:
             for rid in stats.scheduled:
                 if rid in streams:
                     req, stream, pieces = streams[rid]
-                    piece, stopped = stream.push(req.output_token_ids[len(stream.ids):], req.finished)
+                    piece, stopped = stream.push(shown_ids(req)[len(stream.ids):], req.finished)
                     pieces.append(piece)
                     if stopped and eng.abort_request(rid, "stop"):
                         if bar is not None:

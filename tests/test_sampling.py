@@ -43,6 +43,15 @@ def test_stop_tokens_and_eos():
     first = free.token_ids.index(stop)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop]))[0]
     assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
+    # the stop token's text is left out, as vLLM and the server leave it, unless include_stop_str_in_output;
+    # the same through the stop-string path (a stop string that never appears)
+    decode = llm.tokenizer.decode
+    assert out.text == decode(free.token_ids[:first]) != decode(free.token_ids[:first + 1])
+    for stop_strings in ([], ["never-in-the-output"]):
+        kept, cut = (llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop],
+                                                                 stop=stop_strings, include_stop_str_in_output=k))[0]
+                     for k in (True, False))
+        assert kept.text == decode(free.token_ids[:first + 1]) and cut.text == decode(free.token_ids[:first])
     # the same token as EOS stops too unless ignore_eos
     llm.engine.model_config.eos_token_id = stop
     try:
