@@ -128,8 +128,8 @@ def make_perf(hardware: str, mc, block_size: int, predictors=None, efficiency: d
         raise ValueError(f"servewise's calibration prices {', '.join(CALIBRATED_GPUS)}; {hardware} is an analytical "
                          "roofline (--perf-model roofline)")
     if (ep != 1 or expert_skew is not None) and (hardware == PROFILE or table is not None):
-        raise ValueError("expert parallelism and routing skew are priced by the analytical roofline only "
-                         "(--hardware GPU --perf-model roofline)")
+        raise ValueError("expert parallelism and routing skew are priced by the analytical roofline only: a GPU "
+                         "with --perf-model roofline, without a profile or --perf-table")
     if hardware == PROFILE:
         if predictors is None:
             raise ValueError("hardware 'profile' needs fitted predictors (run `servewise profile` first)")
