@@ -98,7 +98,6 @@ def test_figure18_ratios_are_read_off_the_sweeps():
 
 def test_a_sweep_stops_after_the_loads_missed_in_a_row(monkeypatch):
     from servewise.experiments import splitwise as sw
-    from servewise.lab.checkpoint import Checkpoint
 
     ran = []
 
@@ -108,8 +107,11 @@ def test_a_sweep_stops_after_the_loads_missed_in_a_row(monkeypatch):
 
     monkeypatch.setattr(sw, "_sweep_point", fake)
     s = sw.Settings(data_dir="unused", sweep_rates=(50.0, 10.0, 20.0, 30.0, 40.0, 60.0))
-    pts = sw._sweep_design((Checkpoint(None), s, 2, ("conv", "Splitwise-HH", (25, 15), None)))
-    assert ran == [10.0, 20.0, 30.0, 40.0, 50.0] and [p["rate"] for p in pts] == ran  # 20 missed, then 40, 50
+    pts = sw._sweep_design(({}, s, 2, ("conv", "Splitwise-HH", (25, 15), None)))
+    assert ran == [10.0, 20.0, 30.0, 40.0, 50.0] and [m["rate"] for _, m, _ in pts] == ran  # 20 missed, then 40, 50
     ran.clear()
-    sw._sweep_design((Checkpoint(None), s, 0, ("conv", "Splitwise-HH", (25, 15), None)))
+    sw._sweep_design(({}, s, 0, ("conv", "Splitwise-HH", (25, 15), None)))
     assert len(ran) == 6
+    ran.clear()  # loads kept by an earlier run are read, not run, and count towards the stop
+    pts = sw._sweep_design(({20.0: {"rate": 20.0, "slo_met": False}}, s, 2, ("conv", "Splitwise-HH", (25, 15), None)))
+    assert ran == [10.0, 30.0, 40.0, 50.0] and [fresh for _, _, fresh in pts] == [True, False, True, True, True]

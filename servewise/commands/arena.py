@@ -44,6 +44,14 @@ def arguments(p) -> None:
     p.add_argument("--out-dir", default="results/arena")
     aliases(p, {"--num-requests": "--num-prompts", "--rate": "--request-rate"})
     p.add_argument("--name", default=None, help="the files' name (default: arena_WORKLOAD_BACKEND)")
+    p.add_argument("--jobs", type=at_least(1), default=None, help="simulated runs at once, in worker processes "
+                   "(default 1: one after the other here)")
+    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                   help="run the simulated runs as tasks of a Ray cluster: auto (RAY_ADDRESS's, else one started "
+                        "here with --jobs CPUs) or a cluster's address, host:port or ray://host:port")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="keep each finished simulated run in DIR: the same command stopped and started again "
+                        "resumes where it was (the same settings on the same code)")
 
 
 def run(a) -> None:
@@ -55,4 +63,5 @@ def run(a) -> None:
                   load=a.load, seeds=a.seeds, preemption=a.preemption, ttft_target=a.ttft_target,
                   tpot_target=a.tpot_target,
                   num_device_blocks=a.num_device_blocks, max_output_len=a.max_output_len, ranker=a.ranker,
-                  cache_dir=a.cache_dir or None, out_dir=a.out_dir, name=a.name))
+                  cache_dir=a.cache_dir or None, out_dir=a.out_dir, name=a.name, jobs=a.jobs or 1, ray=a.ray,
+                  checkpoint=a.checkpoint))

@@ -26,12 +26,13 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from servewise import lab
 from servewise.experiments import publish
+from servewise.lab import sweep
 from servewise.metrics.plots import save_figure
 from servewise.workloads.datasets import WorkloadRequest
 
@@ -72,6 +73,9 @@ class Settings:
     cache_dir: str | None = None  # where the ranker's prompt embeddings are kept between runs
     out_dir: str = "results/arena"
     name: str | None = None  # the files' name under out_dir (default arena_WORKLOAD_BACKEND)
+    jobs: int = 1  # simulated runs at once: local worker processes, or the CPUs of a Ray started here
+    ray: str | None = None  # "auto" or a Ray cluster's address: the runs are its tasks (lab.sweep)
+    checkpoint: str | None = None  # a directory keeping each finished simulated run: a stopped arena resumes
 
     def __post_init__(self):
         from servewise.policies import resolve
@@ -97,6 +101,9 @@ class Settings:
         self.tpot_target = self.tpot_target or (0.2 if real else 0.1)
         if real and self.num_device_blocks is None:
             self.num_device_blocks = 256
+        if real and (self.jobs > 1 or self.ray or self.checkpoint):
+            raise ValueError("--jobs, --ray and --checkpoint are for simulated runs (a real run's timings are this "
+                             "machine's, alone)")
 
 
 def heavy_tailed(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
@@ -106,6 +113,18 @@ def heavy_tailed(rng: random.Random, median: float, sigma: float, lo: int, hi: i
 def workload(s: Settings, seed: int, tokenizer) -> tuple[list[WorkloadRequest], dict]:
     """The requests (each with a client, a priority and targets) and their arrival times at the seed's
     rate: s.rate, or s.load x the capacity (what FCFS serves a second with every request there at once)."""
+    items, rng = requests(s, seed, tokenizer)
+    shape = {"capacity": None, "rate": s.rate}
+    if s.rate is None:
+        at_once = lab.run(lab.Spec(engine(s, "fcfs"), items, [0.0] * len(items)))
+        shape["capacity"] = at_once.metrics["request_throughput"]
+        shape["rate"] = s.load * shape["capacity"]
+    shape["arrivals"] = arrivals(shape["rate"], s, items, rng)
+    return items, shape
+
+
+def requests(s: Settings, seed: int, tokenizer) -> tuple[list[WorkloadRequest], random.Random]:
+    """The seed's requests, and the generator (in the state they left it) their arrivals are drawn with."""
     rng = random.Random(f"arena:{s.workload}:{seed}")
     clients = [f"tenant{k}" for k in range(len(SHARES))]
     if s.workload in ("tenants", "bursts"):
@@ -136,13 +155,7 @@ def workload(s: Settings, seed: int, tokenizer) -> tuple[list[WorkloadRequest], 
     heaviest = max(sorted({it.client for it in items}), key=lambda c: sum(it.client == c for it in items))
     for it in items:  # under `priority` the client that sends most is served after the others
         it.priority = int(it.client == heaviest)
-    shape = {"capacity": None, "rate": s.rate}
-    if s.rate is None:
-        at_once = lab.run(lab.Spec(engine(s, "fcfs"), items, [0.0] * len(items)))
-        shape["capacity"] = at_once.metrics["request_throughput"]
-        shape["rate"] = s.load * shape["capacity"]
-    shape["arrivals"] = arrivals(shape["rate"], s, items, rng)
-    return items, shape
+    return items, rng
 
 
 def arrivals(rate: float, s: Settings, items: list[WorkloadRequest], rng: random.Random) -> list[float]:
@@ -313,24 +326,70 @@ def engine(s: Settings, policy: str) -> lab.Engine:
     return lab.Engine("sim", s.model, hardware=s.hardware, options={"dtype": "float16", **options})
 
 
-def run_arena(s: Settings) -> dict:
+_REQUESTS: dict = {}  # (settings, seed) -> the seed's requests and their generator's state, for the seed's runs
+
+
+def _requests(s: Settings, seed: int) -> tuple[list[WorkloadRequest], random.Random]:
     from servewise.models.loader import load_model_config
+
+    key = repr((s, seed))
+    if key not in _REQUESTS:
+        _REQUESTS.clear()  # (the last seed's only: a worker runs a seed's policies one after the other, mostly)
+        items, rng = requests(s, seed, load_model_config(s.model, "float16")[1])
+        _REQUESTS[key] = items, rng.getstate()
+    items, state = _REQUESTS[key]
+    rng = random.Random()
+    rng.setstate(state)
+    return items, rng
+
+
+def _rate(args) -> dict:
+    """One seed's rate (and the capacity it was read off)."""
+    s, seed = args
+    if s.rate is not None:
+        return {"seed": seed, "capacity": None, "rate": s.rate}
+    items, _ = _requests(s, seed)
+    at_once = lab.run(lab.Spec(engine(s, "fcfs"), items, [0.0] * len(items)))
+    capacity = at_once.metrics["request_throughput"]
+    return {"seed": seed, "capacity": capacity, "rate": s.load * capacity}
+
+
+def _run(args) -> tuple[dict, str | None]:
+    """One policy's run on one seed's requests at `rate`: its figures, and the performance model's kind."""
     from servewise.predictors.perf import perf_kind
 
-    _, tok = load_model_config(s.model, "float16")
-    runs, rates = [], []
+    s, seed, policy, rate = args
+    items, rng = _requests(s, seed)
+    rec = lab.run(lab.Spec(engine(s, policy), items, arrivals(rate, s, items, rng),
+                           tags={"policy": policy, "seed": seed}))
+    perf = perf_kind(rec.engine.runner.perf) if s.backend == "sim" else None
+    return {"policy": policy, "seed": seed, "rate": rate, **figures(rec, items)}, perf
+
+
+def point_settings(s: Settings) -> Settings:
+    """s as each run sees it: without where the runs go and the files go (a resumed arena run with other
+    --jobs, --ray or --out-dir finds its runs kept)."""
+    return replace(s, jobs=1, ray=None, checkpoint=None, out_dir="", name=None)
+
+
+def run_arena(s: Settings) -> dict:
+    """Every policy on every seed's requests: the seeds' rates first, then the runs, one pool task each
+    (lab.sweep: in this process, local workers or Ray), each kept in s.checkpoint when given."""
+    keep, ps = lab.Checkpoint(s.checkpoint), point_settings(s)
     total, t0 = len(s.policies) * s.seeds, time.perf_counter()
-    for seed in range(s.seeds):
-        items, shape = workload(s, seed, tok)
-        rates.append({"seed": seed, "capacity": shape["capacity"], "rate": shape["rate"]})
-        if shape["capacity"] is not None:
-            print(f"seed {seed}: capacity {shape['capacity']:.2f} req/s (FCFS, all {len(items)} requests at once), "
-                  f"rate {shape['rate']:.2f} req/s", file=sys.stderr, flush=True)
-        for policy in s.policies:
-            rec = lab.run(lab.Spec(engine(s, policy), items, shape["arrivals"], tags={"policy": policy, "seed": seed}))
-            perf = perf_kind(rec.engine.runner.perf) if s.backend == "sim" else None
-            runs.append(f := {"policy": policy, "seed": seed, "rate": shape["rate"], **figures(rec, items)})
-            print(f"[{len(runs)}/{total}, {time.perf_counter() - t0:.0f} s] seed {seed} {policy:<10} goodput "
+    runs, perf = [], None
+    with sweep.pool(s.jobs, s.ray) as pool:
+        if s.jobs > 1 or s.ray:
+            print(f"runs in {pool.where}", file=sys.stderr, flush=True)
+        rates = list(pool.map(_rate, [(ps, seed) for seed in range(s.seeds)], keep=keep))
+        for r in rates:
+            if r["capacity"] is not None:
+                print(f"seed {r['seed']}: capacity {r['capacity']:.2f} req/s (FCFS, every request at once), "
+                      f"rate {r['rate']:.2f} req/s", file=sys.stderr, flush=True)
+        tasks = [(ps, r["seed"], policy, r["rate"]) for r in rates for policy in s.policies]
+        for f, perf in pool.map(_run, tasks, keep=keep):
+            runs.append(f)
+            print(f"[{len(runs)}/{total}, {time.perf_counter() - t0:.0f} s] seed {f['seed']} {f['policy']:<10} goodput "
                   f"{f['goodput']:.2f} req/s  mean E2E {f['mean_e2e_s']:.2f} s  max gap {f['max_gap']:.0f}  "
                   f"preemptions {f['preemptions']}", file=sys.stderr, flush=True)
     return {"experiment": "arena", "workload": s.workload, "data": s.data, "backend": s.backend, "model": s.model,

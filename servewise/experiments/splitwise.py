@@ -31,15 +31,15 @@ import os
 import random
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from multiprocessing import get_context
+from typing import Iterator
 
 from servewise.cluster.machines import get_machine
 from servewise.cluster.provision import budget_splits, highest_load, provision
 from servewise.cluster.routers import TOKEN_RULES
 from servewise.cluster.sim import Design
 from servewise.cluster.slo import check
+from servewise.lab import sweep
 from servewise.lab.checkpoint import Checkpoint
 from servewise.metrics.slowdown import PERCENTILES
 from servewise.workloads.datasets import WorkloadRequest, load_azure_trace
@@ -103,7 +103,8 @@ class Settings:
     baseline_batching: str = "chunked"
     designs: tuple[str, ...] = tuple(KINDS)  # the designs provisioned and swept
     sections: tuple[str, ...] = SECTIONS
-    jobs: int = 2
+    jobs: int = 2  # simulations at once: local worker processes, or the CPUs of a Ray started here
+    ray: str | None = None  # "auto" or a Ray cluster's address: the simulations run as its tasks (lab.sweep)
     seed: int = 0
 
     def __post_init__(self):
@@ -115,6 +116,8 @@ class Settings:
             raise ValueError(f"unknown trace(s) {', '.join(sorted(bad))}; choose from conv, code")
         if bad := set(self.sweep_baselines) - {"chunked", "whole"}:
             raise ValueError(f"unknown baseline batching(s) {', '.join(sorted(bad))}; choose from chunked, whole")
+        if self.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, not {self.jobs}")
         if self.token_rule not in TOKEN_RULES:
             raise ValueError(f"unknown token rule {self.token_rule!r}; choose from {', '.join(TOKEN_RULES)}")
         if self.splitwisesim and not self.measured:
@@ -296,18 +299,37 @@ def _sweep_point(args) -> dict:
     return m
 
 
-def _sweep_design(job) -> list[dict]:
-    """One design's sweep over s.sweep_rates, lowest first, each point kept by the checkpoint; it stops
-    after `stop` loads missed in a row (0: never; loads past them only take longer to simulate)."""
-    checkpoint, s, stop, args = job
+def _sweep_design(job) -> list[tuple[float, dict, bool]]:
+    """One design's sweep over s.sweep_rates, lowest first: (rate, point, whether it ran here) for each
+    load, those in `kept` (rate -> point, kept by an earlier run) read from it; it stops after `stop` loads
+    missed in a row (0: never; loads past them only take longer to simulate)."""
+    kept, s, stop, args = job
     points, missed = [], 0
     for rate in sorted(s.sweep_rates):
-        m = checkpoint.call(_sweep_point, (s, *args, rate))
-        points.append(m)
+        ran = rate not in kept
+        m = _sweep_point((s, *args, rate)) if ran else kept[rate]
+        points.append((rate, m, ran))
         missed = 0 if m["slo_met"] else missed + 1
         if stop and missed >= stop:
             break
     return points
+
+
+def sweep_designs(pool: sweep.Pool, s: Settings, designs: list,
+                  checkpoint: Checkpoint = Checkpoint(None)) -> Iterator[list[dict]]:
+    """Each design's load sweep (designs: (trace, kind, counts, batching)), one pool task per design, in
+    order; each load's point is kept by the checkpoint here, as its design's sweep comes back."""
+    ps = point_settings(s)
+
+    def kept(key) -> dict:
+        found = {r: sweep.kept(checkpoint, _sweep_point, (ps, *key, r)) for r in s.sweep_rates}
+        return {r: m for r, m in found.items() if m is not sweep.MISSING}
+
+    for key, points in zip(designs, pool.map(_sweep_design, [(kept(key), ps, s.sweep_stop, key) for key in designs])):
+        for rate, m, ran in points:
+            if ran:
+                sweep.put(checkpoint, _sweep_point, (ps, *key, rate), m)
+        yield [m for _, m, _ in points]
 
 
 BUDGETS = {"iso-power": ("power", 40 * 44.0), "iso-cost": ("cost", 40 * 4.76)}  # 40 DGX-H100's
@@ -321,7 +343,7 @@ def _best_load(args) -> dict:
     return {"cluster": cluster, "kind": kind, "counts": counts, "max_rate": rate}
 
 
-def iso_search(s: Settings, pool, progress=lambda done, total: None,
+def iso_search(s: Settings, pool: sweep.Pool, progress=lambda done, total: None,
                checkpoint: Checkpoint = Checkpoint(None)) -> list[dict]:
     """For each budget and split design kind, the split within the budget that sustains the highest
     load (ties: the fewest machines). progress(done, total) after each split searched."""
@@ -329,7 +351,7 @@ def iso_search(s: Settings, pool, progress=lambda done, total: None,
              if KINDS[kind][1] is not None and kind in s.designs for c in budget_splits(*KINDS[kind], attr, budget)]
     found: dict = {}
     splits: dict = {}
-    for i, r in enumerate(checkpoint.map(pool, _best_load, tasks), 1):
+    for i, r in enumerate(pool.map(_best_load, tasks, keep=checkpoint), 1):
         progress(i, len(tasks))
         key = (r["cluster"], r["kind"])
         splits.setdefault(key, []).append((r["counts"], r["max_rate"]))
@@ -341,7 +363,7 @@ def iso_search(s: Settings, pool, progress=lambda done, total: None,
 def point_settings(s: Settings) -> Settings:
     """s as the points see it: without what only chooses which points run (so that a resumed run with
     other sections, designs or jobs finds the points it shares with the first)."""
-    return replace(s, jobs=1, sections=SECTIONS, designs=tuple(KINDS), provision_kinds=tuple(KINDS),
+    return replace(s, jobs=1, ray=None, sections=SECTIONS, designs=tuple(KINDS), provision_kinds=tuple(KINDS),
                    sweep_traces=("conv", "code"), sweep_stop=0, sweep_baselines=("chunked", "whole"))
 
 
@@ -357,11 +379,11 @@ def run_experiment(s: Settings, progress=print, checkpoint: Checkpoint = Checkpo
         out["roofline_error"] = roofline_error(s.table)
     out["transfer"] = transfer_overheads(s) if "transfer" in s.sections else []
     progress(f"transfer overheads: {len(out['transfer'])} prompt sizes ({time.perf_counter() - t0:.0f} s)")
-    ctx = get_context("fork")
-    with ProcessPoolExecutor(max_workers=s.jobs, mp_context=ctx) as pool:
+    with sweep.pool(s.jobs, s.ray) as pool:
+        progress(f"simulations run in {pool.where}")
         prov = {}
         kinds = [k for k in s.provision_kinds if k in s.designs and "provision" in s.sections]
-        for kind, res in zip(kinds, checkpoint.map(pool, _provision, [(ps, k) for k in kinds])):
+        for kind, res in zip(kinds, pool.map(_provision, [(ps, k) for k in kinds], keep=checkpoint)):
             prov[kind] = res
             best = res["best"]
             progress(f"cost-optimal {kind}: {best['counts'] if best else 'none within the search bounds'} "
@@ -374,11 +396,10 @@ def run_experiment(s: Settings, progress=print, checkpoint: Checkpoint = Checkpo
                     for trace in s.sweep_traces:
                         for batching in (s.sweep_baselines if KINDS[kind][1] is None else (None,)):
                             clusters.setdefault((trace, kind, counts, batching), []).append(name)
-        jobs = [(checkpoint, ps, s.sweep_stop, key) for key in clusters]
         points = []
-        for i, (key, ms) in enumerate(zip(clusters, pool.map(_sweep_design, jobs)), 1):
+        for i, (key, ms) in enumerate(zip(clusters, sweep_designs(pool, s, list(clusters), checkpoint)), 1):
             points += [{**m, "cluster": name} for name in clusters[key] for m in ms]
-            progress(f"load sweep: {i}/{len(jobs)} designs, {len(points)} runs ({time.perf_counter() - t0:.0f} s)")
+            progress(f"load sweep: {i}/{len(clusters)} designs, {len(points)} runs ({time.perf_counter() - t0:.0f} s)")
         def searched(done: int, total: int) -> None:
             if done % 5 == 0 or done == total:
                 progress(f"iso-power and iso-cost search: {done}/{total} splits ({time.perf_counter() - t0:.0f} s)")
@@ -386,16 +407,16 @@ def run_experiment(s: Settings, progress=print, checkpoint: Checkpoint = Checkpo
         progress(f"iso-power and iso-cost splits searched ({time.perf_counter() - t0:.0f} s)")
         tasks = [(ps, policy, rate) for rate in s.mixed_rates for policy in ("fcfs", "prompt-first")
                  if "mixed" in s.sections and MIXED[0] in s.designs]
-        out["mixed"] = list(checkpoint.map(pool, _mixed_point, tasks))
+        out["mixed"] = list(pool.map(_mixed_point, tasks, keep=checkpoint))
         progress(f"mixed machines: {len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")
         tasks = [(ps, kind, counts) for kind, counts in ISO_POWER.items() if kind in s.designs and "batches" in s.sections]
-        out["batches"] = list(checkpoint.map(pool, _batches_point, tasks))
+        out["batches"] = list(pool.map(_batches_point, tasks, keep=checkpoint))
         progress(f"batch sizes: {len(tasks)} designs ({time.perf_counter() - t0:.0f} s)")
         best = {k: p["best"]["counts"] for k, p in prov.items() if p["best"]}
         tasks = [(ps, kind, counts, trace, model, repurpose) for kind, counts in best.items() if "robustness" in s.sections
                  for trace, model in (("code", s.model), ("conv", s.model), ("code", s.robustness_model))
                  for repurpose in ((False, True) if KINDS[kind][1] and (trace, model) != ("code", s.model) else (False,))]
-        out["robustness"] = list(checkpoint.map(pool, _robust_point, tasks))
+        out["robustness"] = list(pool.map(_robust_point, tasks, keep=checkpoint))
         if "robustness" in s.sections and not best:
             progress("robustness: skipped (it runs the provisioning section's designs: add provision)")
         progress(f"robustness: {len(tasks)} runs ({time.perf_counter() - t0:.0f} s)")

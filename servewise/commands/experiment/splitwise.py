@@ -39,6 +39,9 @@ def arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="a small version (minutes less; for checks, not results)")
     p.add_argument("--duration", type=float, default=None, help="seconds of each rescaled trace (default 120)")
     p.add_argument("--jobs", type=int, default=None, help="simulations run in parallel (default 2)")
+    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                   help="run the simulations as tasks of a Ray cluster: auto (RAY_ADDRESS's, else one started "
+                        "here with --jobs CPUs) or a cluster's address, host:port or ray://host:port")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     alias(p, "--calibration", "--perf-table")
@@ -66,6 +69,6 @@ def run(a) -> None:
         kw["sweep_stop"] = a.sweep_stop
     if a.sections:
         kw["sections"] = tuple(a.sections.split(","))
-    main(Settings(data_dir=a.data_dir, measured=not a.roofline, calibration=a.calibration, seed=a.seed,
+    main(Settings(data_dir=a.data_dir, measured=not a.roofline, calibration=a.calibration, seed=a.seed, ray=a.ray,
                   splitwisesim=a.splitwisesim, token_rule=a.token_rule,
                   baseline_batching=a.baseline_batching, **kw), a.out_dir)
