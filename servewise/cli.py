@@ -27,6 +27,7 @@ COMMANDS: dict[str, str | tuple[str, dict[str, str]]] = {
         "chaos": "bench.chaos",
         "detokenize": "bench.detokenize",
         "splitwisesim": "bench.splitwisesim",
+        "sweep": "bench.sweep",
     }),
     "profile": "profile",
     "fit-predictors": "fit_predictors",

@@ -111,3 +111,19 @@ def test_a_splitwise_load_sweep_keeps_its_points_where_the_driver_is(tmp_path, m
     assert keep.kept(point, [(sw.point_settings(s), *designs[0], r) for r in s.sweep_rates]) == 3
     ran.clear()
     assert list(sw.sweep_designs(sweep.pool(1), s, designs, keep)) == first and ran == []
+
+
+def test_bench_sweep_times_each_way_on_the_same_search(tmp_path, data_dir):
+    import json
+
+    from servewise.cli import main
+
+    out = tmp_path / "sweep.json"
+    main(["bench", "sweep", "--data-dir", data_dir, "--designs", "Baseline-H100,Splitwise-HH", "--duration", "2",
+          "--max-machines", "4", "--ways", "here", "jobs", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert [row["way"] for row in r["rows"]] == ["here", "jobs"] and r["same_results"] is True
+    here, jobs = r["rows"]
+    assert here["configurations"] == jobs["configurations"] > 2  # (a binary search per design, at least)
+    assert here["per_minute"] == pytest.approx(60 * here["configurations"] / here["search_s"])
+    assert set(r["best"]) == {"Baseline-H100", "Splitwise-HH"} and r["provenance"]["date"]
