@@ -2,13 +2,15 @@
 provisioning search of `experiment splitwise` (its provision section, on the code trace) for a few designs,
 in this process, on `jobs` local worker processes and as tasks of a Ray (one started here with `jobs` CPUs,
 or the cluster `ray` names). Per way: the wall time, the configurations simulated and their rate a
-minute, Ray's start apart; and whether every way found the same designs with the same figures.
+minute, Ray's start apart, the machine's load average as it ended (other work beside it slows the
+ways with more workers most); and whether every way found the same designs with the same figures.
 
 The search of one design is one point (cluster.provision's search is sequential: each configuration it
 simulates depends on the ones before), so the designs are what runs side by side.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -67,7 +69,8 @@ def measure(s: Settings, way: str) -> tuple[dict, dict]:
     if started:
         ray.shutdown()
     n = sum(len(p["evaluated"]) for p in found["provisioning"].values())
-    return {"way": way, "workers": 1 if way == "here" else s.jobs, "start_s": start_s, "search_s": wall,
+    return {"way": way, "workers": 1 if way == "here" else s.jobs, "load_average_1min": os.getloadavg()[0],
+            "start_s": start_s, "search_s": wall,
             "configurations": n, "per_minute": 60 * n / wall, "per_minute_with_start": 60 * n / (wall + start_s),
             "seconds_per_configuration": wall / n if n else None}, _plain(found["provisioning"])
 
