@@ -34,7 +34,12 @@ simulation reads it, and clusters do not take the fast path).
 """
 from __future__ import annotations
 
+import bisect
+import functools
+import heapq
+import itertools
 import math
+import operator
 
 from servewise.engine.clock import VirtualClock
 from servewise.engine.interfaces import StepStats
@@ -67,23 +72,26 @@ def _stoppable(req: Request) -> bool:
 
 class BulkSteps:
     """run_workload's `step`: decode steps in bulk while no event is due, else the engine's step. on_step and
-    progress (run_workload's) see the steps run in bulk but the last, which run_workload shows them.
+    progress (run_workload's) see the steps run in bulk but the last, which run_workload shows them; an on_step
+    with a `bulk` counter (lab.run's step counter) is given runs of steps at once, any other one a StepStats a
+    step, when the block tables are those after that step.
 
     The running requests' tokens are written lazily: a request joins the run of steps at step `s` (an index
     into `times`, the ends of the steps run in bulk) and has every step's token from then on, so its tokens
     are written when it finishes or when the scheduler is to read them (`flush`). A prefill step between two
     runs of steps reads no running request but to count them, so it runs with the tokens unwritten; any other
-    step the engine takes is preceded by a flush."""
+    step the engine takes is preceded by a flush.
+
+    Between two finishes the batch is the same, so the steps' prices come from the performance model at once
+    (runner.price_decodes) and the steps between two block crossings need no check but the time's."""
 
     def __init__(self, engine, on_step=None, progress=None):
         if (why := why_not(engine)) is not None:
             raise ValueError(f"no fast path for this engine: {why}")
         self.engine, self.on_step, self.progress = engine, on_step, progress
+        self.count = getattr(on_step, "bulk", None)  # counts a run of steps at once (None: a StepStats each)
         self.fcfs = type(engine.scheduler.ordering) is FCFS
-        self.times: list[float] = []  # when each step run in bulk ended, since the last flush
-        self.lazy: dict[int, tuple[Request, int, int, int]] = {}  # id -> (request, s, tokens at step 0, last step)
-        self.cross: dict[int, list[Request]] = {}  # step -> requests that take a block in it
-        self.ends: dict[int, list[Request]] = {}  # step -> requests that finish in it
+        self.flush()
 
     def __call__(self, next_arrival: float) -> StepStats:
         if (st := self.advance(next_arrival)) is not None:
@@ -94,10 +102,13 @@ class BulkSteps:
 
     def flush(self) -> None:
         """Write the tokens of the steps run in bulk on the requests that have not finished."""
-        end = len(self.times)
-        for req, s, _, _ in self.lazy.values():
+        end = len(getattr(self, "times", ()))
+        for req, s, _, _ in getattr(self, "lazy", {}).values():
             self._write(req, s, end)
-        self.times, self.lazy, self.cross, self.ends = [], {}, {}, {}
+        self.times: list[float] = []  # when each step run in bulk ended, since the last flush
+        self.lazy: dict[int, tuple[Request, int, int, int]] = {}  # id -> (request, s, tokens at step 0, last step)
+        self.ends: dict[int, list[Request]] = {}  # step -> requests that finish in it
+        self.end_at: list[int] = []  # the steps of `ends` (a heap)
 
     def _write(self, req: Request, s: int, e: int) -> None:
         """The request's tokens of steps s .. e-1 of the run."""
@@ -150,66 +161,121 @@ class BulkSteps:
             return False
         last = g + req.max_tokens - len(req.output_token_ids) - 1
         self.lazy[id(req)] = (req, g, n - g, last)
-        self.ends.setdefault(last, []).append(req)
-        if g + first <= last:
-            self.cross.setdefault(g + first, []).append(req)
+        if (reqs := self.ends.get(last)) is None:
+            self.ends[last] = [req]
+            heapq.heappush(self.end_at, last)
+        else:
+            reqs.append(req)
         return True
+
+    def _blocks(self, rows: list[Request], cs: list[int], g: int, h: int) -> None:
+        """The blocks of steps g .. h: a row takes one at its step c (in `cs`), c + block_size, ..., the rows
+        of one step in queue order (as the scheduler's steps take them), in one call. Steps g + R*bs ..
+        g + R*bs + bs-1 are round R: each row takes at most one block in it, in the order (step, queue place)."""
+        s, bs = self.engine.scheduler, self.engine.block_manager.block_size
+        order = sorted((c - g, i) for i, c in enumerate(cs) if c <= h)  # (their steps from g, queue places)
+        if not order:
+            return
+        changed = s._changed
+        for _, i in order:  # (the order in which their tables first change)
+            changed[rows[i].request_id] = rows[i]
+        taking = sorted((d % bs, i, d // bs) for d, i in order)  # (in a round: by step, then queue place)
+        whole = [rows[i].request_id for _, i, _ in taking]  # a round in which every row takes a block
+        start, end = max(r for _, _, r in taking), (h - g - bs + 1) // bs  # the whole rounds
+        ids = []
+        for r in range((h - g) // bs + 1):
+            if start <= r <= end:
+                ids += whole
+            else:
+                ids += [rid for (p, _, r0), rid in zip(taking, whole) if r0 <= r and p + r * bs <= h - g]
+        s.bm.append_blocks(ids)
 
     def advance(self, next_arrival: float) -> StepStats | None:
         """Decode steps until an event is due; the last one's stats (not shown to on_step), or None when the
-        next step is not such a step."""
+        next step is not such a step.
+
+        A stretch of steps runs from a step checked in full (_event) to the next finish at most: the same batch,
+        so the steps' prices come from the performance model at once, and the free blocks only fall, so the
+        stretch stops at the first step whose blocks would leave fewer than the decode floor free, or the first
+        that starts when an arrival is due. Its blocks are taken when it ends, in the order its steps take them
+        (nothing else takes or frees blocks meanwhile)."""
         eng, s = self.engine, self.engine.scheduler
         bm, runner, clock, lazy = s.bm, eng.runner, eng.clock, self.lazy
         now, g = clock.now(), len(self.times)
-        if (not s.running or s._arrived or eng.handoff.pending or eng.handoff.busy or runner._fetch_s or
-                runner._overlap_s or self._event(len(self.cross.get(g, ())), now, next_arrival)):
+        if not s.running or s._arrived or eng.handoff.pending or eng.handoff.busy or runner._fetch_s or \
+                runner._overlap_s:
             return None
         if len(lazy) != len(s.running) and not all(id(r) in lazy or self._join(r, g) for r in s.running):
             return None
-        at = None  # the requests' places in the queue (its order holds while steps run in bulk)
-        base = [lazy[id(r)][2] for r in s.running]  # tokens at step 0: a request has base + g at step g
-        ids = [r.request_id for r in s.running]
-        bs, shown, floor, checked, due = bm.block_size, None, s.rules.decode_floor, False, math.inf
+        bs, tables, held = bm.block_size, bm.device_tables, None
+        per_step = self.on_step is not None and self.count is None  # (it sees the block tables after each step)
         while s.running:
-            new_blocks = len(self.cross.get(g, ()))
-            if checked:  # (see _event)
-                if bm.num_free_device - new_blocks < floor or now >= due:
-                    break
-            elif self._event(new_blocks, now, next_arrival):
+            rows = s.running
+            base = [lazy[id(r)][2] for r in rows]  # tokens at step 0: a request has base + j at step j
+            cs = [len(tables[r.request_id]) * bs - n + 1 for r, n in zip(rows, base)]  # the steps of their next blocks
+            if self._event(cs.count(g), now, next_arrival):
                 break
-            else:
-                checked, due = True, self._due(next_arrival)
-            if shown is not None:
-                self._show(shown)
+            due, last = self._due(next_arrival), self.end_at[0]  # (last: the next step a request finishes)
+            h = g if per_step else last  # the stretch's last step, at most
+            room = bm.num_free_device - s.rules.decode_floor  # blocks the stretch may take
+            if sum((h - c) // bs + 1 for c in cs if c <= h) > room:
+                h = sorted(x for c in cs for x in range(c, h + 1, bs))[room] - 1  # (the step that would take too many)
+            prices, ends = [], []  # of steps g, g+1, ...
+            while len(prices) < h + 1 - g:  # priced in chunks; a step that starts at `due` or later ends it
+                have = len(prices)
+                more = h + 1 - g - have
+                if due != math.inf:  # about as many steps as fit before `due` at the last step's price
+                    more = min(more, 16 + (max(int((due - ends[-1]) / prices[-1]), 0) if prices and prices[-1] > 0 else 0))
+                new = runner.price_decodes(base, more, g + have)
+                prices += new
+                ends += itertools.accumulate(new, initial=ends[-1] if ends else now)
+                del ends[have]  # (accumulate's initial value)
+                hi = min(len(ends), h - g)  # (ends[i] is when step g + i + 1 starts)
+                if (cut := bisect.bisect_left(ends, due, have, hi)) < hi:
+                    h = g + cut  # step g + cut + 1 is not run
+                    break
+            if held is not None:
+                self._show(held)
             s._forget = []  # (the step's schedule hands them to the runner)
-            if (new := self.cross.pop(g, None)) is not None:
-                if len(new) > 1:  # blocks are taken in queue order
-                    at = at or {id(r): i for i, r in enumerate(s.running)}
-                    new.sort(key=lambda r: at[id(r)])
-                for req in new:
-                    _, _, n, last = lazy[id(req)]
-                    bm.append_slots(req.request_id, n + g)
-                    s._changed[req.request_id] = req
-                    if g + bs <= last:
-                        self.cross.setdefault(g + bs, []).append(req)
-            ctx = [n + g for n in base]
-            elapsed = runner.run_decode(ctx)
-            end = clock.end_of(now, elapsed)
-            self.times.append(end)
-            shown = StepStats(start=now, end=end, elapsed=elapsed, is_prefill=False, batch_tokens=ctx,
-                              scheduled_tokens=[1] * len(ctx), scheduled=ids, execute_s=elapsed, num_running=len(ids))
-            eng._inflight = (end, 0)
-            if elapsed:
-                eng._busy = (eng._busy[0] + elapsed, end)
-            if (done := self.ends.pop(g, None)) is not None:
-                at = at or {id(r): i for i, r in enumerate(s.running)}
-                shown.finished = self._finish(sorted(done, key=lambda r: at[id(r)]), g)
-                checked = False
-                base = [lazy[id(r)][2] for r in s.running]
-                ids = [r.request_id for r in s.running]
-            clock.wait_until(end)
-            now, g = clock.now(), g + 1
-        return shown
+            self._blocks(rows, cs, g, h)
+            n = h + 1 - g  # steps g .. h run
+            self.times += ends[:n]
+            self._ran(prices[:n], ends[:n])
+            held = self._stats(base, g, h, prices, ends, now)
+            if self.count is not None and n > 1:
+                self.count(n - 1, len(base), prices[:n - 1])
+            now, g = clock.now(), h + 1
+            if h == last:
+                at = {id(r): i for i, r in enumerate(rows)}
+                held.finished = self._finish(sorted(self.ends.pop(last), key=lambda r: at[id(r)]), last)
+                heapq.heappop(self.end_at)
+            elif not per_step:
+                break  # (an arrival is due or the blocks are short: the engine's step)
+        return held
+
+    def _ran(self, prices: list[float], ends: list[float]) -> None:
+        """What the engine, its runner and its clock keep of decode steps run (step by step as step() does)."""
+        eng = self.engine
+        eng.runner.ran_decodes(prices)
+        eng._inflight = (ends[-1], 0)
+        busy, end = eng._busy
+        if all(prices):
+            eng._busy = (functools.reduce(operator.add, prices, busy), ends[-1])  # (added in order)
+        else:
+            for p, e in zip(prices, ends):
+                if p:
+                    busy, end = busy + p, e
+            eng._busy = (busy, end)
+        eng.clock.wait_until(ends[-1])
+
+    def _stats(self, base: list[int], g: int, j: int, prices: list[float], ends: list[float],
+               now: float) -> StepStats:
+        """Step j's stats, of an epoch from step g at `now`."""
+        ids = [r.request_id for r in self.engine.scheduler.running]
+        ctx = [n + j for n in base]
+        return StepStats(start=ends[j - g - 1] if j > g else now, end=ends[j - g], elapsed=prices[j - g],
+                         is_prefill=False, batch_tokens=ctx, scheduled_tokens=[1] * len(ctx), scheduled=ids,
+                         execute_s=prices[j - g], num_running=len(ids))
 
     def _finish(self, done: list[Request], g: int) -> list[str]:
         """Requests that end with step g: what postprocess and the engine do with them, in queue order (their

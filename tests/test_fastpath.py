@@ -123,3 +123,39 @@ def test_every_step_leaves_the_same_block_tables(preemption):
         run(spec, engine=eng,
             on_step=lambda st: seen.append(sorted((k, tuple(t)) for k, t in eng.block_manager.device_tables.items())))
     assert len(tables[True]) == len(tables[False]) > 100 and tables[True] == tables[False]
+
+
+class Tables:
+    """An on_step that takes runs of steps in bulk (as the lab's step counter does) and keeps the block tables
+    after each step it is shown one by one, by the step's number."""
+
+    def __init__(self, bm):
+        self.bm, self.n, self.seen = bm, 0, {}
+
+    def bulk(self, n, rows, elapsed):
+        self.n += n
+
+    def __call__(self, st):
+        self.n += 1
+        self.seen[self.n] = sorted((k, tuple(t)) for k, t in self.bm.device_tables.items())
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_blocks_taken_in_bulk_are_those_of_step_by_step(preemption):
+    """A stretch of steps takes its blocks at once, in the order its steps take them: after every step the engine
+    is shown, each request holds the blocks it holds step by step (which swaps' copy times depend on)."""
+    from servewise.simulator import simulate
+
+    items, arrivals = workload(120, seed=6, rate=20.0, output=(1, 120))
+    spec = Engine("sim", "tiny-llama", "a100-80g", options={"block_size": 4, "num_device_blocks": 80,
+                                                            "num_host_blocks": 64, "preemption": preemption})
+    seen = {}
+    for bulk in (True, False):
+        eng = build(spec)
+        eng.runner.bulk = bulk
+        seen[bulk] = Tables(eng.block_manager)
+        reqs = simulate(eng, items, arrivals, on_step=seen[bulk]).requests
+    fast, ref = seen[True].seen, seen[False].seen
+    assert seen[True].n == seen[False].n == len(ref) and len(fast) < len(ref) / 3
+    assert sum(r.times_preempted for r in reqs) > 0
+    assert {n: ref[n] for n in fast} == fast

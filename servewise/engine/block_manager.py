@@ -188,6 +188,19 @@ class BlockManager:
             self.refs[b] = 1
         return b
 
+    def _take_n(self, n: int) -> list[int]:
+        """n blocks, taken as n calls of _take take them (without prefix caching: the top of the free stack, in
+        one slice)."""
+        if self.caching or n > len(self.free_device):
+            return [self._take() for _ in range(n)]
+        if n <= 0:
+            return []
+        free = self.free_device
+        taken = free[-n:]
+        del free[-n:]
+        taken.reverse()
+        return taken
+
     def _release(self, table: list[int]) -> None:
         """Drop a table's references, last block first: a named block nobody holds stays cached, and the
         tail of a sequence is evicted before its head."""
@@ -213,7 +226,7 @@ class BlockManager:
         """Set n free blocks aside (a migration's peer keeps the source's KV or the moved weights there)."""
         if n > self.num_free_device:
             raise RuntimeError(f"lend {n} blocks with {self.num_free_device} free")
-        self.lent.extend(self._take() for _ in range(n))
+        self.lent.extend(self._take_n(n))
 
     def unlend(self, n: int) -> None:
         """Take n lent blocks back (the peer gave the migrated work back)."""
@@ -245,7 +258,7 @@ class BlockManager:
             if self.refs[b] == 0:
                 del self.evictable[b]
             self.refs[b] += 1
-        table.extend(self._take() for _ in range(self.blocks_needed(num_tokens) - len(hits)))
+        table.extend(self._take_n(self.blocks_needed(num_tokens) - len(hits)))
         self.device_tables[req_id] = table
         if self.caching:
             self.registered[req_id] = len(hits)
@@ -257,8 +270,19 @@ class BlockManager:
         n = self.blocks_needed(num_tokens) - len(table)
         if n > self.num_free_device:
             raise RuntimeError(f"append {n} blocks with {self.num_free_device} free")
-        for _ in range(n):
+        if n == 1:
             table.append(self._take())
+        elif n > 0:
+            table.extend(self._take_n(n))
+
+    def append_blocks(self, req_ids: list[str]) -> None:
+        """One block more at the end of each request's table, in this order (a request may come several times):
+        what append_slots taking a block for each in turn does, in one call."""
+        if len(req_ids) > self.num_free_device:
+            raise RuntimeError(f"append {len(req_ids)} blocks with {self.num_free_device} free")
+        tables = self.device_tables
+        for rid, b in zip(req_ids, self._take_n(len(req_ids))):
+            tables[rid].append(b)
 
     def free(self, req_id: str) -> None:
         """Return every block req_id holds, on device and host (no-op if it holds none)."""
@@ -297,7 +321,7 @@ class BlockManager:
         if len(host) > self.num_free_device:
             self.host_tables[req_id] = host
             raise RuntimeError(f"swap in {len(host)} blocks with {self.num_free_device} free")
-        dev = [self._take() for _ in host]
+        dev = self._take_n(len(host))
         self.device_tables[req_id] = dev
         if self.caching:
             self.registered[req_id] = 0  # fresh blocks: named again as the request's computed blocks are

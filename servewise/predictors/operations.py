@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from servewise.config import ModelConfig
-from servewise.predictors.roofline import Hardware, RooflinePerf
+from servewise.predictors.roofline import Hardware, RooflinePerf, decode_each
 
 # The measured table's names for the GPUs (a power-capped H100 has the H100's peaks and its own calibration).
 TABLE_GPUS = {"a100-80gb": "a100-80g", "h100-80gb": "h100-80g", "h100-80gb-pcap": "h100-80g"}
@@ -268,6 +268,27 @@ class OperationPerf(RooflinePerf):
 
     def decode(self, ctx_lens: list[int]) -> float:
         return super().decode(ctx_lens) + self.cal.decode_request_s * len(ctx_lens)
+
+    def decode_run(self, ctx_lens: list[int], n: int, start: int = 0) -> list[float]:
+        """RooflinePerf.decode_run for this model: the same floats as decode step by step, the GEMMs, the
+        all-reduces and the LM head (which depend only on the batch's size) worked out once."""
+        if type(self) is not OperationPerf or not ctx_lens:
+            return decode_each(self, ctx_lens, n, start)
+        c, cal, tp, rows, layers = self.c, self.cal, self.tp, len(ctx_lens), self.c.num_layers
+        gemms = sum(self.gemm(rows, k, m) for k, m in self.gemms)
+        ar = 2 * self.allreduce(rows * c.hidden_size * self.itemsize) if tp > 1 else None
+        head = self.gemm(rows, c.hidden_size, c.vocab_size / tp)
+        q, d1 = 4 * c.num_heads / tp * c.head_dim, self.peak * cal.attn_eff  # (_attention_parts)
+        kvb, d2 = c.kv_bytes_per_token, self.bw * cal.mem_eff
+        per_row = cal.decode_request_s * rows
+        s0 = sum(ctx_lens) + rows * start
+        out = []
+        for x in range(s0, s0 + rows * n, rows):
+            per_layer = gemms + max(q * x / d1, x * kvb / layers / tp / d2)
+            if ar is not None:
+                per_layer += ar
+            out.append(layers * (per_layer + cal.layer_s) + head + cal.step_s + per_row)
+        return out
 
     def mixed(self, chunks: list[int], ctx_lens: list[int]) -> float:
         return super().mixed(chunks, ctx_lens) + self.cal.prompt_request_s * len(chunks) + \

@@ -91,6 +91,15 @@ class Calibrated:
     def decode(self, ctx_lens: list[int]) -> float:
         return self.base.decode(ctx_lens) * self.decode_scale
 
+    def decode_run(self, ctx_lens: list[int], n: int, start: int = 0) -> list[float]:
+        """The base model's decode_run (roofline.decode_run), scaled as decode is."""
+        from servewise.predictors.roofline import decode_each, decode_run
+
+        if type(self) is not Calibrated:
+            return decode_each(self, ctx_lens, n, start)
+        scale = self.decode_scale
+        return [t * scale for t in decode_run(self.base, ctx_lens, n, start)]
+
     def step_overhead(self, is_prefill: bool, rows: int) -> float:
         if self.step_overhead_s is not None:
             return self.step_overhead_s

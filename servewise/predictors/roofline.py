@@ -89,6 +89,19 @@ def _skew_label(skew) -> str:
         return ", routing by given expert shares"
 
 
+def decode_each(perf, ctx_lens: list[int], n: int, start: int = 0) -> list[float]:
+    """A performance model's prices of decode steps start .. start+n-1 of a batch whose rows have contexts
+    ctx_lens at step 0 and one token more each step, step by step."""
+    return [perf.decode([x + i for x in ctx_lens]) for i in range(start, start + n)]
+
+
+def decode_run(perf, ctx_lens: list[int], n: int, start: int = 0) -> list[float]:
+    """decode_each, by the model's own decode_run where its class has one (looked up on the class: a wrapper
+    that forwards attributes to its base prices steps its own way)."""
+    run = getattr(type(perf), "decode_run", None)
+    return decode_each(perf, ctx_lens, n, start) if run is None else run(perf, ctx_lens, n, start)
+
+
 def get_hardware(name: str) -> Hardware:
     if name not in HARDWARE:
         raise ValueError(f"unknown hardware {name!r}; choose from {', '.join(HARDWARE)}")
@@ -256,6 +269,36 @@ class RooflinePerf:
 
     def decode(self, ctx_lens: list[int]) -> float:
         return self._step(*self.decode_shape(ctx_lens))
+
+    def decode_run(self, ctx_lens: list[int], n: int, start: int = 0) -> list[float]:
+        """decode's prices of n decode steps in a row, steps start .. start+n-1 of a batch whose rows have
+        contexts ctx_lens at step 0 and one token more each step: the same floats as decode step by step (the
+        same operations in the same order), with what depends only on the batch's size worked out once."""
+        if type(self) is not RooflinePerf or not ctx_lens:  # (a subclass prices its own way)
+            return decode_each(self, ctx_lens, n, start)
+        c, w, rows, layers = self.c, self.w, len(ctx_lens), self.c.num_layers
+        frac = layers / c.num_layers
+        a, k, h = 2 * layers * w.dense * rows, self._attn * frac, 2 * self.lm_head * rows  # span_parts's FLOPs
+        b0, kvb = self.ep * (layers * self.layer_read_bytes + self.lm_head * self.itemsize), c.kv_bytes_per_token
+        fps, bps, fixed = self.flops_per_s, self.bytes_per_s, self.eff.step_overhead_s
+        s0 = sum(ctx_lens) + rows * start
+        ctx = range(s0, s0 + rows * n, rows)  # the steps' summed contexts: their attention pairs and KV read
+        if not w.moe_share and self.tp == 1 and self.ep == 1:
+            if n < 64:
+                return [max((a + k * x + h) / fps, (b0 + x * kvb * frac) / bps) + fixed for x in ctx]
+            x = np.arange(s0, s0 + rows * n, rows, dtype=np.int64)  # (the same float operations, elementwise)
+            return (np.maximum((a + k * x + h) / fps, (b0 + x * kvb * frac) / bps) + fixed).tolist()
+        ef = eb = 0.0
+        if w.moe_share:
+            e_flops, e_bytes, _ = self.experts(rows)
+            ef, eb = layers * w.moe_share * e_flops, layers * w.moe_share * e_bytes
+        out = []
+        for x in ctx:
+            f, m = a + k * x + h, b0 + x * kvb * frac
+            if w.moe_share:
+                f, m = f + ef, m + eb
+            out.append(self._time(max(f / fps, m / bps), rows))
+        return out
 
     def mixed(self, chunks: list[int], ctx_lens: list[int]) -> float:
         """Prompt chunks (their earlier context: prior_context) and decodes in one pass over the weights."""

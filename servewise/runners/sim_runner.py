@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from servewise.engine.block_manager import block_runs
 from servewise.engine.interfaces import CostModel, KVMove, Pool, SchedulerOutput, StepResult
+from servewise.predictors.roofline import decode_run
 
 SIM_TOKEN = 0  # the placeholder every simulated step emits
 
@@ -30,7 +31,7 @@ class SimRunner:
         self._overlap_s = 0.0  # host <-> device transfers overlapped with the next step's layers
         self._last = 0.0  # the last batch's time
         self.bulk = True  # the simulator may advance decode steps in bulk between events (servewise.fastpath)
-        self.bulk_steps = 0  # steps run that way (run_decode), counted in `steps` too
+        self.bulk_steps = 0  # steps run that way (ran_decodes), counted in `steps` too
 
     def move_blocks(self, move: KVMove) -> float:
         if not move.pairs:
@@ -57,18 +58,23 @@ class SimRunner:
         """The engine is idle: copies that would have overlapped its next step have ended meanwhile."""
         self._overlap_s = 0.0
 
-    def run_decode(self, ctx: list[int]) -> float:
-        """The time of a decode step of rows with these context lengths, nothing fetched or copied beside it:
-        what execute returns for it, for a step the fast path runs without the scheduler."""
+    def price_decodes(self, ctx: list[int], n: int, start: int = 0) -> list[float]:
+        """What execute would return for decode steps start .. start+n-1 of a batch whose rows have contexts ctx
+        at step 0 and one token more each step, nothing fetched or copied beside them (the model's decode_run
+        prices them at once); counts nothing."""
+        prices = decode_run(self.perf, ctx, n, start)
+        if self._overhead is not None:
+            o = self._overhead(False, len(ctx))
+            prices = [t + o for t in prices]
+        return prices
+
+    def ran_decodes(self, prices: list[float]) -> None:
+        """The fast path ran decode steps of these prices (price_decodes) without the scheduler: count them."""
         if self._fetch_s or self._overlap_s:
             raise RuntimeError("a decode step run in bulk has copies to overlap")
-        self.steps += 1
-        self.bulk_steps += 1
-        elapsed = self.perf.decode(ctx)
-        if self._overhead is not None:
-            elapsed += self._overhead(False, len(ctx))
-        self._last = elapsed
-        return elapsed
+        self.steps += len(prices)
+        self.bulk_steps += len(prices)
+        self._last = prices[-1]
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         if not out.scheduled:
