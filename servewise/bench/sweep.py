@@ -2,8 +2,9 @@
 provisioning search of `experiment splitwise` (its provision section, on the code trace) for a few designs,
 in this process, on `jobs` local worker processes and as tasks of a Ray (one started here with `jobs` CPUs,
 or the cluster `ray` names). Per way: the wall time, the configurations simulated and their rate a
-minute, Ray's start apart, the machine's load average as it ended (other work beside it slows the
-ways with more workers most); and whether every way found the same designs with the same figures.
+minute, Ray's start apart, the machine's load average as it ended; how much more work `jobs` processes
+do than one on this machine at the time (`parallelism`: other work beside it takes the cores the workers
+would use); and whether every way found the same designs with the same figures.
 
 The search of one design is one point (cluster.provision's search is sequential: each configuration it
 simulates depends on the ones before), so the designs are what runs side by side.
@@ -49,6 +50,28 @@ def _plain(x):
     return x
 
 
+def _burn(n: int) -> int:
+    x = 0
+    for i in range(n):
+        x += i
+    return x
+
+
+def parallelism(jobs: int, n: int = 10_000_000) -> float:
+    """What `jobs` worker processes get done beside whatever else runs here, over one process: a fixed loop
+    of Python timed once per worker in this process, then on the workers at once (1 to `jobs`)."""
+    from servewise.lab import sweep
+
+    t0 = time.perf_counter()
+    for _ in range(jobs):
+        _burn(n)
+    alone = time.perf_counter() - t0
+    with sweep.pool(jobs) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(_burn, [n] * jobs))
+        return alone / (time.perf_counter() - t0)
+
+
 def measure(s: Settings, way: str) -> tuple[dict, dict]:
     """One way's run of the search: its figures, and what it found."""
     from servewise.experiments import splitwise as sw
@@ -81,13 +104,16 @@ def main(s: Settings) -> dict:
     exp = sw.Settings(data_dir=s.data_dir, duration_s=s.duration_s)
     sw.rescaled(exp, "code", s.provision_rate)  # (the trace read before any way is timed; workers read their own)
     rows, found = [], {}
+    spare = parallelism(s.jobs)
+    print(f"{s.jobs} worker processes do {spare:.2f}x one process's work on this machine now", flush=True)
     for way in s.ways:
         row, found[way] = measure(s, way)
         rows.append(row)
         print(f"{way:<5} {row['configurations']} configurations in {row['search_s']:.1f} s (+{row['start_s']:.1f} s "
               f"start): {row['per_minute']:.1f} a minute", flush=True)
     first = next(iter(found.values()))
-    res = {"bench": "sweep", "settings": {k: getattr(s, k) for k in s.__dataclass_fields__}, "rows": rows,
+    res = {"bench": "sweep", "settings": {k: getattr(s, k) for k in s.__dataclass_fields__},
+           "parallelism": spare, "rows": rows,
            "same_results": all(f == first for f in found.values()),
            "best": {k: (p["best"] or {}).get("counts") for k, p in first.items()}}
     print(f"same designs and figures on every way: {res['same_results']}")
