@@ -127,22 +127,27 @@ class BulkSteps:
             type(s.rules) in (BlockRules, V0Rules) and len(s.running) < s.config.max_num_seqs and \
             s.bm.can_allocate(s.waiting[0].num_tokens)
 
-    def _event(self, new_blocks: int, now: float, next_arrival: float) -> bool:
-        """Whether the step starting at `now` could be anything but a decode of the running queue that takes
-        `new_blocks` blocks. Until a request finishes, the steps after it need only the first and last checks:
-        the free blocks only fall, so a request that does not fit does not fit later, and the queues stay."""
+    def _event(self, now: float, next_arrival: float) -> bool:
+        """Whether the step starting at `now` could be a prefill step (ranked: a running request may be preempted
+        for the first waiting one) or an arrival could change it; _short checks the rest. Until a request
+        finishes, the steps after the first need only the blocks' and the time's checks: the free blocks only
+        fall, so a request that does not fit does not fit later, and the queues stay."""
+        s = self.engine.scheduler
+        return bool(s.waiting and (s.ranked or (not s.swapped and len(s.running) < s.config.max_num_seqs and
+                                                 s.bm.can_allocate(s.waiting[0].num_tokens)))) or \
+            now >= self._due(next_arrival)
+
+    def _short(self, new_blocks: int) -> bool:
+        """Whether a step that takes `new_blocks` blocks could be anything but a decode of the running queue: an
+        allocation would fail or preempt, or the first swapped request fits back."""
         s, bm = self.engine.scheduler, self.engine.block_manager
         free = bm.num_free_device
         if free - new_blocks < s.rules.decode_floor:
-            return True  # an allocation would fail or preempt
-        full = len(s.running) >= s.config.max_num_seqs
-        if s.waiting and (s.ranked or (not s.swapped and not full and bm.can_allocate(s.waiting[0].num_tokens))):
-            return True  # a prefill step (ranked: a running request may be preempted for the first waiting one)
-        if s.swapped and not full:
+            return True
+        if s.swapped and len(s.running) < s.config.max_num_seqs:
             head = s.swapped[0]
-            if bm.swap_in_need(head.request_id, head.num_tokens) + s.rules.swap_spare <= free - new_blocks:
-                return True  # a swap-in
-        return now >= self._due(next_arrival)
+            return bm.swap_in_need(head.request_id, head.num_tokens) + s.rules.swap_spare <= free - new_blocks
+        return False
 
     def _due(self, next_arrival: float) -> float:
         """When an arrival could change the next step's decision: the next one's time, or never while it
@@ -168,14 +173,27 @@ class BulkSteps:
             reqs.append(req)
         return True
 
+    def _join_all(self, g: int) -> bool:
+        """Take the running requests not yet in the run of steps into it from step g; False if one cannot run in
+        bulk. (Those admitted since the last run are at the queue's end: when they make up the difference, the
+        others are the run's already.)"""
+        rows, lazy = self.engine.scheduler.running, self.lazy
+        new = len(rows)
+        while new and id(rows[new - 1]) not in lazy:
+            new -= 1
+        if len(lazy) == new:
+            return all(self._join(r, g) for r in rows[new:])
+        return all(id(r) in lazy or self._join(r, g) for r in rows)
+
     def _blocks(self, rows: list[Request], cs: list[int], g: int, h: int) -> None:
         """The blocks of steps g .. h: a row takes one at its step c (in `cs`), c + block_size, ..., the rows
         of one step in queue order (as the scheduler's steps take them), in one call. Steps g + R*bs ..
         g + R*bs + bs-1 are round R: each row takes at most one block in it, in the order (step, queue place)."""
         s, bs = self.engine.scheduler, self.engine.block_manager.block_size
-        order = sorted((c - g, i) for i, c in enumerate(cs) if c <= h)  # (their steps from g, queue places)
+        order = [(c - g, i) for i, c in enumerate(cs) if c <= h]  # (their steps from g, queue places)
         if not order:
             return
+        order.sort()
         changed = s._changed
         for _, i in order:  # (the order in which their tables first change)
             changed[rows[i].request_id] = rows[i]
@@ -205,15 +223,15 @@ class BulkSteps:
         if not s.running or s._arrived or eng.handoff.pending or eng.handoff.busy or runner._fetch_s or \
                 runner._overlap_s:
             return None
-        if len(lazy) != len(s.running) and not all(id(r) in lazy or self._join(r, g) for r in s.running):
+        if len(lazy) != len(s.running) and not self._join_all(g):
             return None
         bs, tables, held = bm.block_size, bm.device_tables, None
         per_step = self.on_step is not None and self.count is None  # (it sees the block tables after each step)
-        while s.running:
+        while s.running and not self._event(now, next_arrival):
             rows = s.running
             base = [lazy[id(r)][2] for r in rows]  # tokens at step 0: a request has base + j at step j
             cs = [len(tables[r.request_id]) * bs - n + 1 for r, n in zip(rows, base)]  # the steps of their next blocks
-            if self._event(cs.count(g), now, next_arrival):
+            if self._short(cs.count(g)):
                 break
             due, last = self._due(next_arrival), self.end_at[0]  # (last: the next step a request finishes)
             h = g if per_step else last  # the stretch's last step, at most
@@ -246,8 +264,10 @@ class BulkSteps:
                 self.count(n - 1, len(base), prices[:n - 1])
             now, g = clock.now(), h + 1
             if h == last:
-                at = {id(r): i for i, r in enumerate(rows)}
-                held.finished = self._finish(sorted(self.ends.pop(last), key=lambda r: at[id(r)]), last)
+                if len(done := self.ends.pop(last)) > 1:  # (in queue order)
+                    at = {id(r): i for i, r in enumerate(rows)}
+                    done.sort(key=lambda r: at[id(r)])
+                held.finished = self._finish(done, last)
                 heapq.heappop(self.end_at)
             elif not per_step:
                 break  # (an arrival is due or the blocks are short: the engine's step)
@@ -293,8 +313,11 @@ class BulkSteps:
                 s.bm.free(req.request_id)
                 s.forget(req)
             eng._untrack(req.request_id)
-        gone = set(map(id, done))
-        s.running = [r for r in s.running if id(r) not in gone]
+        if len(done) == 1:
+            s.running = [r for r in s.running if r is not done[0]]
+        else:
+            gone = set(map(id, done))
+            s.running = [r for r in s.running if id(r) not in gone]
         return [r.request_id for r in done]
 
     def _show(self, st: StepStats) -> None:
