@@ -196,6 +196,9 @@ class EngineConfig:
     enforce_eager: bool = option(False, "CUDA: run every decode step eagerly (no CUDA graphs)", group="engine",
                                  cuda=True)
     max_model_len: int | None = option(None, "cap on prompt + output tokens (default: the model's)")
+    async_scheduling: bool = option(False, "schedule the next step while the current one runs (vLLM's async "
+                                           "scheduling): the same tokens, the host's work beside the model's "
+                                           "(real engine)", group="engine")
     predictors: str | None = option(None, "fitted cost predictors for --preemption adaptive (default: this "
                                           "machine's cached profile of the model, made on first use)", group=PAPER)
     length_predictor: str | None = option(None, "a saved output-length predictor (servewise predict-lengths --save): "

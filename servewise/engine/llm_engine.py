@@ -7,14 +7,16 @@ by patching.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
 from servewise.config import EngineConfig, ModelConfig
 from servewise.engine.block_manager import BlockManager, blocks_for
 from servewise.engine.handoff import HandoffQueues
-from servewise.engine.interfaces import EngineStats, KVMove, Pool, PoolStats, Runner, StepStats
-from servewise.engine.request import Request
+from servewise.engine.interfaces import (EngineStats, KVMove, Pool, PoolStats, Runner, SchedulerOutput, StepResult,
+                                         StepStats)
+from servewise.engine.request import Request, Status
 from servewise.engine.scheduler import Scheduler
 from servewise.sampling_params import SamplingParams
 
@@ -64,6 +66,9 @@ class RequestLimits:
                              f"usable blocks")
 
 
+PLACEHOLDER = -1  # a sampled token not known yet (async scheduling); no stop token is negative
+
+
 class LLMEngine:
     """An engine over given parts. `owns_clock`: the engine advances its clock after each step; engines
     that share one virtual clock leave that to their driver."""
@@ -87,6 +92,18 @@ class LLMEngine:
         self._busy = (0.0, 0.0)  # seconds of steps run, counting the last one whole; when the last one ends
         self._held: dict[str, int] = {}  # handed-off requests -> the blocks they hold until released
         self.lengths = None  # predictors.length_service.LengthService: output lengths guessed off the loop
+        # async scheduling (_step_async): the batch running in the runner's worker, a step planned with none
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling and not getattr(runner, "overlaps", False):
+            raise ValueError("--async-scheduling needs the real engine's runner without a KV connector or KV store "
+                             "(the simulator, cluster hand-offs and --kv-store run steps synchronously)")
+        self._flight: tuple[SchedulerOutput, StepStats, list[Request]] | None = None
+        self._future = None
+        self._idle_next: tuple[SchedulerOutput, StepStats] | None = None
+        # placeholders may stand for sampled tokens: no block is named by its tokens (prefix caching), no
+        # policy reads the outputs (length correction), and finished rows leave the batch (continuous batching)
+        self._placeholders_ok = not block_manager.caching and scheduler.lengths is None and \
+            config.scheduler.batching == "continuous"
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -214,58 +231,197 @@ class LLMEngine:
     def step(self) -> StepStats:
         """One iteration at the clock's current time; returns what it did (finished requests by id in
         `finished`; the Request objects stay readable through the caller's references). The stats
-        share their lists with the step's SchedulerOutput: read them, do not change them."""
+        share their lists with the step's SchedulerOutput: read them, do not change them. With
+        async_scheduling, the step returned has ended and the next one may be running (see _step_async)."""
+        if self.async_scheduling:
+            return self._step_async()
         start = self.clock.now()
+        out, stats = self._plan(start)
+        self._move(out, stats)
+        if out.scheduled:
+            self._complete(out, stats, self.runner.execute(out))
+            return self._ended(stats)
+        return self._idle(out, stats)
+
+    def _plan(self, start: float) -> tuple[SchedulerOutput, StepStats]:
+        """Schedule a step starting at `start`; its stats so far."""
         if self.lengths is not None:
             self._take_guesses()
         t0 = time.perf_counter()
         out = self.scheduler.schedule(start)
-        schedule_s = time.perf_counter() - t0
-        moves = out.kv_moves
-        elapsed = sum(self.runner.move_blocks(m) for m in moves) if moves else 0.0
-        stats = StepStats(start=start, end=start, elapsed=elapsed, is_prefill=out.is_prefill,
+        stats = StepStats(start=start, end=start, elapsed=0.0, is_prefill=out.is_prefill,
                           batch_tokens=out.context_lens, scheduled_tokens=out.num_scheduled_tokens,
-                          scheduled=out.scheduled, preempted=out.preempted, schedule_s=schedule_s,
+                          scheduled=out.scheduled, preempted=out.preempted, schedule_s=time.perf_counter() - t0,
                           num_running=out.num_running)
-        if moves:
+        return out, stats
+
+    def _move(self, out: SchedulerOutput, stats: StepStats) -> None:
+        """The step's block copies, before its batch."""
+        if moves := out.kv_moves:
+            stats.elapsed += sum(self.runner.move_blocks(m) for m in moves)
             stats.swapped_out_blocks = out.moved_blocks(Pool.HOST)
             stats.swapped_in_blocks = out.moved_blocks(Pool.DEVICE, Pool.HOST)
-        if out.scheduled:
-            result = self.runner.execute(out)
-            stats.execute_s = result.elapsed
-            stats.elapsed += result.elapsed
-            stats.end = self.clock.end_of(start, stats.elapsed)
-            self._inflight = (stats.end, sum(n for n in out.num_scheduled_tokens if n > 1))
-            finished, handed = self.scheduler.postprocess(out, result.tokens, stats.end, result.logprobs,
-                                                          result.failed)
-            if self.block_manager.new_named:  # write-through: blocks named this step go to the KV store
-                pairs, self.block_manager.new_named = self.block_manager.new_named, []
-                stats.elapsed += self.runner.move_blocks(KVMove(Pool.DEVICE, Pool.STORE, pairs))
-                if not self.has_unfinished():  # nothing left for the write-back to overlap with
-                    self.runner.finish_moves()
-                stats.end = self.clock.end_of(start, stats.elapsed)
-            stats.finished = [r.request_id for r in finished]
-            for rid in stats.finished:
+
+    def _ran(self, out: SchedulerOutput, stats: StepStats, result: StepResult) -> None:
+        """The batch's time in the stats."""
+        stats.execute_s = result.elapsed
+        stats.elapsed += result.elapsed
+        stats.end = self.clock.end_of(stats.start, stats.elapsed)
+        self._inflight = (stats.end, sum(n for n in out.num_scheduled_tokens if n > 1))
+
+    def _complete(self, out: SchedulerOutput, stats: StepStats, result: StepResult) -> None:
+        """A batch that has run: its tokens to the scheduler, its finished and handed-off requests out."""
+        self._ran(out, stats, result)
+        finished, handed = self.scheduler.postprocess(out, result.tokens, stats.end, result.logprobs, result.failed)
+        if self.block_manager.new_named:  # write-through: blocks named this step go to the KV store
+            pairs, self.block_manager.new_named = self.block_manager.new_named, []
+            stats.elapsed += self.runner.move_blocks(KVMove(Pool.DEVICE, Pool.STORE, pairs))
+            if not self.has_unfinished():  # nothing left for the write-back to overlap with
+                self.runner.finish_moves()
+            stats.end = self.clock.end_of(stats.start, stats.elapsed)
+        self._retire(stats, finished)
+        if handed:
+            stats.handed_off = [r.request_id for r in handed]
+            for req in handed:  # its blocks stay committed until released
+                rid = req.request_id
+                self.handoff.hold(req)
                 self._untrack(rid)
-            if self.lengths is not None:
-                for req in finished:
-                    self.lengths.finished(req)
-            if handed:
-                stats.handed_off = [r.request_id for r in handed]
-                for req in handed:  # its blocks stay committed until released
-                    rid = req.request_id
-                    self.handoff.hold(req)
-                    self._untrack(rid)
-                    self._held[rid] = n = len(self.block_manager.device_tables[rid])
-                    self.committed_blocks += n
-        else:
-            if not out.kv_moves and self.has_unfinished() and not self.handoff.busy:
-                raise RuntimeError("the scheduler made no progress; this is a bug, please report it")
-            if out.finished_ids:
-                self.runner.execute(out)  # no rows, but the runner forgets the requests that ended
-            stats.end = self.clock.end_of(start, stats.elapsed)
+                self._held[rid] = n = len(self.block_manager.device_tables[rid])
+                self.committed_blocks += n
+
+    def _retire(self, stats: StepStats, finished: list[Request]) -> None:
+        stats.finished = [r.request_id for r in finished]
+        for rid in stats.finished:
+            self._untrack(rid)
+        if self.lengths is not None:
+            for req in finished:
+                self.lengths.finished(req)
+
+    def _idle(self, out: SchedulerOutput, stats: StepStats) -> StepStats:
+        """A step without a batch: copies, or requests for the runner to forget."""
+        if not out.kv_moves and self.has_unfinished() and not self.handoff.busy:
+            raise RuntimeError("the scheduler made no progress; this is a bug, please report it")
+        if out.finished_ids:
+            self.runner.execute(out)  # no rows, but the runner forgets the requests that ended
+        stats.end = self.clock.end_of(stats.start, stats.elapsed)
+        return self._ended(stats)
+
+    def _ended(self, stats: StepStats) -> StepStats:
         if stats.elapsed:
             self._busy = (self._busy[0] + stats.elapsed, stats.end)
         if self.owns_clock:
             self.clock.wait_until(stats.end)
         return stats
+
+    # --- asynchronous scheduling ---------------------------------------------------------------
+    def _step_async(self) -> StepStats:
+        """async_scheduling: the next step is scheduled while this one's batch runs (vLLM's async scheduling).
+
+        The runner executes a batch in its worker thread (runner.start). Meanwhile the scheduler takes the
+        batch's results as placeholders (PLACEHOLDER for each sampled token: the request's length and its
+        computed tokens grow, and a request that reaches max_tokens ends, as they will) and schedules the
+        next step. When the batch has run, its tokens replace the placeholders; a request whose token is an
+        end-of-sequence or stop token ends then, and its row in the next step, already planned, is computed
+        and discarded (its blocks are freed now; the runner forgets it a step later). The next batch starts
+        at once (its copies first), so it also runs while the caller handles this step's outputs; the stats
+        returned are this step's. A caller's abort between steps likewise voids the running row.
+
+        Token for token the outputs are the synchronous engine's: a request's tokens depend on its own rows
+        only (seeded sampling draws from the request's own generator), and what differs is only when a
+        request that stopped leaves the batch (a step later), hence which steps the others share (and
+        unseeded sampling's shared random stream). Steps whose results a placeholder cannot stand for run
+        in the synchronous order (tokens first, then the next schedule): with prefix caching (blocks are
+        named by their tokens), a length predictor or length correction (they read the outputs), request-
+        level batching (a finished row's fate is the policy's), hand-offs (a prefilled request leaves) and
+        reads from the KV store (a row whose KV failed is computed again). The runner must overlap (no KV
+        connector or store: the engine refuses the option otherwise)."""
+        if self._idle_next is not None:  # a step planned without a batch: its copies, the runner's forgetting
+            out, stats = self._idle_next
+            self._idle_next = None
+            self._move(out, stats)
+            if out.finished_ids:
+                self.runner.execute(out)
+            stats.end = self.clock.end_of(stats.start, stats.elapsed)
+            return self._ended(stats)
+        if self._flight is None:  # nothing running: schedule and start a batch
+            out, stats = self._plan(self.clock.now())
+            self._move(out, stats)
+            if not out.scheduled:
+                return self._idle(out, stats)
+            self._launch(out, stats, self._rows(out))
+        out, stats, reqs = self._flight
+        # rows whose sampled token a placeholder stands for (a row voided since it started gets none)
+        sampled = [i for i, rid in enumerate(out.scheduled) if rid not in out.partial and not reqs[i].finished]
+        ahead = None
+        if self._speculable(out, reqs):
+            tokens: list[int | None] = [None] * len(reqs)
+            for i in sampled:
+                tokens[i] = PLACEHOLDER
+            self.scheduler.postprocess(out, tokens, stats.start)
+            ahead = self._plan(self.clock.now())  # the next step, while this one's batch runs
+            ahead_rows = self._rows(ahead[0])  # (before a row's request ends with this batch's tokens)
+        result = self._join()
+        if ahead is None:  # the synchronous order: the tokens, then the next schedule
+            self._complete(out, stats, result)
+            if self.has_unfinished():
+                ahead = self._plan(self.clock.now())
+                ahead_rows = self._rows(ahead[0])
+        else:
+            self._ran(out, stats, result)
+            self._retire(stats, self._fill(reqs, sampled, result, stats.end))
+        if ahead is not None:
+            if not ahead[0].scheduled:
+                self._idle_next = ahead
+            else:
+                self._move(*ahead)  # (after the batch that ran: a swap-out copies what it wrote)
+                self._launch(*ahead, ahead_rows)
+                if not self.has_unfinished():  # every row of it is void: wait for it here, not in the caller's next step
+                    self._drain()
+        return self._ended(stats)
+
+    def _speculable(self, out: SchedulerOutput, reqs: list[Request]) -> bool:
+        """Whether placeholders may stand for this batch's tokens while it runs (see _step_async)."""
+        return (self._placeholders_ok and self.lengths is None and not any(r.handoff for r in reqs)
+                and not any(m.src is Pool.STORE for m in out.kv_moves))
+
+    def _rows(self, out: SchedulerOutput) -> list[Request]:
+        return [self.requests[rid] for rid in out.scheduled]
+
+    def _launch(self, out: SchedulerOutput, stats: StepStats, rows: list[Request]) -> None:
+        self._flight = (out, stats, rows)
+        self._future = self.runner.start(out)
+        self._inflight = (math.inf, sum(n for n in out.num_scheduled_tokens if n > 1))
+
+    def _join(self) -> StepResult:
+        result = self._future.result()
+        self._flight = self._future = None
+        return result
+
+    def _drain(self) -> None:
+        """Wait for the running batch and take its results (all of them void)."""
+        out, stats, _ = self._flight
+        self._complete(out, stats, self._join())
+        self._ended(stats)
+
+    def _fill(self, reqs: list[Request], sampled: list[int], result: StepResult, end: float) -> list[Request]:
+        """The batch's tokens in place of their placeholders; returns the requests that ended with it. One
+        that ends on an end-of-sequence or stop token was scheduled on (its next row is void): it leaves now."""
+        ended = []
+        for i in sampled:
+            req, tok = reqs[i], result.tokens[i]
+            req.output_token_ids[-1] = tok
+            req.token_times[-1] = end
+            if len(req.output_token_ids) == 1:
+                req.first_token_time = end
+            if result.logprobs is not None and result.logprobs[i] is not None:
+                req.output_logprobs.append(result.logprobs[i])
+            p = req.params
+            if (not p.ignore_eos and (tok == req.eos_token_id or tok in req.more_eos_token_ids)) or \
+                    (p.stop_token_ids and tok in p.stop_token_ids):
+                if req.finish_reason is None:
+                    self.scheduler.abort(req.request_id, end, "stop")
+                req.finish_reason = "stop"  # (also where max_tokens ended it: the stop token comes first)
+            if req.finish_reason is not None:
+                req.status, req.finish_time = Status.FINISHED, end
+                ended.append(req)
+        return ended

@@ -320,6 +320,8 @@ class Scheduler:
         finished, handed, retried = [], [], []
         caching = self.bm.caching
         for req, tok, n, lp in zip(self._batch, tokens, out.num_scheduled_tokens, logprobs or repeat(None)):
+            if req.finished:  # ended while its row ran (async scheduling: stopped a step before, or aborted)
+                continue
             if failed and req.request_id in failed:  # its fetched blocks were not named; shared ones stay cached
                 req.store_failed = True  # computed without the store from now on: what failed may fail again
                 self.requeue(req, now)

@@ -5,6 +5,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -97,6 +98,7 @@ class TorchRunner:
         if self.swap_stream is not None:
             self.paths += "; swaps: " + ("a block-copy kernel a layer" if self.swap_kernel else
                                          "a copy call per run of blocks, per layer, for K and for V")
+        self._worker: ThreadPoolExecutor | None = None  # async scheduling's (start)
         self.graphs = None
         if graphs is not None:
             from servewise.runners.cuda_graphs import DecodeGraphs
@@ -306,6 +308,24 @@ class TorchRunner:
 
             self._grammars = Grammars(self.tokenizer, self.mc.vocab_size, list(self.stop_ids))
         return self._grammars
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether start() may run batches beside the engine's scheduling: not with a KV connector or store
+        (their per-step hooks and threads assume the synchronous order)."""
+        return self.connector is None and self.store is None
+
+    def start(self, out: SchedulerOutput) -> Future:
+        """execute(out) in the runner's worker thread (async scheduling); its StepResult is the future's.
+        The caller takes it before calling the runner again. PyTorch releases the GIL in its kernels (and
+        on CUDA while it waits for the sampled tokens), so the engine schedules meanwhile."""
+        if self._worker is None:
+            init = None
+            if self.device.type == "cuda":  # the worker computes on the device the runner was built for
+                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                init = lambda: torch.cuda.set_device(index)  # noqa: E731
+            self._worker = ThreadPoolExecutor(1, "servewise-step", init)
+        return self._worker.submit(self.execute, out)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:

@@ -24,6 +24,8 @@ def arguments(p) -> None:
                   "help": "auto: float32 on CPU, the checkpoint's elsewhere"},
         "hf_batch_size": ("requests per Hugging Face generate batch", at_least(1)),
         "no_hf": {"action": "store_true", "help": "skip the Hugging Face baseline"},
+        "async_scheduling": {"choices": ["off", "on", "both"], "help": "servewise's --async-scheduling: off, on, "
+                             "or both (alternated, best of 2 runs each; their speed-up and identical outputs)"},
         "out": ("where the results go (JSON)", None),
     })
     threads_arg(p)
