@@ -19,6 +19,15 @@ nothing else:
 A request finishing is no event: it leaves as postprocess lets it go (its blocks freed in batch order, the
 runner told at the next step), and the checks see the freed blocks before the next step.
 
+What it costs: between two finishes the batch is the same (a stretch), so the checks that depend only on the
+queues are made once, at the stretch's first step; the free blocks only fall within it, so the first step whose
+new blocks would leave fewer than the decode floor free is found by counting the rows' block crossings (each row
+takes one every block_size steps); the steps' prices come from the performance model at once (its decode_run,
+the same floats as step by step) and their ends by one running sum, so the first step that starts when an arrival
+is due is a binary search. The stretch's blocks are then taken in one call, in the order its steps would take them
+(step by step, the rows of a step in queue order), and the lab's step counter counts its steps at once. A stretch
+thus costs a few passes over its rows, a list append per block, and a few float operations per step (its price).
+
 Which engines (`why_not`), conservatively: the continuous admission (no chunked prefill, no request-level
 batches, not AdaptiveLLM's groups), an ordering whose keys never change (fcfs, priority; a ranked one only
 while nobody waits), no prefix caching, no KV store, no length prediction or correction, the engine's own
