@@ -206,6 +206,9 @@ class BulkSteps:
         changed = s._changed
         for _, i in order:  # (the order in which their tables first change)
             changed[rows[i].request_id] = rows[i]
+        if h - g < bs:  # one round: a block each, in the order (step, queue place)
+            s.bm.append_blocks([rows[i].request_id for _, i in order])
+            return
         taking = sorted((d % bs, i, d // bs) for d, i in order)  # (in a round: by step, then queue place)
         whole = [rows[i].request_id for _, i, _ in taking]  # a round in which every row takes a block
         start, end = max(r for _, _, r in taking), (h - g - bs + 1) // bs  # the whole rounds
