@@ -58,6 +58,18 @@ def test_a_finish_and_an_arrival_on_the_end_of_one_step():
     assert fast.engine.runner.bulk_steps >= 3
 
 
+def test_a_stretch_stops_at_the_step_whose_blocks_do_not_fit():
+    # a (4 + 30 tokens) and b (10 + 25) prefill together (ends 1.0), then decode in steps of 0.5 s; 10 blocks of 4
+    # tokens: decode step 13 (from 7.0) would need 5 + 6 blocks, so b is preempted there and a runs alone (0.25 s);
+    # c arrives at 7.5 and waits behind b until a finishes (11.25), at the end of a stretch of a alone
+    items = [WorkloadRequest(4, 30), WorkloadRequest(10, 25), WorkloadRequest(3, 6)]
+    fast, ref = both(items, [0.0, 0.0, 7.5], perf=StepPerf(), num_device_blocks=10)
+    assert differences(fast, ref) == []
+    a, b, c = ref.requests
+    assert a.token_times[11:14] == [6.5, 7.0, 7.25] and b.preemptions["recompute"] == 1
+    assert a.finish == c.first_scheduled == 11.25 < b.finish and fast.engine.runner.bulk_steps >= ref.steps["steps"] - 4
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap", "swap-stall", "swap-drop", "adaptive"])
 def test_a_pool_that_fills_mid_run_in_every_preemption_mode(preemption):
     items, arrivals = workload(60, seed=1)
