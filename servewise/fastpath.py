@@ -115,7 +115,7 @@ class BulkSteps:
         for req, s, _, _ in getattr(self, "lazy", {}).values():
             self._write(req, s, end)
         self.times: list[float] = []  # when each step run in bulk ended, since the last flush
-        self.lazy: dict[int, tuple[Request, int, int, int]] = {}  # id -> (request, s, tokens at step 0, last step)
+        self.lazy: dict[Request, tuple[Request, int, int, int]] = {}  # -> (request, s, tokens at step 0, last step)
         self.ends: dict[int, list[Request]] = {}  # step -> requests that finish in it
         self.end_at: list[int] = []  # the steps of `ends` (a heap)
 
@@ -174,7 +174,7 @@ class BulkSteps:
                 or first < 0 or _stoppable(req)):
             return False
         last = g + req.max_tokens - len(req.output_token_ids) - 1
-        self.lazy[id(req)] = (req, g, n - g, last)
+        self.lazy[req] = (req, g, n - g, last)
         if (reqs := self.ends.get(last)) is None:
             self.ends[last] = [req]
             heapq.heappush(self.end_at, last)
@@ -188,11 +188,11 @@ class BulkSteps:
         others are the run's already.)"""
         rows, lazy = self.engine.scheduler.running, self.lazy
         new = len(rows)
-        while new and id(rows[new - 1]) not in lazy:
+        while new and rows[new - 1] not in lazy:
             new -= 1
         if len(lazy) == new:
             return all(self._join(r, g) for r in rows[new:])
-        return all(id(r) in lazy or self._join(r, g) for r in rows)
+        return all(r in lazy or self._join(r, g) for r in rows)
 
     def _blocks(self, rows: list[Request], cs: list[int], g: int, h: int) -> None:
         """The blocks of steps g .. h: a row takes one at its step c (in `cs`), c + block_size, ..., the rows
@@ -241,7 +241,7 @@ class BulkSteps:
         per_step = self.on_step is not None and self.count is None  # (it sees the block tables after each step)
         while s.running and not self._event(now, next_arrival):
             rows = s.running
-            base = [lazy[id(r)][2] for r in rows]  # tokens at step 0: a request has base + j at step j
+            base = [lazy[r][2] for r in rows]  # tokens at step 0: a request has base + j at step j
             cs = [len(tables[r.request_id]) * bs - n + 1 for r, n in zip(rows, base)]  # the steps of their next blocks
             if self._short(cs.count(g)):
                 break
@@ -315,7 +315,7 @@ class BulkSteps:
         eng, s = self.engine, self.engine.scheduler
         now = self.times[g]
         for req in done:
-            self._write(req, self.lazy.pop(id(req))[1], g)
+            self._write(req, self.lazy.pop(req)[1], g)
             req.num_computed_tokens += 1
             req.append_token(SIM_TOKEN, now)
             if req.finish_reason is None:
@@ -325,8 +325,9 @@ class BulkSteps:
                 s.bm.free(req.request_id)
                 s.forget(req)
             eng._untrack(req.request_id)
-        if len(done) == 1:
-            s.running = [r for r in s.running if r is not done[0]]
+        if len(done) == 1:  # (requests compare by identity)
+            i = s.running.index(done[0])
+            s.running = s.running[:i] + s.running[i + 1:]
         else:
             gone = set(map(id, done))
             s.running = [r for r in s.running if id(r) not in gone]
