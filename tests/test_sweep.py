@@ -130,3 +130,17 @@ def test_bench_sweep_times_each_way_on_the_same_search(tmp_path, data_dir, monke
     assert here["configurations"] == jobs["configurations"] > 2  # (a binary search per design, at least)
     assert here["per_minute"] == pytest.approx(60 * here["configurations"] / here["search_s"])
     assert set(r["best"]) == {"Baseline-H100", "Splitwise-HH"} and r["provenance"]["date"] and r["parallelism"] > 0
+
+
+def test_banaserve_runs_on_local_workers_as_here():
+    from servewise.experiments import banaserve
+
+    s = banaserve.Settings(systems=("round-robin", "banaserve-sets"), num_requests=30, output_len=16,
+                           rates=(20.0, 40.0), workload="longbench")
+    plain = lambda runs: [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in runs]  # noqa: E731
+    items, here = banaserve.sweep(s, s.systems)
+    with sweep.pool(2) as pool:
+        again, there = banaserve.sweep(s, s.systems, pool=pool)
+    assert [(r["rate"], r["system"]) for r in there] == [(20.0, "round-robin"), (20.0, "banaserve-sets"),
+                                                         (40.0, "round-robin"), (40.0, "banaserve-sets")]
+    assert plain(there) == plain(here) and all(r["completed"] == 30 for r in here) and len(again) == len(items)

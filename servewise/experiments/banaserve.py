@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 
 from servewise import lab
 from servewise.experiments import publish
+from servewise.lab import sweep as lab_sweep
 from servewise.metrics.plots import save_figure, series_style
 
 WORKLOADS = ("shared-prefix", "alpaca", "longbench", "azure-conv")
@@ -124,8 +125,12 @@ class Settings:
     tune_seed: int | None = None  # with seeds: the seed on which DistServe's split is chosen (default max(seeds) + 1)
     out_dir: str = "results/banaserve"
     calibration: str | None = None  # a per-operation calibration (`servewise calibrate`) instead of the roofline
+    jobs: int = 1  # runs at once: local worker processes, or the CPUs of a Ray started here
+    ray: str | None = None  # "auto" or a Ray cluster's address: the runs are its tasks (lab.sweep)
 
     def __post_init__(self):
+        if self.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, not {self.jobs}")
         for x in self.systems:
             if x not in SYSTEMS and not x.startswith(DISTSERVE + "-") or x == SEARCHED:
                 raise ValueError(f"unknown system {x!r}; choose from {', '.join(SYSTEMS)} (or {DISTSERVE}-P+T)")
@@ -346,24 +351,44 @@ def plot(res: dict, out_dir: str) -> str:
     return paths
 
 
-def sweep(s: Settings, mc, systems, bar=None) -> tuple[list, list[dict]]:
-    """One seed's runs (s.seed): every system at every rate; returns (the workload's requests, the runs)."""
+_WORKLOAD: dict = {}  # the last settings' workload, for the runs of one seed in one process
+
+
+def _workload(s: Settings) -> tuple[list, list[float] | None]:
+    from servewise.models.loader import load_model_config
+
+    key = repr(replace(s, jobs=1, ray=None))
+    if key not in _WORKLOAD:
+        _WORKLOAD.clear()
+        _WORKLOAD[key] = workload(s, load_model_config(s.model, "float16")[0])
+    return _WORKLOAD[key]
+
+
+def _run(args) -> dict:
+    """One system at one rate on s.seed's workload: its row."""
     from servewise.workloads.arrivals import arrival_times
 
-    items, gaps = workload(s, mc)
+    s, system, rate = args
+    items, gaps = _workload(s)
+    if gaps is None:
+        arrivals = arrival_times(len(items), "poisson", rate, seed=s.seed)
+    else:  # the trace's gaps, rescaled: mean rate `rate`
+        arrivals = list(itertools.accumulate(g / rate for g in gaps))
+    spec_ = lab.Spec(cluster(s.model, system, s.instances, s.store_gb, s.calibration), items, arrivals,
+                     tags={"system": system, "rate": rate})
+    return row(lab.run(spec_), s.instances) | {"seed": s.seed}
+
+
+def sweep(s: Settings, systems, bar=None, pool=None) -> tuple[list, list[dict]]:
+    """One seed's runs (s.seed): every system at every rate, one `pool` task each (lab.sweep; default: here);
+    returns (the workload's requests, the runs in order)."""
+    point = replace(s, jobs=1, ray=None)
     runs = []
-    for rate in s.rates:
-        if gaps is None:
-            arrivals = arrival_times(len(items), "poisson", rate, seed=s.seed)
-        else:  # the trace's gaps, rescaled: mean rate `rate`
-            arrivals = list(itertools.accumulate(g / rate for g in gaps))
-        for system in systems:
-            spec_ = lab.Spec(cluster(s.model, system, s.instances, s.store_gb, s.calibration), items, arrivals,
-                             tags={"system": system, "rate": rate})
-            runs.append(row(lab.run(spec_), s.instances) | {"seed": s.seed})
-            if bar is not None:
-                bar.update()
-    return items, runs
+    for r in (pool or lab_sweep.pool()).map(_run, [(point, system, rate) for rate in s.rates for system in systems]):
+        runs.append(r)
+        if bar is not None:
+            bar.update()
+    return _workload(point)[0], runs
 
 
 def best_split(runs: list[dict], tol: float = 0.01) -> str:
@@ -418,7 +443,7 @@ def label(system: str, instances: int) -> str:
     return f"{p}+{instances - p}"
 
 
-def seeded(s: Settings, mc, res: dict) -> str:
+def seeded(s: Settings, res: dict, pool=None) -> str:
     """The sweep over s.seeds (means and intervals), with DistServe's split searched on s.tune_seed when
     pd-distserve is among the systems; fills res, returns the file name."""
     from tqdm import tqdm
@@ -433,13 +458,13 @@ def seeded(s: Settings, mc, res: dict) -> str:
     for k in s.seeds:
         if not sys.stderr.isatty():  # (a log's progress)
             print(f"seed {k} of {list(s.seeds)}, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        items, got = sweep(replace(s, seed=k), mc, systems, bar)
+        items, got = sweep(replace(s, seed=k), systems, bar, pool)
         prompts.append(statistics.mean(it.prompt_len for it in items))
         outputs.append(statistics.mean(it.output_len for it in items))
         runs += got
     res.update(seeds=list(s.seeds), mean_prompt=statistics.mean(prompts), mean_output=statistics.mean(outputs))
     if search:
-        _, tuned = sweep(replace(s, seed=tune), mc, candidates, bar)
+        _, tuned = sweep(replace(s, seed=tune), candidates, bar, pool)
         res["search"] = []
         for rate in s.rates:
             at = [r for r in tuned if r["rate"] == rate]
@@ -521,22 +546,20 @@ def plot_seeds(res: dict, out_dir: str) -> list[str]:
 def main(s: Settings) -> None:
     from tqdm import tqdm
 
-    from servewise.models.loader import load_model_config
-
-    mc, _ = load_model_config(s.model, "float16")
     res = {"experiment": "banaserve-dispatch", "model": s.model, "instances": s.instances, "num_requests": s.num_requests,
            "workload": s.workload, "prefixes": s.prefixes, "prefix_len": s.prefix_len, "suffix_len": s.suffix_len,
            "output_len": s.output_len, "zipf": s.zipf, "store_gb": s.store_gb, "rates": list(s.rates),
            "calibration": s.calibration, "runs": []}
     t0 = time.perf_counter()
-    if s.seeds:
-        res["name"] = seeded(s, mc, res)
-        res["wall_s"] = time.perf_counter() - t0
-        publish(res, report_seeds(res), s.out_dir, res["name"], plot_seeds)
-        return
-    bar = tqdm(total=len(s.rates) * len(s.systems), desc="simulations", unit="run", disable=not sys.stderr.isatty())
-    items, res["runs"] = sweep(s, mc, s.systems, bar)
-    bar.close()
+    with lab_sweep.pool(s.jobs, s.ray) as pool:
+        if s.seeds:
+            res["name"] = seeded(s, res, pool)
+            res["wall_s"] = time.perf_counter() - t0
+            publish(res, report_seeds(res), s.out_dir, res["name"], plot_seeds)
+            return
+        bar = tqdm(total=len(s.rates) * len(s.systems), desc="simulations", unit="run", disable=not sys.stderr.isatty())
+        items, res["runs"] = sweep(s, s.systems, bar, pool)
+        bar.close()
     res.update(mean_prompt=statistics.mean(it.prompt_len for it in items),
                mean_output=statistics.mean(it.output_len for it in items))
     for r in res["runs"]:

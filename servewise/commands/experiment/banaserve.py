@@ -37,6 +37,11 @@ def arguments(p) -> None:
                         "pd-distserve among the systems its prompt:token split chosen per rate on --tune-seed")
     p.add_argument("--tune-seed", type=at_least(0), default=None,
                    help="with --seeds: the seed that chooses DistServe's split (default N, not an evaluation seed)")
+    p.add_argument("--jobs", type=at_least(1), default=None,
+                   help="simulations at once, in worker processes (default 1: one after the other here)")
+    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                   help="run the simulations as tasks of a Ray cluster: auto (RAY_ADDRESS's, else one started "
+                        "here with --jobs CPUs) or a cluster's address, host:port or ray://host:port")
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--real-loop", choices=["greedy", "sets"], default=None,
                    help="instead of the simulations: Algorithm 4-1's loop (this form) moving layers between two real "
@@ -57,4 +62,4 @@ def run(a) -> None:
                   prefixes=a.prefixes, prefix_len=a.prefix_len, suffix_len=a.suffix_len, output_len=a.output_len,
                   zipf=a.zipf, store_gb=a.store_gb, rates=tuple(a.rates), workload=a.workload, trace=a.trace,
                   seed=a.seed, seeds=tuple(range(a.seeds)) if a.seeds else (), tune_seed=a.tune_seed,
-                  out_dir=a.out_dir, calibration=a.calibration))
+                  out_dir=a.out_dir, calibration=a.calibration, jobs=a.jobs or 1, ray=a.ray))
