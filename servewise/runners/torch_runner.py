@@ -317,15 +317,23 @@ class TorchRunner:
 
     def start(self, out: SchedulerOutput) -> Future:
         """execute(out) in the runner's worker thread (async scheduling); its StepResult is the future's.
-        The caller takes it before calling the runner again. PyTorch releases the GIL in its kernels (and
-        on CUDA while it waits for the sampled tokens), so the engine schedules meanwhile."""
+        The caller takes it before calling the runner again. The batch goes first: this returns once the
+        worker has begun, and the caller's Python runs while the worker is in a kernel (PyTorch releases the
+        GIL in its kernels, and on CUDA while it waits for the sampled tokens) instead of before the batch."""
         if self._worker is None:
             init = None
             if self.device.type == "cuda":  # the worker computes on the device the runner was built for
                 index = self.device.index if self.device.index is not None else torch.cuda.current_device()
                 init = lambda: torch.cuda.set_device(index)  # noqa: E731
             self._worker = ThreadPoolExecutor(1, "servewise-step", init)
-        return self._worker.submit(self.execute, out)
+        begun, execute = threading.Event(), self.execute
+
+        def run() -> StepResult:
+            begun.set()
+            return execute(out)
+        future = self._worker.submit(run)
+        begun.wait()
+        return future
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
