@@ -255,7 +255,8 @@ class BulkSteps:
                 have = len(prices)
                 more = h + 1 - g - have
                 if due != math.inf:  # about as many steps as fit before `due` at the last step's price
-                    more = min(more, 16 + (max(int((due - ends[-1]) / prices[-1]), 0) if prices and prices[-1] > 0 else 0))
+                    t, p = (ends[-1], prices[-1]) if prices else (now, runner._last)
+                    more = min(more, 16 + (max(int((due - t) / p), 0) if p > 0 else 0))
                 new = runner.price_decodes(base, more, g + have)
                 prices += new
                 ends += itertools.accumulate(new, initial=ends[-1] if ends else now)
