@@ -11,7 +11,7 @@ from servewise.engine.interfaces import Preemption
 from servewise.engine.request import Request, SamplingParams
 from servewise.policies.ordering import (FCFS, Fair, HighestResponseRatio, Priority, PromptFirst,
                                          ShortestPredictedFirst)
-from servewise.policies.preemption import Adaptive, Decision, Recompute, Swap
+from servewise.policies.preemption import Adaptive, Decision, HostPoolFull, Recompute, Swap, SwapAbort, SwapDrop, SwapStall
 
 
 def req(i, n, t, *, out=0, max_tokens=100, predicted_len=None, priority=0, preempted=0):
@@ -186,3 +186,25 @@ def test_decision_why_states_costs_the_cheaper_mode_and_room():
                  mode=Preemption.RECOMPUTE)
     assert d.why() == ("request r2: 4 tokens / 1 blocks; predicted recompute 1.000 ms, swap out+in 1.000 ms"
                        " -> recompute is cheaper -> recompute")
+
+
+def test_the_host_full_modes_act_only_without_room_and_count_each_time():
+    victim = req(3, 4, 0.0)
+    stall, drop = SwapStall(), SwapDrop()
+    assert not stall.holds(victim, FakeBM({}, True)) and not drop.drops(victim, FakeBM({}, True))
+    assert (stall.stalls, drop.dropped) == (0, 0)
+    for n in (1, 2):
+        assert stall.holds(victim, FakeBM({}, False)) and drop.drops(victim, FakeBM({}, False))
+        assert (stall.stalls, drop.dropped) == (n, n)
+    # the other modes never hold a step nor drop a victim
+    for mode in (Recompute(), Swap(), SwapAbort()):
+        assert not mode.holds(victim, FakeBM({}, False)) and not mode.drops(victim, FakeBM({}, False))
+    assert SwapAbort().choose(victim, FakeBM({}, True), 0.0) is Preemption.SWAP
+
+
+def test_a_full_host_pool_stops_the_engine_with_a_message_naming_the_request():
+    with pytest.raises(HostPoolFull) as e:
+        SwapAbort().choose(req(9, 4, 0.0), FakeBM({}, False), 2.5)
+    assert (e.value.request_id, e.value.now) == ("9", 2.5)
+    assert str(e.value) == ("request 9 cannot be swapped out: the host pool is full; the engine stops "
+                            "(vLLM 0.2.5's always-swap behaviour). Give it more host blocks.")
