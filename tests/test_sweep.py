@@ -12,9 +12,6 @@ from servewise.lab import Checkpoint, sweep
 
 from conftest import refused
 
-pytestmark = pytest.mark.process
-
-
 @pytest.fixture(scope="module")
 def ray():
     ray = pytest.importorskip("ray")
@@ -32,6 +29,7 @@ def _slow_first(x: int) -> tuple[int, int]:
     return x, os.getpid()
 
 
+@pytest.mark.process
 def test_points_come_back_in_the_tasks_order_from_every_pool(ray):
     pools = {"here": sweep.pool(1), "processes": sweep.pool(2), "ray": sweep.pool(2, "auto")}
     for name, pool in pools.items():
@@ -49,6 +47,7 @@ def _strip(res: dict) -> dict:
     return {k: v for k, v in res.items() if k != "wall_s"}
 
 
+@pytest.mark.process
 def test_an_arena_on_ray_on_local_workers_and_here_gives_the_same_results(ray):
     here = arena.run_arena(arena.Settings(**SMALL))
     assert [(r["seed"], r["policy"]) for r in here["runs"]] == [(0, "fcfs"), (0, "vtc"), (1, "fcfs"), (1, "vtc")]
@@ -57,6 +56,7 @@ def test_an_arena_on_ray_on_local_workers_and_here_gives_the_same_results(ray):
     assert _strip(arena.run_arena(arena.Settings(**SMALL, ray="auto"))) == _strip(here)
 
 
+@pytest.mark.process
 def test_a_stopped_arena_runs_only_its_missing_points(ray, tmp_path, monkeypatch):
     """Half the runs kept (as a run stopped halfway leaves them, here with a mark no run gives): the resumed
     arena on Ray reads those back and runs the others, keeping them; run again, it runs nothing."""
@@ -113,6 +113,7 @@ def test_a_splitwise_load_sweep_keeps_its_points_where_the_driver_is(tmp_path, m
     assert list(sw.sweep_designs(sweep.pool(1), s, designs, keep)) == first and ran == []
 
 
+@pytest.mark.process
 def test_bench_sweep_times_each_way_on_the_same_search(tmp_path, data_dir, monkeypatch):
     import json
 
@@ -132,6 +133,7 @@ def test_bench_sweep_times_each_way_on_the_same_search(tmp_path, data_dir, monke
     assert set(r["best"]) == {"Baseline-H100", "Splitwise-HH"} and r["provenance"]["date"] and r["parallelism"] > 0
 
 
+@pytest.mark.process
 def test_banaserve_runs_on_local_workers_as_here():
     from servewise.experiments import banaserve
 
