@@ -34,9 +34,11 @@ def params(i: int, max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True, **kw)
 
 
-def run(eng, prompts, ps, arrivals=None):
-    """Requests queued at their step (arrivals[i]; all at once without), stepped to the end."""
-    arrivals = arrivals or [0] * len(prompts)
+def run(eng, prompts, ps, arrivals=None, aborts=None):
+    """Requests queued at their step (arrivals[i]; all at once without) and aborted once they have so many
+    tokens ({i: tokens}), stepped to the end. (The asynchronous engine admits a request a step later: its
+    next step was planned before the arrival.)"""
+    arrivals, aborts = arrivals or [0] * len(prompts), aborts or {}
     reqs, step = {}, 0
     while len(reqs) < len(prompts) or eng.has_unfinished():
         for i, p in enumerate(prompts):
@@ -44,16 +46,19 @@ def run(eng, prompts, ps, arrivals=None):
                 reqs[i] = eng.add_request(p, ps[i], request_id=str(i))
         if eng.has_unfinished():
             eng.step()
+        for i, n in aborts.items():
+            if i in reqs and not reqs[i].finished and len(reqs[i].output_token_ids) >= n:
+                assert eng.abort_request(str(i))
         step += 1
     return [(r.output_token_ids, r.finish_reason, [(lp.logprob, lp.top) for lp in r.output_logprobs],
              sum(r.preemptions.values())) for _, r in sorted(reqs.items())]
 
 
-def same(prompts, ps, arrivals=None, **kw):
+def same(prompts, ps, arrivals=None, aborts=None, **kw):
     """Both engines' outputs (they must agree); returns the asynchronous engine and its outputs."""
-    ref = run(engine(False, **kw), prompts, ps, arrivals)
+    ref = run(engine(False, **kw), prompts, ps, arrivals, aborts)
     eng = engine(True, **kw)
-    got = run(eng, prompts, ps, arrivals)
+    got = run(eng, prompts, ps, arrivals, aborts)
     assert [g[:3] for g in got] == [r[:3] for r in ref]
     bm = eng.block_manager
     assert bm.num_free_device == bm.num_device_blocks and not bm.device_tables and not eng.requests
@@ -77,9 +82,10 @@ def test_stop_tokens_mid_batch_leave_without_their_speculative_token():
     assert got[3][2] and len(got[3][2]) == len(got[3][0])  # log-probabilities filled in with the tokens
 
 
-def test_lengths_and_arrivals_between_steps():
+def test_lengths_arrivals_and_aborts_between_steps():
     ps = [params(i, 3 + 4 * i) for i in range(8)]
-    same(PROMPTS, ps, arrivals=[0, 0, 1, 3, 4, 4, 9, 15])
+    _, got = same(PROMPTS, ps, arrivals=[0, 0, 1, 3, 4, 4, 9, 15], aborts={4: 9, 5: 1})
+    assert [(len(g[0]), g[1]) for g in got[4:6]] == [(9, "abort"), (1, "abort")]
 
 
 @pytest.mark.parametrize("mode,host", [("recompute", 0), ("swap", 64)])
