@@ -23,6 +23,7 @@ DEFAULTS_DIFFER = {
     "--output-len": "each benchmark's own output length",
     "--max-output-len": "each benchmark's cap (none: no cap)",
     "--max-prompt-len": "each benchmark's cap (none: no cap)",
+    "--async-scheduling": "on or off for an engine; bench throughput also compares both (off, on, both)",
     "--threads": "0 (torch's default) for one engine in this process; 1 per instance where instances share the "
                  "cores; 2 where two engines are compared on equal threads; none (the cores but one) for a soak",
     "--seed": "generate: the sampling seed, none draws a fresh one; elsewhere 0",
