@@ -107,7 +107,7 @@ def test_dead_or_silent_instances_look_full_to_a_router():
     co = Coordinator(["mixed", "mixed", "mixed"])
     co.report(0, load(running=1))
     co.died(2, "x")
-    assert co._loads() == [load(running=1), DOWN, DOWN]
+    assert co._loads() == [load(running=1), DOWN, DOWN] and co.up == [True, True, False]
     co.started(2, load(waiting=4))
     assert co.up == [True, True, True] and co._loads()[2] == load(waiting=4)
 
@@ -225,6 +225,10 @@ def test_a_committed_transfer_counts_sends_every_layer_and_releases_the_prompt_i
     assert co.take()[0] == [(0, Release("a"))]
     co.outputs(1, [], [KVDone("a", True, None, 1234)])  # once only
     assert co.handoffs["committed"] == 1 and co.take()[0] == []
+    for rid, ok in (("b", True), ("c", False), ("d", False)):  # the counts add up
+        split_request(co, rid, layers=3)
+        co.outputs(1, [], [KVDone(rid, ok, None if ok else "bad", 7)])
+    assert co.handoffs == {"committed": 2, "recomputed": 2, "expired": 0, "lost": 0}
 
 
 def test_a_transfer_that_failed_is_recomputed_and_its_prompt_side_released():
@@ -292,6 +296,11 @@ def test_an_expired_transfer_is_computed_on_the_token_instance():
     now[0] = 10.0
     co.expire()
     assert co.handoffs["expired"] == 1 and co.take() == ([], [])
+    split_request(co, "b")
+    co.outputs(0, [], [HandedOff("b", 42)])
+    now[0] = 20.0
+    co.expire()
+    assert co.handoffs["expired"] == 2
 
 
 def test_expiry_goes_past_a_transfer_that_has_no_move_any_more():
@@ -373,6 +382,18 @@ def test_a_token_instance_that_dies_fails_its_requests_clearly():
     assert co.owner == {} and co.handoffs["lost"] == 2 and co.moves == {}
 
 
+def test_a_dead_token_instance_ends_only_its_own_transfers():
+    co, _ = coordinator(["prompt", "token", "token"], split_router="jsq")
+    co.report(2, load(committed_blocks=50))
+    a = split_request(co, "a")  # to token instance 1
+    co.report(1, load(committed_blocks=60))
+    b = split_request(co, "b")  # to token instance 2
+    assert (a.token, b.token) == (1, 2)
+    co.died(2, "killed")
+    assert co.moves == {"a": a} and co.take()[0] == [(0, Abort("b", "killed"))]
+    assert co.book.transfers[b.tid].state is State.ABORTED and co.book.transfers[a.tid].state is State.RESERVED
+
+
 def test_both_instances_of_a_transfer_dead_lose_the_request_once():
     co, _ = coordinator(["prompt", "token"])
     split_request(co, "a")
@@ -385,6 +406,8 @@ def test_both_instances_of_a_transfer_dead_lose_the_request_once():
 def test_busy_while_transfers_or_their_blocks_are_held_on_live_instances():
     co, _ = coordinator(["prompt", "token"])
     split_request(co)
+    co.report(0, load())
+    co.report(1, load())  # nothing reported held yet: the transfer alone keeps the cluster busy
     assert co.busy()
     co, _ = coordinator(["prompt", "token"])
     assert not co.busy()
