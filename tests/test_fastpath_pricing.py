@@ -8,7 +8,8 @@ import pytest
 from servewise.engine.block_manager import BlockManager
 from servewise.models.loader import load_model_config
 from servewise.predictors.perf import Calibrated, make_perf
-from servewise.predictors.roofline import RooflinePerf, decode_each, decode_run
+from servewise.engine.interfaces import decode_each, decode_run
+from servewise.predictors.roofline import RooflinePerf
 
 MODELS = [("llama-2-13b", "h100-80g", {}), ("llama-2-13b", "a100-80g", {"tp": 2}),
           ("llama-2-70b", "h100-80g", {"tp": 4}),  # the shipped calibration (per operation)

@@ -151,6 +151,19 @@ class CostModel(Protocol):
         """Seconds to copy num_blocks blocks between pools, in `runs` runs of consecutive blocks (None: unknown)."""
 
 
+def decode_each(perf, ctx_lens: list[int], n: int, start: int = 0) -> list[float]:
+    """A performance model's prices of decode steps start .. start+n-1 of a batch whose rows have contexts
+    ctx_lens at step 0 and one token more each step, step by step."""
+    return [perf.decode([x + i for x in ctx_lens]) for i in range(start, start + n)]
+
+
+def decode_run(perf, ctx_lens: list[int], n: int, start: int = 0) -> list[float]:
+    """decode_each, by the model's own decode_run where its class has one (looked up on the class: a wrapper
+    that forwards attributes to its base prices steps its own way)."""
+    run = getattr(type(perf), "decode_run", None)
+    return decode_each(perf, ctx_lens, n, start) if run is None else run(perf, ctx_lens, n, start)
+
+
 @dataclass
 class PoolStats:
     total: int

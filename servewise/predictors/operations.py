@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from servewise.config import ModelConfig
-from servewise.predictors.roofline import Hardware, RooflinePerf, decode_each
+from servewise.engine.interfaces import decode_each
+from servewise.predictors.roofline import Hardware, RooflinePerf
 
 # The measured table's names for the GPUs (a power-capped H100 has the H100's peaks and its own calibration).
 TABLE_GPUS = {"a100-80gb": "a100-80g", "h100-80gb": "h100-80g", "h100-80gb-pcap": "h100-80g"}

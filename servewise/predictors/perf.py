@@ -93,7 +93,7 @@ class Calibrated:
 
     def decode_run(self, ctx_lens: list[int], n: int, start: int = 0) -> list[float]:
         """The base model's decode_run (roofline.decode_run), scaled as decode is."""
-        from servewise.predictors.roofline import decode_each, decode_run
+        from servewise.engine.interfaces import decode_each, decode_run
 
         if type(self) is not Calibrated:
             return decode_each(self, ctx_lens, n, start)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from servewise.config import ModelConfig
+from servewise.engine.interfaces import decode_each
 from servewise.predictors.moe import expert_shares, inclusion, layer_weights, max_touched, touched
 
 
@@ -87,19 +88,6 @@ def _skew_label(skew) -> str:
         return f", routing Zipf {float(skew):g}"
     except (TypeError, ValueError):
         return ", routing by given expert shares"
-
-
-def decode_each(perf, ctx_lens: list[int], n: int, start: int = 0) -> list[float]:
-    """A performance model's prices of decode steps start .. start+n-1 of a batch whose rows have contexts
-    ctx_lens at step 0 and one token more each step, step by step."""
-    return [perf.decode([x + i for x in ctx_lens]) for i in range(start, start + n)]
-
-
-def decode_run(perf, ctx_lens: list[int], n: int, start: int = 0) -> list[float]:
-    """decode_each, by the model's own decode_run where its class has one (looked up on the class: a wrapper
-    that forwards attributes to its base prices steps its own way)."""
-    run = getattr(type(perf), "decode_run", None)
-    return decode_each(perf, ctx_lens, n, start) if run is None else run(perf, ctx_lens, n, start)
 
 
 def get_hardware(name: str) -> Hardware:

@@ -11,8 +11,7 @@ predictors.profiler.loop_overhead) has it added to every step that runs a batch.
 from __future__ import annotations
 
 from servewise.engine.block_manager import block_runs
-from servewise.engine.interfaces import CostModel, KVMove, Pool, SchedulerOutput, StepResult
-from servewise.predictors.roofline import decode_run
+from servewise.engine.interfaces import CostModel, KVMove, Pool, SchedulerOutput, StepResult, decode_run
 
 SIM_TOKEN = 0  # the placeholder every simulated step emits
 
