@@ -150,3 +150,55 @@ def test_refused_where_the_runner_cannot_overlap():
 
     with pytest.raises(ValueError, match="async-scheduling"):
         build_sim_engine("tiny-llama", hardware="a100-80g", async_scheduling=True)
+
+
+def test_a_batch_left_running_by_an_abort_is_joined_and_switching_off_settles_the_engine():
+    from servewise.sampling_params import SamplingParams as SP
+
+    eng = engine(True)
+    reqs = [eng.add_request(PROMPTS[i], SP(max_tokens=10, temperature=0, ignore_eos=True), request_id=f"a{i}")
+            for i in range(3)]
+    eng.step()  # the prefill has run; the first decode is in flight
+    assert eng._flight is not None
+    for r in reqs:
+        eng.abort_request(r.request_id)
+    assert eng._flight is None and not eng.has_unfinished()  # joined by the last abort, not left running
+    bm = eng.block_manager
+    assert bm.num_free_device == bm.num_device_blocks
+    b = eng.add_request(PROMPTS[4], SP(max_tokens=6, temperature=0, ignore_eos=True), request_id="b")
+    eng.step()
+    eng.step()
+    assert eng._flight is not None or eng._idle_next is not None
+    eng.async_scheduling = False  # as bench throughput switches between runs
+    assert eng._flight is None and eng._idle_next is None
+    while eng.has_unfinished():
+        eng.step()
+    ref = engine(False)
+    want = ref.add_request(PROMPTS[4], SP(max_tokens=6, temperature=0, ignore_eos=True), request_id="b")
+    while ref.has_unfinished():
+        ref.step()
+    assert eng.requests == {} and eng.block_manager.num_free_device == bm.num_device_blocks
+    assert b.output_token_ids == want.output_token_ids and len(b.output_token_ids) == 6
+
+
+def test_a_failed_batch_stops_the_engine_with_a_clear_error():
+    from servewise.sampling_params import SamplingParams as SP
+
+    eng = engine(True)
+    reqs = [eng.add_request(PROMPTS[i], SP(max_tokens=10, temperature=0, ignore_eos=True)) for i in range(2)]
+    execute, calls = eng.runner.execute, [0]
+
+    def failing(out):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("boom")
+        return execute(out)
+    eng.runner.execute = failing
+    with pytest.raises(RuntimeError, match="boom"):
+        for _ in range(5):
+            eng.step()
+    lengths = [len(r.output_token_ids) for r in reqs]
+    for _ in range(2):  # every later step says why it cannot run, and adds nothing
+        with pytest.raises(RuntimeError, match="an earlier batch failed in the runner .*boom"):
+            eng.step()
+    assert [len(r.output_token_ids) for r in reqs] == lengths

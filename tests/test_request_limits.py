@@ -9,13 +9,14 @@ from servewise.sampling_params import SamplingParams
 LIMITS = RequestLimits(vocab_size=100, max_model_len=64, eos_token_id=2, block_size=16, usable_blocks=8)
 
 
-@pytest.mark.parametrize("ids", [[0], [99], [5, 7, 0, 0, 0], list(range(60)), [1, True]])
+@pytest.mark.parametrize("ids", [[0], [99], [5, 7, 0, 0, 0], list(range(60))])
 def test_integer_ids_inside_the_vocabulary_pass(ids):
     LIMITS.check(ids, SamplingParams(max_tokens=1))
 
 
 @pytest.mark.parametrize("ids", [[1.0], [1, 1.0], [3, 2.5], ["a"], [1, None], [-1], [100], [5, 100, 0],
-                                 [np.int64(3)], [1, np.int64(3)], [float("nan")]])
+                                 [np.int64(3)], [1, np.int64(3)], [float("nan")],
+                                 [True], [1, True]])  # bools: a tensor of them is no index
 def test_anything_else_is_refused_with_the_range(ids):
     with pytest.raises(ValueError, match=r"prompt token ids must be integers in \[0, 100\)"):
         LIMITS.check(ids, SamplingParams(max_tokens=1))

@@ -21,16 +21,6 @@ from servewise.engine.scheduler import Scheduler
 from servewise.sampling_params import SamplingParams
 
 
-def _ints(ids: list) -> bool:
-    """Whether every id is an int (or a bool, taken as 0 / 1): their sum is an int exactly then, as a float,
-    a string or a NumPy scalar among them makes it something else or fails. One C-level pass; the simulator
-    validates every prompt of a trace, so this is on its hot path."""
-    try:
-        return type(sum(ids)) is int
-    except TypeError:
-        return False
-
-
 @dataclass
 class RequestLimits:
     """What validating a request needs: plain data, so a front end in another process can check requests
@@ -50,7 +40,7 @@ class RequestLimits:
         if params.priority != 0 and not self.priorities:
             raise ValueError(f"priority {params.priority} needs the priority scheduling policy "
                              f"(--policy priority); this engine orders requests otherwise")
-        if not _ints(ids) or min(ids) < 0 or max(ids) >= self.vocab_size:
+        if not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
             if any(t >= self.vocab_size for t in tokens):
@@ -93,17 +83,37 @@ class LLMEngine:
         self._held: dict[str, int] = {}  # handed-off requests -> the blocks they hold until released
         self.lengths = None  # predictors.length_service.LengthService: output lengths guessed off the loop
         # async scheduling (_step_async): the batch running in the runner's worker, a step planned with none
-        self.async_scheduling = config.async_scheduling
-        if self.async_scheduling and not getattr(runner, "overlaps", False):
-            raise ValueError("--async-scheduling needs the real engine's runner without a KV connector or KV store "
-                             "(the simulator, cluster hand-offs and --kv-store run steps synchronously)")
         self._flight: tuple[SchedulerOutput, StepStats, list[Request]] | None = None
         self._future = None
         self._idle_next: tuple[SchedulerOutput, StepStats] | None = None
+        self._failed: BaseException | None = None  # a batch that failed in the runner's worker
+        self._async = False
+        self.async_scheduling = config.async_scheduling
         # placeholders may stand for sampled tokens: no block is named by its tokens (prefix caching), no
         # policy reads the outputs (length correction), and finished rows leave the batch (continuous batching)
         self._placeholders_ok = not block_manager.caching and scheduler.lengths is None and \
             config.scheduler.batching == "continuous"
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self._async
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        """Switched off, what asynchronous steps left (a batch of void rows still running, a planned idle
+        step) is finished first, so the synchronous steps start from a settled engine."""
+        if on and not getattr(self.runner, "overlaps", False):
+            raise ValueError("--async-scheduling needs the real engine's runner without a KV connector or KV store "
+                             "(the simulator, cluster hand-offs and --kv-store run steps synchronously)")
+        if not on:
+            self._settle()
+        self._async = bool(on)
+
+    def _settle(self) -> None:
+        if self._flight is not None:
+            self._drain()
+        if self._idle_next is not None:
+            self._step_async()  # (runs the planned idle step and returns)
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -157,6 +167,8 @@ class LLMEngine:
             self.scheduler.abort(request_id, self.clock.now(), reason)
         if req is not None:
             self._untrack(request_id)
+            if self._flight is not None and not self.has_unfinished():
+                self._drain()  # the batch running has only void rows left: nobody would join it otherwise
             if self.lengths is not None:
                 self.lengths.forget(request_id)
         return req is not None
@@ -233,7 +245,10 @@ class LLMEngine:
         `finished`; the Request objects stay readable through the caller's references). The stats
         share their lists with the step's SchedulerOutput: read them, do not change them. With
         async_scheduling, the step returned has ended and the next one may be running (see _step_async)."""
-        if self.async_scheduling:
+        if self._failed is not None:
+            raise RuntimeError(f"an earlier batch failed in the runner ({self._failed!r}); this engine's requests "
+                               "hold placeholder tokens and cannot go on: build a new engine")
+        if self._async:
             return self._step_async()
         start = self.clock.now()
         out, stats = self._plan(start)
@@ -393,9 +408,12 @@ class LLMEngine:
         self._inflight = (math.inf, sum(n for n in out.num_scheduled_tokens if n > 1))
 
     def _join(self) -> StepResult:
-        result = self._future.result()
-        self._flight = self._future = None
-        return result
+        future, self._flight, self._future = self._future, None, None
+        try:
+            return future.result()
+        except BaseException as e:  # the batch's requests hold placeholders: no later step may run on them
+            self._failed = e
+            raise
 
     def _drain(self) -> None:
         """Wait for the running batch and take its results (all of them void)."""
