@@ -202,3 +202,32 @@ def test_a_failed_batch_stops_the_engine_with_a_clear_error():
         with pytest.raises(RuntimeError, match="an earlier batch failed in the runner .*boom"):
             eng.step()
     assert [len(r.output_token_ids) for r in reqs] == lengths
+
+
+def test_end_of_sequence_mid_batch_and_every_tokens_time():
+    """The model's end-of-sequence token (not a request's stop token) ends requests as on the synchronous engine,
+    and each token is stamped when its batch ended: first token time, then times in order, one per token."""
+    greedy = [SamplingParams(max_tokens=24, temperature=0.0, seed=i) for i in range(8)]
+    free = run(engine(False), PROMPTS, [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 8)
+    eos = free[2][0][5]  # a token request 2 makes at its sixth step
+    mc = model()[1]
+    old = mc.eos_token_id
+    mc.eos_token_id = eos
+    try:
+        eng, got = same(PROMPTS, greedy)
+        reqs = {}
+        eng2 = engine(True)
+        for i, p in enumerate(PROMPTS):
+            reqs[i] = eng2.add_request(p, greedy[i])
+        while eng2.has_unfinished():
+            eng2.step()
+    finally:
+        mc.eos_token_id = old
+    ended = [g for g in got if g[1] == "stop"]
+    assert ended and all(g[0][-1] == eos and eos not in g[0][:-1] for g in ended)
+    assert any(g[1] == "length" for g in got)  # the others ran on to max_tokens
+    for r in reqs.values():
+        times = r.token_times
+        assert len(times) == len(r.output_token_ids) and r.first_token_time == times[0]
+        assert all(isinstance(t, float) for t in times) and times == sorted(times)
+        assert r.arrival_time <= times[0] and r.finish_time == times[-1]
