@@ -108,11 +108,10 @@ def test_the_iso_search_says_how_far_it_is(monkeypatch):
     monkeypatch.setattr(sw, "_best_load", lambda t: {"cluster": t[1], "kind": t[2], "counts": t[3],
                                                      "max_rate": float(sum(t[3]))})
 
-    class Serial:
-        map = staticmethod(map)
+    from servewise.lab.sweep import Pool
 
-    seen = []
-    found = sw.iso_search(sw.Settings(data_dir="unused"), Serial(), lambda done, total: seen.append((done, total)))
+    seen = []  # (the in-process pool: each split searched here)
+    found = sw.iso_search(sw.Settings(data_dir="unused"), Pool(), lambda done, total: seen.append((done, total)))
     total = seen[-1][1]
     assert total > 0 and seen == [(i, total) for i in range(1, total + 1)]
     assert sum(len(r["splits"]) for r in found) == total
