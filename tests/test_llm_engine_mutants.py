@@ -105,3 +105,57 @@ def test_each_limit_holds_at_its_bound_with_its_message():
         LIMITS.check([1], params(99))  # the vocabulary's last id
         with pytest.raises(ValueError, match=f"^{name}: token ids must be below the vocabulary size 100$"):
             LIMITS.check([1], params(100))
+
+
+def test_each_steps_stats_as_its_callers_read_them():
+    """Prefill and decode steps, then swaps under memory pressure: batch and scheduled tokens, the runner's time
+    apart from the copies, the copies' blocks both ways, the scheduling time (wall, small), the busy total."""
+    eng = engine(num_device_blocks=8, num_host_blocks=32, preemption="swap")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for n in (30, 30, 30):
+        eng.add_request([5] * n, params)
+    steps, busy = [], 0.0
+    while eng.has_unfinished():
+        st = eng.step()
+        eng.clock.wait_until(st.end)
+        steps.append(st)
+        busy += st.elapsed
+        assert eng.stats().busy_s == pytest.approx(busy, rel=1e-12)
+        assert st.end == st.start + st.elapsed and st.num_running == eng.stats().running + len(st.finished)
+        assert 0.0 <= st.schedule_s < 1.0
+        assert len(st.batch_tokens) == len(st.scheduled_tokens) == len(st.scheduled)
+    first = steps[0]
+    assert first.is_prefill and first.scheduled_tokens == first.batch_tokens == [30, 30, 30]
+    assert first.execute_s == first.elapsed > 0 and first.num_running == 3
+    out = [s for s in steps if s.swapped_out_blocks]
+    back = [s for s in steps if s.swapped_in_blocks]
+    assert out and back and all(s.preempted for s in out)
+    assert sum(s.swapped_out_blocks for s in steps) == sum(s.swapped_in_blocks for s in steps)
+    moved = [s for s in out + back if s.scheduled]
+    assert moved and all(s.elapsed > s.execute_s > 0 for s in moved)  # the copies' time on top of the batch's
+    decode = next(s for s in steps if not s.is_prefill)
+    assert eng.stats().inflight_tokens == 0 and decode.scheduled_tokens == [1] * len(decode.scheduled)
+
+
+def test_hand_offs_on_the_receiving_and_the_sending_side():
+    eng = engine()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    req = eng.expect([5] * 10, params, "a")
+    assert req.output_token_ids == [0] and req.num_computed_tokens == 10  # a placeholder for its first token
+    with pytest.raises(ValueError, match=r"^request id 'a' is already in use$"):
+        eng.expect([5] * 10, params, "a")
+    fresh = engine().make_request([6] * 10, params, request_id="b")
+    with pytest.raises(ValueError, match=r"^request 'b' is not freshly prefilled: 0 of 10 prompt tokens computed, "
+                                         r"0 output$"):
+        eng.receive(fresh)
+    fresh.num_computed_tokens = 10
+    fresh.output_token_ids += [7, 8]  # prefilled, but two tokens out
+    with pytest.raises(ValueError, match="not freshly prefilled: 10 of 10 prompt tokens computed, 2 output"):
+        eng.receive(fresh)
+    sender = engine()  # a request handed off, its KV not yet sent: aborting it frees its blocks at once
+    held = sender.add_request([5] * 20, params, request_id="h")
+    sender.step()
+    sender.handoff.hold(held)
+    sender._held["h"] = 2
+    assert sender.abort_request("h") is True and "h" not in sender._held
+    assert sender.block_manager.num_free_device == 64
