@@ -87,14 +87,12 @@ _square.calls = 0
 
 
 def test_a_checkpoint_keeps_finished_points_for_the_same_settings_and_code(tmp_path):
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
+    from servewise.lab import sweep
     from servewise.lab.checkpoint import Checkpoint
 
     cp = Checkpoint(str(tmp_path / "points"))
-    with ProcessPoolExecutor(2, mp_context=get_context("fork")) as pool:  # kept by the workers that ran them
-        first = list(cp.map(pool, _square, [1, 2, 3]))
+    with sweep.pool(2) as pool:  # run by two workers, kept here as they come back
+        first = list(pool.map(_square, [1, 2, 3], keep=cp))
     assert cp.kept(_square, [1, 2, 3, 4]) == 3 and not list(tmp_path.glob("points/*.tmp"))
     _square.calls = 0
     again = [cp.call(_square, x) for x in (1, 2, 3, 4)]

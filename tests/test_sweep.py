@@ -65,10 +65,10 @@ def test_a_stopped_arena_runs_only_its_missing_points(ray, tmp_path, monkeypatch
     here = arena.run_arena(arena.Settings(**SMALL))
     ps = arena.point_settings(s)
     for r in here["rates"]:
-        sweep.put(keep, arena._rate, (ps, r["seed"]), r)
+        keep.put(arena._rate, (ps, r["seed"]), r)
     tasks = [(ps, r["seed"], r["policy"], r["rate"]) for r in here["runs"]]
     for t, r in list(zip(tasks, here["runs"]))[::2]:  # fcfs on each seed kept, marked
-        sweep.put(keep, arena._run, t, ({**r, "goodput": -1.0}, "roofline"))
+        keep.put(arena._run, t, ({**r, "goodput": -1.0}, "roofline"))
     assert keep.kept(arena._run, tasks) == 2
     resumed = arena.run_arena(arena.Settings(**SMALL, checkpoint=keep.dir, ray="auto"))
     assert [r["goodput"] for r in resumed["runs"]] == [-1.0 if i % 2 == 0 else r["goodput"]

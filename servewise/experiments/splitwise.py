@@ -40,7 +40,7 @@ from servewise.cluster.routers import TOKEN_RULES
 from servewise.cluster.sim import Design
 from servewise.cluster.slo import check
 from servewise.lab import sweep
-from servewise.lab.checkpoint import Checkpoint
+from servewise.lab.checkpoint import MISSING, Checkpoint
 from servewise.metrics.slowdown import PERCENTILES
 from servewise.workloads.datasets import WorkloadRequest, load_azure_trace
 
@@ -322,13 +322,13 @@ def sweep_designs(pool: sweep.Pool, s: Settings, designs: list,
     ps = point_settings(s)
 
     def kept(key) -> dict:
-        found = {r: sweep.kept(checkpoint, _sweep_point, (ps, *key, r)) for r in s.sweep_rates}
-        return {r: m for r, m in found.items() if m is not sweep.MISSING}
+        found = {r: checkpoint.found(_sweep_point, (ps, *key, r)) for r in s.sweep_rates}
+        return {r: m for r, m in found.items() if m is not MISSING}
 
     for key, points in zip(designs, pool.map(_sweep_design, [(kept(key), ps, s.sweep_stop, key) for key in designs])):
         for rate, m, ran in points:
             if ran:
-                sweep.put(checkpoint, _sweep_point, (ps, *key, rate), m)
+                checkpoint.put(_sweep_point, (ps, *key, rate), m)
         yield [m for _, m, _ in points]
 
 

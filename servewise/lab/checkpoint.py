@@ -14,7 +14,7 @@ import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 
 SOURCES = {".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh"}  # what a measurement runs: Python and kernels
@@ -53,27 +53,38 @@ class Checkpoint:
         result depends on besides the code: settings, and for timed runs the machine)."""
         return compute() if self.dir is None else self._keep(self.key_path(key), compute)
 
+    def found(self, fn: Callable, args):
+        """The result of fn(args) an earlier run kept, else MISSING."""
+        path = None if self.dir is None else self.path(fn, args)
+        return MISSING if path is None or not os.path.isfile(path) else _read(path)
+
+    def put(self, fn: Callable, args, result) -> None:
+        """Keep fn(args)'s result, computed elsewhere (another process or machine), where call finds it."""
+        if self.dir is not None:
+            self._write(self.path(fn, args), result)
+
     def _keep(self, path: str, compute: Callable):
         if os.path.isfile(path):
-            with open(path, "rb") as f:
-                return pickle.load(f)
+            return _read(path)
         result = compute()
+        self._write(path, result)
+        return result
+
+    def _write(self, path: str, result) -> None:
         os.makedirs(self.dir, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             pickle.dump(result, f)
         os.replace(tmp, path)
-        return result
 
     def kept(self, fn: Callable, tasks: Iterable) -> int:
         """How many of fn's tasks have a kept result."""
         return 0 if self.dir is None else sum(os.path.isfile(self.path(fn, a)) for a in tasks)
 
-    def map(self, pool, fn: Callable, tasks: list) -> Iterator:
-        """pool.map(fn, tasks) in order, each point kept as it finishes (in the worker that ran it)."""
-        return pool.map(_call, [(self, fn, a) for a in tasks])
+
+MISSING = object()  # (found: no kept result)
 
 
-def _call(job):
-    checkpoint, fn, args = job
-    return checkpoint.call(fn, args)
+def _read(path: str):
+    with open(path, "rb") as f:
+        return pickle.load(f)

@@ -19,24 +19,10 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from typing import Callable, Iterable, Iterator
 
-from servewise.lab.checkpoint import Checkpoint
+from servewise.lab.checkpoint import MISSING, Checkpoint
 
 INSTALL = 'pip install -e ".[cluster]"'
 
-
-MISSING = object()
-
-
-def kept(keep: Checkpoint, fn: Callable, args):
-    """The result of fn(args) an earlier run kept, else MISSING."""
-    if keep.dir is None or not os.path.isfile(keep.path(fn, args)):
-        return MISSING
-    return keep.call(fn, args)  # (read back)
-
-
-def put(keep: Checkpoint, fn: Callable, args, result) -> None:
-    """Keep fn(args)'s result, computed elsewhere, where keep.call(fn, args) finds it."""
-    keep.get(f"{fn.__module__}.{fn.__qualname__}|{args!r}", lambda: result)  # (Checkpoint.path's key)
 
 
 class Pool:
@@ -54,7 +40,7 @@ class Pool:
         tasks = list(tasks)
         done: dict[int, object] = {}
         if keep is not None:
-            done = {i: r for i, t in enumerate(tasks) if (r := kept(keep, fn, t)) is not MISSING}
+            done = {i: r for i, t in enumerate(tasks) if (r := keep.found(fn, t)) is not MISSING}
         todo = [i for i in range(len(tasks)) if i not in done]
         results = self._unordered(fn, [tasks[i] for i in todo])
         nxt = 0
@@ -66,7 +52,7 @@ class Pool:
             j, r = next(results)
             i = todo[j]
             if keep is not None:
-                put(keep, fn, tasks[i], r)  # (written here, whichever worker ran it)
+                keep.put(fn, tasks[i], r)  # (written here, whichever worker ran it)
             done[i] = r
 
     def close(self) -> None:
