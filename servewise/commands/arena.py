@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from servewise.commands.options import aliases, at_least, float_at_least, perf_model_arg, threads_arg
+from servewise.commands.options import aliases, at_least, float_at_least, perf_model_arg, ray_arg, threads_arg
 
 HELP = "rank scheduling policies on one workload (simulated or real): goodput, latency, fairness, recompute"
 
@@ -46,9 +46,7 @@ def arguments(p) -> None:
     p.add_argument("--name", default=None, help="the files' name (default: arena_WORKLOAD_BACKEND)")
     p.add_argument("--jobs", type=at_least(1), default=None, help="simulated runs at once, in worker processes "
                    "(default 1: one after the other here)")
-    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
-                   help="run the simulated runs as tasks of a Ray cluster: auto (RAY_ADDRESS's, else one started "
-                        "here with --jobs CPUs) or a cluster's address, host:port or ray://host:port")
+    ray_arg(p, "the simulated runs")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="keep each finished simulated run in DIR: the same command stopped and started again "
                         "resumes where it was (the same settings on the same code)")

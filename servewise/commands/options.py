@@ -336,6 +336,13 @@ def threads_arg(p: argparse.ArgumentParser, help: str = "torch threads (0: torch
     p.add_argument("--threads", type=int, default=0, help=help, **kw)
 
 
+def ray_arg(p: argparse.ArgumentParser, runs: str = "the simulations") -> None:
+    """--ray, as every sweep takes it (servewise.lab.sweep.pool)."""
+    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                   help=f"run {runs} as tasks of a Ray cluster: auto (RAY_ADDRESS's, else one started here with "
+                        "--jobs CPUs) or a cluster's address, host:port or ray://host:port")
+
+
 def workload_args(p: argparse.ArgumentParser) -> None:
     """The workload options, vLLM's names where vLLM has them (--num-prompts, --request-rate, --burstiness)."""
     from servewise.workloads.build import SOURCES

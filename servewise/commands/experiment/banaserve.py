@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from servewise.commands.options import aliases, at_least, float_at_least, rates
+from servewise.commands.options import aliases, at_least, float_at_least, rates, ray_arg
 
 HELP = ("BanaServe's load-aware dispatch over a global KV store, and its layer- and head-level "
         "migration, against cache-aware and round-robin dispatch (simulated A100 instances)")
@@ -39,9 +39,7 @@ def arguments(p) -> None:
                    help="with --seeds: the seed that chooses DistServe's split (default N, not an evaluation seed)")
     p.add_argument("--jobs", type=at_least(1), default=None,
                    help="simulations at once, in worker processes (default 1: one after the other here)")
-    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
-                   help="run the simulations as tasks of a Ray cluster: auto (RAY_ADDRESS's, else one started "
-                        "here with --jobs CPUs) or a cluster's address, host:port or ray://host:port")
+    ray_arg(p)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--real-loop", choices=["greedy", "sets"], default=None,
                    help="instead of the simulations: Algorithm 4-1's loop (this form) moving layers between two real "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from servewise.commands.options import alias
+from servewise.commands.options import alias, ray_arg
 
 HELP = ("Splitwise: phase-split clusters, KV transfer and provisioning, "
         "simulated on BLOOM-176B DGX machines")
@@ -39,9 +39,7 @@ def arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="a small version (minutes less; for checks, not results)")
     p.add_argument("--duration", type=float, default=None, help="seconds of each rescaled trace (default 120)")
     p.add_argument("--jobs", type=int, default=None, help="simulations run in parallel (default 2)")
-    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
-                   help="run the simulations as tasks of a Ray cluster: auto (RAY_ADDRESS's, else one started "
-                        "here with --jobs CPUs) or a cluster's address, host:port or ray://host:port")
+    ray_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     alias(p, "--calibration", "--perf-table")
