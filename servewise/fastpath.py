@@ -37,9 +37,16 @@ simulated token could stop (an end-of-sequence id of 0 without ignore_eos, or a 
 What a bulk step's StepStats leave out: the scheduler's time (`schedule_s` 0: no scheduling was done; runs that
 time decisions turn the fast path off, as AdaptiveLLM's decision-cost runs do) and the arrivals queued after the
 run (an `on_step` callback reading the engine's waiting queue sees them late; nothing in a single engine's
-simulation reads it, and clusters do not take the fast path).
+simulation reads it; a cluster's instances take no runs of steps).
 
-`servewise.lab.verify` runs a spec again step by step and lists what differs (`servewise simulate --verify`).
+In a simulated cluster (cluster.sim) any instance may be handed a request at any moment, so its steps are taken
+one at a time (`single`, one()): each is still a decode of the running queue without the scheduler's
+per-request work, the tokens written lazily as above; the cluster flushes them before a command that could end
+a running request (an abort) and at the end of the run. A request whose KV came from another instance joins the
+batch as the scheduler's decode step takes it. Monitored clusters (rebalancing) step through the scheduler.
+
+`servewise.lab.verify` runs a spec again step by step and lists what differs (`servewise simulate --verify`,
+`servewise cluster --verify`).
 """
 from __future__ import annotations
 
@@ -59,16 +66,19 @@ from servewise.policies.rules import BlockRules, V0Rules
 from servewise.runners.sim_runner import SIM_TOKEN, SimRunner
 
 
-def why_not(engine) -> str | None:
-    """Why this engine's steps are never advanced in bulk; None when they may be (between events)."""
+def why_not(engine, shared_clock: bool = False) -> str | None:
+    """Why this engine's steps are never advanced in bulk; None when they may be (between events).
+    shared_clock: the engine is a cluster's instance, stepped one step at a time on the cluster's virtual clock
+    (BulkSteps' `single`)."""
     s, bm = engine.scheduler, engine.block_manager
+    own = engine.owns_clock or shared_clock
     checks = ((not isinstance(engine.runner, SimRunner) or not engine.runner.bulk, "the fast path is off"),
               (type(s.admission) is not Continuous, f"the admission is {type(s.admission).__name__}"),
               (not s.static, f"the ordering ({type(s.ordering).__name__}) changes with time or tokens"),
               (bm.caching, "prefix caching names blocks as they fill"),
               (s.fetch is not None or bm.store is not None, "a KV store"),
               (s.lengths is not None or engine.lengths is not None, "output lengths are predicted or corrected"),
-              (not engine.owns_clock or type(engine.clock) is not VirtualClock, "the clock is not the engine's own"))
+              (not own or type(engine.clock) is not VirtualClock, "the clock is not the engine's own"))
     return next((why for bad, why in checks if bad), None)
 
 
@@ -94,16 +104,17 @@ class BulkSteps:
     Between two finishes the batch is the same, so the steps' prices come from the performance model at once
     (runner.price_decodes) and the steps between two block crossings need no check but the time's."""
 
-    def __init__(self, engine, on_step=None, progress=None):
-        if (why := why_not(engine)) is not None:
+    def __init__(self, engine, on_step=None, progress=None, single: bool = False):
+        if (why := why_not(engine, shared_clock=single)) is not None:
             raise ValueError(f"no fast path for this engine: {why}")
         self.engine, self.on_step, self.progress = engine, on_step, progress
+        self.single = single  # one step a call, the clock left alone (a cluster's instance: cluster.sim)
         self.count = getattr(on_step, "bulk", None)  # counts a run of steps at once (None: a StepStats each)
         self.fcfs = type(engine.scheduler.ordering) is FCFS
         self.flush()
 
-    def __call__(self, next_arrival: float) -> StepStats:
-        if (st := self.advance(next_arrival)) is not None:
+    def __call__(self, next_arrival: float = math.inf) -> StepStats:
+        if (st := self.one() if self.single else self.advance(next_arrival)) is not None:
             return st
         if self.lazy and not self._prefill_next():
             self.flush()
@@ -118,6 +129,7 @@ class BulkSteps:
         self.lazy: dict[Request, tuple[Request, int, int, int]] = {}  # -> (request, s, tokens at step 0, last step)
         self.ends: dict[int, list[Request]] = {}  # step -> requests that finish in it
         self.end_at: list[int] = []  # the steps of `ends` (a heap)
+        self.batch = None  # one()'s batch: (the running list, its tokens at step 0, ids, rows by next block step)
 
     def _write(self, req: Request, s: int, e: int) -> None:
         """The request's tokens of steps s .. e-1 of the run."""
@@ -170,8 +182,8 @@ class BulkSteps:
         bm = self.engine.block_manager
         n = req.num_tokens
         first = len(bm.device_tables[req.request_id]) * bm.block_size + 1 - n  # steps until it needs a block
-        if (req.status is not Status.RUNNING or req.handoff or not req.in_runner or req.num_computed_tokens != n - 1
-                or first < 0 or _stoppable(req)):
+        if (req.status is not Status.RUNNING or req.handoff or req.num_computed_tokens != n - 1 or first < 0
+                or not (req.in_runner or self.single and req in self.engine.scheduler._arrived) or _stoppable(req)):
             return False
         last = g + req.max_tokens - len(req.output_token_ids) - 1
         self.lazy[req] = (req, g, n - g, last)
@@ -286,6 +298,63 @@ class BulkSteps:
                 break  # (an arrival is due or the blocks are short: the engine's step)
         return held
 
+    def one(self) -> StepStats | None:
+        """`single`: the next step, when it is a decode of the running queue (its stats), else None. Between two
+        changes of the batch (a finish, a request admitted or resumed, a flush) the rows' tokens at step 0 and the
+        steps at which each takes its next block are kept, so that a step costs a few operations per row taking
+        a block, and its price. A request resumed on this instance (its KV computed elsewhere) joins the batch as
+        the scheduler's decode step takes it (handed to the runner)."""
+        eng, s = self.engine, self.engine.scheduler
+        bm, runner, lazy, rows = s.bm, eng.runner, self.lazy, s.running
+        now, g = eng.clock.now(), len(self.times)
+        if not rows or runner._fetch_s or runner._overlap_s:
+            return None
+        if len(lazy) != len(rows) and not self._join_all(g):
+            return None
+        if self._event(now, math.inf):
+            return None
+        if self.batch is None or self.batch[0] is not rows or len(self.batch[1]) != len(rows):
+            bs, tables = bm.block_size, bm.device_tables
+            base = [lazy[r][2] for r in rows]
+            ids = [r.request_id for r in rows]
+            self.batch = (rows, base, ids, [len(tables[rid]) * bs - n + 1 for rid, n in zip(ids, base)])
+        _, base, ids, cs = self.batch  # cs: the step at which each row takes its next block
+        taking = [i for i, c in enumerate(cs) if c == g] if g in cs else ()
+        if self._short(len(taking)):
+            return None
+        price = runner.price_decodes(base, 1, g)
+        end = now + price[0]
+        s._forget = []  # (the step's schedule hands them to the runner)
+        if taking:
+            changed, bs = s._changed, bm.block_size
+            for i in taking:
+                changed[ids[i]] = rows[i]
+                cs[i] += bs
+            bm.append_blocks([ids[i] for i in taking])
+        if s._arrived:
+            self._arrive()
+        self.times.append(end)
+        self._ran(price, [end])
+        st = StepStats(start=now, end=end, elapsed=price[0], is_prefill=False, batch_tokens=[n + g for n in base],
+                       scheduled_tokens=[1] * len(base), scheduled=ids, execute_s=price[0], num_running=len(ids))
+        if self.end_at[0] == g:
+            if len(done := self.ends.pop(g)) > 1:  # (in queue order)
+                at_ = {id(r): i for i, r in enumerate(rows)}
+                done.sort(key=lambda r: at_[id(r)])
+            st.finished = self._finish(done, g)
+            heapq.heappop(self.end_at)
+        return st
+
+    def _arrive(self) -> None:
+        """What the scheduler's decode step does with the resumed requests it hands the runner (Scheduler.rows)."""
+        s = self.engine.scheduler
+        for req in s._arrived:
+            if req.status is Status.RUNNING and not req.in_runner:
+                req.in_runner = True
+                s._known_blocks[req.request_id] = len(s.bm.device_tables[req.request_id])
+                s._changed.pop(req.request_id, None)
+        s._arrived = [r for r in s._arrived if not r.in_runner and not r.finished]
+
     def _ran(self, prices: list[float], ends: list[float]) -> None:
         """What the engine, its runner and its clock keep of decode steps run (step by step as step() does)."""
         eng = self.engine
@@ -299,7 +368,8 @@ class BulkSteps:
                 if p:
                     busy, end = busy + p, e
             eng._busy = (busy, end)
-        eng.clock.wait_until(ends[-1])
+        if not self.single:
+            eng.clock.wait_until(ends[-1])
 
     def _stats(self, base: list[int], g: int, j: int, prices: list[float], ends: list[float],
                now: float) -> StepStats:

@@ -171,9 +171,7 @@ class Coordinator:
         tr = self.book.transfers[mv.tid]
         if tr.state not in ENDED:
             if checksum is not None:
-                now = self.clock()
-                for k in range(tr.sent_layers, tr.layers):  # the token instance copied them in order
-                    self.book.layer_sent(mv.tid, k, now)
+                self.book.layers_sent(mv.tid, tr.layers, self.clock())  # the token instance copied them in order
                 self.book.commit(mv.tid, checksum)
             else:
                 self.book.abort(mv.tid, reason)

@@ -51,6 +51,7 @@ class HandoffBook:
         self.transfers: dict[str, Transfer] = {}  # in the order they began
         self.live: set[str] = set()
         self._n = 0
+        self._soonest = float("inf")  # no live lease ends before this (expire's scan waits for it)
 
     def begin(self, request_id: str, layers: int, now: float, leased: bool = True) -> Transfer:
         """A new transfer; its lease runs from now, or (leased=False) from its first renew."""
@@ -59,6 +60,7 @@ class HandoffBook:
                      lease_until=now + self.lease_s if leased else float("inf"))
         self.transfers[t.id] = t
         self.live.add(t.id)
+        self._soonest = min(self._soonest, t.lease_until)
         return t
 
     def _end(self, t: Transfer, state: State, reason: str | None = None) -> None:
@@ -80,9 +82,19 @@ class HandoffBook:
         if layer != t.sent_layers:
             raise ValueError(f"transfer {tid}: layer {layer} arrived, layer {t.sent_layers} expected")
         t.state, t.sent_layers, t.lease_until = State.SENDING, layer + 1, now + t.lease_s
+        self._soonest = min(self._soonest, t.lease_until)
+
+    def layers_sent(self, tid: str, upto: int, now: float) -> None:
+        """Layers sent_layers .. upto-1 have arrived, in order (layer_sent for each, at once)."""
+        t = self._live(tid)
+        if upto > t.sent_layers:
+            t.state, t.sent_layers, t.lease_until = State.SENDING, upto, now + t.lease_s
+            self._soonest = min(self._soonest, t.lease_until)
 
     def renew(self, tid: str, now: float) -> None:
-        self._live(tid).lease_until = now + self.lease_s
+        t = self._live(tid)
+        t.lease_until = now + self.lease_s
+        self._soonest = min(self._soonest, t.lease_until)
 
     def commit(self, tid: str, checksum: int) -> Transfer:
         t = self._live(tid)
@@ -99,9 +111,12 @@ class HandoffBook:
 
     def expire(self, now: float) -> list[Transfer]:
         """End every transfer whose lease ran out; returns them."""
+        if now < self._soonest:
+            return []
         out = [t for tid in self.live if now >= (t := self.transfers[tid]).lease_until]
         for t in out:
             self._end(t, State.EXPIRED, f"no word for {t.lease_s:g} s after layer {t.sent_layers}")
+        self._soonest = min((self.transfers[tid].lease_until for tid in self.live), default=float("inf"))
         return out
 
 

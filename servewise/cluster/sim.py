@@ -21,6 +21,7 @@ are both there, and the prompt instance frees its blocks when the coordinator sa
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -34,6 +35,7 @@ from servewise.engine.block_manager import prefix_names
 from servewise.engine.clock import VirtualClock
 from servewise.engine.heap import quiet_gc
 from servewise.engine.request import Request
+from servewise.fastpath import BulkSteps, why_not
 from servewise.predictors.perf import Calibrated, make_perf
 from servewise.workloads.datasets import WorkloadRequest
 from servewise.workloads.driver import params_for, placeholder_prompt
@@ -47,13 +49,23 @@ class SimInstance:
     (cluster.protocol.HandoffRules) on an engine on the virtual clock. The token side's KV is ready when
     its transfer ends (the driver times it with the link model: `copied`)."""
 
-    def __init__(self, index: int, engine):
+    def __init__(self, index: int, engine, fast: bool = False):
         self.index, self.engine = index, engine
+        # decode steps of an unchanged batch without the scheduler's per-request work (servewise.fastpath), one
+        # step a call; their tokens are written before anything else reads or changes the engine (`flush`)
+        self.fast = BulkSteps(engine, single=True) if fast and why_not(engine, shared_clock=True) is None else None
         self.busy = False
         self.steps, self.busy_s = 0, 0.0
         self.batch_time: dict[int, float] = {}  # tokens a step computed -> seconds spent in such steps
         self.rules = HandoffRules(engine)
         self.requests: dict[str, Request] = {}  # every request it took (the run's results)
+
+    def step(self):
+        return self.fast(math.inf) if self.fast is not None else self.engine.step()
+
+    def flush(self) -> None:
+        if self.fast is not None and self.fast.lazy:
+            self.fast.flush()
 
     def command(self, cmd) -> None:
         eng, rules = self.engine, self.rules
@@ -69,6 +81,7 @@ class SimInstance:
         elif isinstance(cmd, Fail):  # the KV will not come (its lease ran out): compute the request here
             rules.fail(cmd.rid)
         elif isinstance(cmd, Abort):
+            self.flush()  # (the only command that may end a running request)
             rules.abort(cmd.rid)
             eng.abort_request(cmd.rid, cmd.reason)
         else:
@@ -341,7 +354,8 @@ class ClusterSim:
     def _run(self, items, arrivals, progress, t0) -> ClusterResult:
         engines, clock, n = self.engines, self.clock, len(self.engines)
         co = self.coordinator = self._coordinator()
-        sims = [SimInstance(i, e) for i, e in enumerate(engines)]
+        # (monitoring reads the cost models' counters and migrates their layers: every step through them)
+        sims = [SimInstance(i, e, fast=not self.monitor_s) for i, e in enumerate(engines)]
         limits = list({repr(e.limits): e.limits for e in engines}.values())  # the distinct machines' limits
         order = sorted(range(len(items)), key=lambda i: arrivals[i])
         rejected: list[tuple[int, str]] = []
@@ -458,7 +472,7 @@ class ClusterSim:
                         begin_transfer(rid, now)
                 if not eng.has_unfinished():
                     continue
-                stats = eng.step()
+                stats = sim.step()
                 if not stats.scheduled and not stats.swapped_in_blocks and not stats.swapped_out_blocks:
                     continue  # blocked until a transfer frees blocks
                 sim.busy = True
@@ -471,6 +485,8 @@ class ClusterSim:
                 for rid in stats.handed_off:
                     prefill[rid] = (stats.start, stats.end - stats.start)
                     begin_transfer(rid, now)
+        for sim in sims:
+            sim.flush()
         unfinished = [e for e in engines if e.has_unfinished() or e.handoff.pending]
         if unfinished or co.moves:
             raise RuntimeError(f"the cluster stopped with work left on {len(unfinished)} instances "

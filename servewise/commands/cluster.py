@@ -49,6 +49,9 @@ def arguments(p) -> None:
                         "(Splitwise measured about 8 ms on DGX-A100s, 5 ms on DGX-H100s; default 0)")
     workload_args(parser)
     parser.add_argument_group("output options").add_argument("--out", default="results/cluster.json")
+    parser.add_argument("--verify", action="store_true",
+                        help="run the workload again with every instance step by step (no decode steps in bulk) and "
+                             "check that every request's record and the step counts agree; exits 1 if not")
 
 
 def run(a) -> None:
@@ -117,5 +120,12 @@ def run(a) -> None:
           + (f" ({m['refused']} refused requests counted as misses; on the served alone: "
              f"{'met' if m['slo_met_served'] else 'missed'})" if m["refused"] else ""))
     print(f"simulation wall time {rec.wall_s:.2f} s, {m['steps']} steps, peak memory {m['peak_rss_mb']:.0f} MB")
+    if a.verify:
+        from servewise.lab.verify import summary, verify
+
+        m["verify"] = v = verify(Spec(spec_cluster, items, arrivals), rec)
+        print(summary(v))
     save_json(m, a.out)
     print(f"saved {a.out}")
+    if a.verify and not v["identical"]:
+        raise SystemExit(1)

@@ -80,12 +80,10 @@ def run(a) -> None:
     steps = rec.steps["steps"]
     print(f"simulation wall time {rec.wall_s:.2f} s, {steps} steps, peak memory {peak_mb:.0f} MB")
     if a.verify:
-        from servewise.lab.verify import verify
+        from servewise.lab.verify import summary, verify
 
         m["verify"] = v = verify(spec, rec)
-        print(f"verify: {'identical to' if v['identical'] else 'DIFFERS from'} the step-by-step run ({v['steps']} "
-              f"steps, {v['bulk_steps']} in bulk; {v['fast_wall_s']:.2f} s against {v['step_by_step_wall_s']:.2f} s, "
-              f"{v['speedup']:.1f}x)" + "".join(f"\n  {d}" for d in v["differences"]))
+        print(summary(v))
     save_json(m, a.out, model=a.model, hardware=a.hardware, perf=perf.label, perf_model=perf_kind(perf),
               analytical=perf.analytical,
               wall_s=rec.wall_s, steps=steps, peak_rss_mb=peak_mb, num_device_blocks=eng.block_manager.num_device_blocks,

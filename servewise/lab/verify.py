@@ -1,5 +1,6 @@
 """A run checked against the same spec run step by step (the simulator's fast path off): what differs in their
-records, request by request (`servewise simulate --verify`; servewise.fastpath is what it checks)."""
+records, request by request (`servewise simulate --verify`, `servewise cluster --verify`; servewise.fastpath is
+what it checks)."""
 from __future__ import annotations
 
 from servewise.fastpath import why_not
@@ -38,11 +39,28 @@ def differences(a, b, rel: float = 1e-9) -> list[str]:
 
 
 def verify(spec, fast) -> dict:
-    """Run `spec` again step by step (the fast path off) and compare it with `fast`, its run (a lab Record)."""
+    """Run `spec` again step by step (the fast path off) and compare it with `fast`, its run (a lab Record): a
+    single engine's or a simulated cluster's (each instance's steps, cluster.sim)."""
     eng = build(spec.engine)
-    eng.runner.bulk = False
+    cluster = hasattr(eng, "engines")
+    for e in eng.engines if cluster else [eng]:
+        e.runner.bulk = False
     ref = run(spec, engine=eng)
     diffs = differences(fast, ref)
+    if cluster and fast.steps["per_instance"] != ref.steps["per_instance"]:
+        diffs.insert(0, f"steps per instance: {fast.steps['per_instance']} != {ref.steps['per_instance']}")
+    engines = fast.engine.engines if cluster else [fast.engine]
+    if cluster and fast.engine.monitor_s:
+        why = "the cluster is monitored (its cost models count and migrate every step)"
+    else:
+        why = why_not(engines[0], shared_clock=cluster)
     return {"identical": not diffs, "differences": diffs[:20], "steps": ref.steps["steps"],
-            "bulk_steps": fast.engine.runner.bulk_steps, "why_not": why_not(fast.engine),
+            "bulk_steps": sum(e.runner.bulk_steps for e in engines), "why_not": why,
             "fast_wall_s": fast.wall_s, "step_by_step_wall_s": ref.wall_s, "speedup": ref.wall_s / fast.wall_s}
+
+
+def summary(v: dict) -> str:
+    """verify's result in a few lines."""
+    return (f"verify: {'identical to' if v['identical'] else 'DIFFERS from'} the step-by-step run ({v['steps']} steps, "
+            f"{v['bulk_steps']} in bulk; {v['fast_wall_s']:.2f} s against {v['step_by_step_wall_s']:.2f} s, "
+            f"{v['speedup']:.1f}x)" + "".join(f"\n  {d}" for d in v["differences"]))
