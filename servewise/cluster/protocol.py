@@ -119,9 +119,10 @@ class HandoffRules:
     def add(self, req, route) -> None:
         req.handoff = route is not None
 
-    def expect(self, cmd: Expect):
-        """Take the request (ValueError when the engine refuses it); returns it."""
-        req = self.engine.expect(cmd.ids, cmd.params, cmd.rid)
+    def expect(self, cmd: Expect, checked=None):
+        """Take the request (ValueError when the engine refuses it; checked: as LLMEngine.add_request's);
+        returns it."""
+        req = self.engine.expect(cmd.ids, cmd.params, cmd.rid, checked)
         self.inbound[cmd.rid] = Inbound()
         return req
 

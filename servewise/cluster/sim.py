@@ -49,8 +49,10 @@ class SimInstance:
     (cluster.protocol.HandoffRules) on an engine on the virtual clock. The token side's KV is ready when
     its transfer ends (the driver times it with the link model: `copied`)."""
 
-    def __init__(self, index: int, engine, fast: bool = False):
+    def __init__(self, index: int, engine, fast: bool = False, checked: bool = False):
         self.index, self.engine = index, engine
+        # checked: the driver validates every request against every instance's limits before routing it
+        self.checked = engine.limits if checked else None
         # decode steps of an unchanged batch without the scheduler's per-request work (servewise.fastpath), one
         # step a call; their tokens are written before anything else reads or changes the engine (`flush`)
         self.fast = BulkSteps(engine, single=True) if fast and why_not(engine, shared_clock=True) is None else None
@@ -70,10 +72,10 @@ class SimInstance:
     def command(self, cmd) -> None:
         eng, rules = self.engine, self.rules
         if isinstance(cmd, Add):
-            rules.add(req := eng.add_request(cmd.ids, cmd.params, request_id=cmd.rid), cmd.route)
+            rules.add(req := eng.add_request(cmd.ids, cmd.params, request_id=cmd.rid, checked=self.checked), cmd.route)
             self.requests[cmd.rid] = req
         elif isinstance(cmd, Expect):  # its prompt and a placeholder first token, as a real instance takes it
-            self.requests[cmd.rid] = rules.expect(cmd)
+            self.requests[cmd.rid] = rules.expect(cmd, self.checked)
         elif isinstance(cmd, First):
             rules.first(cmd)
         elif isinstance(cmd, Release):
@@ -355,7 +357,7 @@ class ClusterSim:
         engines, clock, n = self.engines, self.clock, len(self.engines)
         co = self.coordinator = self._coordinator()
         # (monitoring reads the cost models' counters and migrates their layers: every step through them)
-        sims = [SimInstance(i, e, fast=not self.monitor_s) for i, e in enumerate(engines)]
+        sims = [SimInstance(i, e, fast=not self.monitor_s, checked=True) for i, e in enumerate(engines)]
         limits = list({repr(e.limits): e.limits for e in engines}.values())  # the distinct machines' limits
         order = sorted(range(len(items)), key=lambda i: arrivals[i])
         rejected: list[tuple[int, str]] = []

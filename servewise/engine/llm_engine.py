@@ -117,9 +117,12 @@ class LLMEngine:
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
-        """Validate and queue a request. Bad input raises ValueError and changes nothing."""
-        return self.enqueue(self.make_request(prompt, params, request_id, arrival_time))
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    checked: RequestLimits | None = None) -> Request:
+        """Validate and queue a request. Bad input raises ValueError and changes nothing. checked: limits the
+        caller has validated the prompt (as token ids) and parameters against; equal to this engine's, they are
+        not checked again."""
+        return self.enqueue(self.make_request(prompt, params, request_id, arrival_time, checked))
 
     def enqueue(self, req: Request) -> Request:
         """Queue a request built (and validated) by make_request."""
@@ -141,13 +144,15 @@ class LLMEngine:
         """Blocks a request holds at its longest (prompt + max_tokens): what it commits here."""
         return blocks_for(req.num_prompt_tokens + req.max_tokens, self.block_manager.block_size)
 
-    def make_request(self, prompt, params=None, request_id=None, arrival_time=None) -> Request:
+    def make_request(self, prompt, params=None, request_id=None, arrival_time=None,
+                     checked: RequestLimits | None = None) -> Request:
         params = params or SamplingParams()
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        self.limits.check(ids, params)
+        if text is not None or checked != self.limits:
+            self.limits.check(ids, params)
         seq = next(self._ids)
         rid = request_id if request_id is not None else str(seq)
         if rid in self.requests and not self.requests[rid].finished:
@@ -206,19 +211,23 @@ class LLMEngine:
             raise ValueError(f"request {req.request_id!r} is not freshly prefilled: {req.num_computed_tokens} of "
                              f"{req.num_prompt_tokens} prompt tokens computed, {len(req.output_token_ids)} output")
         self.limits.check(req.prompt_token_ids, req.params)
+        self._receive(req)
+
+    def _receive(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self._track(req)
         self.handoff.receive(req)
 
-    def expect(self, prompt: list[int], params: SamplingParams, request_id: str) -> Request:
+    def expect(self, prompt: list[int], params: SamplingParams, request_id: str,
+               checked: RequestLimits | None = None) -> Request:
         """Receive a request another instance prefills, before its first token is known: its prompt's
         KV will come, and a placeholder stands for its first token (never decoded from) until then.
-        Bad input raises ValueError and changes nothing."""
-        req = self.make_request(prompt, params, request_id=request_id)
+        Bad input raises ValueError and changes nothing (checked: as add_request's)."""
+        req = self.make_request(prompt, params, request_id=request_id, checked=checked)
         req.num_computed_tokens = len(req.prompt_token_ids)
         req.output_token_ids.append(0)
-        self.receive(req)
+        self._receive(req)
         return req
 
     def reserve_incoming(self) -> list[str]:
