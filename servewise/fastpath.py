@@ -129,7 +129,7 @@ class BulkSteps:
         self.lazy: dict[Request, tuple[Request, int, int, int]] = {}  # -> (request, s, tokens at step 0, last step)
         self.ends: dict[int, list[Request]] = {}  # step -> requests that finish in it
         self.end_at: list[int] = []  # the steps of `ends` (a heap)
-        self.batch = None  # one()'s batch: (the running list, its tokens at step 0, ids, rows by next block step)
+        self.batch = None  # one()'s batch: (the running list, its tokens at step 0, ids, each row's next block step)
 
     def _write(self, req: Request, s: int, e: int) -> None:
         """The request's tokens of steps s .. e-1 of the run."""
