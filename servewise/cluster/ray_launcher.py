@@ -16,26 +16,52 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import threading
 import time
 
 PULL_WAIT_S = 0.5
+INSTALL = 'pip install -e ".[cluster]"'
 
 
-def connect():
+def join(address: str = "auto", cpus: int | None = None, log_to_driver: bool = True, asked: str = "--launcher ray"):
+    """(the ray module, whether a Ray was started here): an initialised Ray is used as it is; "auto" joins the
+    cluster RAY_ADDRESS names (as `ray start` sets it up on each machine), else starts a Ray of this process's own
+    on this machine with `cpus` CPUs (default: all); an address joins that cluster. `asked`: the option that
+    asked for Ray, for the errors."""
     try:
         import ray
     except ImportError:
-        raise ValueError("--launcher ray needs Ray: pip install -e \".[cluster]\"") from None
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):  # join that cluster: its nodes say what they have
-            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, logging_level="warning")
-        else:
-            # "local": a Ray of our own even when a cluster started earlier on this machine (gone or not)
-            # is on record, which Ray would otherwise try to join
-            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
-                     logging_level="warning", configure_logging=True)
-    return ray
+        raise ValueError(f"{asked} needs Ray: {INSTALL}") from None
+    if ray.is_initialized():
+        return ray, False
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS") or None
+    if address is not None:  # (its nodes say what they have)
+        if not _answers(address):
+            raise ValueError(f"no Ray cluster answers at {address} (start one there with `ray start --head`, or "
+                             "ask for no address, with RAY_ADDRESS unset, for a Ray of this machine)")
+        ray.init(address=address, logging_level="warning", log_to_driver=log_to_driver)
+        return ray, False
+    # "local": a Ray of our own even when a cluster started earlier on this machine (gone or not) is on record,
+    # which Ray would otherwise try to join
+    ray.init(address="local", num_cpus=cpus or os.cpu_count(), include_dashboard=False, logging_level="warning",
+             log_to_driver=log_to_driver)
+    return ray, True
+
+
+def _answers(address: str, timeout: float = 5.0) -> bool:
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def connect():
+    """Ray for the instances' actors (join's defaults: their output shown here)."""
+    return join()[0]
 
 
 class _Commands:

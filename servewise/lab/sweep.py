@@ -13,16 +13,11 @@ picklable; on a cluster of several machines every node needs the same servewise 
 """
 from __future__ import annotations
 
-import os
-import socket
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from typing import Callable, Iterable, Iterator
 
 from servewise.lab.checkpoint import MISSING, Checkpoint
-
-INSTALL = 'pip install -e ".[cluster]"'
-
 
 
 class Pool:
@@ -114,37 +109,12 @@ class Ray(Pool):
             self.ray.shutdown()
 
 
-def _answers(address: str, timeout: float = 5.0) -> bool:
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
 def connect(address: str = "auto", jobs: int | None = None):
-    """(the ray module, whether a Ray was started here): an initialised Ray is used as it is; "auto" joins
-    RAY_ADDRESS's cluster, else starts one on this machine with `jobs` CPUs (default: all); an address
-    joins that cluster."""
-    try:
-        import ray
-    except ImportError:
-        raise ValueError(f"--ray needs Ray: {INSTALL}") from None
-    if ray.is_initialized():
-        return ray, False
-    if address == "auto":
-        address = os.environ.get("RAY_ADDRESS") or None
-    if address is not None:
-        if not _answers(address):
-            raise ValueError(f"no Ray cluster answers at {address} (start one with `ray start --head`, or give "
-                             "--ray auto for one on this machine)")
-        ray.init(address=address, logging_level="warning", log_to_driver=False)
-        return ray, False
-    # "local": a Ray of our own even when one started earlier on this machine (gone or not) is on record
-    ray.init(address="local", num_cpus=jobs or os.cpu_count(), include_dashboard=False, logging_level="warning",
-             log_to_driver=False)
-    return ray, True
+    """(the ray module, whether a Ray was started here) for a sweep: cluster.ray_launcher.join with `jobs` CPUs
+    for a Ray started here, the tasks' output not shown."""
+    from servewise.cluster.ray_launcher import join
+
+    return join(address, jobs, log_to_driver=False, asked="--ray")
 
 
 def pool(jobs: int = 1, ray: str | None = None) -> Pool:
