@@ -199,6 +199,23 @@ def test_cluster_hands_every_request_kv_from_its_prompt_machine_to_its_token_mac
     assert "5 requests (0 rejected)" in printed and "5 KV transfers" in printed and f"saved {out}" in printed
 
 
+def test_cluster_verify_runs_every_instance_step_by_step_and_exits_1_on_a_difference(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "cluster.json"
+    argv = ["cluster", "--prompt", "dgx-a100:1", "--token", "dgx-a100:2", "--num-requests", "40", "--input-len", "64",
+            "--output-len", "32", "--request-rate", "20", "--verify", "--out", str(out)]
+    main(argv)
+    v = json.loads(out.read_text())["verify"]
+    assert v["identical"] and v["differences"] == [] and v["why_not"] is None
+    assert v["steps"] > v["bulk_steps"] > v["steps"] / 2
+    assert "verify: identical to the step-by-step run" in capsys.readouterr().out
+    import servewise.lab.verify as verify
+
+    monkeypatch.setattr(verify, "differences", lambda a, b, rel=1e-9: ["request 3: finish 1.0 != 2.0"])
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 1 and "DIFFERS from the step-by-step run" in capsys.readouterr().out
+
+
 def test_cluster_replays_an_azure_trace_on_mixed_machines_priced_by_splitwises_table(tmp_path, data_dir):
     from servewise.workloads.datasets import load_azure_trace
 
