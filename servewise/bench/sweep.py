@@ -87,10 +87,12 @@ def measure(s: Settings, way: str) -> tuple[dict, dict]:
         ray, started = sweep.connect(s.ray, s.jobs)
         start_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    found = sw.run_experiment(exp, progress=lambda msg: print(f"  {way}: {msg}", file=sys.stderr, flush=True))
+    try:
+        found = sw.run_experiment(exp, progress=lambda msg: print(f"  {way}: {msg}", file=sys.stderr, flush=True))
+    finally:
+        if started:  # (a Ray started here goes down with the search, whatever its end)
+            ray.shutdown()
     wall = time.perf_counter() - t0
-    if started:
-        ray.shutdown()
     n = sum(len(p["evaluated"]) for p in found["provisioning"].values())
     return {"way": way, "workers": 1 if way == "here" else s.jobs, "load_average_1min": os.getloadavg()[0],
             "start_s": start_s, "search_s": wall,
