@@ -66,6 +66,9 @@ from servewise.policies.rules import BlockRules, V0Rules
 from servewise.runners.sim_runner import SIM_TOKEN, SimRunner
 
 
+RUN_STEPS = 1 << 16  # one()'s lazy tokens are written at least this often
+
+
 def why_not(engine, shared_clock: bool = False) -> str | None:
     """Why this engine's steps are never advanced in bulk; None when they may be (between events).
     shared_clock: the engine is a cluster's instance, stepped one step at a time on the cluster's virtual clock
@@ -247,7 +250,7 @@ class BulkSteps:
         if not s.running or s._arrived or eng.handoff.pending or eng.handoff.busy or runner._fetch_s or \
                 runner._overlap_s:
             return None
-        if len(lazy) != len(s.running) and not self._join_all(g):
+        if self._event(now, next_arrival) or (len(lazy) != len(s.running) and not self._join_all(g)):
             return None
         bs, tables, held = bm.block_size, bm.device_tables, None
         per_step = self.on_step is not None and self.count is None  # (it sees the block tables after each step)
@@ -307,11 +310,12 @@ class BulkSteps:
         eng, s = self.engine, self.engine.scheduler
         bm, runner, lazy, rows = s.bm, eng.runner, self.lazy, s.running
         now, g = eng.clock.now(), len(self.times)
-        if not rows or runner._fetch_s or runner._overlap_s:
-            return None
+        if not rows or runner._fetch_s or runner._overlap_s or self._event(now, math.inf):
+            return None  # (checked before the rows join: under a ranked order a waiting request is an event)
+        if g >= RUN_STEPS:  # (the tokens so far written, so that `times` does not grow with the run)
+            self.flush()
+            lazy, g = self.lazy, 0
         if len(lazy) != len(rows) and not self._join_all(g):
-            return None
-        if self._event(now, math.inf):
             return None
         if self.batch is None or self.batch[0] is not rows or len(self.batch[1]) != len(rows):
             bs, tables = bm.block_size, bm.device_tables

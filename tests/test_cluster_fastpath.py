@@ -97,3 +97,17 @@ def test_an_abort_of_a_request_decoded_in_bulk(fast):
     assert a.finish_reason == "gone" and len(a.output_token_ids) == len(a.token_times) == 8
     assert b.finish_reason == "length" and len(b.output_token_ids) == 20 and b.finish_time == clock.now()
     assert eng.runner.bulk_steps == (19 if fast else 0) and not eng.scheduler.running
+
+
+def test_lazy_tokens_written_every_so_many_steps(monkeypatch):
+    """An instance that never runs dry writes its lazy tokens every RUN_STEPS steps (so that the steps' ends kept
+    for them do not grow with the run); the records stay those of step by step."""
+    from servewise import fastpath
+
+    longest = []
+    one = fastpath.BulkSteps.one
+    monkeypatch.setattr(fastpath, "RUN_STEPS", 7)
+    monkeypatch.setattr(fastpath.BulkSteps, "one", lambda self: longest.append(len(self.times)) or one(self))
+    items, arrivals = workload(60, seed=5, rate=40.0)
+    checked("llama-2-13b", Design({"dgx-a100": 1}, {"dgx-a100": 1}), items, arrivals)
+    assert max(longest) == 7
