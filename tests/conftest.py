@@ -16,6 +16,20 @@ settings.register_profile("explore", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def poisson_workload(n: int, seed: int, rate: float, prompt: tuple[int, int], output: tuple[int, int]):
+    """(items, arrival times): n requests of prompt and output lengths drawn uniformly from the ranges, arriving
+    as a Poisson process of `rate` requests a second."""
+    from servewise.workloads.datasets import WorkloadRequest
+
+    rng = random.Random(seed)
+    items = [WorkloadRequest(rng.randint(*prompt), rng.randint(*output)) for _ in range(n)]
+    t, arrivals = 0.0, []
+    for _ in items:
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    return items, arrivals
+
+
 def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 30000) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

@@ -3,9 +3,9 @@
 instance stepping through its scheduler, over split and mixed designs, full pools, preemption, expired leases
 and the measured table SplitwiseSim's comparison runs on (`servewise cluster --verify` is the same check)."""
 import os
-import random
 
 import pytest
+from conftest import poisson_workload
 
 from servewise.builder import build_sim_engine
 from servewise.cluster.protocol import Abort, Add
@@ -15,17 +15,10 @@ from servewise.lab import Cluster, Spec, run
 from servewise.lab.run import build
 from servewise.lab.verify import differences
 from servewise.sampling_params import SamplingParams
-from servewise.workloads.datasets import WorkloadRequest
 
 
 def workload(n: int, seed: int, rate: float, prompt=(200, 1500), output=(5, 300)):
-    rng = random.Random(seed)
-    items = [WorkloadRequest(rng.randint(*prompt), rng.randint(*output)) for _ in range(n)]
-    t, arrivals = 0.0, []
-    for _ in items:
-        t += rng.expovariate(rate)
-        arrivals.append(t)
-    return items, arrivals
+    return poisson_workload(n, seed, rate, prompt, output)
 
 
 def state(eng) -> tuple:

@@ -1,9 +1,9 @@
 """The simulator's fast path (servewise.fastpath): decode steps run in bulk between events give every request
 the same record (arrival, first scheduling, tokens and their times, finish, preemptions) and the run the same
 step counts as the scheduler step by step."""
-import random
 
 import pytest
+from conftest import poisson_workload
 
 from servewise.fastpath import why_not
 from servewise.lab.verify import differences
@@ -38,13 +38,7 @@ def both(items, arrivals, perf=None, **kw):
 
 
 def workload(n: int, seed: int, rate: float = 400.0, prompt=(3, 40), output=(1, 60)):
-    rng = random.Random(seed)
-    items = [WorkloadRequest(rng.randint(*prompt), rng.randint(*output)) for _ in range(n)]
-    t, arrivals = 0.0, []
-    for _ in items:
-        t += rng.expovariate(rate)
-        arrivals.append(t)
-    return items, arrivals
+    return poisson_workload(n, seed, rate, prompt, output)
 
 
 def test_a_finish_and_an_arrival_on_the_end_of_one_step():
