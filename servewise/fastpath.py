@@ -292,11 +292,7 @@ class BulkSteps:
                 self.count(n - 1, len(base), prices[:n - 1])
             now, g = clock.now(), h + 1
             if h == last:
-                if len(done := self.ends.pop(last)) > 1:  # (in queue order)
-                    at = {id(r): i for i, r in enumerate(rows)}
-                    done.sort(key=lambda r: at[id(r)])
-                held.finished = self._finish(done, last)
-                heapq.heappop(self.end_at)
+                held.finished = self._finish(rows, last)
             elif not per_step:
                 break  # (an arrival is due or the blocks are short: the engine's step)
         return held
@@ -339,14 +335,9 @@ class BulkSteps:
             self._arrive()
         self.times.append(end)
         self._ran(price, [end])
-        st = StepStats(start=now, end=end, elapsed=price[0], is_prefill=False, batch_tokens=[n + g for n in base],
-                       scheduled_tokens=[1] * len(base), scheduled=ids, execute_s=price[0], num_running=len(ids))
+        st = self._stats(base, g, g, price, [end], now, ids)
         if self.end_at[0] == g:
-            if len(done := self.ends.pop(g)) > 1:  # (in queue order)
-                at_ = {id(r): i for i, r in enumerate(rows)}
-                done.sort(key=lambda r: at_[id(r)])
-            st.finished = self._finish(done, g)
-            heapq.heappop(self.end_at)
+            st.finished = self._finish(rows, g)
         return st
 
     def _arrive(self) -> None:
@@ -376,19 +367,24 @@ class BulkSteps:
             eng.clock.wait_until(ends[-1])
 
     def _stats(self, base: list[int], g: int, j: int, prices: list[float], ends: list[float],
-               now: float) -> StepStats:
-        """Step j's stats, of an epoch from step g at `now`."""
-        ids = [r.request_id for r in self.engine.scheduler.running]
+               now: float, ids: list[str] | None = None) -> StepStats:
+        """Step j's stats, of an epoch from step g at `now` (ids: the running requests', when known)."""
+        if ids is None:
+            ids = [r.request_id for r in self.engine.scheduler.running]
         ctx = [n + j for n in base]
         return StepStats(start=ends[j - g - 1] if j > g else now, end=ends[j - g], elapsed=prices[j - g],
                          is_prefill=False, batch_tokens=ctx, scheduled_tokens=[1] * len(ctx), scheduled=ids,
                          execute_s=prices[j - g], num_running=len(ids))
 
-    def _finish(self, done: list[Request], g: int) -> list[str]:
-        """Requests that end with step g: what postprocess and the engine do with them, in queue order (their
-        blocks are freed in that order)."""
+    def _finish(self, rows: list[Request], g: int) -> list[str]:
+        """The requests that end with step g (of the batch `rows`): what postprocess and the engine do with them, in
+        queue order (their blocks are freed in that order)."""
         eng, s = self.engine, self.engine.scheduler
         now = self.times[g]
+        heapq.heappop(self.end_at)
+        if len(done := self.ends.pop(g)) > 1:
+            at = {id(r): i for i, r in enumerate(rows)}
+            done.sort(key=lambda r: at[id(r)])
         for req in done:
             self._write(req, self.lazy.pop(req)[1], g)
             req.num_computed_tokens += 1
