@@ -104,3 +104,12 @@ def test_lazy_tokens_written_every_so_many_steps(monkeypatch):
     items, arrivals = workload(60, seed=5, rate=40.0)
     checked("llama-2-13b", Design({"dgx-a100": 1}, {"dgx-a100": 1}), items, arrivals)
     assert max(longest) == 7
+
+
+def test_a_monitored_cluster_steps_through_its_schedulers_and_says_why():
+    from servewise.lab.verify import verify
+
+    items, arrivals = workload(40, seed=6, rate=30.0)
+    spec = Spec(Cluster("llama-2-13b", Design({"dgx-a100": 1}, {"dgx-a100": 1}), {"monitor_s": 1.0}), items, arrivals)
+    v = verify(spec, run(spec))
+    assert v["identical"] and v["bulk_steps"] == 0 and v["why_not"].startswith("the cluster is monitored")

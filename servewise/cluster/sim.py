@@ -266,6 +266,12 @@ class ClusterSim:
                             lease_s=lease_s, repurpose_s=repurpose_s)
         self.coordinator = self._coordinator()  # (checks the routing; each run has a fresh one)
 
+    def why_not_fast(self) -> str | None:
+        """Why the instances step through their schedulers (None: each takes the fast path one step at a time)."""
+        if self.monitor_s:  # (monitoring reads the cost models' counters and migrates their layers every step)
+            return "the cluster is monitored (its cost models count and migrate every step)"
+        return why_not(self.engines[0], shared_clock=True)
+
     def _coordinator(self) -> Coordinator:
         co = Coordinator(self.roles, clock=self.clock.now, **self.routing)
         if isinstance(co.pools, SplitwisePools):
@@ -356,7 +362,7 @@ class ClusterSim:
     def _run(self, items, arrivals, progress, t0) -> ClusterResult:
         engines, clock, n = self.engines, self.clock, len(self.engines)
         co = self.coordinator = self._coordinator()
-        # (monitoring reads the cost models' counters and migrates their layers: every step through them)
+        # (the fast path where why_not_fast allows it; the driver checks every request below)
         sims = [SimInstance(i, e, fast=not self.monitor_s, checked=True) for i, e in enumerate(engines)]
         limits = list({repr(e.limits): e.limits for e in engines}.values())  # the distinct machines' limits
         order = sorted(range(len(items)), key=lambda i: arrivals[i])

@@ -50,12 +50,9 @@ def verify(spec, fast) -> dict:
     if cluster and fast.steps["per_instance"] != ref.steps["per_instance"]:
         diffs.insert(0, f"steps per instance: {fast.steps['per_instance']} != {ref.steps['per_instance']}")
     engines = fast.engine.engines if cluster else [fast.engine]
-    if cluster and fast.engine.monitor_s:
-        why = "the cluster is monitored (its cost models count and migrate every step)"
-    else:
-        why = why_not(engines[0], shared_clock=cluster)
     return {"identical": not diffs, "differences": diffs[:20], "steps": ref.steps["steps"],
-            "bulk_steps": sum(e.runner.bulk_steps for e in engines), "why_not": why,
+            "bulk_steps": sum(e.runner.bulk_steps for e in engines),
+            "why_not": fast.engine.why_not_fast() if cluster else why_not(fast.engine),
             "fast_wall_s": fast.wall_s, "step_by_step_wall_s": ref.wall_s, "speedup": ref.wall_s / fast.wall_s}
 
 
