@@ -28,6 +28,7 @@ import functools
 import statistics
 from collections import defaultdict
 
+from servewise.engine.interfaces import decode_each
 from servewise.predictors.roofline import RooflinePerf
 
 MODEL_NAMES = {"llama-2-70b": "llama2-70b", "bloom-176b": "bloom-176b"}  # servewise name -> table name
@@ -111,10 +112,8 @@ class MeasuredPerf:
     def decode_run(self, ctx_lens: list[int], n: int, start: int = 0) -> list[float]:
         """n decode steps of this batch (engine.interfaces.decode_run): a step's time depends on its size alone."""
         if type(self) is not MeasuredPerf:  # (a subclass prices its own way)
-            from servewise.engine.interfaces import decode_each
-
             return decode_each(self, ctx_lens, n, start)
-        return [self.decode(ctx_lens)] * n if ctx_lens else decode_each(self, ctx_lens, n, start)
+        return [self.decode(ctx_lens)] * n
 
     def mixed(self, chunks: list[int], ctx_lens: list[int]) -> float:
         return max(self.prefill(chunks + [1] * len(ctx_lens)), self.decode(ctx_lens))
