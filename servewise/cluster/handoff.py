@@ -81,20 +81,21 @@ class HandoffBook:
         t = self._live(tid)
         if layer != t.sent_layers:
             raise ValueError(f"transfer {tid}: layer {layer} arrived, layer {t.sent_layers} expected")
-        t.state, t.sent_layers, t.lease_until = State.SENDING, layer + 1, now + t.lease_s
-        self._soonest = min(self._soonest, t.lease_until)
+        self.layers_sent(tid, layer + 1, now)
 
     def layers_sent(self, tid: str, upto: int, now: float) -> None:
         """Layers sent_layers .. upto-1 have arrived, in order (layer_sent for each, at once)."""
         t = self._live(tid)
         if upto > t.sent_layers:
-            t.state, t.sent_layers, t.lease_until = State.SENDING, upto, now + t.lease_s
-            self._soonest = min(self._soonest, t.lease_until)
+            t.state, t.sent_layers = State.SENDING, upto
+            self._lease(t, now + t.lease_s)
 
     def renew(self, tid: str, now: float) -> None:
-        t = self._live(tid)
-        t.lease_until = now + self.lease_s
-        self._soonest = min(self._soonest, t.lease_until)
+        self._lease(self._live(tid), now + self.lease_s)
+
+    def _lease(self, t: Transfer, until: float) -> None:
+        t.lease_until = until
+        self._soonest = min(self._soonest, until)
 
     def commit(self, tid: str, checksum: int) -> Transfer:
         t = self._live(tid)
